@@ -1,0 +1,49 @@
+"""Shared fixtures. Parity tests run with float32 matmuls at the highest precision."""
+
+import jax
+import numpy as np
+import pytest
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY_HF = dict(
+    text_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4),
+    vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, image_size=32, patch_size=8),
+    projection_dim=32,
+)
+# The real openai/clip-vit-base-patch32 sizes (transformers' CLIPConfig defaults), random weights.
+VIT_B32_HF: dict = {}
+
+
+def save_random_hf_clip(folder, config_kwargs, seed=0, **overrides):
+    """A random-initialised transformers CLIPModel written with save_pretrained."""
+    import torch
+    import transformers
+
+    config = transformers.CLIPConfig(**config_kwargs)
+    for key, value in overrides.items():
+        sub, name = key.split(".")
+        setattr(getattr(config, sub), name, value)
+    torch.manual_seed(seed)
+    model = transformers.CLIPModel(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_clip")
+    return folder, save_random_hf_clip(folder, TINY_HF)
+
+
+@pytest.fixture(scope="session")
+def b32_hf(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vit_b32_clip")
+    return folder, save_random_hf_clip(folder, VIT_B32_HF, seed=1)
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)

@@ -1,0 +1,215 @@
+"""Flax CLIP towers against transformers' PyTorch CLIPModel on the same random weights."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from conftest import TINY_HF, save_random_hf_clip
+from sclaro_jax.models import clip
+
+TOL = 1e-5
+
+
+def _inputs(rng, batch, image_size, vocab=49408, length=77):
+    pixels = rng.standard_normal((batch, image_size, image_size, 3), dtype=np.float32)
+    ids = rng.integers(0, vocab - 2, (batch, length))
+    ids[:, 0] = vocab - 2  # <|startoftext|>
+    ends = np.linspace(1, length - 1, batch).astype(int)  # EOT at the start, middle and end
+    for row, end in zip(ids, ends):
+        row[end:] = vocab - 1  # <|endoftext|>, then padded with it as the tokenizer pads
+    return pixels, ids
+
+
+def _torch_features(hf, pixels, ids, attention_mask=None):
+    px = torch.from_numpy(pixels).permute(0, 3, 1, 2)
+    tid = torch.from_numpy(ids)
+    am = None if attention_mask is None else torch.from_numpy(attention_mask)
+    with torch.no_grad():
+        return {
+            "image": hf.get_image_features(px).pooler_output.numpy(),
+            "text": hf.get_text_features(tid, attention_mask=am).pooler_output.numpy(),
+            "vision_pooled": hf.vision_model(px).pooler_output.numpy(),
+            "text_pooled": hf.text_model(tid, attention_mask=am).pooler_output.numpy(),
+        }
+
+
+@nnx.jit
+def _jax_features(model, pixels, ids):
+    return {
+        "image": model.encode_image(pixels),
+        "text": model.encode_text(ids),
+        "vision_pooled": model.vision_pooled(pixels),
+        "text_pooled": model.text_pooled(ids),
+    }
+
+
+def _assert_close(ours, ref, tol=TOL):
+    for name in ref:
+        diff = np.abs(np.asarray(ours[name]) - ref[name]).max()
+        assert diff <= tol, f"{name}: max abs diff {diff:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_hf", "b32_hf"])
+def test_from_hf_matches_transformers(fixture, request, rng):
+    folder, hf = request.getfixturevalue(fixture)
+    model = clip.from_hf(folder)
+    pixels, ids = _inputs(rng, 4, hf.config.vision_config.image_size)
+    ours = _jax_features(model, jnp.asarray(pixels), jnp.asarray(ids))
+    assert ours["image"].shape == (4, hf.config.projection_dim)
+    assert ours["vision_pooled"].shape == (4, hf.config.vision_config.hidden_size)
+    assert ours["text_pooled"].shape == (4, hf.config.text_config.hidden_size)
+    _assert_close(ours, _torch_features(hf, pixels, ids))
+
+
+def test_b32_config_and_parameter_count(b32_hf):
+    folder, hf = b32_hf
+    model = clip.from_hf(folder)
+    assert model.config == clip.PRESETS["ViT-B/32"]
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    assert n_params == sum(p.numel() for p in hf.parameters())
+    assert round(n_params / 1e6, 2) == 151.28  # appendix Table A1, one pair
+
+
+def test_legacy_eos_id_pools_at_argmax(tmp_path, rng):
+    # OpenAI's own configs say eos_token_id=2; Hugging Face then pools at argmax(input_ids).
+    hf = save_random_hf_clip(tmp_path, TINY_HF, **{"text_config.eos_token_id": 2})
+    model = clip.from_hf(tmp_path)
+    assert model.text_model.eos_token_id == 2
+    pixels, ids = _inputs(rng, 3, 32)
+    ids[1, 5] = 49000  # not the largest id, so argmax still finds the EOT token
+    _assert_close(_jax_features(model, jnp.asarray(pixels), jnp.asarray(ids)),
+                  _torch_features(hf, pixels, ids))
+
+
+def test_text_attention_mask_matches(tiny_hf, rng):
+    folder, hf = tiny_hf
+    model = clip.from_hf(folder)
+    pixels, ids = _inputs(rng, 3, 32)
+    mask = (np.cumsum(ids == 49407, axis=1) <= 1).astype(np.int64)  # tokens up to the first EOT
+    ref = _torch_features(hf, pixels, ids, attention_mask=mask)
+    ours = model.encode_text(jnp.asarray(ids), jnp.asarray(mask))
+    assert np.abs(np.asarray(ours) - ref["text"]).max() <= TOL
+
+
+@pytest.mark.parametrize("fixture", ["tiny_hf", "b32_hf"])
+def test_export_roundtrip(fixture, request, tmp_path, rng):
+    folder, hf = request.getfixturevalue(fixture)
+    model = clip.from_hf(folder)
+    clip.to_hf(model, tmp_path / "export")
+    reloaded = transformers.CLIPModel.from_pretrained(tmp_path / "export").eval()
+    pixels, ids = _inputs(rng, 2, hf.config.vision_config.image_size)
+    ref, back = _torch_features(hf, pixels, ids), _torch_features(reloaded, pixels, ids)
+    for name in ref:
+        np.testing.assert_array_equal(back[name], ref[name], err_msg=name)
+    assert reloaded.logit_scale.item() == pytest.approx(hf.logit_scale.item())
+    again = clip.from_hf(tmp_path / "export")
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(again))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_random_init_exports_and_loads(tmp_path, rng):
+    model = clip.create("tiny", seed=3)
+    clip.to_hf(model, tmp_path)
+    hf = transformers.CLIPModel.from_pretrained(tmp_path).eval()
+    pixels, ids = _inputs(rng, 2, 32)
+    _assert_close(_jax_features(model, jnp.asarray(pixels), jnp.asarray(ids)),
+                  _torch_features(hf, pixels, ids))
+
+
+def test_bfloat16_compute_keeps_float32_params(tiny_hf, rng):
+    folder, _ = tiny_hf
+    full, half = clip.from_hf(folder), clip.from_hf(folder, dtype=jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(nnx.state(half, nnx.Param))} == {np.dtype("float32")}
+    pixels, ids = _inputs(rng, 2, 32)
+    a = _jax_features(full, jnp.asarray(pixels), jnp.asarray(ids))
+    b = _jax_features(half, jnp.asarray(pixels), jnp.asarray(ids))
+    for name in a:
+        assert b[name].dtype == jnp.float32, name
+        scale = float(jnp.abs(a[name]).max())
+        err = float(jnp.abs(a[name] - b[name]).max())
+        assert 0 < err < 0.05 * scale, f"{name}: bf16 error {err} vs scale {scale}"
+
+
+def test_jit_compiles_once(tiny_hf, rng):
+    model = clip.from_hf(tiny_hf[0])
+    graphdef, state = nnx.split(model)
+    traces = []
+
+    @jax.jit
+    def encode(state, pixels):
+        traces.append(1)
+        return nnx.merge(graphdef, state).encode_image(pixels)
+
+    for _ in range(3):
+        encode(state, jnp.asarray(rng.standard_normal((2, 32, 32, 3), dtype=np.float32)))
+    assert len(traces) == 1
+
+
+# ----------------------------------------------------------------------------- bad checkpoints
+
+
+def test_not_a_folder_with_config(tmp_path):
+    with pytest.raises(clip.CheckpointError, match="no config.json"):
+        clip.from_hf(tmp_path)
+
+
+def test_not_a_clip_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(clip.CheckpointError, match="model_type='bert'"):
+        clip.from_hf(tmp_path)
+
+
+def test_missing_weights_file(tmp_path, tiny_hf):
+    (tmp_path / "config.json").write_text((tiny_hf[0] / "config.json").read_text())
+    with pytest.raises(clip.CheckpointError, match="no model.safetensors"):
+        clip.from_hf(tmp_path)
+
+
+def test_missing_and_unexpected_keys_are_named(tmp_path, tiny_hf):
+    folder, _ = tiny_hf
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["extra_head.weight"] = tensors.pop("text_model.final_layer_norm.weight")
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(clip.CheckpointError) as err:
+        clip.from_hf(tmp_path)
+    message = str(err.value)
+    assert "missing keys: text_model.final_layer_norm.weight" in message
+    assert "unexpected keys: extra_head.weight" in message
+
+
+def test_shape_mismatch_is_named(tmp_path, tiny_hf):
+    folder, _ = tiny_hf
+    config = json.loads((folder / "config.json").read_text())
+    config["projection_dim"] = 16
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(clip.CheckpointError,
+                       match=r"visual_projection.weight: file \(32, 64\), model \(16, 64\)"):
+        clip.from_hf(tmp_path)
+
+
+def test_wrong_image_size_is_a_clear_error(tiny_hf):
+    model = clip.from_hf(tiny_hf[0])
+    with pytest.raises(ValueError, match="not a multiple of the patch size 8"):
+        model.encode_image(jnp.zeros((1, 30, 30, 3)))
+    with pytest.raises(ValueError, match="image_size x image_size"):
+        model.encode_image(jnp.zeros((1, 40, 40, 3)))
+
+
+def test_presets_build_abstractly():
+    for name, cfg in clip.PRESETS.items():
+        model = nnx.eval_shape(lambda cfg=cfg: clip.CLIPModel(cfg, rngs=nnx.Rngs(0)))
+        out = jax.eval_shape(
+            lambda m: m.encode_image(jnp.zeros((1, cfg.vision.image_size,
+                                                cfg.vision.image_size, 3))), model)
+        assert out.shape == (1, cfg.projection_dim), name
+    with pytest.raises(ValueError, match="unknown CLIP preset"):
+        clip.config_from_preset("ViT-H/99")
