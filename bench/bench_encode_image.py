@@ -2,9 +2,10 @@
 
 ViT-B/32 (random-initialised Hugging Face CLIPModel written with `save_pretrained`), batch 32,
 224 px, fp32. Both run in this one process on the same number of threads; each is warmed up, then
-timed over `--iters` calls and the median is reported. Prints a Markdown row for bench/README.md.
+timed over `--iters` calls, interleaved, and the median and minimum are reported
+(the minimum is the figure least disturbed by other load on a shared machine). Prints a Markdown row for bench/README.md.
 
-    python bench/bench_encode_image.py [--threads N] [--batch 32] [--iters 10]
+    python bench/bench_encode_image.py [--threads N] [--batch 32] [--iters 20]
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count(),
                    help="PyTorch intra-op threads (default: all cores, which XLA:CPU uses too)")
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--preset", default="ViT-B/32", help="sclaro_jax.models.clip preset")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                    help="compute dtype of the Flax path (PyTorch stays fp32)")
@@ -67,26 +68,32 @@ def main(argv=None):
     def run_jax():
         return np.asarray(encode(state, x_j))
 
-    def median_seconds(fn):
-        fn(), fn()  # compile / warm up
-        times = []
+    def interleaved_timings(fns, pause=0.25):
+        """Median seconds per function, calls interleaved so drift in machine load hits both
+        alike; the pause lets the other framework's spinning worker threads go idle first."""
+        for fn in fns:
+            fn(), fn()  # compile / warm up
+        times = [[] for _ in fns]
         for _ in range(args.iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times))
+            for fn, ts in zip(fns, times):
+                time.sleep(pause)
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+        return [(float(np.median(ts)), float(np.min(ts))) for ts in times]
 
     diff = float(np.abs(run_torch() - run_jax()).max())
-    t_torch = median_seconds(run_torch)
-    t_jax = median_seconds(run_jax)
+    (t_torch, min_torch), (t_jax, min_jax) = interleaved_timings([run_torch, run_jax])
     ratio = t_jax / t_torch
     print(f"versions: jax {jax.__version__}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; threads {args.threads}; "
           f"backend {jax.default_backend()}; max |diff| {diff:.2e}")
-    print("| model | batch | dtype | threads | Flax jit (s) | PyTorch (s) | ratio Flax/PyTorch |")
+    print("| model | batch | dtype | threads | Flax jit median (min) s | PyTorch median (min) s "
+          "| ratio Flax/PyTorch, median (min) |")
     print("|---|---|---|---|---|---|---|")
-    print(f"| {args.preset} | {args.batch} | {args.dtype} | {args.threads} | {t_jax:.3f} | "
-          f"{t_torch:.3f} | {ratio:.2f} |")
+    print(f"| {args.preset} | {args.batch} | {args.dtype} | {args.threads} | {t_jax:.3f} "
+          f"({min_jax:.3f}) | {t_torch:.3f} ({min_torch:.3f}) | {ratio:.2f} "
+          f"({min_jax / min_torch:.2f}) |")
     return ratio
 
 

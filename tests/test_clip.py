@@ -32,25 +32,38 @@ def _torch_features(hf, pixels, ids, attention_mask=None):
     tid = torch.from_numpy(ids)
     am = None if attention_mask is None else torch.from_numpy(attention_mask)
     with torch.no_grad():
+        vision, text = hf.vision_model(px), hf.text_model(tid, attention_mask=am)
         return {
             "image": hf.get_image_features(px).pooler_output.numpy(),
             "text": hf.get_text_features(tid, attention_mask=am).pooler_output.numpy(),
-            "vision_pooled": hf.vision_model(px).pooler_output.numpy(),
-            "text_pooled": hf.text_model(tid, attention_mask=am).pooler_output.numpy(),
+            "vision_pooled": vision.pooler_output.numpy(),
+            "text_pooled": text.pooler_output.numpy(),
+            "vision_hidden": vision.last_hidden_state.numpy(),
+            "text_hidden": text.last_hidden_state.numpy(),
         }
 
 
 @nnx.jit
 def _jax_features(model, pixels, ids):
+    vision_hidden, vision_pooled_full = model.vision_model(pixels)
+    text_hidden, text_pooled_full = model.text_model(ids)
+    pooled = {"vision_pooled": model.vision_pooled(pixels), "text_pooled": model.text_pooled(ids)}
+    # The pooled-only path (last layer on the pooled token alone) equals the all-token path.
+    for name, full in (("vision_pooled", vision_pooled_full), ("text_pooled", text_pooled_full)):
+        assert pooled[name].shape == full.shape
+        pooled[name + "_gap"] = jnp.abs(pooled[name] - full).max()
     return {
         "image": model.encode_image(pixels),
         "text": model.encode_text(ids),
-        "vision_pooled": model.vision_pooled(pixels),
-        "text_pooled": model.text_pooled(ids),
+        "vision_hidden": vision_hidden,
+        "text_hidden": text_hidden,
+        **pooled,
     }
 
 
 def _assert_close(ours, ref, tol=TOL):
+    for name in ("vision_pooled_gap", "text_pooled_gap"):
+        assert ours[name] <= tol, f"pooled-only path differs from the full path: {ours[name]}"
     for name in ref:
         diff = np.abs(np.asarray(ours[name]) - ref[name]).max()
         assert diff <= tol, f"{name}: max abs diff {diff:.3g} > {tol}"
@@ -130,7 +143,7 @@ def test_bfloat16_compute_keeps_float32_params(tiny_hf, rng):
     pixels, ids = _inputs(rng, 2, 32)
     a = _jax_features(full, jnp.asarray(pixels), jnp.asarray(ids))
     b = _jax_features(half, jnp.asarray(pixels), jnp.asarray(ids))
-    for name in a:
+    for name in ("image", "text", "vision_pooled", "text_pooled", "vision_hidden", "text_hidden"):
         assert b[name].dtype == jnp.float32, name
         scale = float(jnp.abs(a[name]).max())
         err = float(jnp.abs(a[name] - b[name]).max())

@@ -1,0 +1,1 @@
+"""Input side of training: the offline CLIP tokenizer (`tokenizer`)."""
