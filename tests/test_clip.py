@@ -226,3 +226,13 @@ def test_presets_build_abstractly():
         assert out.shape == (1, cfg.projection_dim), name
     with pytest.raises(ValueError, match="unknown CLIP preset"):
         clip.config_from_preset("ViT-H/99")
+
+
+def test_sharded_checkpoint_loads(tmp_path, tiny_hf, rng):
+    _, hf = tiny_hf
+    hf.save_pretrained(tmp_path, max_shard_size="2MB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    pixels, ids = _inputs(rng, 2, 32)
+    _assert_close(_jax_features(clip.from_hf(tmp_path), jnp.asarray(pixels), jnp.asarray(ids)),
+                  _torch_features(hf, pixels, ids))

@@ -491,14 +491,16 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
 
 
 def _abstract_model(config: CLIPConfig, dtype) -> CLIPModel:
+    """A CLIPModel whose parameters are shape/dtype placeholders, for `load_hf_state` to fill."""
     return nnx.eval_shape(lambda: CLIPModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
 def load_hf_state(model: CLIPModel, tensors: Mapping[str, np.ndarray], where: str = "checkpoint"
                   ) -> None:
-    """Write Hugging Face state-dict tensors into `model` in place, checking names and shapes."""
-    graphdef, state = nnx.split(model)
-    flat = nnx.to_flat_state(state)
+    """Write Hugging Face state-dict tensors into `model` in place, checking names and shapes.
+
+    Every parameter is replaced, so `model` may be a shape-only model from `nnx.eval_shape`."""
+    flat = nnx.to_flat_state(nnx.state(model))
     expected = {_hf_key(path): (path, var) for path, var in flat}
     names = set(tensors) - set(_IGNORED_HF_KEYS)
     missing = sorted(set(expected) - names)
@@ -536,9 +538,7 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> CLIPModel:
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
     config = _config_from_hf(json.loads(config_file.read_text()), str(config_file))
     tensors = _read_safetensors(folder)
-    graphdef, state = nnx.split(_abstract_model(config, dtype))
-    model = nnx.merge(graphdef, jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), state))
+    model = _abstract_model(config, dtype)  # shapes only: no random init to throw away
     load_hf_state(model, tensors, where=str(folder))
     return model
 
