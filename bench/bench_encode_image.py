@@ -2,8 +2,9 @@
 
 ViT-B/32 (random-initialised Hugging Face CLIPModel written with `save_pretrained`), batch 32,
 224 px, fp32. Both run in this one process on the same number of threads; each is warmed up, then
-timed over `--iters` calls, interleaved, and the median and minimum are reported
-(the minimum is the figure least disturbed by other load on a shared machine). Prints a Markdown row for bench/README.md.
+timed over `--iters` rounds of one call each (alternating which goes first); reported are each
+one's median and minimum seconds and the median over rounds of the paired ratio Flax/PyTorch,
+the figure least moved by load drifting on a shared machine. Prints a Markdown row for bench/README.md.
 
     python bench/bench_encode_image.py [--threads N] [--batch 32] [--iters 20]
 """
@@ -68,32 +69,35 @@ def main(argv=None):
     def run_jax():
         return np.asarray(encode(state, x_j))
 
-    def interleaved_timings(fns, pause=0.25):
-        """Median seconds per function, calls interleaved so drift in machine load hits both
-        alike; the pause lets the other framework's spinning worker threads go idle first."""
+    def paired_timings(fns, pause=0.25):
+        """Per-round seconds of each function. Calls alternate within a round (the order flips
+        every round) so drift in machine load hits both alike; the pause lets the other
+        framework's spinning worker threads go idle first."""
         for fn in fns:
             fn(), fn()  # compile / warm up
-        times = [[] for _ in fns]
-        for _ in range(args.iters):
-            for fn, ts in zip(fns, times):
+        times = np.zeros((args.iters, len(fns)))
+        for r in range(args.iters):
+            order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+            for i in order:
                 time.sleep(pause)
                 t0 = time.perf_counter()
-                fn()
-                ts.append(time.perf_counter() - t0)
-        return [(float(np.median(ts)), float(np.min(ts))) for ts in times]
+                fns[i]()
+                times[r, i] = time.perf_counter() - t0
+        return times
 
     diff = float(np.abs(run_torch() - run_jax()).max())
-    (t_torch, min_torch), (t_jax, min_jax) = interleaved_timings([run_torch, run_jax])
-    ratio = t_jax / t_torch
+    times = paired_timings([run_torch, run_jax])
+    t_torch, t_jax = np.median(times, axis=0)
+    min_torch, min_jax = times.min(axis=0)
+    ratio = float(np.median(times[:, 1] / times[:, 0]))  # median of the paired ratios
     print(f"versions: jax {jax.__version__}, torch {torch.__version__}, "
           f"transformers {transformers.__version__}; threads {args.threads}; "
           f"backend {jax.default_backend()}; max |diff| {diff:.2e}")
-    print("| model | batch | dtype | threads | Flax jit median (min) s | PyTorch median (min) s "
-          "| ratio Flax/PyTorch, median (min) |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {args.preset} | {args.batch} | {args.dtype} | {args.threads} | {t_jax:.3f} "
-          f"({min_jax:.3f}) | {t_torch:.3f} ({min_torch:.3f}) | {ratio:.2f} "
-          f"({min_jax / min_torch:.2f}) |")
+    print("| model | batch | dtype | threads | rounds | Flax jit median (min) s "
+          "| PyTorch median (min) s | ratio Flax/PyTorch (median of paired rounds) |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| {args.preset} | {args.batch} | {args.dtype} | {args.threads} | {args.iters} "
+          f"| {t_jax:.3f} ({min_jax:.3f}) | {t_torch:.3f} ({min_torch:.3f}) | {ratio:.2f} |")
     return ratio
 
 
