@@ -1,9 +1,9 @@
 """CLIP byte-level BPE tokenizer, offline, with ids identical to Hugging Face `CLIPTokenizer`.
 
 The vocabulary ships inside the package (`assets/bpe_simple_vocab_16e6.txt.gz`, OpenAI CLIP's BPE
-merges, MIT licence). From it we build the same `vocab.json` / `merges.txt` Hugging Face's
-`openai/clip-*` folders hold and the same Rust `tokenizers` pipeline transformers' `CLIPTokenizer`
-builds: NFC, whitespace collapse and lower-casing; CLIP's split regex; byte-level BPE with the
+merges, MIT licence). From it we build the vocabulary as OpenAI's tokenizer does (256 byte
+symbols, the same with `</w>`, the 48,894 merges, then the two special tokens: 49,408 ids) and
+the same Rust `tokenizers` pipeline transformers' `CLIPTokenizer` builds: NFC, whitespace collapse and lower-casing; CLIP's split regex; byte-level BPE with the
 `</w>` word suffix; `<|startoftext|> ... <|endoftext|>` around each text. Truncation keeps the
 end token (the text is cut to `length - 2` tokens first); padding uses `<|endoftext|>`.
 """
@@ -63,7 +63,6 @@ def load_bpe(path: str | os.PathLike | None = None) -> tuple[dict[str, int], lis
 @functools.lru_cache(maxsize=None)
 def _backend(path: str | None):
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
-    from tokenizers import processors
     from tokenizers.models import BPE
 
     vocab, merges = load_bpe(path)
@@ -76,9 +75,9 @@ def _backend(path: str | None):
         pre_tokenizers.ByteLevel(add_prefix_space=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    # The special tokens are matched in raw text, as Hugging Face does; they are put around each
+    # text in `ClipTokenizer.__call__`, after truncation.
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (BOS, EOS)])
-    tok.post_processor = processors.RobertaProcessing(
-        (EOS, vocab[EOS]), (BOS, vocab[BOS]), trim_offsets=False, add_prefix_space=False)
     return tok
 
 
