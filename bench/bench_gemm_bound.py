@@ -1,6 +1,7 @@
 """Is the Flax ViT-B/32 forward bound by its matrix multiplies? Two paired measurements:
 
-1. jitted `encode_image` against a jitted chain of only its GEMMs (same shapes, same count);
+1. jitted `encode_image` against a jitted chain of only its GEMMs (same shapes, same count),
+   both with `sclaro_jax.compile.jit`;
 2. one [1600, 768] x [768, 3072] GEMM in XLA:CPU against the same GEMM in PyTorch (MKL).
 
     python bench/bench_gemm_bound.py [--rounds 10]
@@ -39,6 +40,7 @@ def main(argv=None):
     import torch
     from flax import nnx
 
+    from sclaro_jax import compile as sj_compile
     from sclaro_jax.models import clip
 
     torch.set_num_threads(2)
@@ -48,14 +50,14 @@ def main(argv=None):
     model = clip.create(cfg)
     graphdef, state = nnx.split(model)
     pixels = jnp.asarray(rng.standard_normal((b, v.image_size, v.image_size, 3), np.float32))
-    encode = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode_image(x))
+    encode = sj_compile.jit(lambda s, x: nnx.merge(graphdef, s).encode_image(x))
 
     d, ff, tokens = v.hidden_size, v.intermediate_size, b * (v.num_patches + 1)
     w = {k: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.02) for k, shape in
          {"patch": (p_ * p_ * 3, d), "q": (d, d), "k": (d, d), "v": (d, d), "out": (d, d),
           "fc1": (d, ff), "fc2": (ff, d)}.items()}
 
-    @jax.jit
+    @sj_compile.jit
     def gemm_chain(x, w):
         h = x.reshape(b * v.num_patches, p_ * p_ * 3) @ w["patch"]
         h = jnp.concatenate([h, h[:b]])  # + class tokens: [tokens, d]
@@ -73,7 +75,7 @@ def main(argv=None):
     x = rng.standard_normal((tokens, d), np.float32)
     k = rng.standard_normal((d, ff), np.float32)
     xj, kj, xt, kt = jnp.asarray(x), jnp.asarray(k), torch.from_numpy(x), torch.from_numpy(k)
-    mm = jax.jit(jnp.matmul)
+    mm = sj_compile.jit(jnp.matmul)
     t = paired({"XLA": lambda: mm(xj, kj).block_until_ready(), "MKL": lambda: xt @ kt},
                args.rounds * 3)
     print(f"\n| GEMM {tokens}x{d}x{ff} | median ms | min ms |\n|---|---|---|")
