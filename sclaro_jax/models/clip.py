@@ -417,8 +417,6 @@ class CheckpointError(ValueError):
 def _hf_key(path: tuple) -> str:
     """Our NNX parameter path -> Hugging Face state-dict key (the one key map)."""
     *parents, leaf = (str(p) for p in path)
-    if parents and parents[-1] == "patch_embedding":  # our PatchEmbedding has a bare kernel
-        leaf = "weight"
     return ".".join([*parents, _LEAF_TO_HF.get(leaf, leaf)])
 
 
