@@ -17,7 +17,9 @@ import argparse
 import os
 import sys
 import tempfile
-import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_args(argv=None):
@@ -40,6 +42,8 @@ def main(argv=None):
     import jax
     import jax.numpy as jnp
     from flax import nnx
+
+    from timing import paired_timings
 
     from sclaro_jax import compile as sj_compile
     from sclaro_jax.models import clip
@@ -77,24 +81,8 @@ def main(argv=None):
     def run_jax_default():
         return np.asarray(encode_default(state, x_j))
 
-    def paired_timings(fns, pause=0.25):
-        """Per-round seconds of each function. Calls alternate within a round (the order flips
-        every round) so drift in machine load hits both alike; the pause lets the other
-        framework's spinning worker threads go idle first."""
-        for fn in fns:
-            fn(), fn()  # compile / warm up
-        times = np.zeros((args.iters, len(fns)))
-        for r in range(args.iters):
-            order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
-            for i in order:
-                time.sleep(pause)
-                t0 = time.perf_counter()
-                fns[i]()
-                times[r, i] = time.perf_counter() - t0
-        return times
-
     diff = float(np.abs(run_torch() - run_jax()).max())
-    times = paired_timings([run_torch, run_jax, run_jax_default])
+    times = paired_timings([run_torch, run_jax, run_jax_default], args.iters)
     med, low = np.median(times, axis=0), times.min(axis=0)
     ratio, ratio_default = (float(np.median(times[:, i] / times[:, 0])) for i in (1, 2))
     print(f"versions: jax {jax.__version__}, torch {torch.__version__}, "

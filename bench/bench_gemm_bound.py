@@ -10,22 +10,10 @@
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
-
-def paired(fns: dict, rounds: int, pause: float = 0.1):
-    import numpy as np
-
-    for fn in fns.values():
-        fn(), fn()
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            time.sleep(pause)
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: np.asarray(ts) for name, ts in times.items()}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv=None):
@@ -39,6 +27,8 @@ def main(argv=None):
     import numpy as np
     import torch
     from flax import nnx
+
+    from timing import paired_timings
 
     from sclaro_jax import compile as sj_compile
     from sclaro_jax.models import clip
@@ -66,22 +56,23 @@ def main(argv=None):
             h = (h @ w["fc1"]) @ w["fc2"]
         return h
 
-    t = paired({"encode_image": lambda: encode(state, pixels).block_until_ready(),
-                "GEMMs only": lambda: gemm_chain(pixels, w).block_until_ready()}, args.rounds)
+    names = ["encode_image", "GEMMs only"]
+    t = paired_timings([lambda: encode(state, pixels).block_until_ready(),
+                        lambda: gemm_chain(pixels, w).block_until_ready()], args.rounds, 0.1)
     print("| jitted | median ms | min ms |\n|---|---|---|")
-    for name, ts in t.items():
+    for name, ts in zip(names, t.T):
         print(f"| {name} | {np.median(ts) * 1e3:.0f} | {ts.min() * 1e3:.0f} |")
 
     x = rng.standard_normal((tokens, d), np.float32)
     k = rng.standard_normal((d, ff), np.float32)
     xj, kj, xt, kt = jnp.asarray(x), jnp.asarray(k), torch.from_numpy(x), torch.from_numpy(k)
     mm = sj_compile.jit(jnp.matmul)
-    t = paired({"XLA": lambda: mm(xj, kj).block_until_ready(), "MKL": lambda: xt @ kt},
-               args.rounds * 3)
+    t = paired_timings([lambda: mm(xj, kj).block_until_ready(), lambda: xt @ kt],
+                       args.rounds * 3, 0.1)
     print(f"\n| GEMM {tokens}x{d}x{ff} | median ms | min ms |\n|---|---|---|")
-    for name, ts in t.items():
+    for name, ts in zip(["XLA", "MKL"], t.T):
         print(f"| {name} | {np.median(ts) * 1e3:.1f} | {ts.min() * 1e3:.1f} |")
-    print(f"\npaired ratio XLA/MKL, median over rounds: {np.median(t['XLA'] / t['MKL']):.2f}")
+    print(f"\npaired ratio XLA/MKL, median over rounds: {np.median(t[:, 0] / t[:, 1]):.2f}")
 
 
 if __name__ == "__main__":

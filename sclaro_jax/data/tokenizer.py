@@ -3,9 +3,10 @@
 The vocabulary ships inside the package (`assets/bpe_simple_vocab_16e6.txt.gz`, OpenAI CLIP's BPE
 merges, MIT licence). From it we build the vocabulary as OpenAI's tokenizer does (256 byte
 symbols, the same with `</w>`, the 48,894 merges, then the two special tokens: 49,408 ids) and
-the same Rust `tokenizers` pipeline transformers' `CLIPTokenizer` builds: NFC, whitespace collapse and lower-casing; CLIP's split regex; byte-level BPE with the
-`</w>` word suffix; `<|startoftext|> ... <|endoftext|>` around each text. Truncation keeps the
-end token (the text is cut to `length - 2` tokens first); padding uses `<|endoftext|>`.
+the same Rust `tokenizers` pipeline transformers' `CLIPTokenizer` builds: NFC, whitespace
+collapse and lower-casing; CLIP's split regex; byte-level BPE with the `</w>` word suffix;
+`<|startoftext|> ... <|endoftext|>` around each text. Truncation keeps the end token (the text
+is cut to `length - 2` tokens first); padding uses `<|endoftext|>`.
 """
 
 from __future__ import annotations

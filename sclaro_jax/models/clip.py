@@ -521,7 +521,6 @@ def load_hf_state(model: CLIPModel, tensors: Mapping[str, np.ndarray], where: st
     for key, (path, var) in expected.items():
         value = _from_hf_layout(path, np.asarray(tensors[key], dtype=np.float32))
         var.set_value(jnp.asarray(value, dtype=var.dtype))
-    nnx.update(model, nnx.from_flat_state(flat))
 
 
 def from_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> CLIPModel:
