@@ -1,0 +1,103 @@
+"""Open a SCLARO dataset folder (shards + vocabularies + manifest) for reading."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+
+from sclaro_jax.data import schema
+
+
+class DatasetError(ValueError):
+    """A dataset folder that cannot be read; the message names the folder or file."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """Label lists from the vocabulary files; `index(kind, label)` is -1 for unknown labels."""
+    actions: tuple[str, ...]
+    objects: tuple[str, ...]
+    relations: tuple[str, ...]
+    predicates: tuple[str, ...]
+    sources: tuple[str, ...]
+
+    def __post_init__(self):
+        object.__setattr__(self, "_lookup", {
+            f.name: {label: i for i, label in enumerate(getattr(self, f.name))}
+            for f in dataclasses.fields(self)})
+
+    def index(self, kind: str, label: str) -> int:
+        return self._lookup[kind].get(label, -1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedDataset:
+    root: str
+    manifest: dict
+    vocab: Vocab
+
+    def paths(self, split: str) -> list[str]:
+        """Shard files of one split, in order."""
+        if split not in self.manifest["splits"]:
+            raise DatasetError(f"{self.root}: no split {split!r}; the manifest has "
+                               f"{sorted(self.manifest['splits'])}")
+        return [os.path.join(self.root, s["file"])
+                for s in self.manifest["splits"][split]["shards"]]
+
+    def num_records(self, split: str) -> int:
+        return self.manifest["splits"][split]["records"]
+
+    def verify(self) -> None:
+        """Check every shard and vocabulary file against the manifest's sha256."""
+        entries = [s for sp in self.manifest["splits"].values() for s in sp["shards"]]
+        entries += list(self.manifest["vocab"].values())
+        for entry in entries:
+            path = os.path.join(self.root, entry["file"])
+            h = hashlib.sha256()
+            with open(path, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+            if h.hexdigest() != entry["sha256"]:
+                raise DatasetError(f"{path}: sha256 does not match {schema.MANIFEST}; the file "
+                                   f"changed after it was written")
+
+
+def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
+    """Read `root/manifest.json` and the vocabularies; DatasetError naming what is wrong."""
+    root = os.path.abspath(root)
+    path = os.path.join(root, schema.MANIFEST)
+    if not os.path.exists(path):
+        hint = ("; build the bundled demo with `python -m data_prep demo --out DIR`"
+                if os.path.isdir(root) else "")
+        raise DatasetError(f"{path} not found: {root} is not a SCLARO dataset folder{hint}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{path}: not valid JSON ({e})") from None
+    if manifest.get("format") != schema.MANIFEST_FORMAT:
+        raise DatasetError(f"{path}: format {manifest.get('format')!r} is not "
+                           f"{schema.MANIFEST_FORMAT!r}")
+    version = manifest.get("schema_version")
+    if version != schema.SCHEMA_VERSION:
+        raise schema.SchemaVersionError(
+            f"{path}: shards written with SCLARO schema version {version}; this code reads "
+            f"version {schema.SCHEMA_VERSION}. Rewrite them with this version of "
+            f"`python -m data_prep`.")
+    labels = {}
+    for key, filename in schema.VOCAB_FILES.items():
+        vpath = os.path.join(root, filename)
+        if not os.path.exists(vpath):
+            raise DatasetError(f"{vpath} not found (vocabulary listed in {path})")
+        labels[key] = tuple(schema.read_vocab(vpath))
+    missing = [p for split in manifest["splits"] for p in
+               (os.path.join(root, s["file"]) for s in manifest["splits"][split]["shards"])
+               if not os.path.exists(p)]
+    if missing:
+        raise DatasetError(f"shards listed in {path} are missing: {missing[:3]}")
+    ds = ShardedDataset(root, manifest, Vocab(**labels))
+    if verify:
+        ds.verify()
+    return ds

@@ -1,0 +1,317 @@
+"""Grain input pipeline: SCLARO ArrayRecord shards -> static-shape ScenarioCLIP batches.
+
+    ds = open_dataset("/data/sclaro")
+    loader = make_loader(ds, "train", batch_size=128, seed=42, worker_count=8)
+    it = iter(loader)
+    batch = next(it)             # dict of numpy arrays, the same shapes every step
+    state = it.get_state()       # bytes; `it.set_state(state)` resumes exactly there
+
+Per sample (one record): decode the image once; draw one set of augmentation parameters that
+the three levels share (`augment.sample_params`); global view = RandomResizedCrop etc.; object
+views = box crops (or the reference's black-canvas paste); relation views = the stored
+focused-region images; Resize + CenterCrop to `image_size`; texts tokenised with the CLIP BPE
+(action word, object names, "subject predicate object"), memoised per worker.
+
+Static shapes, two layouts (measured in bench/README.md):
+- "caps" (default): objects [B, max_objects, S, S, 3] and relations [B, max_relations, ...] with
+  boolean masks; objects/relations beyond the caps are dropped and counted.
+- "packed": all objects of the batch in one [object_budget, S, S, 3] array (likewise relations),
+  with `object_owner` (image index in the batch) and `object_slot` (index within its image), so
+  the encoder sees fewer padding crops; scatter the embeddings back to [B, max_objects, D] for
+  the per-image losses. Crops beyond the budget are dropped and counted.
+
+Pixels come out as uint8 (normalise on the accelerator with `normalize`, a quarter of the
+host-to-device bytes) or, with `pixels="float32"`, CLIP-normalised on the host.
+
+Bad records never stop a run: a record that does not decode, is of another schema version, or
+has a box outside its image or a relation index out of range becomes an example with
+`valid=False` and `bad_record=1` (masked out of every loss and summed into the metrics), and the
+worker logs a warning naming the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import io
+import logging
+from typing import Sequence
+
+import grain.python as grain
+import numpy as np
+from PIL import Image
+
+from sclaro_jax.data import augment, schema
+from sclaro_jax.data.dataset import ShardedDataset, Vocab, open_dataset
+
+log = logging.getLogger(__name__)
+
+LAYOUTS = ("caps", "packed")
+OBJECT_VIEWS = ("crop", "canvas")
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+    image_size: int = 224
+    max_objects: int = 10  # the VLM prompt asks for at most 10 objects per image
+    max_relations: int = 8
+    # Text length: CLIP's text tower is causal and pools at the EOT token, so padding length
+    # does not change any embedding; 32 tokens hold every label we have seen (77 = CLIP's max).
+    text_length: int = 32
+    train: bool = True  # augment (train) or deterministic Resize + CenterCrop (eval)
+    object_view: str = "crop"  # "crop" (the paper) or "canvas" (the reference code)
+    layout: str = "caps"
+    object_budget: int = 0  # "packed": object crops per batch; 0 means batch * max_objects / 2
+    relation_budget: int = 0
+    pixels: str = "uint8"  # "uint8" or "float32" (CLIP-normalised on the host)
+    fast_decode: bool = True  # JPEG relation regions decoded at reduced scale (>= image_size)
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
+        if self.object_view not in OBJECT_VIEWS:
+            raise ValueError(f"object_view {self.object_view!r} is not one of {OBJECT_VIEWS}")
+        if self.pixels not in ("uint8", "float32"):
+            raise ValueError(f"pixels {self.pixels!r} is not 'uint8' or 'float32'")
+        if min(self.max_objects, self.max_relations) < 1 or self.text_length < 3:
+            raise ValueError("max_objects, max_relations must be >= 1 and text_length >= 3")
+
+    def budgets(self, batch_size: int) -> tuple[int, int]:
+        return (self.object_budget or max(1, batch_size * self.max_objects // 2),
+                self.relation_budget or max(1, batch_size * self.max_relations // 2))
+
+
+def sample_key(sample_id: str) -> int:
+    """A non-negative int64 naming a sample in batches (first 63 bits of sha256 of its id)."""
+    return int.from_bytes(hashlib.sha256(sample_id.encode()).digest()[:8], "little") >> 1
+
+
+class _TextTable:
+    """Token ids per label string, memoised; the tokenizer is built lazily in each worker."""
+
+    def __init__(self, length: int):
+        self.length = length
+        self._tok = None
+        self._cache: dict[str, np.ndarray] = {}
+
+    def __getstate__(self):
+        return {"length": self.length, "_tok": None, "_cache": {}}
+
+    def __call__(self, texts: Sequence[str]) -> np.ndarray:
+        missing = [t for t in dict.fromkeys(texts) if t not in self._cache]
+        if missing:
+            if self._tok is None:
+                from sclaro_jax.data.tokenizer import ClipTokenizer
+                self._tok = ClipTokenizer()
+            for t, ids in zip(missing, self._tok(missing, length=self.length)):
+                self._cache[t] = ids
+        if not texts:
+            return np.zeros((0, self.length), np.int32)
+        return np.stack([self._cache[t] for t in texts])
+
+
+def _open_region(data: bytes, size: int, fast: bool, what: str) -> tuple[Image.Image, float]:
+    """Decode a relation region; JPEGs at the smallest DCT scale that keeps >= `size` px."""
+    try:
+        img = Image.open(io.BytesIO(data))
+        scale = 1.0
+        if fast and img.format == "JPEG":
+            w, h = img.size
+            short = min(w, h)
+            if short > size:
+                want = (int(np.ceil(w * size / short)), int(np.ceil(h * size / short)))
+                img.draft("RGB", want)
+                scale = img.size[0] / w
+        img.load()
+    except Exception as e:
+        raise schema.RecordError(f"{what} does not decode: {type(e).__name__}: {e}") from None
+    return (img if img.mode == "RGB" else img.convert("RGB")), scale
+
+
+class SampleTransform(grain.RandomMapTransform):
+    """Record bytes -> one example with variable-length object/relation arrays."""
+
+    def __init__(self, config: PipelineConfig, vocab: Vocab):
+        self.config = config
+        self.vocab = vocab
+        self.text = _TextTable(config.text_length)
+
+    def random_map(self, record: bytes, rng: np.random.Generator) -> dict:
+        try:
+            return self._example(record, rng)
+        except schema.RecordError as e:
+            log.warning("skipping a bad record: %s", e)
+            return self.bad_example()
+
+    def _example(self, record: bytes, rng: np.random.Generator) -> dict:
+        c = self.config
+        sample = schema.decode(record)
+        schema.validate(sample, decode_images=False)
+        img = schema.decode_image(sample.image, f"sample {sample.id!r}: image")
+        if img.size != (sample.width, sample.height):
+            raise schema.RecordError(f"sample {sample.id!r}: image decodes to {img.size}, record "
+                                     f"says {sample.width}x{sample.height}")
+        params = augment.sample_params(rng, *img.size, train=c.train)
+        size = c.image_size
+        objects = sample.objects[:c.max_objects]
+        relations = sample.relations[:c.max_relations]
+        view = augment.region_view if c.object_view == "crop" else augment.canvas_view
+        obj_pixels = np.zeros((len(objects), size, size, 3), np.uint8)
+        for k, o in enumerate(objects):
+            obj_pixels[k] = view(img, o.box, params, size)
+        rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
+        for k, r in enumerate(relations):
+            region, scale = _open_region(r.region, size, c.fast_decode,
+                                         f"sample {sample.id!r}: relation {k} region")
+            w, h = region.size
+            if (round(w / scale), round(h / scale)) != (sample.width, sample.height):
+                raise schema.RecordError(f"sample {sample.id!r}: relation {k} region size "
+                                         f"differs from the image's")
+            rel_pixels[k] = augment.region_view(region, (0, 0, w, h), params, size)
+        return {
+            "image": augment.global_view(img, params, size),
+            "objects": obj_pixels,
+            "relations": rel_pixels,
+            "action_tokens": self.text([sample.action])[0],
+            "object_tokens": self.text([o.name for o in objects]),
+            "relation_tokens": self.text([r.text for r in relations]),
+            "action_label": np.int32(self.vocab.index("actions", sample.action)),
+            "object_labels": np.array([self.vocab.index("objects", o.name) for o in objects],
+                                      np.int32),
+            "relation_labels": np.array([self.vocab.index("relations", r.text)
+                                         for r in relations], np.int32),
+            "source": np.int32(self.vocab.index("sources", sample.source)),
+            "sample_key": np.int64(sample_key(sample.id)),
+            "valid": np.bool_(True),
+            "bad_record": np.int32(0),
+            "dropped_objects": np.int32(len(sample.objects) - len(objects)),
+            "dropped_relations": np.int32(len(sample.relations) - len(relations)),
+        }
+
+    def bad_example(self) -> dict:
+        size, length = self.config.image_size, self.config.text_length
+        return {
+            "image": np.zeros((size, size, 3), np.uint8),
+            "objects": np.zeros((0, size, size, 3), np.uint8),
+            "relations": np.zeros((0, size, size, 3), np.uint8),
+            "action_tokens": np.zeros((length,), np.int32),
+            "object_tokens": np.zeros((0, length), np.int32),
+            "relation_tokens": np.zeros((0, length), np.int32),
+            "action_label": np.int32(-1),
+            "object_labels": np.zeros((0,), np.int32),
+            "relation_labels": np.zeros((0,), np.int32),
+            "source": np.int32(-1),
+            "sample_key": np.int64(-1),
+            "valid": np.bool_(False),
+            "bad_record": np.int32(1),
+            "dropped_objects": np.int32(0),
+            "dropped_relations": np.int32(0),
+        }
+
+
+_PER_IMAGE = ("action_tokens", "action_label", "source", "sample_key", "valid", "bad_record",
+              "dropped_objects", "dropped_relations")
+
+
+def _pixels(x: np.ndarray, config: PipelineConfig) -> np.ndarray:
+    return augment.normalize(x) if config.pixels == "float32" else x
+
+
+def collate(examples: Sequence[dict], config: PipelineConfig) -> dict:
+    """Examples -> one batch with static shapes in the configured layout."""
+    b, size, length = len(examples), config.image_size, config.text_length
+    batch = {k: np.stack([e[k] for e in examples]) for k in _PER_IMAGE}
+    batch["image"] = _pixels(np.stack([e["image"] for e in examples]), config)
+    for level, cap in (("object", config.max_objects), ("relation", config.max_relations)):
+        key = level + "s"
+        counts = np.array([len(e[key]) for e in examples], np.int32)
+        if config.layout == "caps":
+            shape = (b, cap)
+        else:
+            shape = (config.budgets(b)[0 if level == "object" else 1],)
+        pixels = np.zeros(shape + (size, size, 3), np.uint8)
+        tokens = np.zeros(shape + (length,), np.int32)
+        labels = np.full(shape, -1, np.int32)
+        mask = np.zeros(shape, bool)
+        if config.layout == "caps":
+            for i, e in enumerate(examples):
+                n = counts[i]
+                pixels[i, :n] = e[key]
+                tokens[i, :n] = e[level + "_tokens"]
+                labels[i, :n] = e[level + "_labels"]
+                mask[i, :n] = True
+        else:
+            owner = np.zeros(shape, np.int32)
+            slot = np.zeros(shape, np.int32)
+            pos = 0
+            for i, e in enumerate(examples):
+                n = min(int(counts[i]), shape[0] - pos)
+                pixels[pos:pos + n] = e[key][:n]
+                tokens[pos:pos + n] = e[level + "_tokens"][:n]
+                labels[pos:pos + n] = e[level + "_labels"][:n]
+                mask[pos:pos + n] = True
+                owner[pos:pos + n] = i
+                slot[pos:pos + n] = np.arange(n)
+                batch["dropped_" + key][i] += counts[i] - n
+                pos += n
+            batch[level + "_owner"] = owner
+            batch[level + "_slot"] = slot
+        batch[key] = _pixels(pixels, config)
+        batch[level + "_tokens"] = tokens
+        batch[level + "_labels"] = labels
+        batch[level + "_mask"] = mask
+    return batch
+
+
+def batch_shapes(batch_size: int, config: PipelineConfig) -> dict[str, tuple]:
+    """The shape of every field of a batch (the same every step)."""
+    return {k: v.shape for k, v in collate(
+        [SampleTransform(config, Vocab((), (), (), (), ())).bad_example()] * batch_size,
+        config).items()}
+
+
+def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
+                config: PipelineConfig = PipelineConfig(), seed: int = 0,
+                shuffle: bool | None = None, num_epochs: int | None = None,
+                worker_count: int = 0, worker_buffer_size: int = 2,
+                shard_options: grain.ShardOptions | None = None) -> grain.DataLoader:
+    """A Grain DataLoader over one split; iterate it for batches, checkpoint its iterator.
+
+    `batch_size` is per host. Hosts split the records by `shard_options`, by default
+    `jax.process_index()` of `jax.process_count()` (drop_remainder, so hosts stay in step).
+    `shuffle` defaults to True for "train". `num_epochs=None` repeats forever. Augmentation
+    randomness is derived from `seed` and the record's position, so it is reproducible and
+    restored with the iterator state.
+    """
+    if isinstance(dataset, str):
+        dataset = open_dataset(dataset)
+    if batch_size < 1:
+        raise ValueError("batch_size must be at least 1")
+    source = grain.ArrayRecordDataSource(dataset.paths(split))
+    if shard_options is None:
+        shard_options = grain.ShardByJaxProcess(drop_remainder=True)
+    if len(source) < shard_options.shard_count:
+        raise ValueError(f"split {split!r} of {dataset.root} has {len(source)} records, fewer "
+                         f"than the {shard_options.shard_count} hosts reading it")
+    if worker_count > 0:
+        from absl import flags
+        if not flags.FLAGS.is_parsed():  # Grain's worker processes read absl flags
+            flags.FLAGS.mark_as_parsed()
+    sampler = grain.IndexSampler(
+        num_records=len(source), shard_options=shard_options,
+        shuffle=(split == "train") if shuffle is None else shuffle,
+        num_epochs=num_epochs, seed=seed)
+    operations = [SampleTransform(config, dataset.vocab),
+                  grain.Batch(batch_size, drop_remainder=True,
+                              batch_fn=functools.partial(collate, config=config))]
+    return grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
+                            worker_count=worker_count, worker_buffer_size=worker_buffer_size,
+                            shard_options=shard_options)
+
+
+def normalize(pixels):
+    """uint8 [..., 3] -> CLIP-normalised float32, for use inside jit on the accelerator."""
+    import jax.numpy as jnp
+    x = jnp.asarray(pixels, jnp.float32) / 255.0
+    return (x - jnp.asarray(augment.CLIP_MEAN)) / jnp.asarray(augment.CLIP_STD)
