@@ -47,3 +47,13 @@ def b32_hf(tmp_path_factory):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory):
+    """The bundled demo dataset written by `data_prep.demo.build_demo` (14 records, 10/1/3)."""
+    from data_prep.demo import build_demo
+
+    folder = tmp_path_factory.mktemp("demo") / "shards"
+    build_demo(str(folder), progress=False)
+    return str(folder)

@@ -11,8 +11,8 @@ sample looks as it would in the reference pipeline. Differences, on purpose:
 - one set of random parameters per sample (`SampleParams`) is shared by the three levels: the
   colour jitter that hits the global view hits that sample's object crops and relation regions
   too (DESIGN.md: "all levels share one per-sample seed");
-- Resize + CenterCrop is one bicubic resample of the centre square of the region (same geometry,
-  no full-size intermediate image).
+- Resize + CenterCrop is one bicubic resample of exactly the part of the region that the
+  two-step transform keeps (`resize_centre_crop`: the same pixels, no full-size intermediate).
 """
 
 from __future__ import annotations
@@ -77,20 +77,31 @@ def sample_params(rng: np.random.Generator, width: int, height: int, *, train: b
     return SampleParams(crop, ops, sigma)
 
 
-def centre_square(box, ) -> tuple[float, float, float, float]:
-    """The region Resize(S) + CenterCrop(S) keeps of `box`: its centred square of the short side."""
-    x0, y0, x1, y1 = box
-    side = min(x1 - x0, y1 - y0)
-    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
-    return cx - side / 2, cy - side / 2, cx + side / 2, cy + side / 2
+def resize_centre_crop(img: Image.Image, size: int) -> Image.Image:
+    """torchvision's Resize(size, bicubic) + CenterCrop(size), as one resample.
+
+    The box handed to PIL is exactly the part of the image that the resized-then-cropped
+    output covers (torchvision's output size `int(size * long / short)` and crop offset
+    `int(round((new - size) / 2))`), and PIL's filter scale is the same, so the pixels equal
+    the two-step result without building the full-size intermediate image.
+    """
+    w, h = img.size
+    if w <= h:
+        new_w, new_h = size, int(size * h / w)
+    else:
+        new_w, new_h = int(size * w / h), size
+    top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
+    sx, sy = w / new_w, h / new_h
+    box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
+    return img.resize((size, size), Image.BICUBIC, box=box)
 
 
 def adjust_hue(img: Image.Image, factor: float) -> Image.Image:
-    """torchvision's PIL hue shift: add factor*255 (mod 256) to PIL's HSV hue channel."""
+    """torchvision's PIL hue shift: add int(factor*255) (mod 256) to PIL's HSV hue channel."""
     if factor == 0:
         return img
     h, s, v = img.convert("HSV").split()
-    np_h = np.asarray(h, dtype=np.uint8) + np.uint8(np.int64(round(factor * 255)) % 256)
+    np_h = np.asarray(h, dtype=np.uint8) + np.uint8(int(factor * 255) % 256)
     return Image.merge("HSV", (Image.fromarray(np_h, "L"), s, v)).convert("RGB")
 
 
@@ -128,7 +139,7 @@ def global_view(img: Image.Image, params: SampleParams, size: int) -> np.ndarray
     if params.crop is not None:
         view = img.crop(params.crop).resize((size, size), Image.BICUBIC)
     else:
-        view = img.resize((size, size), Image.BICUBIC, box=centre_square((0, 0, *img.size)))
+        view = resize_centre_crop(img, size)
     view = np.asarray(color_jitter(view, params.jitter))
     if params.blur_sigma is not None:
         view = gaussian_blur(view, params.blur_sigma)
@@ -136,8 +147,9 @@ def global_view(img: Image.Image, params: SampleParams, size: int) -> np.ndarray
 
 
 def region_view(img: Image.Image, box, params: SampleParams, size: int) -> np.ndarray:
-    """Object crop / relation region: Resize(size) + CenterCrop(size) of `box`, then jitter."""
-    view = img.resize((size, size), Image.BICUBIC, box=centre_square(box))
+    """Object crop / relation region: crop `box` (PIL rounds it; None = the whole image), then
+    Resize(size) + CenterCrop(size), then the sample's colour jitter."""
+    view = resize_centre_crop(img if box is None else img.crop(box), size)
     return np.asarray(color_jitter(view, params.jitter))
 
 
@@ -146,7 +158,7 @@ def canvas_view(img: Image.Image, box, params: SampleParams, size: int) -> np.nd
     canvas = Image.new("RGB", img.size)
     box = tuple(int(round(v)) for v in box)
     canvas.paste(img.crop(box), box[:2])
-    return region_view(canvas, (0, 0, *img.size), params, size)
+    return region_view(canvas, None, params, size)
 
 
 def normalize(pixels: np.ndarray) -> np.ndarray:

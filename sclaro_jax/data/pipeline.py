@@ -111,22 +111,25 @@ class _TextTable:
         return np.stack([self._cache[t] for t in texts])
 
 
-def _open_region(data: bytes, size: int, fast: bool, what: str) -> tuple[Image.Image, float]:
+def _open_region(data: bytes, size: int, fast: bool, expected: tuple[int, int],
+                 what: str) -> Image.Image:
     """Decode a relation region; JPEGs at the smallest DCT scale that keeps >= `size` px."""
     try:
         img = Image.open(io.BytesIO(data))
-        scale = 1.0
+        if img.size != expected:
+            raise schema.RecordError(f"{what} is {img.size[0]}x{img.size[1]}, the image is "
+                                     f"{expected[0]}x{expected[1]}")
         if fast and img.format == "JPEG":
             w, h = img.size
             short = min(w, h)
             if short > size:
-                want = (int(np.ceil(w * size / short)), int(np.ceil(h * size / short)))
-                img.draft("RGB", want)
-                scale = img.size[0] / w
+                img.draft("RGB", (int(np.ceil(w * size / short)), int(np.ceil(h * size / short))))
         img.load()
+    except schema.RecordError:
+        raise
     except Exception as e:
         raise schema.RecordError(f"{what} does not decode: {type(e).__name__}: {e}") from None
-    return (img if img.mode == "RGB" else img.convert("RGB")), scale
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 class SampleTransform(grain.RandomMapTransform):
@@ -162,13 +165,9 @@ class SampleTransform(grain.RandomMapTransform):
             obj_pixels[k] = view(img, o.box, params, size)
         rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
         for k, r in enumerate(relations):
-            region, scale = _open_region(r.region, size, c.fast_decode,
-                                         f"sample {sample.id!r}: relation {k} region")
-            w, h = region.size
-            if (round(w / scale), round(h / scale)) != (sample.width, sample.height):
-                raise schema.RecordError(f"sample {sample.id!r}: relation {k} region size "
-                                         f"differs from the image's")
-            rel_pixels[k] = augment.region_view(region, (0, 0, w, h), params, size)
+            region = _open_region(r.region, size, c.fast_decode, img.size,
+                                  f"sample {sample.id!r}: relation {k} region")
+            rel_pixels[k] = augment.region_view(region, None, params, size)
         return {
             "image": augment.global_view(img, params, size),
             "objects": obj_pixels,
