@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from typing import Iterable
 
+import numpy as np
 from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
@@ -77,6 +78,7 @@ class ShardWriter:
         self._shards: dict[str, list[dict]] = collections.defaultdict(list)
         self._ids: set[str] = set()
         self._counts = collections.Counter()
+        self._crops = collections.defaultdict(lambda: np.zeros(2, np.int64))
         self._by_source = collections.defaultdict(collections.Counter)
         self._vocab = {k: collections.Counter() for k in schema.VOCAB_FILES}
         self._mask_kinds = collections.Counter()
@@ -104,6 +106,7 @@ class ShardWriter:
         shards[-1]["records"] += 1
         self._ids.add(sample.id)
         self._counts[sample.split] += 1
+        self._crops[sample.split] += (len(sample.objects), len(sample.relations))
         self._by_source[sample.split][sample.source] += 1
         self._mask_kinds[sample.mask_kind] += 1
         self._vocab["actions"][sample.action] += 1
@@ -154,6 +157,8 @@ class ShardWriter:
                 files.append(name)
             manifest["splits"][split] = {
                 "records": self._counts.get(split, 0),
+                "objects": int(self._crops[split][0]),
+                "relations": int(self._crops[split][1]),
                 "by_source": dict(sorted(self._by_source[split].items())),
                 "shards": entries,
             }

@@ -129,10 +129,12 @@ def test_eval_is_deterministic_and_float32_is_clip_normalised(demo_dir):
                                                     pixels="float32"))))
     mean = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
     std = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
-    for key in ("image", "objects", "relations"):
+    for key, mask in (("image", np.ones(2, bool)), ("objects", a["object_mask"]),
+                      ("relations", a["relation_mask"])):
         assert f[key].dtype == np.float32
-        np.testing.assert_allclose(f[key], (a[key] / 255.0 - mean) / std, atol=1e-6)
-        np.testing.assert_allclose(np.asarray(normalize(a[key])), f[key], atol=1e-6)
+        np.testing.assert_allclose(f[key][mask], (a[key][mask] / 255.0 - mean) / std, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(normalize(a[key][mask])), f[key][mask], atol=1e-5)
+        assert not f[key][~mask].any()  # padding is 0.0
 
 
 def test_packed_layout_holds_the_same_crops_as_caps(demo_dir):
@@ -251,3 +253,18 @@ def test_loader_errors_name_the_problem(demo_dir, tmp_path):
         PipelineConfig(layout="ragged")
     with pytest.raises(DatasetError, match="not a SCLARO dataset folder"):
         make_loader(str(tmp_path), "train", 2)
+
+
+def test_packed_budgets_default_to_the_manifest_means(demo_dir):
+    info = open_dataset(demo_dir).manifest["splits"]["train"]
+    records = _records(demo_dir, "train").values()
+    assert info["objects"] == sum(len(s.objects) for s in records)
+    assert info["relations"] == sum(len(s.relations) for s in records)
+    cfg = PipelineConfig(max_objects=6, max_relations=4, image_size=32, layout="packed")
+    batch = next(iter(make_loader(demo_dir, "train", 4, config=cfg)))
+    want_o = int(np.ceil(1.2 * info["objects"] / info["records"] * 4))
+    want_r = int(np.ceil(1.2 * info["relations"] / info["records"] * 4))
+    assert batch["objects"].shape[0] == min(want_o, 24)
+    assert batch["relations"].shape[0] == min(want_r, 16)
+    with pytest.raises(ValueError, match="packed layout without budgets"):
+        batch_shapes(4, cfg)

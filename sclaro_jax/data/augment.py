@@ -161,6 +161,14 @@ def canvas_view(img: Image.Image, box, params: SampleParams, size: int) -> np.nd
     return region_view(canvas, None, params, size)
 
 
+_SCALE = (1.0 / (255.0 * CLIP_STD)).astype(np.float32)
+_SHIFT = (CLIP_MEAN / CLIP_STD).astype(np.float32)
+
+
 def normalize(pixels: np.ndarray) -> np.ndarray:
-    """uint8 [..., 3] -> CLIP-normalised float32 (numpy; `sclaro_jax.data.normalize` in jit)."""
-    return (pixels.astype(np.float32) / 255.0 - CLIP_MEAN) / CLIP_STD
+    """uint8 [..., 3] -> CLIP-normalised float32, (x / 255 - mean) / std, in two in-place passes
+    (numpy, on the host; `sclaro_jax.data.pipeline.normalize` does it inside jit)."""
+    out = pixels.astype(np.float32)
+    out *= _SCALE
+    out -= _SHIFT
+    return out
