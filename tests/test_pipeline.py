@@ -268,3 +268,15 @@ def test_packed_budgets_default_to_the_manifest_means(demo_dir):
     assert batch["relations"].shape[0] == min(want_r, 16)
     with pytest.raises(ValueError, match="packed layout without budgets"):
         batch_shapes(4, cfg)
+
+
+def test_text_length_32_gives_the_same_text_embeddings_as_77():
+    """PipelineConfig.text_length defaults to 32: CLIP's text tower is causal and pools at the
+    EOT token, so the padding after it changes nothing."""
+    from sclaro_jax.models import clip
+    model = clip.create("tiny", seed=3)
+    texts = ["playing", "person riding horse", "cup on saucer next to spoon", "clock face"]
+    tok = ClipTokenizer()
+    short = np.asarray(model.encode_text(tok(texts, length=32)))
+    full = np.asarray(model.encode_text(tok(texts, length=77)))
+    np.testing.assert_allclose(short, full, atol=1e-5)
