@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import hashlib
 import json
 import os
 import shutil
@@ -30,14 +29,6 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from tqdm import tqdm
 
 from sclaro_jax.data import schema
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -153,7 +144,7 @@ class ShardWriter:
                 final = os.path.join(self._tmp, name)
                 os.replace(shard["tmp"], final)
                 entries.append({"file": name, "records": shard["records"],
-                                "sha256": _sha256(final)})
+                                "sha256": schema.file_sha256(final)})
                 files.append(name)
             manifest["splits"][split] = {
                 "records": self._counts.get(split, 0),
@@ -166,8 +157,9 @@ class ShardWriter:
             labels = sorted(self._vocab[key])
             with open(os.path.join(self._tmp, filename), "w", encoding="utf-8") as f:
                 f.writelines(label + "\n" for label in labels)
-            manifest["vocab"][key] = {"file": filename, "size": len(labels),
-                                      "sha256": _sha256(os.path.join(self._tmp, filename))}
+            manifest["vocab"][key] = {
+                "file": filename, "size": len(labels),
+                "sha256": schema.file_sha256(os.path.join(self._tmp, filename))}
             files.append(filename)
         old = os.path.join(self.out_dir, schema.MANIFEST)
         if self.overwrite and os.path.exists(old):

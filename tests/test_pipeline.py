@@ -13,7 +13,7 @@ from PIL import Image
 
 import grain.python as grain
 from data_prep import shards
-from sclaro_jax.data import augment, schema
+from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import (PipelineConfig, batch_shapes, make_loader, normalize,
                                       sample_key)

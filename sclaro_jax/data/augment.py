@@ -135,7 +135,7 @@ def gaussian_blur(x: np.ndarray, sigma: float, kernel_size: int = 9) -> np.ndarr
 
 
 def global_view(img: Image.Image, params: SampleParams, size: int) -> np.ndarray:
-    """The global level: RandomResizedCrop (train) or Resize + CenterCrop (eval), then jitter/blur."""
+    """Global level: RandomResizedCrop (train) or Resize + CenterCrop (eval), then jitter, blur."""
     if params.crop is not None:
         view = img.crop(params.crop).resize((size, size), Image.BICUBIC)
     else:

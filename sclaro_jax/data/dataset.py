@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 
@@ -55,11 +54,7 @@ class ShardedDataset:
         entries += list(self.manifest["vocab"].values())
         for entry in entries:
             path = os.path.join(self.root, entry["file"])
-            h = hashlib.sha256()
-            with open(path, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-            if h.hexdigest() != entry["sha256"]:
+            if schema.file_sha256(path) != entry["sha256"]:
                 raise DatasetError(f"{path}: sha256 does not match {schema.MANIFEST}; the file "
                                    f"changed after it was written")
 

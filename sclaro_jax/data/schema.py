@@ -236,6 +236,15 @@ def assign_splits(ids: Iterable[str], seed: int = 42,
     return out
 
 
+def file_sha256(path) -> str:
+    """Hex sha256 of a file's bytes (the manifest's checksum)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def read_vocab(path) -> list[str]:
     with open(path, encoding="utf-8") as f:
         return [line.rstrip("\n") for line in f if line.rstrip("\n")]
