@@ -211,10 +211,6 @@ def write_dataset(samples: Iterable[schema.Sample], out_dir: str, *, ids: Iterab
             if sample.id not in split_of:
                 raise schema.RecordError(f"sample {sample.id!r} is not among the ids given "
                                          f"for the split")
-            writer.add(sample if sample.split == split_of[sample.id]
-                       else _with_split(sample, split_of[sample.id]))
+            writer.add(dataclasses.replace(sample, split=split_of[sample.id]))
     return writer.manifest
 
-
-def _with_split(sample: schema.Sample, split: str) -> schema.Sample:
-    return dataclasses.replace(sample, split=split)

@@ -120,7 +120,7 @@ def test_encode_decode_round_trip():
     (dict(relations=(schema.Relation(0, "on", 1, "cat on the mat", _png()),)),
      "is not the canonical triplet 'cat on mat'"),
     (dict(relations=(schema.Relation(0, "on", 1, "cat on mat", _png(32, 32)),)),
-     "region is 32x32, the image is 64x48"),
+     r"relation 0 \('cat on mat'\) region decodes to 32x32, record says 64x48"),
     (dict(split="holdout"), "split 'holdout'"),
 ])
 def test_writer_refuses_bad_samples_naming_them(tmp_path, change, message):

@@ -35,14 +35,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import io
 import logging
 import math
 from typing import Sequence
 
 import grain.python as grain
 import numpy as np
-from PIL import Image
 
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import ShardedDataset, Vocab, open_dataset
@@ -131,27 +129,6 @@ class _TextTable:
         return np.stack([self._cache[t] for t in texts])
 
 
-def _open_region(data: bytes, size: int, fast: bool, expected: tuple[int, int],
-                 what: str) -> Image.Image:
-    """Decode a relation region; JPEGs at the smallest DCT scale that keeps >= `size` px."""
-    try:
-        img = Image.open(io.BytesIO(data))
-        if img.size != expected:
-            raise schema.RecordError(f"{what} is {img.size[0]}x{img.size[1]}, the image is "
-                                     f"{expected[0]}x{expected[1]}")
-        if fast and img.format == "JPEG":
-            w, h = img.size
-            short = min(w, h)
-            if short > size:
-                img.draft("RGB", (int(np.ceil(w * size / short)), int(np.ceil(h * size / short))))
-        img.load()
-    except schema.RecordError:
-        raise
-    except Exception as e:
-        raise schema.RecordError(f"{what} does not decode: {type(e).__name__}: {e}") from None
-    return img if img.mode == "RGB" else img.convert("RGB")
-
-
 class SampleTransform(grain.RandomMapTransform):
     """Record bytes -> one example with variable-length object/relation arrays."""
 
@@ -171,10 +148,8 @@ class SampleTransform(grain.RandomMapTransform):
         c = self.config
         sample = schema.decode(record)
         schema.validate(sample, decode_images=False)
-        img = schema.decode_image(sample.image, f"sample {sample.id!r}: image")
-        if img.size != (sample.width, sample.height):
-            raise schema.RecordError(f"sample {sample.id!r}: image decodes to {img.size}, record "
-                                     f"says {sample.width}x{sample.height}")
+        img = schema.decode_image(sample.image, f"sample {sample.id!r}: image",
+                                  size=(sample.width, sample.height))
         params = augment.sample_params(rng, *img.size, train=c.train)
         size = c.image_size
         objects = sample.objects[:c.max_objects]
@@ -185,8 +160,8 @@ class SampleTransform(grain.RandomMapTransform):
             obj_pixels[k] = view(img, o.box, params, size)
         rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
         for k, r in enumerate(relations):
-            region = _open_region(r.region, size, c.fast_decode, img.size,
-                                  f"sample {sample.id!r}: relation {k} region")
+            region = schema.decode_image(r.region, f"sample {sample.id!r}: relation {k} region",
+                                         size=img.size, min_side=size if c.fast_decode else None)
             rel_pixels[k] = augment.region_view(region, None, params, size)
         return {
             "image": augment.global_view(img, params, size),
