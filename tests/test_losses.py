@@ -1,0 +1,127 @@
+"""sclaro_jax.losses against the reference semantics written in PyTorch / numpy, loop by loop."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sclaro_jax import losses
+
+
+def _torch_clip(img, txt, logit_scale, mask):
+    img, txt = torch.from_numpy(img[mask]), torch.from_numpy(txt[mask])
+    scale = min(float(np.exp(logit_scale)), 100.0)
+    logits = scale * F.normalize(img, dim=-1) @ F.normalize(txt, dim=-1).T
+    y = torch.arange(len(img))
+    return float(0.5 * (F.cross_entropy(logits, y) + F.cross_entropy(logits.T, y)))
+
+
+@pytest.mark.parametrize("logit_scale", [np.log(1 / 0.07), 5.0])  # 5.0: exp > 100, clamped
+def test_clip_contrastive_matches_torch(logit_scale):
+    rng = np.random.default_rng(0)
+    img = rng.normal(size=(12, 16)).astype(np.float32)
+    txt = rng.normal(size=(12, 16)).astype(np.float32)
+    mask = rng.uniform(size=12) < 0.7
+    got = losses.clip_contrastive(img, txt, jnp.float32(logit_scale), jnp.asarray(mask))
+    np.testing.assert_allclose(float(got), _torch_clip(img, txt, logit_scale, mask), rtol=1e-5)
+    full = losses.clip_contrastive(img, txt, jnp.float32(logit_scale))
+    np.testing.assert_allclose(float(full), _torch_clip(img, txt, logit_scale, np.ones(12, bool)),
+                               rtol=1e-5)
+    assert float(losses.clip_contrastive(img, txt, jnp.float32(1.0), jnp.zeros(12, bool))) == 0.0
+
+
+def test_clip_contrastive_duplicate_aware_labels():
+    rng = np.random.default_rng(1)
+    img = rng.normal(size=(6, 8)).astype(np.float32)
+    txt = rng.normal(size=(6, 8)).astype(np.float32)
+    labels = np.array([0, 1, 0, 2, 1, 3])
+    s = 3.0
+    a = img / np.linalg.norm(img, axis=1, keepdims=True)
+    b = txt / np.linalg.norm(txt, axis=1, keepdims=True)
+    logits = np.exp(s) * a @ b.T
+    total = 0.0
+    for i in range(6):  # plain loops: leave out same-label candidates other than the pair
+        keep = [j for j in range(6) if labels[j] != labels[i] or j == i]
+        row, col = logits[i, keep], logits[keep, i]
+        pos = keep.index(i)
+        total += 0.5 * (-(row[pos] - np.log(np.exp(row).sum()))
+                        - (col[pos] - np.log(np.exp(col).sum())))
+    got = losses.clip_contrastive(img, txt, jnp.float32(s), labels=jnp.asarray(labels))
+    np.testing.assert_allclose(float(got), total / 6, rtol=1e-5)
+
+
+def _torch_kd_pair(teacher_vec, student_vec, log_scale, t_t=0.07):
+    """The reference: KLDivLoss(batchmean) on one 1-D embedding pair, times T_s^2."""
+    t_s = 1.0 / float(np.clip(np.exp(log_scale), 1, 100))
+    log_p_s = F.log_softmax(torch.from_numpy(student_vec) / t_s, dim=-1)
+    p_t = F.softmax(torch.from_numpy(teacher_vec) / t_t, dim=-1)
+    return float(F.kl_div(log_p_s, p_t, reduction="batchmean")) * t_s ** 2
+
+
+def _kd_inputs(seed=0, b=5, n=4, d=32):
+    rng = np.random.default_rng(seed)
+    single = rng.normal(size=(b, d)).astype(np.float32)
+    group = rng.normal(size=(b, n, d)).astype(np.float32)
+    mask = rng.uniform(size=(b, n)) < 0.6
+    mask[1] = False  # an image with no objects: left out of the mean over images
+    mask[2, 0] = True
+    return single, group, mask
+
+
+@pytest.mark.parametrize("log_scale", [np.log(1 / 0.07), 0.3, -1.0])
+def test_kd_one_teacher_many_students_matches_reference_loops(log_scale):
+    teacher, students, mask = _kd_inputs()
+    per_image = []
+    for b in range(len(teacher)):  # the reference's per-image Python loop
+        terms = [_torch_kd_pair(teacher[b], students[b, n], log_scale)
+                 for n in range(students.shape[1]) if mask[b, n]]
+        if terms:
+            per_image.append(np.mean(terms))
+    got = losses.kd_one_teacher_many_students(teacher, students, jnp.asarray(mask),
+                                              jnp.float32(log_scale))
+    np.testing.assert_allclose(float(got), np.mean(per_image), rtol=1e-5)
+
+
+def test_kd_many_teachers_one_student_matches_reference_loops():
+    student, teachers, mask = _kd_inputs(seed=1)
+    log_scale = np.log(1 / 0.07)
+    per_image = []
+    for b in range(len(student)):
+        terms = [_torch_kd_pair(teachers[b, n], student[b], log_scale)
+                 for n in range(teachers.shape[1]) if mask[b, n]]
+        if terms:
+            per_image.append(np.mean(terms))
+    got = losses.kd_many_teachers_one_student(teachers, jnp.asarray(mask), student,
+                                              jnp.float32(log_scale))
+    np.testing.assert_allclose(float(got), np.mean(per_image), rtol=1e-5)
+
+
+def test_no_gradient_reaches_teachers_and_the_temperature_learns():
+    single, group, mask = _kd_inputs(seed=2)
+    mask = jnp.asarray(mask)
+    l0 = jnp.float32(np.log(1 / 0.07))
+    g_t, g_s, g_l = jax.grad(losses.kd_one_teacher_many_students, argnums=(0, 1, 3))(
+        single, group, mask, l0)
+    assert not np.asarray(g_t).any()
+    assert np.abs(np.asarray(g_s)).sum() > 0 and float(g_l) != 0.0
+    assert not np.asarray(g_s)[~np.asarray(mask)].any()  # padding gets no gradient
+    g_t, g_s, g_l = jax.grad(losses.kd_many_teachers_one_student, argnums=(0, 2, 3))(
+        group, mask, single, l0)
+    assert not np.asarray(g_t).any()
+    assert np.abs(np.asarray(g_s)).sum() > 0 and float(g_l) != 0.0
+    # clamped at exp(l) = 100: the temperature no longer moves
+    assert float(jax.grad(losses.kd_many_teachers_one_student, argnums=3)(
+        group, mask, single, jnp.float32(5.0))) == 0.0
+
+
+def test_losses_are_float32_for_bf16_inputs():
+    single, group, mask = _kd_inputs(seed=3)
+    bf = losses.kd_one_teacher_many_students(jnp.asarray(single, jnp.bfloat16),
+                                             jnp.asarray(group, jnp.bfloat16), jnp.asarray(mask),
+                                             jnp.float32(2.0))
+    assert bf.dtype == jnp.float32
+    c = losses.clip_contrastive(jnp.asarray(single, jnp.bfloat16),
+                                jnp.asarray(single, jnp.bfloat16), jnp.float32(2.0))
+    assert c.dtype == jnp.float32
