@@ -1,0 +1,144 @@
+"""ScenarioCLIP and PyramidCLIP as Flax NNX modules (DESIGN.md section 2).
+
+One `CLIPPair` (a CLIP vision tower and text tower, each pooled output followed by a new
+Linear + LayerNorm head to `embed_dim`) is used three times by `ScenarioCLIP` (global, object,
+relation levels: independent weights) and once, shared by the three levels, by `PyramidCLIP`.
+Each level has its own learnable logit scale (init ln(1/0.07)); ScenarioCLIP also carries the
+learnable KD temperature `kd_log_scale` (T_s = 1 / clip(exp(l), 1, 100), init ln(1/0.07)).
+CLIP's own projection matrices and logit scale are not used.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sclaro_jax.models import clip
+
+log = logging.getLogger(__name__)
+
+LEVELS = ("global", "object", "relation")
+INIT_LOG_SCALE = math.log(1 / 0.07)
+
+
+class Head(nnx.Module):
+    """Linear(in, out) + LayerNorm(out), in float32 (the embedding the losses see)."""
+
+    def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(din, dout, rngs=rngs)
+        self.norm = nnx.LayerNorm(dout, epsilon=1e-5, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.norm(self.linear(x.astype(jnp.float32)))
+
+
+class CLIPPair(nnx.Module):
+    """A CLIP image/text pair with ScenarioCLIP's heads: `encode_image`, `encode_text` -> [B, D]
+    (LayerNormed, not L2-normalised)."""
+
+    def __init__(self, towers: clip.CLIPModel, embed_dim: int = 512, *, rngs: nnx.Rngs):
+        cfg = towers.config
+        self.vision_model = towers.vision_model
+        self.text_model = towers.text_model
+        self.vision_head = Head(cfg.vision.hidden_size, embed_dim, rngs=rngs)
+        self.text_head = Head(cfg.text.hidden_size, embed_dim, rngs=rngs)
+
+    def encode_image(self, pixels: jax.Array) -> jax.Array:
+        """[..., H, W, 3] CLIP-normalised pixels -> [..., D]."""
+        lead = pixels.shape[:-3]
+        out = self.vision_head(self.vision_model.pooled(pixels.reshape(-1, *pixels.shape[-3:])))
+        return out.reshape(*lead, -1)
+
+    def encode_text(self, input_ids: jax.Array) -> jax.Array:
+        """[..., L] token ids -> [..., D]."""
+        lead = input_ids.shape[:-1]
+        out = self.text_head(self.text_model.pooled(input_ids.reshape(-1, input_ids.shape[-1])))
+        return out.reshape(*lead, -1)
+
+
+class ScenarioCLIP(nnx.Module):
+    """Three disentangled CLIP pairs + per-level logit scales + the KD temperature."""
+
+    has_kd = True
+
+    def __init__(self, make_towers, embed_dim: int = 512, *, rngs: nnx.Rngs):
+        self.global_pair = CLIPPair(make_towers(0), embed_dim, rngs=rngs)
+        self.object_pair = CLIPPair(make_towers(1), embed_dim, rngs=rngs)
+        self.relation_pair = CLIPPair(make_towers(2), embed_dim, rngs=rngs)
+        for level in LEVELS:
+            setattr(self, f"{level}_logit_scale", nnx.Param(jnp.float32(INIT_LOG_SCALE)))
+        self.kd_log_scale = nnx.Param(jnp.float32(INIT_LOG_SCALE))
+
+    def pair(self, level: str) -> CLIPPair:
+        return getattr(self, f"{level}_pair")
+
+    def logit_scale(self, level: str) -> jax.Array:
+        return getattr(self, f"{level}_logit_scale")[...]
+
+
+class PyramidCLIP(nnx.Module):
+    """The PyramidCLIP baseline as the reference runs it: one pair shared by the three levels,
+    three InfoNCE losses with their own scales, no KD."""
+
+    has_kd = False
+
+    def __init__(self, make_towers, embed_dim: int = 512, *, rngs: nnx.Rngs):
+        self.shared_pair = CLIPPair(make_towers(0), embed_dim, rngs=rngs)
+        for level in LEVELS:
+            setattr(self, f"{level}_logit_scale", nnx.Param(jnp.float32(INIT_LOG_SCALE)))
+
+    def pair(self, level: str) -> CLIPPair:
+        return self.shared_pair
+
+    def logit_scale(self, level: str) -> jax.Array:
+        return getattr(self, f"{level}_logit_scale")[...]
+
+
+MODELS = {"scenarioclip": ScenarioCLIP, "pyramidclip": PyramidCLIP}
+
+
+def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "",
+          dtype=jnp.float32, seed: int = 0, embed_dim: int = 512):
+    """A ScenarioCLIP / PyramidCLIP model; towers from the Hugging Face CLIP folder `init`
+    (each pair gets its own copy), or randomly initialised from `preset` with a logged notice."""
+    if kind not in MODELS:
+        raise ValueError(f"unknown model {kind!r}; known: {sorted(MODELS)}")
+
+    def make_towers(i: int) -> clip.CLIPModel:
+        if init:
+            return clip.from_hf(init, dtype=dtype)
+        return clip.create(preset, seed=seed + 1 + i, dtype=dtype)
+
+    if not init:
+        log.warning("model.init is empty: %s towers start from random weights (preset %s), "
+                    "not from a pretrained CLIP; pass --config.model.init=PATH to a Hugging "
+                    "Face CLIPModel folder (e.g. openai/clip-vit-base-patch32)", kind, preset)
+    return MODELS[kind](make_towers, embed_dim, rngs=nnx.Rngs(seed))
+
+
+_LAYER = re.compile(r"^\d+$")
+
+
+def is_frozen(path: tuple, *, vision_layers: int = 6, text_layers: int = 10,
+              freeze_pre_layernorm: bool = False) -> bool:
+    """Whether a parameter (its NNX path) is frozen: tower embeddings and the first
+    `vision_layers` / `text_layers` encoder blocks. The vision pre-LayerNorm stays trainable by
+    default, as in the reference (so gradients flow back through every vision block);
+    `freeze_pre_layernorm=True` freezes it too, which lets the backward pass stop early."""
+    names = [str(p) for p in path]
+    for tower, count in (("vision_model", vision_layers), ("text_model", text_layers)):
+        if tower not in names:
+            continue
+        rest = names[names.index(tower) + 1:]
+        if rest[:1] == ["embeddings"]:
+            return True
+        if tower == "vision_model" and rest[:1] == ["pre_layrnorm"]:
+            return freeze_pre_layernorm
+        if rest[:2] == ["encoder", "layers"] and _LAYER.match(rest[2]):
+            return int(rest[2]) < count
+    return False

@@ -1,0 +1,213 @@
+"""ScenarioCLIP training core: parameter groups, optimiser, EMA teacher, losses, one jitted step.
+
+Everything here is a pure function of pytrees, so the step jits once (static batch shapes from
+`sclaro_jax.data.pipeline`) and the train state checkpoints as it is.
+
+Recipe (DESIGN.md section 2): AdamW (lr 2e-5, betas 0.9/0.999, eps 1e-8, weight decay 0.2 on
+matrices only: biases, norm parameters, embeddings' 1-D vectors and logit scales get none),
+linear warm-up over the first 10% of steps from 1e-3 x lr, then cosine to 0, per step;
+gradient clipping at global norm 1.0; the KD temperature is its own group at 0.1 x lr without
+weight decay (the reference code left it out of every group, so it never moved). Frozen
+parameters (tower embeddings, first 6 vision / 10 text blocks) get no update and no weight-grad
+computation (`stop_gradient`). EMA teacher: decay 0.9995 after every step; for the first
+`ema_warmup_steps` steps it copies the student.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx, struct
+
+from sclaro_jax import losses
+from sclaro_jax.data.pipeline import normalize
+from sclaro_jax.models.scenarioclip import is_frozen
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    total_steps: int
+    lr: float = 2e-5
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.2
+    warmup_fraction: float = 0.1
+    warmup_init_factor: float = 1e-3
+    grad_clip: float = 1.0
+    kd_lr_factor: float = 0.1
+    ema_decay: float = 0.9995
+    ema_warmup_steps: int = 2000
+    lambda_ca: float = 1.0
+    lambda_kd: float = 1.0  # 0 gives ScenarioCLIP w/o KD
+    kd_direction: str = "both"  # "both", "vision" (global->crops) or "text" (crops->global)
+    duplicate_aware: bool = False  # same-label crops are not negatives of each other
+    frozen_vision_layers: int = 6
+    frozen_text_layers: int = 10
+    freeze_pre_layernorm: bool = False
+
+    def __post_init__(self):
+        if self.kd_direction not in ("both", "vision", "text"):
+            raise ValueError(f"kd_direction {self.kd_direction!r} is not both / vision / text")
+        if self.total_steps < 1:
+            raise ValueError("total_steps must be at least 1")
+
+
+@struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: PyTree  # nnx.State of the student's Params
+    teacher: PyTree  # EMA of params (same structure)
+    opt_state: PyTree
+
+
+def _names(key_path) -> tuple:
+    out = []
+    for k in key_path:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(k.key)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+    return tuple(out)
+
+
+def param_labels(params: PyTree, cfg: TrainConfig) -> PyTree:
+    """Optimiser group of every parameter: frozen, kd, decay (matrices) or no_decay."""
+    def label(key_path, value):
+        path = _names(key_path)
+        if is_frozen(path, vision_layers=cfg.frozen_vision_layers,
+                     text_layers=cfg.frozen_text_layers,
+                     freeze_pre_layernorm=cfg.freeze_pre_layernorm):
+            return "frozen"
+        if path[-1] == "kd_log_scale":
+            return "kd"
+        return "decay" if value.ndim >= 2 else "no_decay"
+    return jax.tree_util.tree_map_with_path(label, params)
+
+
+def learning_rate(cfg: TrainConfig) -> optax.Schedule:
+    warmup = max(1, int(cfg.warmup_fraction * cfg.total_steps))
+    return optax.warmup_cosine_decay_schedule(
+        init_value=cfg.warmup_init_factor * cfg.lr, peak_value=cfg.lr, warmup_steps=warmup,
+        decay_steps=max(cfg.total_steps, warmup + 1), end_value=0.0)
+
+
+def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransformation:
+    lr = learning_rate(cfg)
+
+    def kd_lr(step):
+        return cfg.kd_lr_factor * lr(step)
+
+    adam = functools.partial(optax.adam, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.grad_clip),
+        optax.multi_transform({
+            "decay": optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay),
+            "no_decay": adam(lr),
+            "kd": adam(kd_lr),
+            "frozen": optax.set_to_zero(),
+        }, labels))
+
+
+def init_state(model: nnx.Module, cfg: TrainConfig) -> tuple[nnx.GraphDef, TrainState,
+                                                               optax.GradientTransformation]:
+    graphdef, params = nnx.split(model, nnx.Param)
+    labels = param_labels(params, cfg)
+    tx = make_optimizer(cfg, labels)
+    teacher = jax.tree.map(jnp.copy, params)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, teacher=teacher,
+                       opt_state=tx.init(params))
+    return graphdef, state, tx
+
+
+def ema_update(teacher: PyTree, params: PyTree, step: jax.Array, cfg: TrainConfig) -> PyTree:
+    """Teacher after optimiser step number `step` (1-based): a copy of the student while
+    step <= ema_warmup_steps, then decay * teacher + (1 - decay) * student."""
+    copy = step <= cfg.ema_warmup_steps
+    return jax.tree.map(
+        lambda t, p: jnp.where(copy, p, cfg.ema_decay * t + (1 - cfg.ema_decay) * p),
+        teacher, params)
+
+
+def _level_inputs(batch: dict, level: str):
+    if level == "global":
+        return normalize(batch["image"]), batch["action_tokens"], batch["valid"]
+    key = level + "s"
+    mask = batch[level + "_mask"] & batch["valid"][:, None]
+    return normalize(batch[key]), batch[level + "_tokens"], mask
+
+
+def compute_losses(model, teacher, batch: dict, cfg: TrainConfig) -> tuple[jax.Array, dict]:
+    """L_total = lambda_CA * (L_global + L_object + L_relation) + lambda_KD * L_KD on a caps
+    batch. `teacher` is the EMA model (or None without KD)."""
+    emb = {}
+    metrics = {}
+    l_ca = 0.0
+    for level in ("global", "object", "relation"):
+        pixels, tokens, mask = _level_inputs(batch, level)
+        pair = model.pair(level)
+        img, txt = pair.encode_image(pixels), pair.encode_text(tokens)
+        emb[level] = (img, txt, mask)
+        d = img.shape[-1]
+        labels = None
+        if cfg.duplicate_aware and level != "global":
+            labels = batch[level + "_labels"].reshape(-1)
+        loss = losses.clip_contrastive(img.reshape(-1, d), txt.reshape(-1, d),
+                                       model.logit_scale(level), mask.reshape(-1), labels)
+        metrics[f"loss_{level}"] = loss
+        metrics[f"logit_scale_{level}"] = jnp.exp(model.logit_scale(level))
+        l_ca = l_ca + loss
+    l_kd = jnp.zeros((), jnp.float32)
+    if teacher is not None and cfg.lambda_kd:
+        g_img, g_txt, _ = emb["global"]
+        log_scale = model.kd_log_scale[...]
+        if cfg.kd_direction in ("both", "vision"):
+            t_img = teacher.pair("global").encode_image(_level_inputs(batch, "global")[0])
+            for level in ("object", "relation"):
+                img, _, mask = emb[level]
+                l_kd += losses.kd_one_teacher_many_students(t_img, img, mask, log_scale)
+        if cfg.kd_direction in ("both", "text"):
+            for level in ("object", "relation"):
+                _, tokens, mask = _level_inputs(batch, level)
+                t_txt = teacher.pair(level).encode_text(tokens)
+                l_kd += losses.kd_many_teachers_one_student(t_txt, mask, g_txt, log_scale)
+        metrics["kd_temperature"] = losses.student_temperature(log_scale)
+    total = cfg.lambda_ca * l_ca + cfg.lambda_kd * l_kd
+    metrics.update(loss=total, loss_ca=l_ca, loss_kd=l_kd)
+    return total, metrics
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: TrainConfig,
+                    labels: PyTree):
+    """The step `(state, batch) -> (state, metrics)`, to be jitted with the state donated."""
+    frozen = jax.tree.map(lambda lab: lab == "frozen", labels)
+    lr = learning_rate(cfg)
+
+    def loss_fn(params, teacher_params, batch):
+        params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
+        model = nnx.merge(graphdef, params)
+        teacher = None
+        if model.has_kd and cfg.lambda_kd:
+            teacher = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, teacher_params))
+        return compute_losses(model, teacher, batch, cfg)
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, state.teacher, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new_step = state.step + 1
+        teacher = ema_update(state.teacher, params, new_step, cfg)
+        metrics["lr"] = lr(state.step)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["bad_records"] = jnp.sum(batch["bad_record"])
+        return TrainState(new_step, params, teacher, opt_state), metrics
+
+    return step
