@@ -1,0 +1,121 @@
+"""The training core on the tiny preset: groups, schedule, EMA rule, moving scales, one compile."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sclaro_jax.data.pipeline import PipelineConfig, batch_shapes
+from sclaro_jax.models import scenarioclip
+from sclaro_jax.train import core
+
+B, N = 4, 3
+
+
+def _batch(seed=0):
+    cfg = PipelineConfig(image_size=32, max_objects=N, max_relations=N, text_length=8)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for k, shape in batch_shapes(B, cfg).items():
+        if k in ("image", "objects", "relations"):
+            out[k] = rng.integers(0, 256, shape, dtype=np.uint8)
+        elif k.endswith("tokens"):
+            ids = rng.integers(1, 400, shape).astype(np.int32)
+            ids[..., 0], ids[..., 4:] = 49406, 0
+            ids[..., 3] = 49407
+            out[k] = ids
+        elif k.endswith("mask"):
+            out[k] = rng.uniform(size=shape) < 0.7
+        elif k.endswith("labels"):
+            out[k] = rng.integers(0, 5, shape).astype(np.int32)
+        elif k == "valid":
+            out[k] = np.ones(shape, bool)
+        else:
+            out[k] = np.zeros(shape, np.int32)
+    return out
+
+
+CFG = core.TrainConfig(total_steps=20, lr=1e-3, ema_warmup_steps=3, frozen_vision_layers=1,
+                       frozen_text_layers=1)
+
+
+@pytest.fixture(scope="module")
+def run():
+    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)
+    graphdef, state, tx = core.init_state(model, CFG)
+    labels = core.param_labels(state.params, CFG)
+    step = jax.jit(core.make_train_step(graphdef, tx, CFG, labels), donate_argnums=0)
+    flat = lambda tree: {jax.tree_util.keystr(k): np.asarray(v)
+                         for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    history = [(flat(state.params), flat(state.teacher), None)]
+    for i in range(6):
+        state, metrics = step(state, _batch(i))
+        history.append((flat(state.params), flat(state.teacher),
+                        {k: float(v) for k, v in metrics.items()}))
+    names = {jax.tree_util.keystr(k): v
+             for k, v in jax.tree_util.tree_flatten_with_path(labels)[0]}
+    return dict(step=step, labels=names, history=history)
+
+
+def test_one_compilation_for_every_step(run):
+    assert run["step"]._cache_size() == 1
+
+
+def test_parameter_groups(run):
+    labels = run["labels"]
+    params = run["history"][0][0]
+    assert {v for v in labels.values()} == {"frozen", "kd", "decay", "no_decay"}
+    for k, lab in labels.items():
+        if lab == "decay":
+            assert params[k].ndim >= 2
+        if "bias" in k or "norm" in k or "logit_scale" in k:
+            assert lab in ("no_decay", "frozen"), k
+    assert [k for k, v in labels.items() if v == "kd"] == ["['kd_log_scale'].value"]
+    frozen = [k for k, v in labels.items() if v == "frozen"]
+    assert any("vision_model']['embeddings" in k for k in frozen)
+    assert any("text_model']['encoder']['layers'][0]" in k for k in frozen)
+    assert not any("layers'][1]" in k for k in frozen)
+    assert not any("pre_layrnorm" in k for k in frozen)  # the reference leaves it trainable
+
+
+def test_frozen_stay_trainable_move_and_scales_learn(run):
+    first, last = run["history"][0][0], run["history"][-1][0]
+    for k, lab in run["labels"].items():
+        moved = not np.array_equal(first[k], last[k])
+        assert moved == (lab != "frozen"), (k, lab)
+    metrics = [m for _, _, m in run["history"][1:]]
+    assert metrics[-1]["kd_temperature"] != pytest.approx(0.07, abs=1e-7)
+    for level in ("global", "object", "relation"):
+        assert metrics[-1][f"logit_scale_{level}"] != metrics[0][f"logit_scale_{level}"]
+
+
+def test_ema_teacher_copies_during_warmup_then_lags(run):
+    h = run["history"]
+    for step in range(1, 4):  # ema_warmup_steps = 3
+        params, teacher, _ = h[step]
+        for k in params:
+            np.testing.assert_array_equal(teacher[k], params[k])
+    for step in range(4, len(h)):
+        params, teacher, _ = h[step]
+        prev_teacher = h[step - 1][1]
+        lagging = 0
+        for k in params:
+            want = CFG.ema_decay * prev_teacher[k] + (1 - CFG.ema_decay) * params[k]
+            np.testing.assert_allclose(teacher[k], want, rtol=1e-6, atol=1e-7)
+            lagging += not np.array_equal(teacher[k], params[k])
+        assert lagging > 0
+
+
+def test_learning_rate_schedule():
+    lr = core.learning_rate(core.TrainConfig(total_steps=1000, lr=2e-5))
+    assert float(lr(0)) == pytest.approx(2e-8)
+    assert float(lr(100)) == pytest.approx(2e-5)
+    assert float(lr(550)) == pytest.approx(1e-5, rel=1e-3)  # cosine half-way
+    assert float(lr(1000)) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_loss_is_finite_and_kd_present(run):
+    m = run["history"][1][2]
+    assert np.isfinite(m["loss"]) and m["loss_kd"] > 0 and m["loss_ca"] > 0
+    assert m["loss"] == pytest.approx(m["loss_ca"] + m["loss_kd"], rel=1e-6)
