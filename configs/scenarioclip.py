@@ -1,20 +1,78 @@
-"""ScenarioCLIP: the paper recipe (../shared/DESIGN.md section 2); `:demo` for the bundled data.
+"""ScenarioCLIP, the paper recipe (DESIGN.md section 2); `:demo` trains on the bundled demo.
 
-Fields here are what the model side uses so far; the trainer's fields arrive with it.
+    python launch/train.py --config configs/scenarioclip.py --workdir DIR \\
+        --config.data.dir=/data/sclaro --config.model.init=/models/clip-vit-base-patch32
+    python launch/train.py --config configs/scenarioclip.py:demo --workdir /tmp/sclaro_demo
 """
 
 import ml_collections
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.seed = 42
-    config.model = ml_collections.ConfigDict()
-    config.model.preset = "ViT-B/32"  # sclaro_jax.models.clip.PRESETS
-    config.model.init = ""  # a Hugging Face CLIPModel folder; empty = random init
-    config.model.dtype = "float32"  # compute dtype; "bfloat16" on GPU
+    c = ml_collections.ConfigDict()
+    c.seed = 42
+    c.model = ml_collections.ConfigDict()
+    c.model.kind = "scenarioclip"  # scenarioclip | pyramidclip
+    c.model.preset = "ViT-B/32"  # sclaro_jax.models.clip.PRESETS, used for random init
+    c.model.init = ""  # a Hugging Face CLIPModel folder (openai/clip-vit-base-patch32)
+    c.model.dtype = "float32"  # compute dtype of the towers' matmuls; "bfloat16" on GPU
+    c.model.embed_dim = 512
+
+    c.data = ml_collections.ConfigDict()
+    c.data.dir = ""  # a dataset folder written by `python -m data_prep`
+    c.data.batch_size = 128
+    c.data.image_size = 224
+    c.data.max_objects = 10
+    c.data.max_relations = 8
+    c.data.text_length = 32
+    c.data.object_view = "crop"  # crop (the paper) | canvas (the reference code)
+    c.data.workers = 8
+
+    c.train = ml_collections.ConfigDict()
+    c.train.epochs = 12
+    c.train.steps = 0  # > 0 overrides epochs
+    c.train.lr = 2e-5
+    c.train.b1 = 0.9
+    c.train.b2 = 0.999
+    c.train.eps = 1e-8
+    c.train.weight_decay = 0.2
+    c.train.warmup_fraction = 0.1
+    c.train.warmup_init_factor = 1e-3
+    c.train.grad_clip = 1.0
+    c.train.kd_lr_factor = 0.1
+    c.train.ema_decay = 0.9995
+    c.train.ema_warmup_steps = 2000
+    c.train.lambda_ca = 1.0
+    c.train.lambda_kd = 1.0
+    c.train.kd_direction = "both"
+    c.train.duplicate_aware = False
+    c.train.frozen_vision_layers = 6
+    c.train.frozen_text_layers = 10
+    c.train.freeze_pre_layernorm = False
+
+    c.log_every = 10
+    c.checkpoint_every = 1000
+    c.keep_checkpoints = 3
+
     if arg == "demo":
-        config.model.preset = "tiny"
+        # Minutes on a CPU: the tiny preset (random init), small images, the bundled demo
+        # shards (launch/train.py writes them into WORKDIR/demo_data when data.dir is empty).
+        c.model.preset = "tiny"
+        c.model.embed_dim = 64
+        c.data.batch_size = 4
+        c.data.image_size = 32
+        c.data.max_objects = 8
+        c.data.max_relations = 6
+        c.data.workers = 0
+        c.train.epochs = 0
+        c.train.steps = 60
+        c.train.lr = 5e-4
+        c.train.ema_warmup_steps = 20
+        c.train.ema_decay = 0.9
+        c.train.frozen_vision_layers = 1
+        c.train.frozen_text_layers = 1
+        c.log_every = 5
+        c.checkpoint_every = 20
     elif arg not in (None, ""):
         raise ValueError(f"unknown config variant {arg!r}; known: demo")
-    return config
+    return c

@@ -14,6 +14,7 @@ def _run(*args):
 
 def test_sclaro_jax_never_imports_torch():
     code = ("import sys, sclaro_jax.models.clip, sclaro_jax.data.tokenizer\n"
+            "import sclaro_jax.data.pipeline, sclaro_jax.train.trainer, sclaro_jax.losses\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'data_prep'))\n"
             "assert not bad, bad\n")
@@ -21,12 +22,12 @@ def test_sclaro_jax_never_imports_torch():
     assert result.returncode == 0, result.stderr
 
 
-def test_train_cli_help_and_not_built_message():
+def test_train_cli_help_and_missing_data_message(tmp_path):
     help_ = _run("launch/train.py", "--help")
     assert help_.returncode == 0 and "--workdir" in help_.stdout
-    run = _run("launch/train.py", "--config", "configs/scenarioclip.py:demo", "--workdir",
-               str(ROOT / "workdir"))
-    assert run.returncode == 2 and "not built yet" in run.stderr
+    run = _run("launch/train.py", "--config", "configs/scenarioclip.py", "--workdir",
+               str(tmp_path))
+    assert run.returncode != 0 and "config.data.dir is empty" in run.stderr
 
 
 def test_data_prep_help():

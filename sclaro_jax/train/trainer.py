@@ -1,0 +1,147 @@
+"""The training loop: data, model, jitted step, orbax checkpoints with exact resume, metrics.
+
+`train(config, workdir)` reads an `ml_collections` config (configs/scenarioclip.py) and:
+- builds the Grain loader over `config.data.dir` (train split) and the model;
+- restores the newest checkpoint in `workdir/checkpoints` (student, EMA teacher, optimiser
+  state, step and the Grain iterator state) if there is one, so rerunning the same command
+  resumes exactly where the last checkpoint left off;
+- runs the jitted step (state donated, one compilation), writes `workdir/metrics.jsonl`
+  (step, loss, loss_ca, loss_kd, lr, kd_temperature, examples_per_sec, ...) and TensorBoard
+  scalars, shows a progress bar;
+- saves every `config.checkpoint_every` steps and at the end; orbax writes each checkpoint to a
+  temporary folder and renames it when complete, so a killed run keeps its last good one;
+- stops with `NonFiniteLossError` on a NaN/inf loss, before saving anything from that step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import grain.python as grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm import tqdm
+
+from sclaro_jax.data.dataset import open_dataset
+from sclaro_jax.data.pipeline import PipelineConfig, make_loader
+from sclaro_jax.models import scenarioclip
+from sclaro_jax.train import core
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+def train_config(config, steps: int) -> core.TrainConfig:
+    fields = {k: v for k, v in config.train.items() if k in core.TrainConfig.__dataclass_fields__}
+    return core.TrainConfig(total_steps=steps, **fields)
+
+
+def pipeline_config(config) -> PipelineConfig:
+    d = config.data
+    return PipelineConfig(image_size=d.image_size, max_objects=d.max_objects,
+                          max_relations=d.max_relations, text_length=d.text_length,
+                          object_view=d.object_view, train=True)
+
+
+def total_steps(config, records: int) -> int:
+    if config.train.steps:
+        return int(config.train.steps)
+    per_epoch = records // config.data.batch_size
+    if per_epoch < 1:
+        raise ValueError(f"batch size {config.data.batch_size} exceeds the {records} training "
+                         f"records of {config.data.dir}")
+    return int(config.train.epochs * per_epoch)
+
+
+def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
+    os.makedirs(workdir, exist_ok=True)
+    dataset = open_dataset(config.data.dir)
+    steps = total_steps(config, dataset.num_records("train"))
+    tcfg = train_config(config, steps)
+    dtype = jnp.dtype(config.model.dtype)
+    model = scenarioclip.build(config.model.kind, preset=config.model.preset,
+                               init=config.model.init, dtype=dtype, seed=config.seed,
+                               embed_dim=config.model.embed_dim)
+    graphdef, state, tx = core.init_state(model, tcfg)
+    del model
+    labels = core.param_labels(state.params, tcfg)
+    step_fn = jax.jit(core.make_train_step(graphdef, tx, tcfg, labels), donate_argnums=0)
+
+    loader = make_loader(dataset, "train", config.data.batch_size, config=pipeline_config(config),
+                         seed=config.seed, worker_count=config.data.workers)
+    it = iter(loader)
+    manager = ocp.CheckpointManager(
+        os.path.abspath(os.path.join(workdir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
+    start = 0
+    if manager.latest_step() is not None:
+        start = manager.latest_step()
+        restored = manager.restore(start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(state), data=grain.PyGrainCheckpointRestore(it)))
+        state = restored["state"]
+        log.info("resumed from %s at step %d", workdir, start)
+    if start >= steps:
+        log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
+                 start, steps)
+        return state
+
+    def save(step):
+        manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=grain.PyGrainCheckpointSave(it)),
+            force=True)
+
+    writer = _tensorboard(workdir)
+    bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=not progress)
+    t_last, n_last = time.perf_counter(), 0
+    with open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") as metrics_file:
+        for step in range(start, steps):
+            batch = next(it)
+            state, metrics = step_fn(state, batch)
+            n_last += config.data.batch_size
+            done = step + 1
+            log_now = done % config.log_every == 0 or done == steps
+            save_now = done % config.checkpoint_every == 0 or done == steps
+            if log_now or save_now:  # never checkpoint a state whose loss is not finite
+                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                if not np.isfinite(metrics["loss"]):
+                    manager.wait_until_finished()
+                    raise NonFiniteLossError(
+                        f"loss became {metrics['loss']} at step {done}; stopping. The last good "
+                        f"checkpoint (step {manager.latest_step()}) in {workdir}/checkpoints is "
+                        f"intact; lower train.lr or check the data.")
+            if log_now:
+                now = time.perf_counter()
+                metrics.update(step=done, examples_per_sec=n_last / (now - t_last))
+                t_last, n_last = now, 0
+                metrics_file.write(json.dumps(metrics) + "\n")
+                metrics_file.flush()
+                if writer is not None:
+                    for k, v in metrics.items():
+                        writer.add_scalar(k, v, done)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                                ex_s=f"{metrics['examples_per_sec']:.1f}")
+            bar.update(1)
+            if save_now:
+                save(done)
+    bar.close()
+    manager.wait_until_finished()
+    manager.close()
+    if writer is not None:
+        writer.close()
+    return state
+
+
+def _tensorboard(workdir: str):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # optional: metrics.jsonl is always written
+        return None
+    return SummaryWriter(os.path.join(workdir, "tensorboard"))

@@ -1,0 +1,81 @@
+"""The demo training run end to end: loss falls, scales move, a SIGKILLed run resumes exactly."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 24
+OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=8",
+             "--config.log_every=4", "--config.train.ema_warmup_steps=6"]
+
+
+def _train_cmd(workdir, data):
+    return [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:demo",
+            "--workdir", str(workdir), f"--config.data.dir={data}", *OVERRIDES]
+
+
+def _final_params(workdir):
+    import orbax.checkpoint as ocp
+    path = os.path.join(workdir, "checkpoints", str(STEPS), "state")
+    return ocp.PyTreeCheckpointer().restore(path)
+
+
+def _flat(tree):
+    import jax
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        yield jax.tree_util.keystr(path), np.asarray(leaf)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_dir):
+    workdir = tmp_path_factory.mktemp("run_full")
+    result = subprocess.run(_train_cmd(workdir, demo_dir), cwd=ROOT, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir
+
+
+def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
+    rows = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(4, STEPS + 1, 4))
+    for field in ("step", "loss", "loss_ca", "loss_kd", "lr", "kd_temperature",
+                  "examples_per_sec"):
+        assert all(np.isfinite(r[field]) for r in rows), field
+    assert np.mean([r["loss"] for r in rows[-2:]]) < np.mean([r["loss"] for r in rows[:2]])
+    assert rows[-1]["kd_temperature"] != rows[0]["kd_temperature"]
+    for level in ("global", "object", "relation"):
+        assert rows[-1][f"logit_scale_{level}"] != rows[0][f"logit_scale_{level}"]
+    assert sorted(os.listdir(uninterrupted / "checkpoints")) == ["16", "24", "8"]
+    state = _final_params(uninterrupted)
+    assert int(state["step"]) == STEPS
+
+
+def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, demo_dir,
+                                                               tmp_path):
+    cmd = _train_cmd(tmp_path, demo_dir)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / "checkpoints" / "8"
+    deadline = time.time() + 600
+    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)  # polling for the checkpoint folder the run is about to finish
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
+    assert done and max(done) < STEPS  # killed mid-way
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stderr
+    want = dict(_flat(_final_params(uninterrupted)))  # student, teacher, optimiser, step
+    got = dict(_flat(_final_params(tmp_path)))
+    assert want.keys() == got.keys() and len(want) > 500
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
