@@ -43,6 +43,7 @@ class CLIPPair(nnx.Module):
 
     def __init__(self, towers: clip.CLIPModel, embed_dim: int = 512, *, rngs: nnx.Rngs):
         cfg = towers.config
+        self.config = cfg  # the towers' CLIPConfig (export writes it back out)
         self.vision_model = towers.vision_model
         self.text_model = towers.text_model
         self.vision_head = Head(cfg.vision.hidden_size, embed_dim, rngs=rngs)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from flax import nnx
 from tqdm import tqdm
 
 from sclaro_jax.data.dataset import open_dataset
@@ -61,15 +62,24 @@ def total_steps(config, records: int) -> int:
     return int(config.train.epochs * per_epoch)
 
 
+def build_model(config, *, abstract: bool = False):
+    """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into)."""
+    def make():
+        return scenarioclip.build(config.model.kind, preset=config.model.preset,
+                                  init="" if abstract else config.model.init,
+                                  dtype=jnp.dtype(config.model.dtype), seed=config.seed,
+                                  embed_dim=config.model.embed_dim)
+    return nnx.eval_shape(make) if abstract else make()
+
+
 def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+        f.write(config.to_json_best_effort(indent=2))  # what `export` rebuilds the model from
     dataset = open_dataset(config.data.dir)
     steps = total_steps(config, dataset.num_records("train"))
     tcfg = train_config(config, steps)
-    dtype = jnp.dtype(config.model.dtype)
-    model = scenarioclip.build(config.model.kind, preset=config.model.preset,
-                               init=config.model.init, dtype=dtype, seed=config.seed,
-                               embed_dim=config.model.embed_dim)
+    model = build_model(config)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     labels = core.param_labels(state.params, tcfg)

@@ -1,0 +1,113 @@
+"""Export one level of a trained ScenarioCLIP / PyramidCLIP checkpoint for PyTorch users.
+
+    python -m sclaro_jax.train.export --workdir DIR --level object --out OUT [--teacher] [--step N]
+
+OUT gets a Hugging Face `CLIPModel` folder (config.json + model.safetensors: that level's
+vision and text towers) and `scenarioclip_heads.safetensors` with the level's Linear+LayerNorm
+heads in `torch.nn.Sequential(Linear, LayerNorm)` key names (`vision_head.0.weight`, ...) and
+its `logit_scale`. ScenarioCLIP does not use CLIP's own projections: they are written as zeros,
+so `get_image_features` / `get_text_features` on the folder are zero by design. Reproduce our
+embeddings in PyTorch with (README has the same):
+
+    clip = transformers.CLIPModel.from_pretrained(OUT)
+    heads = safetensors.torch.load_file(f"{OUT}/scenarioclip_heads.safetensors")
+    vision_head = nn.Sequential(nn.Linear(768, 512), nn.LayerNorm(512))
+    vision_head.load_state_dict({k[12:]: v for k, v in heads.items()
+                                 if k.startswith("vision_head.")})
+    image_emb = vision_head(clip.vision_model(pixel_values=x).pooler_output)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from sclaro_jax.models import clip
+from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
+
+HEADS_FILE = "scenarioclip_heads.safetensors"
+
+
+def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False):
+    """(model, step) from WORKDIR's config.json and a checkpoint (the newest by default)."""
+    from sclaro_jax.train import core
+    from sclaro_jax.train.trainer import build_model
+
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir")
+    with open(path, encoding="utf-8") as f:
+        config = ml_collections.ConfigDict(json.load(f))
+    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    step = manager.latest_step() if step is None else step
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
+    model = build_model(config, abstract=True)
+    graphdef, _ = nnx.split(model, nnx.Param)
+    tcfg = core.TrainConfig(total_steps=1, **{
+        k: v for k, v in config.train.items() if k in core.TrainConfig.__dataclass_fields__})
+    abstract = jax.eval_shape(lambda: core.init_state(build_model(config), tcfg)[1])
+    state = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+    manager.close()
+    return nnx.merge(graphdef, state.teacher if teacher else state.params), step
+
+
+def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
+    out = {}
+    for name, head in (("vision_head", pair.vision_head), ("text_head", pair.text_head)):
+        out[f"{name}.0.weight"] = np.asarray(head.linear.kernel[...]).T
+        out[f"{name}.0.bias"] = np.asarray(head.linear.bias[...])
+        out[f"{name}.1.weight"] = np.asarray(head.norm.scale[...])
+        out[f"{name}.1.bias"] = np.asarray(head.norm.bias[...])
+    out["logit_scale"] = np.asarray(logit_scale, np.float32).reshape(())
+    return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
+
+
+def export_level(model, level: str, out: str) -> str:
+    """Write `level`'s towers as a Hugging Face CLIPModel folder plus its heads."""
+    from safetensors.numpy import save_file
+
+    if level not in LEVELS:
+        raise ValueError(f"level {level!r} is not one of {LEVELS}")
+    pair = model.pair(level)
+    config = pair.config.replace(projection_dim=pair.vision_head.linear.out_features)
+    towers = nnx.eval_shape(lambda: clip.create(config))
+    towers.vision_model = pair.vision_model
+    towers.text_model = pair.text_model
+    for proj in (towers.visual_projection, towers.text_projection):
+        proj.kernel = nnx.Param(jnp.zeros(proj.kernel.shape, jnp.float32))
+    towers.logit_scale = nnx.Param(jnp.asarray(model.logit_scale(level), jnp.float32))
+    clip.to_hf(towers, out)
+    tmp = os.path.join(out, HEADS_FILE + ".tmp")
+    save_file(heads_state_dict(pair, model.logit_scale(level)), tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out, HEADS_FILE))
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sclaro_jax.train.export",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", required=True, help="a training workdir")
+    parser.add_argument("--level", required=True, choices=LEVELS)
+    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (newest)")
+    parser.add_argument("--teacher", action="store_true", help="export the EMA teacher")
+    args = parser.parse_args(argv)
+    model, step = load_checkpoint(args.workdir, args.step, teacher=args.teacher)
+    export_level(model, args.level, args.out)
+    print(f"wrote the {args.level} level of step {step} to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

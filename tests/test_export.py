@@ -1,0 +1,80 @@
+"""Export of a trained level: the PyTorch snippet in README reproduces our embeddings."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from sclaro_jax.models import scenarioclip
+from sclaro_jax.train import export
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torch_embeddings(folder, pixels_nhwc, ids):
+    """The README snippet, verbatim in spirit: HF towers + nn.Sequential heads."""
+    model = transformers.CLIPModel.from_pretrained(folder).eval()
+    heads = load_file(f"{folder}/scenarioclip_heads.safetensors")
+    v_in, t_in = model.config.vision_config.hidden_size, model.config.text_config.hidden_size
+    d = heads["vision_head.0.bias"].shape[0]
+    vision_head = torch.nn.Sequential(torch.nn.Linear(v_in, d), torch.nn.LayerNorm(d))
+    text_head = torch.nn.Sequential(torch.nn.Linear(t_in, d), torch.nn.LayerNorm(d))
+    vision_head.load_state_dict({k[len("vision_head."):]: v for k, v in heads.items()
+                                 if k.startswith("vision_head.")})
+    text_head.load_state_dict({k[len("text_head."):]: v for k, v in heads.items()
+                               if k.startswith("text_head.")})
+    with torch.no_grad():
+        x = torch.from_numpy(np.asarray(pixels_nhwc)).permute(0, 3, 1, 2)
+        image = vision_head(model.vision_model(pixel_values=x).pooler_output)
+        text = text_head(model.text_model(input_ids=torch.from_numpy(np.asarray(ids))
+                                          .long()).pooler_output)
+        zero = model.get_image_features(pixel_values=x)
+    zero = getattr(zero, "pooler_output", zero)
+    return image.numpy(), text.numpy(), zero.numpy(), float(heads["logit_scale"])
+
+
+@pytest.mark.parametrize("level", ["object", "relation"])
+def test_exported_level_reproduces_our_embeddings_in_pytorch(tmp_path, level):
+    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=24, seed=1)
+    model.pair(level).vision_head.linear.bias[...] += 0.3  # not the init values
+    out = export.export_level(model, level, str(tmp_path / level))
+    rng = np.random.default_rng(0)
+    pixels = rng.normal(size=(3, 32, 32, 3)).astype(np.float32)
+    ids = np.array([[49406, 320, 1125, 49407, 0, 0], [49406, 500, 49407, 0, 0, 0],
+                    [49406, 7, 8, 9, 10, 49407]], np.int32)
+    ours_img = np.asarray(model.pair(level).encode_image(jnp.asarray(pixels)))
+    ours_txt = np.asarray(model.pair(level).encode_text(jnp.asarray(ids)))
+    img, txt, zero, scale = _torch_embeddings(out, pixels, ids)
+    np.testing.assert_allclose(img, ours_img, atol=1e-5)
+    np.testing.assert_allclose(txt, ours_txt, atol=1e-5)
+    assert not zero.any()  # CLIP's own projections are not ScenarioCLIP's: zeros by design
+    assert scale == pytest.approx(float(model.logit_scale(level)))
+    # the other levels' towers are different weights: the export picked the right one
+    other = np.asarray(model.pair("global").encode_image(jnp.asarray(pixels)))
+    assert np.abs(other - img).max() > 1e-3
+
+
+def test_export_cli_from_a_training_workdir(tmp_path, demo_dir):
+    workdir = tmp_path / "run"
+    train = subprocess.run(
+        [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:demo",
+         "--workdir", str(workdir), f"--config.data.dir={demo_dir}", "--config.train.steps=2",
+         "--config.log_every=1"], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert train.returncode == 0, train.stderr[-2000:]
+    out = tmp_path / "exported"
+    result = subprocess.run([sys.executable, "-m", "sclaro_jax.train.export", "--workdir",
+                             str(workdir), "--level", "global", "--out", str(out)], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "wrote the global level of step 2" in result.stdout
+    model, step = export.load_checkpoint(str(workdir))
+    pixels = np.zeros((1, 32, 32, 3), np.float32)
+    img, _, _, _ = _torch_embeddings(out, pixels, np.array([[49406, 49407]], np.int32))
+    np.testing.assert_allclose(img, np.asarray(model.pair("global").encode_image(pixels)),
+                               atol=1e-5)
