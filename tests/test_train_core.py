@@ -1,10 +1,8 @@
 """The training core on the tiny preset: groups, schedule, EMA rule, moving scales, one compile."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from sclaro_jax.data.pipeline import PipelineConfig, batch_shapes
 from sclaro_jax.models import scenarioclip
