@@ -50,6 +50,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.frozen_text_layers = 10
     c.train.freeze_pre_layernorm = False
 
+    c.sharding = "dp"  # none | dp | fsdp over all devices (sclaro_jax.train.sharding)
+    c.distributed = False  # multi-host: call jax.distributed.initialize() first
     c.log_every = 10
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3

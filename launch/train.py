@@ -29,6 +29,9 @@ def main(argv):
     logging.getLogger("sclaro_jax").setLevel(logging.INFO)
     config = FLAGS.config
     workdir = FLAGS.workdir
+    if config.distributed:  # multi-host: coordinator and process ids from the environment
+        import jax
+        jax.distributed.initialize()
     if not config.data.dir:
         if config.model.preset != "tiny" or config.data.batch_size > 16:
             raise app.UsageError("config.data.dir is empty: pass --config.data.dir=DIR (a "

@@ -11,11 +11,11 @@ from sclaro_jax.train import core
 B, N = 4, 3
 
 
-def _batch(seed=0):
+def _batch(seed=0, batch_size=B):
     cfg = PipelineConfig(image_size=32, max_objects=N, max_relations=N, text_length=8)
     rng = np.random.default_rng(seed)
     out = {}
-    for k, shape in batch_shapes(B, cfg).items():
+    for k, shape in batch_shapes(batch_size, cfg).items():
         if k in ("image", "objects", "relations"):
             out[k] = rng.integers(0, 256, shape, dtype=np.uint8)
         elif k.endswith("tokens"):

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.models import scenarioclip
-from sclaro_jax.train import core
+from sclaro_jax.train import core, sharding
 
 log = logging.getLogger(__name__)
 
@@ -83,9 +83,14 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     labels = core.param_labels(state.params, tcfg)
-    step_fn = jax.jit(core.make_train_step(graphdef, tx, tcfg, labels), donate_argnums=0)
-
-    loader = make_loader(dataset, "train", config.data.batch_size, config=pipeline_config(config),
+    mesh = sharding.make_mesh(config.sharding)
+    step_fn, state = sharding.jit_step(core.make_train_step(graphdef, tx, tcfg, labels), state,
+                                       mesh, config.sharding)
+    if config.data.batch_size % jax.process_count():
+        raise ValueError(f"batch size {config.data.batch_size} is not divisible by the "
+                         f"{jax.process_count()} hosts")
+    host_batch = config.data.batch_size // jax.process_count()
+    loader = make_loader(dataset, "train", host_batch, config=pipeline_config(config),
                          seed=config.seed, worker_count=config.data.workers)
     it = iter(loader)
     manager = ocp.CheckpointManager(
@@ -113,8 +118,7 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     t_last, n_last = time.perf_counter(), 0
     with open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") as metrics_file:
         for step in range(start, steps):
-            batch = next(it)
-            state, metrics = step_fn(state, batch)
+            state, metrics = step_fn(state, sharding.put_batch(next(it), mesh))
             n_last += config.data.batch_size
             done = step + 1
             log_now = done % config.log_every == 0 or done == steps
