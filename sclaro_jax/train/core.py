@@ -100,6 +100,7 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransformation:
+    """AdamW groups over the trainable parameters; `labels` holds decay / no_decay / kd."""
     lr = learning_rate(cfg)
 
     def kd_lr(step):
@@ -113,18 +114,27 @@ def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransforma
                                  weight_decay=cfg.weight_decay),
             "no_decay": adam(lr),
             "kd": adam(kd_lr),
-            "frozen": optax.set_to_zero(),
         }, labels))
+
+
+def trainable_indices(labels: PyTree) -> list[int]:
+    """Positions (in `jax.tree.leaves` order) of the parameters that train."""
+    return [i for i, lab in enumerate(jax.tree.leaves(labels)) if lab != "frozen"]
 
 
 def init_state(model: nnx.Module, cfg: TrainConfig) -> tuple[nnx.GraphDef, TrainState,
                                                                optax.GradientTransformation]:
+    """Split the model; the optimiser (and its state) covers only the trainable parameters, so
+    frozen ones cost no gradient, no Adam moments and no EMA arithmetic."""
     graphdef, params = nnx.split(model, nnx.Param)
     labels = param_labels(params, cfg)
-    tx = make_optimizer(cfg, labels)
+    index = trainable_indices(labels)
+    label_leaves = jax.tree.leaves(labels)
+    tx = make_optimizer(cfg, [label_leaves[i] for i in index])
+    leaves = jax.tree.leaves(params)
     teacher = jax.tree.map(jnp.copy, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, teacher=teacher,
-                       opt_state=tx.init(params))
+                       opt_state=tx.init([leaves[i] for i in index]))
     return graphdef, state, tx
 
 
@@ -187,27 +197,43 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig) -> tuple[jax.A
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: TrainConfig,
                     labels: PyTree):
-    """The step `(state, batch) -> (state, metrics)`, to be jitted with the state donated."""
-    frozen = jax.tree.map(lambda lab: lab == "frozen", labels)
+    """The step `(state, batch) -> (state, metrics)`, to be jitted with the state donated.
+
+    Gradients, optimiser and EMA touch only the trainable leaves; frozen leaves pass through
+    (student and teacher hold the same frozen values for ever)."""
+    index = trainable_indices(labels)
     lr = learning_rate(cfg)
 
-    def loss_fn(params, teacher_params, batch):
-        params = jax.tree.map(lambda p, f: jax.lax.stop_gradient(p) if f else p, params, frozen)
-        model = nnx.merge(graphdef, params)
+    def with_leaves(tree, chosen):
+        leaves, treedef = jax.tree.flatten(tree)
+        for i, leaf in zip(index, chosen):
+            leaves[i] = leaf
+        return jax.tree.unflatten(treedef, leaves)
+
+    def pick(tree):
+        leaves = jax.tree.leaves(tree)
+        return [leaves[i] for i in index]
+
+    def loss_fn(trainable, params, teacher_params, batch):
+        frozen = jax.tree.map(jax.lax.stop_gradient, params)
+        model = nnx.merge(graphdef, with_leaves(frozen, trainable))
         teacher = None
         if model.has_kd and cfg.lambda_kd:
             teacher = nnx.merge(graphdef, jax.tree.map(jax.lax.stop_gradient, teacher_params))
         return compute_losses(model, teacher, batch, cfg)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        grads, metrics = jax.grad(loss_fn, has_aux=True)(state.params, state.teacher, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        trainable = pick(state.params)
+        grads, metrics = jax.grad(loss_fn, has_aux=True)(trainable, state.params, state.teacher,
+                                                          batch)
+        updates, opt_state = tx.update(grads, state.opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
         new_step = state.step + 1
-        teacher = ema_update(state.teacher, params, new_step, cfg)
+        teacher = ema_update(pick(state.teacher), trainable, new_step, cfg)
         metrics["lr"] = lr(state.step)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["bad_records"] = jnp.sum(batch["bad_record"])
-        return TrainState(new_step, params, teacher, opt_state), metrics
+        return TrainState(new_step, with_leaves(state.params, trainable),
+                          with_leaves(state.teacher, teacher), opt_state), metrics
 
     return step

