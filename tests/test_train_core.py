@@ -117,3 +117,20 @@ def test_loss_is_finite_and_kd_present(run):
     m = run["history"][1][2]
     assert np.isfinite(m["loss"]) and m["loss_kd"] > 0 and m["loss_ca"] > 0
     assert m["loss"] == pytest.approx(m["loss_ca"] + m["loss_kd"], rel=1e-6)
+
+
+def test_bf16_compute_keeps_fp32_params_and_losses():
+    import jax.numpy as jnp
+    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, dtype=jnp.bfloat16)
+    graphdef, state, tx = core.init_state(model, CFG)
+    assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
+    step = jax.jit(core.make_train_step(graphdef, tx, CFG, core.param_labels(state.params, CFG)))
+    new, metrics = step(state, _batch(0))
+    assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))
+    assert {x.dtype for x in jax.tree.leaves(new.params)} == {jnp.dtype("float32")}
+    # bf16 matmuls land near the fp32 loss of the same weights
+    model32 = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16)
+    g32, s32, tx32 = core.init_state(model32, CFG)
+    step32 = jax.jit(core.make_train_step(g32, tx32, CFG, core.param_labels(s32.params, CFG)))
+    _, m32 = step32(s32, _batch(0))
+    assert abs(float(metrics["loss"]) - float(m32["loss"])) < 0.05 * float(m32["loss"])

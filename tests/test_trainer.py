@@ -79,3 +79,21 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
     assert want.keys() == got.keys() and len(want) > 500
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+@pytest.mark.parametrize("config, kind", [("configs/pyramidclip.py:demo", "PyramidCLIP"),
+                                          ("configs/scenarioclip_nokd.py:demo", "ScenarioCLIP")])
+def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
+    result = subprocess.run(
+        [sys.executable, "launch/train.py", "--config", config, "--workdir", str(tmp_path),
+         f"--config.data.dir={demo_dir}", "--config.train.steps=2", "--config.log_every=1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["loss_kd"] == 0.0 and r["loss"] == r["loss_ca"] for r in rows)
+    from sclaro_jax.train.export import load_checkpoint
+    model, _ = load_checkpoint(str(tmp_path))
+    assert type(model).__name__ == kind
+    if kind == "PyramidCLIP":  # one pair serves every level
+        assert model.pair("global") is model.pair("object") is model.pair("relation")
