@@ -50,4 +50,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if any(arg in ("-h", "--help", "--helpshort") for arg in sys.argv[1:]):
+        print(__doc__)  # absl's own --help exits with status 1
+        print(FLAGS.main_module_help())
+        sys.exit(0)
     app.run(main)
