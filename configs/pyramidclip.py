@@ -1,14 +1,7 @@
 """PyramidCLIP as the reference runs it: one shared pair at all levels, three InfoNCE losses
 with their own scales, no KD (same recipe otherwise)."""
 
-import importlib.util
-import os
-
-_spec = importlib.util.spec_from_file_location(
-    "_scenarioclip_config", os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                         "scenarioclip.py"))
-scenarioclip = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(scenarioclip)
+from configs import scenarioclip  # the repository root is on sys.path (launch/train.py)
 
 
 def get_config(arg: str | None = None):

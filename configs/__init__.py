@@ -1,0 +1,1 @@
+"""ml_collections configs: `get_config(arg)` per file; `file.py:arg` on the command line."""
