@@ -55,6 +55,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.log_every = 10
     c.checkpoint_every = 1000
     c.keep_checkpoints = 3
+    c.checkpoint_async = True  # write checkpoints in the background while training goes on
+    c.progress_bar = True
 
     if arg == "demo":
         # Minutes on a CPU: the tiny preset (random init), small images, the bundled demo

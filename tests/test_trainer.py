@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -61,14 +60,17 @@ def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
 def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, demo_dir,
                                                                tmp_path):
     cmd = _train_cmd(tmp_path, demo_dir)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ckpt = tmp_path / "checkpoints" / "8"
-    deadline = time.time() + 600
-    while not ckpt.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)  # polling for the checkpoint folder the run is about to finish
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
+    # Synchronous checkpoints and no progress bar, so the log line below means the step-8
+    # checkpoint is complete; the run is killed the moment it says so.
+    kill_cmd = cmd + ["--config.checkpoint_async=False", "--config.progress_bar=False"]
+    proc = subprocess.Popen(kill_cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:  # blocks on the pipe until the trainer reports the checkpoint
+        if "checkpoint at step 8 written" in line:
+            os.kill(proc.pid, signal.SIGKILL)
+            break
     proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     done = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
     assert done and max(done) < STEPS  # killed mid-way
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -95,7 +95,9 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     it = iter(loader)
     manager = ocp.CheckpointManager(
         os.path.abspath(os.path.join(workdir, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=config.keep_checkpoints, create=True,
+            enable_async_checkpointing=config.checkpoint_async))
     start = 0
     if manager.latest_step() is not None:
         start = manager.latest_step()
@@ -112,9 +114,12 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
         manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=grain.PyGrainCheckpointSave(it)),
             force=True)
+        log.info("checkpoint at step %d %s", step,
+                 "started (written in the background)" if config.checkpoint_async else "written")
 
     writer = _tensorboard(workdir)
-    bar = tqdm(total=steps, initial=start, desc="train", unit="step", disable=not progress)
+    bar = tqdm(total=steps, initial=start, desc="train", unit="step",
+               disable=not (progress and config.progress_bar))
     t_last, n_last = time.perf_counter(), 0
     with open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") as metrics_file:
         for step in range(start, steps):
