@@ -16,9 +16,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main():
@@ -36,28 +36,12 @@ def main():
     import jax
     import jax.numpy as jnp
 
+    from bench_train_step import make_batch
     from sclaro_jax.models import scenarioclip
-    from sclaro_jax.models.clip import PRESETS
     from sclaro_jax.train import core
 
-    size = PRESETS[args.preset].vision.image_size
-    rng = np.random.default_rng(0)
-
-    def ids(shape):
-        x = rng.integers(300, 40000, shape + (args.text_length,)).astype(np.int32)
-        x[..., 0], x[..., 5], x[..., 6:] = 49406, 49407, 49407
-        return x
-
-    b, no, nr = args.batch, args.objects, args.relations
-    batch = {
-        "image": rng.integers(0, 256, (b, size, size, 3), dtype=np.uint8),
-        "objects": rng.integers(0, 256, (b, no, size, size, 3), dtype=np.uint8),
-        "relations": rng.integers(0, 256, (b, nr, size, size, 3), dtype=np.uint8),
-        "action_tokens": ids((b,)), "object_tokens": ids((b, no)),
-        "relation_tokens": ids((b, nr)), "object_mask": np.ones((b, no), bool),
-        "relation_mask": np.ones((b, nr), bool), "object_labels": np.zeros((b, no), np.int32),
-        "relation_labels": np.zeros((b, nr), np.int32), "valid": np.ones((b,), bool),
-        "bad_record": np.zeros((b,), np.int32)}
+    batch = make_batch(args.preset, args.batch, n_obj=args.objects, n_rel=args.relations,
+                       text_len=args.text_length)
     batch = jax.device_put(batch)
     model = scenarioclip.build("scenarioclip", preset=args.preset, dtype=jnp.dtype(args.dtype))
     cfg = core.TrainConfig(total_steps=10_000)
@@ -80,9 +64,9 @@ def main():
     jax.block_until_ready(metrics)
     dt = (time.perf_counter() - t0) / args.steps
     result = {
-        "device": str(jax.devices()[0].device_kind), "preset": args.preset, "batch": b,
-        "objects": no, "relations": nr, "dtype": args.dtype, "step_s": dt,
-        "examples_per_sec": b / dt, "tflops_per_step": flops / 1e12,
+        "device": str(jax.devices()[0].device_kind), "preset": args.preset, "batch": args.batch,
+        "objects": args.objects, "relations": args.relations, "dtype": args.dtype, "step_s": dt,
+        "examples_per_sec": args.batch / dt, "tflops_per_step": flops / 1e12,
         "achieved_tflops": flops / dt / 1e12, "mfu": flops / dt / (args.peak_tflops * 1e12),
         "compile_s": compile_s, "loss": float(metrics["loss"]),
         "recompiles": step._cache_size() - 1,

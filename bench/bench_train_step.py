@@ -35,25 +35,27 @@ TEXT_LEN = 32
 EMBED = 512
 
 
-def make_batch(preset: str, batch: int, seed: int = 0) -> dict:
+def make_batch(preset: str, batch: int, seed: int = 0, n_obj: int = N_OBJ, n_rel: int = N_REL,
+               text_len: int = TEXT_LEN) -> dict:
+    """A synthetic caps batch, every object and relation valid (also used by bench_gpu_train)."""
     from sclaro_jax.models.clip import PRESETS
     size = PRESETS[preset].vision.image_size
     rng = np.random.default_rng(seed)
 
     def ids(shape):
-        x = rng.integers(300, 40000, shape + (TEXT_LEN,)).astype(np.int32)
+        x = rng.integers(300, 40000, shape + (text_len,)).astype(np.int32)
         x[..., 0], x[..., 5], x[..., 6:] = 49406, 49407, 49407
         return x
 
     return {
         "image": rng.integers(0, 256, (batch, size, size, 3), dtype=np.uint8),
-        "objects": rng.integers(0, 256, (batch, N_OBJ, size, size, 3), dtype=np.uint8),
-        "relations": rng.integers(0, 256, (batch, N_REL, size, size, 3), dtype=np.uint8),
-        "action_tokens": ids((batch,)), "object_tokens": ids((batch, N_OBJ)),
-        "relation_tokens": ids((batch, N_REL)),
-        "object_mask": np.ones((batch, N_OBJ), bool), "relation_mask": np.ones((batch, N_REL), bool),
-        "object_labels": np.zeros((batch, N_OBJ), np.int32),
-        "relation_labels": np.zeros((batch, N_REL), np.int32),
+        "objects": rng.integers(0, 256, (batch, n_obj, size, size, 3), dtype=np.uint8),
+        "relations": rng.integers(0, 256, (batch, n_rel, size, size, 3), dtype=np.uint8),
+        "action_tokens": ids((batch,)), "object_tokens": ids((batch, n_obj)),
+        "relation_tokens": ids((batch, n_rel)),
+        "object_mask": np.ones((batch, n_obj), bool), "relation_mask": np.ones((batch, n_rel), bool),
+        "object_labels": np.zeros((batch, n_obj), np.int32),
+        "relation_labels": np.zeros((batch, n_rel), np.int32),
         "valid": np.ones((batch,), bool), "bad_record": np.zeros((batch,), np.int32),
     }
 

@@ -142,7 +142,7 @@ class SampleTransform(grain.RandomMapTransform):
             return self._example(record, rng)
         except schema.RecordError as e:
             log.warning("skipping a bad record: %s", e)
-            return self.bad_example()
+            return empty_example(self.config)
 
     def _example(self, record: bytes, rng: np.random.Generator) -> dict:
         c = self.config
@@ -183,25 +183,26 @@ class SampleTransform(grain.RandomMapTransform):
             "dropped_relations": np.int32(len(sample.relations) - len(relations)),
         }
 
-    def bad_example(self) -> dict:
-        size, length = self.config.image_size, self.config.text_length
-        return {
-            "image": np.zeros((size, size, 3), np.uint8),
-            "objects": np.zeros((0, size, size, 3), np.uint8),
-            "relations": np.zeros((0, size, size, 3), np.uint8),
-            "action_tokens": np.zeros((length,), np.int32),
-            "object_tokens": np.zeros((0, length), np.int32),
-            "relation_tokens": np.zeros((0, length), np.int32),
-            "action_label": np.int32(-1),
-            "object_labels": np.zeros((0,), np.int32),
-            "relation_labels": np.zeros((0,), np.int32),
-            "source": np.int32(-1),
-            "sample_key": np.int64(-1),
-            "valid": np.bool_(False),
-            "bad_record": np.int32(1),
-            "dropped_objects": np.int32(0),
-            "dropped_relations": np.int32(0),
-        }
+def empty_example(config: PipelineConfig) -> dict:
+    """The example a bad record becomes: no objects or relations, valid=False, bad_record=1."""
+    size, length = config.image_size, config.text_length
+    return {
+        "image": np.zeros((size, size, 3), np.uint8),
+        "objects": np.zeros((0, size, size, 3), np.uint8),
+        "relations": np.zeros((0, size, size, 3), np.uint8),
+        "action_tokens": np.zeros((length,), np.int32),
+        "object_tokens": np.zeros((0, length), np.int32),
+        "relation_tokens": np.zeros((0, length), np.int32),
+        "action_label": np.int32(-1),
+        "object_labels": np.zeros((0,), np.int32),
+        "relation_labels": np.zeros((0,), np.int32),
+        "source": np.int32(-1),
+        "sample_key": np.int64(-1),
+        "valid": np.bool_(False),
+        "bad_record": np.int32(1),
+        "dropped_objects": np.int32(0),
+        "dropped_relations": np.int32(0),
+    }
 
 
 _PER_IMAGE = ("action_tokens", "action_label", "source", "sample_key", "valid", "bad_record",
@@ -270,9 +271,7 @@ def collate(examples: Sequence[dict], config: PipelineConfig) -> dict:
 
 def batch_shapes(batch_size: int, config: PipelineConfig) -> dict[str, tuple]:
     """The shape of every field of a batch (the same every step); packed needs budgets set."""
-    return {k: v.shape for k, v in collate(
-        [SampleTransform(config, Vocab((), (), (), (), ())).bad_example()] * batch_size,
-        config).items()}
+    return {k: v.shape for k, v in collate([empty_example(config)] * batch_size, config).items()}
 
 
 def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,

@@ -158,11 +158,11 @@ def _level_inputs(batch: dict, level: str):
 def compute_losses(model, teacher, batch: dict, cfg: TrainConfig) -> tuple[jax.Array, dict]:
     """L_total = lambda_CA * (L_global + L_object + L_relation) + lambda_KD * L_KD on a caps
     batch. `teacher` is the EMA model (or None without KD)."""
+    inputs = {level: _level_inputs(batch, level) for level in ("global", "object", "relation")}
     emb = {}
     metrics = {}
     l_ca = 0.0
-    for level in ("global", "object", "relation"):
-        pixels, tokens, mask = _level_inputs(batch, level)
+    for level, (pixels, tokens, mask) in inputs.items():
         pair = model.pair(level)
         img, txt = pair.encode_image(pixels), pair.encode_text(tokens)
         emb[level] = (img, txt, mask)
@@ -180,13 +180,13 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig) -> tuple[jax.A
         g_img, g_txt, _ = emb["global"]
         log_scale = model.kd_log_scale[...]
         if cfg.kd_direction in ("both", "vision"):
-            t_img = teacher.pair("global").encode_image(_level_inputs(batch, "global")[0])
+            t_img = teacher.pair("global").encode_image(inputs["global"][0])
             for level in ("object", "relation"):
                 img, _, mask = emb[level]
                 l_kd += losses.kd_one_teacher_many_students(t_img, img, mask, log_scale)
         if cfg.kd_direction in ("both", "text"):
             for level in ("object", "relation"):
-                _, tokens, mask = _level_inputs(batch, level)
+                _, tokens, mask = inputs[level]
                 t_txt = teacher.pair(level).encode_text(tokens)
                 l_kd += losses.kd_many_teachers_one_student(t_txt, mask, g_txt, log_scale)
         metrics["kd_temperature"] = losses.student_temperature(log_scale)

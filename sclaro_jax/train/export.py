@@ -40,7 +40,7 @@ HEADS_FILE = "scenarioclip_heads.safetensors"
 def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False):
     """(model, step) from WORKDIR's config.json and a checkpoint (the newest by default)."""
     from sclaro_jax.train import core
-    from sclaro_jax.train.trainer import build_model
+    from sclaro_jax.train.trainer import build_model, train_config
 
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
@@ -53,8 +53,7 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
         raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
     model = build_model(config, abstract=True)
     graphdef, _ = nnx.split(model, nnx.Param)
-    tcfg = core.TrainConfig(total_steps=1, **{
-        k: v for k, v in config.train.items() if k in core.TrainConfig.__dataclass_fields__})
+    tcfg = train_config(config, steps=1)
     abstract = jax.eval_shape(lambda: core.init_state(build_model(config), tcfg)[1])
     state = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract)))["state"]
