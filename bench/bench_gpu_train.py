@@ -2,7 +2,7 @@
 so the input pipeline is out of the measurement; see bench_input.py for that side).
 
     python bench/bench_gpu_train.py --preset ViT-B/32 --batch 128 --objects 8 --relations 8 \
-        --dtype bfloat16 --peak-tflops 989
+        --dtype bfloat16 --peak-tflops 989 [--breakdown]
 
 FLOPs per step come from XLA's own cost analysis of the compiled step; MFU = FLOPs per step /
 step time / peak. The peak defaults to the dense bf16 figure of an H100/H200 SXM (989 TFLOP/s).
@@ -21,6 +21,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def _timed(fn, repeats: int, steps: int) -> list[float]:
+    """Seconds per call of `fn` (which returns something to block on), `repeats` times."""
+    import jax
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            result = fn()
+        jax.block_until_ready(result)
+        out.append((time.perf_counter() - t0) / steps)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="ViT-B/32")
@@ -29,12 +42,18 @@ def main():
     parser.add_argument("--relations", type=int, default=8)
     parser.add_argument("--text-length", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the forward pass alone (student + teacher, no gradients)")
     args = parser.parse_args()
 
+    import flax
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
 
     from bench_train_step import make_batch
     from sclaro_jax.models import scenarioclip
@@ -55,25 +74,46 @@ def main():
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     flops = float(cost.get("flops", float("nan")))
+    holder = {"state": state}
+    del state
+
+    def one_step():
+        holder["state"], metrics = step(holder["state"], batch)
+        return metrics
+
     for _ in range(3):
-        state, metrics = step(state, batch)
+        metrics = one_step()
     jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    dt = (time.perf_counter() - t0) / args.steps
+    times = _timed(one_step, args.repeats, args.steps)
+    dt = float(np.median(times))
+    metrics = one_step()
     result = {
-        "device": str(jax.devices()[0].device_kind), "preset": args.preset, "batch": args.batch,
-        "objects": args.objects, "relations": args.relations, "dtype": args.dtype, "step_s": dt,
-        "examples_per_sec": args.batch / dt, "tflops_per_step": flops / 1e12,
-        "achieved_tflops": flops / dt / 1e12, "mfu": flops / dt / (args.peak_tflops * 1e12),
-        "compile_s": compile_s, "loss": float(metrics["loss"]),
-        "recompiles": step._cache_size() - 1,
-        "peak_memory_gb": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0)
-        / 2 ** 30,
+        "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+        "flax": flax.__version__, "preset": args.preset, "batch": args.batch,
+        "objects": args.objects, "relations": args.relations, "dtype": args.dtype,
+        "step_s": dt, "step_s_repeats": times, "examples_per_sec": args.batch / dt,
+        "tflops_per_step": flops / 1e12, "achieved_tflops": flops / dt / 1e12,
+        "mfu": flops / dt / (args.peak_tflops * 1e12), "compile_s": compile_s,
+        "loss": float(metrics["loss"]), "recompiles": step._cache_size() - 1,
     }
-    print(json.dumps(result, indent=2))
+    if args.breakdown:
+        @jax.jit
+        def forward(state, batch):
+            model = nnx.merge(graphdef, state.params)
+            teacher = nnx.merge(graphdef, state.teacher)
+            return core.compute_losses(model, teacher, batch, cfg)[0]
+
+        fwd_cost = forward.lower(holder["state"], batch).compile().cost_analysis()
+        fwd_cost = fwd_cost[0] if isinstance(fwd_cost, list) else fwd_cost
+        jax.block_until_ready(forward(holder["state"], batch))
+        fwd = float(np.median(_timed(lambda: forward(holder["state"], batch), args.repeats,
+                                     args.steps)))
+        fwd_flops = float(fwd_cost.get("flops", float("nan")))
+        result.update(forward_s=fwd, forward_tflops=fwd_flops / 1e12,
+                      forward_mfu=fwd_flops / fwd / (args.peak_tflops * 1e12))
+    result["peak_memory_gb"] = ((jax.devices()[0].memory_stats() or {}).get(
+        "peak_bytes_in_use", 0) / 2 ** 30)
+    print(json.dumps(result, indent=2), flush=True)
 
 
 if __name__ == "__main__":

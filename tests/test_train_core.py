@@ -69,7 +69,7 @@ def test_parameter_groups(run):
             assert params[k].ndim >= 2
         if "bias" in k or "norm" in k or "logit_scale" in k:
             assert lab in ("no_decay", "frozen"), k
-    assert [k for k, v in labels.items() if v == "kd"] == ["['kd_log_scale'].value"]
+    assert [k for k, v in labels.items() if v == "kd"] == ["['kd_log_scale']"]
     frozen = [k for k, v in labels.items() if v == "frozen"]
     assert any("vision_model']['embeddings" in k for k in frozen)
     assert any("text_model']['encoder']['layers'][0]" in k for k in frozen)

@@ -167,8 +167,17 @@ _SHIFT = (CLIP_MEAN / CLIP_STD).astype(np.float32)
 
 def normalize(pixels: np.ndarray) -> np.ndarray:
     """uint8 [..., 3] -> CLIP-normalised float32, (x / 255 - mean) / std, in two in-place passes
-    (numpy, on the host; `sclaro_jax.data.pipeline.normalize` does it inside jit)."""
+    (numpy, on the host; `normalize_jnp`, also `sclaro_jax.data.pipeline.normalize`, does it
+    inside jit)."""
     out = pixels.astype(np.float32)
     out *= _SCALE
     out -= _SHIFT
     return out
+
+
+def normalize_jnp(pixels):
+    """uint8 [..., 3] -> CLIP-normalised float32 with jnp, for use inside jit on the accelerator
+    (public as `sclaro_jax.data.pipeline.normalize`; here so the train step needs no Grain)."""
+    import jax.numpy as jnp
+    x = jnp.asarray(pixels, jnp.float32) / 255.0
+    return (x - jnp.asarray(CLIP_MEAN)) / jnp.asarray(CLIP_STD)

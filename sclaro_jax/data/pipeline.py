@@ -314,8 +314,4 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                             shard_options=shard_options)
 
 
-def normalize(pixels):
-    """uint8 [..., 3] -> CLIP-normalised float32, for use inside jit on the accelerator."""
-    import jax.numpy as jnp
-    x = jnp.asarray(pixels, jnp.float32) / 255.0
-    return (x - jnp.asarray(augment.CLIP_MEAN)) / jnp.asarray(augment.CLIP_STD)
+normalize = augment.normalize_jnp  # uint8 -> CLIP-normalised float32 inside jit

@@ -25,7 +25,7 @@ import optax
 from flax import nnx, struct
 
 from sclaro_jax import losses
-from sclaro_jax.data.pipeline import normalize
+from sclaro_jax.data.augment import normalize_jnp as normalize
 from sclaro_jax.models.scenarioclip import is_frozen
 
 PyTree = Any
@@ -63,7 +63,7 @@ class TrainConfig:
 @struct.dataclass
 class TrainState:
     step: jax.Array
-    params: PyTree  # nnx.State of the student's Params
+    params: PyTree  # the student's nnx.Params as plain nested dicts of arrays (nnx.to_pure_dict)
     teacher: PyTree  # EMA of params (same structure)
     opt_state: PyTree
 
@@ -127,6 +127,9 @@ def init_state(model: nnx.Module, cfg: TrainConfig) -> tuple[nnx.GraphDef, Train
     """Split the model; the optimiser (and its state) covers only the trainable parameters, so
     frozen ones cost no gradient, no Adam moments and no EMA arithmetic."""
     graphdef, params = nnx.split(model, nnx.Param)
+    # Plain dicts of arrays, not nnx.State: jax flattens them in C++, so passing the state to the
+    # jitted step costs ~3x less host time per call (nnx.merge takes them as they are).
+    params = nnx.to_pure_dict(params)
     labels = param_labels(params, cfg)
     index = trainable_indices(labels)
     label_leaves = jax.tree.leaves(labels)
