@@ -1,6 +1,7 @@
 """`python -m data_prep`: the annotation pipeline's command line."""
 
 import argparse
+import json
 import sys
 
 
@@ -11,6 +12,35 @@ def _demo(args) -> int:
     splits = ", ".join(f"{k} {v['records']}" for k, v in manifest["splits"].items())
     print(f"wrote {manifest['records']} records to {args.out} ({splits}); "
           f"relation regions from box masks standing in for SAM masks")
+    return 0
+
+
+def _annotate(args) -> int:
+    import logging
+
+    from data_prep.annotate import AnnotateConfig, annotate, format_summary
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    options = []
+    for item in args.source_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--source-option {item!r} is not KEY=VALUE")
+        try:
+            options.append((key, json.loads(value)))
+        except json.JSONDecodeError:
+            options.append((key, value))
+    cfg = AnnotateConfig(
+        source=args.source, root=args.root, source_options=tuple(options), out=args.out, work=args.work, vlm=args.vlm,
+        vlm_replies=args.vlm_replies, vlm_trust_remote_code=args.vlm_trust_remote_code,
+        detector=args.detector, sam=args.sam, sam_type=args.sam_type, device=args.device,
+        batch_size=args.batch_size, box_threshold=args.box_threshold,
+        text_threshold=args.text_threshold, nms_iou=args.nms_iou, limit=args.limit,
+        split_seed=args.split_seed, records_per_shard=args.records_per_shard,
+        overwrite=args.overwrite, progress=not args.no_progress)
+    summary = annotate(cfg)
+    print(format_summary(summary))
+    print(f"wrote {summary['records']} records to {args.out}; caches and summary.json in "
+          f"{cfg.work_dir}")
     return 0
 
 
@@ -33,13 +63,54 @@ def main(argv=None) -> int:
     demo.add_argument("--records-per-shard", type=int, default=4,
                       help="records per ArrayRecord shard (default 4, so the demo has several)")
     demo.set_defaults(func=_demo)
+
+    ann = sub.add_parser(
+        "annotate", help="run the three annotation stages (VLM, GroundingDINO, SAM) over a "
+                         "source and write SCLARO shards; rerun the same command to resume",
+        description="Stage 1: the VLM's action, objects, relation triplets and caption. "
+                    "Stage 2: GroundingDINO boxes (thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: "
+                    "SAM masks and a focused-region image per relation. Results are cached per "
+                    "chunk in the work folder: a killed run continues where it stopped.")
+    ann.add_argument("--source", default="folder",
+                     choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015"),
+                     help="layout of --root (default: a plain folder of images)")
+    ann.add_argument("--root", required=True, help="the source's root folder")
+    ann.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="an option of the source adapter (data_prep.sources), e.g. "
+                          "frames_per_video=3 or skip_missing=true; repeatable")
+    ann.add_argument("--out", required=True, help="dataset folder to write")
+    ann.add_argument("--work", default="", help="cache folder (default: OUT.work)")
+    ann.add_argument("--vlm", default="", help="local folder of an image-text-to-text model "
+                                               "(transformers layout), e.g. Ovis-Gemma 9B")
+    ann.add_argument("--vlm-trust-remote-code", action="store_true",
+                     help="allow the VLM folder's own Python code (Ovis needs it)")
+    ann.add_argument("--vlm-replies", default="",
+                     help="instead of --vlm: a JSON file {image id: reply} of VLM replies "
+                          "obtained elsewhere")
+    ann.add_argument("--detector", default="",
+                     help="local folder of a GroundingDINO model and processor "
+                          "(save_pretrained layout, e.g. grounding-dino-base)")
+    ann.add_argument("--sam", default="", help="SAM checkpoint file (e.g. sam_vit_h_4b8939.pth)")
+    ann.add_argument("--sam-type", default="vit_h", help="SAM variant: vit_h, vit_l, vit_b")
+    ann.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")
+    ann.add_argument("--batch-size", type=int, default=8, help="images per chunk (default 8)")
+    ann.add_argument("--box-threshold", type=float, default=0.25)
+    ann.add_argument("--text-threshold", type=float, default=0.25)
+    ann.add_argument("--nms-iou", type=float, default=0.4)
+    ann.add_argument("--limit", type=int, default=0, help="only the first N images (0 = all)")
+    ann.add_argument("--split-seed", type=int, default=42)
+    ann.add_argument("--records-per-shard", type=int, default=1000)
+    ann.add_argument("--overwrite", action="store_true",
+                     help="replace a dataset already in --out")
+    ann.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ann.set_defaults(func=_annotate)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 2
     try:
         return args.func(args)
-    except (FileExistsError, ValueError, RuntimeError) as e:
+    except (FileExistsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

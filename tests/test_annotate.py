@@ -1,0 +1,182 @@
+"""`python -m data_prep annotate` end to end: real photographs, a tiny random GroundingDINO
+(transformers), a tiny random SAM (segment-anything modules), scripted VLM replies; exclusion
+rules; SIGKILL part-way and rerun gives the same records."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sclaro_jax.data import schema
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+GOOD = """```json
+{
+"action": "%s"
+"objects": [%s],
+"relations": [
+%s
+]
+"dense caption": "The image shows %s."
+}
+```"""
+
+
+def _reply(action, objects, relations, caption):
+    objs = ", ".join(f'"{o}"' for o in objects)
+    rels = ",\n".join("[" + ", ".join(f'"{t}"' for t in r) + "]" for r in relations)
+    return GOOD % (action, objs, rels, caption)
+
+
+PHOTOS = {  # skimage.data name -> (action, objects, relations)
+    "astronaut": ("posing", ["woman", "flag", "helmet"],
+                  [("woman", "holding", "helmet"), ("flag", "behind", "woman")]),
+    "coffee": ("drinking", ["cup", "saucer", "spoon"],
+               [("cup", "on", "saucer"), ("spoon", "on", "saucer")]),
+    "chelsea": ("resting", ["cat", "wall"], [("cat", "in front of", "wall")]),
+    "rocket": ("launching", ["rocket", "tower", "smoke"],
+               [("rocket", "next to", "tower"), ("smoke", "below", "rocket")]),
+    "stereo_motorcycle": ("parking", ["motorcycle", "wall", "box"],
+                          [("motorcycle", "next to", "box")]),
+}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from skimage import data as skdata
+
+    from data_prep import detect, segment
+    root = tmp_path_factory.mktemp("photos")
+    replies = {}
+    for name, (action, objects, relations) in PHOTOS.items():
+        pixels = getattr(skdata, name)()
+        pixels = pixels[0] if isinstance(pixels, tuple) else pixels  # stereo: the left view
+        img = Image.fromarray(pixels).convert("RGB")
+        img.thumbnail((256, 256))
+        img.save(root / f"{name}.jpg", quality=90)
+        replies[f"folder/{name}.jpg"] = _reply(action, objects, relations, f"a {name}")
+    # exclusion rules: no objects, no relations, an unusable reply, an unreadable file
+    for name, reply in (("empty_objects", _reply("sitting", [], [], "x")),
+                        ("empty_relations", _reply("standing", ["man"], [], "y")),
+                        ("refusal", "I'm sorry, I cannot describe this image.")):
+        Image.fromarray(skdata.astronaut()[::4, ::4]).save(root / f"{name}.png")
+        replies[f"folder/{name}.png"] = reply
+    (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
+    replies["folder/broken.jpg"] = _reply("x", ["y"], [("y", "on", "y")], "z")
+    models = tmp_path_factory.mktemp("models")
+    detector = str(models / "gdino")
+    detect.save_tiny_model(detector)
+    sam = str(models / "sam_tiny.pth")
+    segment.save_tiny_sam(sam)
+    replies_file = models / "replies.json"
+    replies_file.write_text(json.dumps(replies))
+    return dict(root=str(root), detector=detector, sam=sam, replies=str(replies_file))
+
+
+def _cli(setup, out, work, *extra):
+    return [sys.executable, "-m", "data_prep", "annotate", "--root", setup["root"], "--out",
+            str(out), "--work", str(work), "--vlm-replies", setup["replies"], "--detector",
+            setup["detector"], "--sam", setup["sam"], "--sam-type", "tiny", "--device", "cpu",
+            "--box-threshold", "0.05", "--text-threshold", "0.05", "--batch-size", "2",
+            "--records-per-shard", "2", "--no-progress", *extra]
+
+
+def _records(out) -> dict:
+    from array_record.python.array_record_module import ArrayRecordReader
+    recs = {}
+    for name in sorted(os.listdir(out)):
+        if name.endswith(".array_record"):
+            reader = ArrayRecordReader(os.path.join(out, name))
+            for rec in reader.read_all():
+                recs[schema.decode(rec).id] = rec
+            reader.close()
+    return recs
+
+
+@pytest.fixture(scope="module")
+def full_run(setup, tmp_path_factory):
+    base = tmp_path_factory.mktemp("full")
+    proc = subprocess.run(_cli(setup, base / "out", base / "work"), cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((base / "work" / "summary.json").read_text())
+    return dict(out=base / "out", work=base / "work", summary=summary, stdout=proc.stdout)
+
+
+def test_records_come_out_and_exclusions_are_counted(full_run):
+    s = full_run["summary"]
+    assert s["images"] == 9
+    assert s["excluded"].get("no_objects") == 1
+    assert s["excluded"].get("no_relations") == 1
+    assert sum(v for k, v in s["excluded"].items() if k.startswith("vlm_")) == 1
+    assert s["failed"] == {"unreadable_image": 1}
+    assert s["kept"] >= 3 and s["kept"] + sum(s["excluded"].values()) + 1 == 9
+    assert s["vlm_parse_recoveries"].get("code_fence") == 7
+    recs = _records(full_run["out"])
+    assert len(recs) == s["kept"] == s["records"]
+    assert "kept" in full_run["stdout"] and "excluded" in full_run["stdout"]
+    for image_id, rec in recs.items():
+        sample = schema.decode(rec)
+        name = image_id.split("/", 1)[1].rsplit(".", 1)[0]
+        action, objects, relations = PHOTOS[name]
+        assert sample.action == action and sample.mask_kind == "sam"
+        assert {o.name for o in sample.objects} <= set(objects)
+        allowed = {(a, b, c) for a, b, c in relations}
+        for rel in sample.relations:
+            triple = (sample.objects[rel.subject].name, rel.predicate,
+                      sample.objects[rel.object].name)
+            assert triple in allowed
+            assert rel.subject != rel.object
+            region = np.asarray(Image.open(__import__("io").BytesIO(rel.region)))
+            assert region.shape == (sample.height, sample.width, 3)
+        schema.validate(sample)
+
+
+def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = _cli(setup, out, work)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    status = work / "status.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if status.exists() and status.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done_before = status.read_text().count("\n")
+    assert 2 <= done_before < 5 and not (out / "manifest.json").exists()  # 5 chunks of 2
+    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    vlm_chunks = [json.loads(line)["chunk"] for line in (work / "vlm.jsonl").read_text()
+                  .splitlines()]
+    assert sorted(vlm_chunks) == list(range(5))  # every chunk through stage 1 exactly once
+    assert _records(out) == _records(full_run["out"])
+
+
+def test_a_rerun_with_other_settings_is_refused(setup, full_run):
+    cmd = _cli(setup, full_run["out"], full_run["work"], "--nms-iou", "0.5")
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "other settings" in proc.stderr and "nms_iou" in proc.stderr
+
+
+def test_cli_names_what_is_missing(tmp_path, capsys):
+    from data_prep.__main__ import main
+    Image.new("RGB", (40, 30)).save(tmp_path / "a.jpg")
+    base = ["annotate", "--root", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert main(base) == 1
+    assert "missing --vlm, --detector, --sam" in capsys.readouterr().err
+    models = ["--vlm-replies", str(tmp_path / "none.json"), "--detector", "d", "--sam", "s"]
+    assert main(base + models + ["--source-option", "bogus=1"]) == 1
+    assert "bogus" in capsys.readouterr().err
+    assert main(base + models) == 1
+    assert "none.json: no such file" in capsys.readouterr().err
