@@ -80,10 +80,18 @@ def main():
     # 2*M*N*K). The compiled executable's own cost analysis is no use for MFU on GPU: GEMMs that
     # XLA hands to cuBLAS are custom calls, which it counts as zero FLOPs.
     flops = _flops(lowered.cost_analysis())
+
+    @jax.jit
+    def forward(state, batch):
+        model = nnx.merge(graphdef, state.params)
+        teacher = nnx.merge(graphdef, state.teacher)
+        return core.compute_losses(model, teacher, batch, cfg)[0]
+
     if args.flops_only:
         print(json.dumps({"preset": args.preset, "batch": args.batch, "objects": args.objects,
                           "relations": args.relations, "dtype": args.dtype,
-                          "tflops_per_step": flops / 1e12}))
+                          "tflops_per_step": flops / 1e12, "forward_tflops": _flops(
+                              forward.lower(state, batch).cost_analysis()) / 1e12}))
         return
     t0 = time.perf_counter()
     compiled = lowered.compile()
@@ -113,12 +121,6 @@ def main():
         "loss": float(metrics["loss"]), "recompiles": step._cache_size() - 1,
     }
     if args.breakdown:
-        @jax.jit
-        def forward(state, batch):
-            model = nnx.merge(graphdef, state.params)
-            teacher = nnx.merge(graphdef, state.teacher)
-            return core.compute_losses(model, teacher, batch, cfg)[0]
-
         fwd_flops = _flops(forward.lower(holder["state"], batch).cost_analysis())
         jax.block_until_ready(forward(holder["state"], batch))
         fwd = float(np.median(_timed(lambda: forward(holder["state"], batch), args.repeats,
