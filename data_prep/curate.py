@@ -1,0 +1,183 @@
+"""`python -m data_prep curate`: raw SCLARO labels -> shared canonical vocabularies (appendix
+"label curation"), applied to a dataset's records and written as a new dataset.
+
+Objects: (1) the names both the VLM and GroundingDINO produced (a record's objects are the
+detections of stage-1 names, so that intersection is what the records hold), unioned over
+samples; (2) colour words and adjectives stripped, plurals folded into singulars when both
+occur (`data_prep.curate_rules`); (3) the standardised names embedded (MiniLM / BERT) and
+clustered with HDBSCAN (`data_prep.curate_cluster`) into a clusters file that a person labels.
+Relations: subject and object replaced by their cluster labels, stopwords removed from the
+predicate; the relation vocabulary is the set of distinct canonical triplets, while repeated
+instances inside an image stay separate objects and relations. Actions: a user-curated map
+(`surface form<TAB>class`); Multi-Moments in Time's ground truth is kept as given. Label spaces
+are shared by all sources.
+
+Two passes: the first run writes `clusters.json` (and `action_candidates.tsv`) and stops so the
+clusters can be labelled; the second applies them. Every decision (raw -> standardised ->
+label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
+the form of appendix Table A3 to `OUT/statistics.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+from tqdm import tqdm
+
+from data_prep import curate_rules as rules
+from sclaro_jax.data import schema
+
+
+class NeedsLabels(Exception):
+    """The clusters file was just written; label it and rerun."""
+
+    def __init__(self, path: str, clusters: int, names: int):
+        super().__init__(f"wrote {clusters} clusters of {names} object names to {path}: give "
+                         f"each cluster a \"label\" (empty = its suggested_label), then rerun "
+                         f"the same command")
+        self.path = path
+
+
+def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Sample], dict]:
+    """Every record of a dataset folder (all splits), with its manifest."""
+    from array_record.python.array_record_module import ArrayRecordReader
+
+    from sclaro_jax.data.dataset import open_dataset
+    ds = open_dataset(data_dir)
+    samples = []
+    for split in sorted(ds.manifest["splits"]):
+        for path in tqdm(ds.paths(split), desc=f"reading {split}", unit="shard",
+                         disable=not progress):
+            reader = ArrayRecordReader(path)
+            try:
+                for i, rec in enumerate(reader.read_all()):
+                    try:
+                        samples.append(schema.decode(rec))
+                    except schema.RecordError as e:
+                        raise schema.RecordError(f"{path} record {i}: {e}") from None
+            finally:
+                reader.close()
+    return samples, ds.manifest
+
+
+@dataclasses.dataclass
+class CurationResult:
+    samples: list[schema.Sample]
+    log: dict
+    statistics: dict
+
+
+def curate_samples(samples: list[schema.Sample], object_labels: dict[str, str],
+                   standard: dict[str, str], action_map: dict[str, str]) -> CurationResult:
+    """Apply the maps: raw object name -> standardised (`standard`) -> cluster label
+    (`object_labels`), predicates without stopwords, actions through `action_map`."""
+    def label(raw: str) -> str:
+        std = standard[raw]
+        return object_labels.get(std, std)
+
+    out, stats_in, predicates = [], [], {}
+    for s in samples:
+        objects = tuple(dataclasses.replace(o, name=label(o.name)) for o in s.objects)
+        relations = []
+        for r in s.relations:
+            pred = predicates.setdefault(r.predicate, rules.normalise_predicate(r.predicate))
+            text = schema.triplet_text(objects[r.subject].name, pred, objects[r.object].name)
+            relations.append(dataclasses.replace(r, predicate=pred, text=text))
+        action = rules.canonical_action(s.action, action_map,
+                                        ground_truth=s.action if s.source == "mmit" else None)
+        new = dataclasses.replace(s, objects=objects, relations=tuple(relations), action=action)
+        out.append(new)
+        stats_in.append({"source": s.source, "action": action,
+                         "objects": [o.name for o in objects],
+                         "triplets": [r.text for r in relations]})
+    log = {
+        "objects": {raw: {"standardised": standard[raw], "label": label(raw)}
+                    for raw in sorted(standard)},
+        "predicates": dict(sorted(predicates.items())),
+        "actions": {a: rules.canonical_action(a, action_map)
+                    for a in sorted({s.action for s in samples})},
+        "vocabulary": {
+            "actions": len({s.action for s in out}),
+            "objects": len({o.name for s in out for o in s.objects}),
+            "relations": len(rules.relation_vocabulary(
+                [[(s.objects[r.subject].name, r.predicate, s.objects[r.object].name)
+                  for r in s.relations] for s in out])),
+            "predicates": len({r.predicate for s in out for r in s.relations}),
+        },
+    }
+    return CurationResult(out, log, rules.source_statistics(stats_in))
+
+
+def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str = "",
+           encoder: str | None = None, min_cluster_size: int = 2, min_samples: int = 1,
+           tagger=None, use_tagger: bool = True, overwrite: bool = False,
+           progress: bool = True) -> dict:
+    """Curate `data_dir` into `out_dir`. Raises NeedsLabels after writing the clusters file
+    on the first pass. `tagger` (tokens -> [(token, tag)]) replaces NLTK's POS tagger;
+    `use_tagger=False` skips adjective stripping (recorded in the log)."""
+    from data_prep import curate_cluster
+    from data_prep.shards import write_dataset
+    samples, manifest = read_samples(data_dir, progress)
+    if not samples:
+        raise ValueError(f"{data_dir}: the dataset has no records")
+    clusters = clusters or out_dir.rstrip("/") + ".clusters.json"
+    if use_tagger and tagger is None:
+        tagger = rules.require_tagger()  # MissingNLTKData names the install command
+    if not use_tagger:
+        tagger = _no_adjectives
+    raw_names = sorted({o.name for s in samples for o in s.objects})
+    standard = rules.object_canonical_map(raw_names, tagger=tagger)
+    std_names = sorted(set(standard.values()))
+    actions = sorted({s.action for s in samples})
+    os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
+    if not os.path.exists(clusters):
+        candidates = rules.action_candidates(actions)
+        cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
+        with open(cand_path, "w", encoding="utf-8") as f:
+            f.write("# surface form\tsuggested class\treason (review; copy the lines you accept "
+                    "into your action map)\n")
+            for row in candidates:
+                f.write("\t".join(row) + "\n")
+        info = curate_cluster.cluster_object_names(
+            std_names, clusters, model_path=encoder, min_cluster_size=min_cluster_size,
+            min_samples=min_samples, progress=progress)
+        raise NeedsLabels(clusters, len(info.get("clusters", [])) if isinstance(info, dict)
+                          else 0, len(std_names))
+    labels = curate_cluster.read_curated(clusters)
+    unknown = [n for n in std_names if n not in labels]
+    if unknown:
+        raise ValueError(f"{clusters} does not list {len(unknown)} of the dataset's object "
+                         f"names (e.g. {unknown[:5]}): it was made for other data; delete it "
+                         f"to cluster again")
+    amap = rules.load_action_map(action_map) if action_map else {}
+    result = curate_samples(samples, labels, standard, amap)
+    rule = manifest.get("split_rule", {})
+    ids = [s.id for s in result.samples]
+    write_dataset(result.samples, out_dir, ids=ids, split_seed=int(rule.get("seed", 42)),
+                  fractions=tuple(rule.get("fractions", (0.7, 0.1, 0.2))),
+                  overwrite=overwrite, progress=progress)
+    result.log["inputs"] = {"data": os.path.abspath(data_dir), "clusters": os.path.abspath(
+        clusters), "action_map": os.path.abspath(action_map) if action_map else "",
+        "adjective_tagger": "nltk" if use_tagger and tagger is not None else "none",
+        "records": len(samples)}
+    for name, doc in (("curation_log.json", result.log), ("statistics.json", result.statistics)):
+        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+    return {"records": len(samples), "vocabulary": result.log["vocabulary"],
+            "statistics": result.statistics}
+
+
+def _no_adjectives(tokens):
+    return [(t, "NN") for t in tokens]
+
+
+def format_statistics(stats: dict) -> str:
+    lines = ["| source | images | actions | objects | triplets | occurrences per triplet |",
+             "|---|---|---|---|---|---|"]
+    for source, row in sorted(stats.items()):
+        lines.append(f"| {source} | {row['images']} | {row['actions']} | {row['objects']} | "
+                     f"{row['triplets']} | {row['occurrences_per_triplet']:.2f} |")
+    return "\n".join(lines)
+

@@ -1,0 +1,74 @@
+"""`python -m data_prep curate` on the demo dataset: two passes (clusters written, then applied),
+records rewritten with canonical labels, decisions logged, Table A3 statistics."""
+
+import json
+
+import pytest
+
+from data_prep import curate_rules
+from data_prep.__main__ import main
+from data_prep.curate import NeedsLabels, curate, read_samples
+from sclaro_jax.data import schema
+
+ADJECTIVES = {"small", "large", "big", "old", "young", "wooden", "tall", "little"}
+
+
+def fake_tagger(tokens):
+    return [(t, "JJ" if t in ADJECTIVES else "NN") for t in tokens]
+
+
+def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
+    out, clusters = tmp_path / "curated", tmp_path / "clusters.json"
+    with pytest.raises(NeedsLabels, match="label"):
+        curate(str(demo_dir), str(out), clusters=str(clusters), tagger=fake_tagger,
+               progress=False)
+    assert not (out / schema.MANIFEST).exists()
+    doc = json.loads(clusters.read_text())
+    assert doc["clusters"], "HDBSCAN found no cluster among the demo's object names"
+    doc["clusters"][0]["label"] = "my label"
+    renamed = set(doc["clusters"][0]["members"])
+    clusters.write_text(json.dumps(doc))
+    before, _ = read_samples(str(demo_dir), progress=False)
+    action = before[0].action
+    amap = tmp_path / "actions.tsv"
+    amap.write_text(f"# curated\n{action}\tdoing things\n")
+    result = curate(str(demo_dir), str(out), clusters=str(clusters), action_map=str(amap),
+                    tagger=fake_tagger, progress=False)
+    after, manifest = read_samples(str(out), progress=False)
+    assert result["records"] == len(after) == len(before)
+    log = json.loads((out / "curation_log.json").read_text())
+    by_id = {s.id: s for s in after}
+    for old in before:
+        new = by_id[old.id]
+        assert new.split == old.split  # same split rule and seed
+        assert new.image == old.image and len(new.objects) == len(old.objects)
+        for o_old, o_new in zip(old.objects, new.objects):
+            entry = log["objects"][o_old.name]
+            assert entry["standardised"] == curate_rules.standardise_object_name(
+                o_old.name, fake_tagger)
+            expected = "my label" if entry["standardised"] in renamed else entry["label"]
+            assert o_new.name == expected and o_new.box == o_old.box
+        for r_old, r_new in zip(old.relations, new.relations):
+            assert r_new.predicate == curate_rules.normalise_predicate(r_old.predicate)
+            assert r_new.text == schema.triplet_text(new.objects[r_new.subject].name,
+                                                     r_new.predicate,
+                                                     new.objects[r_new.object].name)
+            assert r_new.region == r_old.region
+        assert new.action == ("doing things" if old.action == action else old.action)
+    vocab = schema.read_vocab(out / "objects.txt")
+    assert "my label" in vocab and not renamed & set(vocab) - {"my label"}
+    stats = json.loads((out / "statistics.json").read_text())
+    assert sum(row["images"] for row in stats.values()) == len(before)
+    assert manifest["records"] == len(before)
+
+
+def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_path, capsys,
+                                                                 monkeypatch):
+    import nltk
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
+    base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress"]
+    assert main(base) == 1
+    assert curate_rules.TAGGER_INSTALL in capsys.readouterr().err
+    assert main(base + ["--no-pos-tagger"]) == 3
+    assert "clusters" in capsys.readouterr().out
+    assert (tmp_path / "o.clusters.json").exists()
