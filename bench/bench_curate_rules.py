@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 NOUNS = """car truck bus bicycle dog cat horse person man woman child tree house window door table
