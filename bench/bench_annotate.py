@@ -28,39 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-PHOTOS = {  # skimage.data name -> (action, objects, relations)
-    "astronaut": ("posing", ["woman", "flag", "helmet"],
-                  [("woman", "holding", "helmet"), ("flag", "behind", "woman")]),
-    "coffee": ("drinking", ["cup", "saucer", "spoon"],
-               [("cup", "on", "saucer"), ("spoon", "on", "saucer")]),
-    "chelsea": ("resting", ["cat", "wall"], [("cat", "in front of", "wall")]),
-    "rocket": ("launching", ["rocket", "tower", "smoke"],
-               [("rocket", "next to", "tower"), ("smoke", "below", "rocket")]),
-    "stereo_motorcycle": ("parking", ["motorcycle", "wall", "box"],
-                          [("motorcycle", "next to", "box"), ("box", "on", "wall")]),
-    "immunohistochemistry": ("staining", ["cell", "tissue"], [("cell", "in", "tissue")]),
-}
-
-
-def _reply(action, objects, relations, caption) -> str:
-    return json.dumps({"action": action, "objects": objects,
-                       "relations": [list(r) for r in relations], "dense caption": caption})
-
-
 def make_inputs(tmp: str, n: int) -> tuple[str, str]:
     from PIL import Image
-    from skimage import data as skdata
+
+    from data_prep.testing import SCENES, photograph, scripted_reply
     root = os.path.join(tmp, "images")
     os.makedirs(root, exist_ok=True)
     replies = {}
-    names = list(PHOTOS)
+    names = list(SCENES)
     for i in range(n):
         name = names[i % len(names)]
-        pixels = getattr(skdata, name)()
-        pixels = pixels[0] if isinstance(pixels, tuple) else pixels
         fname = f"{i:03d}_{name}.jpg"
-        Image.fromarray(pixels).convert("RGB").save(os.path.join(root, fname), quality=90)
-        replies[f"folder/{fname}"] = _reply(*PHOTOS[name], f"a photograph of {name}")
+        Image.fromarray(photograph(name)).save(os.path.join(root, fname), quality=90)
+        replies[f"folder/{fname}"] = scripted_reply(*SCENES[name], f"a photograph of {name}")
     path = os.path.join(tmp, "replies.json")
     with open(path, "w") as f:
         json.dump(replies, f)

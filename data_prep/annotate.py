@@ -76,24 +76,18 @@ class AnnotateConfig:
 # --------------------------------------------------------------------------- durable logs
 
 
-class JsonLog:
-    """Append-only JSON lines, flushed and fsynced per line; a torn last line is cut off."""
+class _AppendLog:
+    """An append-only file of entries, fsynced per append. On opening, the entries are parsed
+    (`_parse(data) -> (entries, bytes parsed)`) and a torn tail (an interrupted write) is cut
+    off so appends continue after the last whole entry."""
 
     def __init__(self, path: str):
         self.path = path
-        self.entries: list[dict] = []
-        good = 0
+        self.entries: list = []
         if os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
-            for line in data.splitlines(keepends=True):
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    self.entries.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-                good += len(line)
+            self.entries, good = self._parse(data)
             if good < len(data):
                 log.warning("%s: cutting off a torn tail of %d bytes (an interrupted write)",
                             path, len(data) - good)
@@ -101,55 +95,63 @@ class JsonLog:
                     f.truncate(good)
         self._f = open(path, "ab")
 
-    def append(self, entry: dict) -> None:
-        self._f.write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+    def _parse(self, data: bytes) -> tuple[list, int]:
+        raise NotImplementedError
+
+    def _write(self, blob: bytes, entries: list) -> None:
+        self._f.write(blob)
         self._f.flush()
         os.fsync(self._f.fileno())
-        self.entries.append(entry)
+        self.entries.extend(entries)
 
     def close(self) -> None:
         self._f.close()
+
+
+class JsonLog(_AppendLog):
+    """JSON lines; `append(dict)`."""
+
+    def _parse(self, data):
+        entries, good = [], 0
+        for line in data.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                entries.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+            good += len(line)
+        return entries, good
+
+    def append(self, entry: dict) -> None:
+        self._write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"), [entry])
 
 
 _FRAME = struct.Struct("<II")  # payload length, crc32
 
 
-class RecordLog:
-    """Append-only framed records (length, CRC32, payload), fsynced per append."""
+class RecordLog(_AppendLog):
+    """Framed binary records (length, CRC32, payload); `append_many([bytes])`."""
 
-    def __init__(self, path: str):
-        self.path = path
-        self.records: list[bytes] = []
-        good = 0
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                data = f.read()
-            pos = 0
-            while pos + _FRAME.size <= len(data):
-                n, crc = _FRAME.unpack_from(data, pos)
-                payload = data[pos + _FRAME.size: pos + _FRAME.size + n]
-                if len(payload) < n or zlib.crc32(payload) != crc:
-                    break
-                self.records.append(payload)
-                pos += _FRAME.size + n
-            good = pos
-            if good < len(data):
-                log.warning("%s: cutting off a torn tail of %d bytes (an interrupted write)",
-                            path, len(data) - good)
-                with open(path, "r+b") as f:
-                    f.truncate(good)
-        self._f = open(path, "ab")
+    def _parse(self, data):
+        entries, pos = [], 0
+        while pos + _FRAME.size <= len(data):
+            n, crc = _FRAME.unpack_from(data, pos)
+            payload = data[pos + _FRAME.size: pos + _FRAME.size + n]
+            if len(payload) < n or zlib.crc32(payload) != crc:
+                break
+            entries.append(payload)
+            pos += _FRAME.size + n
+        return entries, pos
+
+    @property
+    def records(self) -> list[bytes]:
+        return self.entries
 
     def append_many(self, payloads: Sequence[bytes]) -> None:
-        if not payloads:
-            return
-        self._f.write(b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p for p in payloads))
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self.records.extend(payloads)
-
-    def close(self) -> None:
-        self._f.close()
+        if payloads:
+            self._write(b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p for p in payloads),
+                        list(payloads))
 
 
 # --------------------------------------------------------------------------- models

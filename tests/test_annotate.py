@@ -13,39 +13,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from data_prep.testing import SCENES, photograph, scripted_reply
 from sclaro_jax.data import schema
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-GOOD = """```json
-{
-"action": "%s"
-"objects": [%s],
-"relations": [
-%s
-]
-"dense caption": "The image shows %s."
-}
-```"""
-
-
-def _reply(action, objects, relations, caption):
-    objs = ", ".join(f'"{o}"' for o in objects)
-    rels = ",\n".join("[" + ", ".join(f'"{t}"' for t in r) + "]" for r in relations)
-    return GOOD % (action, objs, rels, caption)
-
-
-PHOTOS = {  # skimage.data name -> (action, objects, relations)
-    "astronaut": ("posing", ["woman", "flag", "helmet"],
-                  [("woman", "holding", "helmet"), ("flag", "behind", "woman")]),
-    "coffee": ("drinking", ["cup", "saucer", "spoon"],
-               [("cup", "on", "saucer"), ("spoon", "on", "saucer")]),
-    "chelsea": ("resting", ["cat", "wall"], [("cat", "in front of", "wall")]),
-    "rocket": ("launching", ["rocket", "tower", "smoke"],
-               [("rocket", "next to", "tower"), ("smoke", "below", "rocket")]),
-    "stereo_motorcycle": ("parking", ["motorcycle", "wall", "box"],
-                          [("motorcycle", "next to", "box")]),
-}
+PHOTOS = {k: v for k, v in SCENES.items() if k != "immunohistochemistry"}
 
 
 @pytest.fixture(scope="module")
@@ -56,20 +29,18 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("photos")
     replies = {}
     for name, (action, objects, relations) in PHOTOS.items():
-        pixels = getattr(skdata, name)()
-        pixels = pixels[0] if isinstance(pixels, tuple) else pixels  # stereo: the left view
-        img = Image.fromarray(pixels).convert("RGB")
+        img = Image.fromarray(photograph(name))
         img.thumbnail((256, 256))
         img.save(root / f"{name}.jpg", quality=90)
-        replies[f"folder/{name}.jpg"] = _reply(action, objects, relations, f"a {name}")
+        replies[f"folder/{name}.jpg"] = scripted_reply(action, objects, relations, f"a {name}")
     # exclusion rules: no objects, no relations, an unusable reply, an unreadable file
-    for name, reply in (("empty_objects", _reply("sitting", [], [], "x")),
-                        ("empty_relations", _reply("standing", ["man"], [], "y")),
+    for name, reply in (("empty_objects", scripted_reply("sitting", [], [], "x")),
+                        ("empty_relations", scripted_reply("standing", ["man"], [], "y")),
                         ("refusal", "I'm sorry, I cannot describe this image.")):
         Image.fromarray(skdata.astronaut()[::4, ::4]).save(root / f"{name}.png")
         replies[f"folder/{name}.png"] = reply
     (root / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a jpeg")
-    replies["folder/broken.jpg"] = _reply("x", ["y"], [("y", "on", "y")], "z")
+    replies["folder/broken.jpg"] = scripted_reply("x", ["y"], [("y", "on", "y")], "z")
     models = tmp_path_factory.mktemp("models")
     detector = str(models / "gdino")
     detect.save_tiny_model(detector)
@@ -180,3 +151,27 @@ def test_cli_names_what_is_missing(tmp_path, capsys):
     assert "bogus" in capsys.readouterr().err
     assert main(base + models) == 1
     assert "none.json: no such file" in capsys.readouterr().err
+
+
+def test_torn_tails_are_cut_off(tmp_path):
+    from data_prep.annotate import JsonLog, RecordLog
+    j = JsonLog(str(tmp_path / "a.jsonl"))
+    j.append({"chunk": 0})
+    j.close()
+    with open(tmp_path / "a.jsonl", "ab") as f:
+        f.write(b'{"chunk": 1, "ids"')  # killed mid-line
+    j = JsonLog(str(tmp_path / "a.jsonl"))
+    assert j.entries == [{"chunk": 0}]
+    j.append({"chunk": 1})
+    j.close()
+    assert JsonLog(str(tmp_path / "a.jsonl")).entries == [{"chunk": 0}, {"chunk": 1}]
+    r = RecordLog(str(tmp_path / "r.log"))
+    r.append_many([b"first", b"second"])
+    r.close()
+    with open(tmp_path / "r.log", "ab") as f:
+        f.write(b"\x09\x00\x00\x00\x01\x02\x03\x04part")  # length 9, 4 bytes written
+    r = RecordLog(str(tmp_path / "r.log"))
+    assert r.records == [b"first", b"second"]
+    r.append_many([b"third"])
+    r.close()
+    assert RecordLog(str(tmp_path / "r.log")).records == [b"first", b"second", b"third"]
