@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from typing import Iterator
 
 from tqdm import tqdm
 
@@ -40,13 +41,12 @@ class NeedsLabels(Exception):
         self.path = path
 
 
-def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Sample], dict]:
-    """Every record of a dataset folder (all splits), with its manifest."""
+def iter_samples(data_dir: str, progress: bool = True) -> Iterator[schema.Sample]:
+    """Every record of a dataset folder (all splits, in shard order), one at a time."""
     from array_record.python.array_record_module import ArrayRecordReader
 
     from sclaro_jax.data.dataset import open_dataset
     ds = open_dataset(data_dir)
-    samples = []
     for split in sorted(ds.manifest["splits"]):
         for path in tqdm(ds.paths(split), desc=f"reading {split}", unit="shard",
                          disable=not progress):
@@ -54,60 +54,69 @@ def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Samp
             try:
                 for i, rec in enumerate(reader.read_all()):
                     try:
-                        samples.append(schema.decode(rec))
+                        yield schema.decode(rec)
                     except schema.RecordError as e:
                         raise schema.RecordError(f"{path} record {i}: {e}") from None
             finally:
                 reader.close()
-    return samples, ds.manifest
 
 
-@dataclasses.dataclass
-class CurationResult:
-    samples: list[schema.Sample]
-    log: dict
-    statistics: dict
+def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Sample], dict]:
+    """Every record of a dataset folder in memory, with its manifest (small datasets, tests)."""
+    from sclaro_jax.data.dataset import open_dataset
+    return list(iter_samples(data_dir, progress)), open_dataset(data_dir).manifest
 
 
-def curate_samples(samples: list[schema.Sample], object_labels: dict[str, str],
-                   standard: dict[str, str], action_map: dict[str, str]) -> CurationResult:
-    """Apply the maps: raw object name -> standardised (`standard`) -> cluster label
-    (`object_labels`), predicates without stopwords, actions through `action_map`."""
-    def label(raw: str) -> str:
-        std = standard[raw]
-        return object_labels.get(std, std)
+class Curator:
+    """Applies the maps to one sample at a time: raw object name -> standardised (`standard`)
+    -> cluster label (`object_labels`), predicates without stopwords, actions through
+    `action_map`; keeps what the log and the statistics need (names, not images)."""
 
-    out, stats_in, predicates = [], [], {}
-    for s in samples:
-        objects = tuple(dataclasses.replace(o, name=label(o.name)) for o in s.objects)
+    def __init__(self, object_labels: dict[str, str], standard: dict[str, str],
+                 action_map: dict[str, str]):
+        self.object_labels, self.standard, self.action_map = object_labels, standard, action_map
+        self.predicates: dict[str, str] = {}
+        self.actions: dict[str, str] = {}
+        self.rows: list[dict] = []  # per sample: source, action, object labels, triplet texts
+
+    def label(self, raw: str) -> str:
+        std = self.standard[raw]
+        return self.object_labels.get(std, std)
+
+    def __call__(self, s: schema.Sample) -> schema.Sample:
+        objects = tuple(dataclasses.replace(o, name=self.label(o.name)) for o in s.objects)
         relations = []
         for r in s.relations:
-            pred = predicates.setdefault(r.predicate, rules.normalise_predicate(r.predicate))
+            pred = self.predicates.get(r.predicate)
+            if pred is None:
+                pred = self.predicates[r.predicate] = rules.normalise_predicate(r.predicate)
             text = schema.triplet_text(objects[r.subject].name, pred, objects[r.object].name)
             relations.append(dataclasses.replace(r, predicate=pred, text=text))
-        action = rules.canonical_action(s.action, action_map,
+        action = rules.canonical_action(s.action, self.action_map,
                                         ground_truth=s.action if s.source == "mmit" else None)
-        new = dataclasses.replace(s, objects=objects, relations=tuple(relations), action=action)
-        out.append(new)
-        stats_in.append({"source": s.source, "action": action,
-                         "objects": [o.name for o in objects],
-                         "triplets": [r.text for r in relations]})
-    log = {
-        "objects": {raw: {"standardised": standard[raw], "label": label(raw)}
-                    for raw in sorted(standard)},
-        "predicates": dict(sorted(predicates.items())),
-        "actions": {a: rules.canonical_action(a, action_map)
-                    for a in sorted({s.action for s in samples})},
-        "vocabulary": {
-            "actions": len({s.action for s in out}),
-            "objects": len({o.name for s in out for o in s.objects}),
-            "relations": len(rules.relation_vocabulary(
-                [[(s.objects[r.subject].name, r.predicate, s.objects[r.object].name)
-                  for r in s.relations] for s in out])),
-            "predicates": len({r.predicate for s in out for r in s.relations}),
-        },
-    }
-    return CurationResult(out, log, rules.source_statistics(stats_in))
+        self.actions[s.action] = rules.canonical_action(s.action, self.action_map)
+        self.rows.append({"source": s.source, "action": action,
+                          "objects": [o.name for o in objects],
+                          "triplets": [r.text for r in relations]})
+        return dataclasses.replace(s, objects=objects, relations=tuple(relations), action=action)
+
+    def log(self) -> dict:
+        rows = self.rows
+        return {
+            "objects": {raw: {"standardised": self.standard[raw], "label": self.label(raw)}
+                        for raw in sorted(self.standard)},
+            "predicates": dict(sorted(self.predicates.items())),
+            "actions": dict(sorted(self.actions.items())),
+            "vocabulary": {
+                "actions": len({r["action"] for r in rows}),
+                "objects": len({o for r in rows for o in r["objects"]}),
+                "relations": len({t for r in rows for t in r["triplets"]}),
+                "predicates": len(set(self.predicates.values())),
+            },
+        }
+
+    def statistics(self) -> dict:
+        return rules.source_statistics(self.rows)
 
 
 def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str = "",
@@ -120,55 +129,61 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     `use_tagger=False` skips adjective stripping (recorded in the log)."""
     from data_prep import curate_cluster
     from data_prep.shards import write_dataset
-    samples, manifest = read_samples(data_dir, progress)
-    if not samples:
+    from sclaro_jax.data.dataset import open_dataset
+    manifest = open_dataset(data_dir).manifest
+    # pass A over the records: the labels only (images are never all held in memory)
+    ids, raw_names, actions = [], set(), set()
+    for s in iter_samples(data_dir, progress):
+        ids.append(s.id)
+        raw_names.update(o.name for o in s.objects)
+        actions.add(s.action)
+    if not ids:
         raise ValueError(f"{data_dir}: the dataset has no records")
     clusters = clusters or out_dir.rstrip("/") + ".clusters.json"
+    tagger_name = "none" if not use_tagger else ("custom" if tagger is not None else "nltk")
     if use_tagger and tagger is None:
         tagger = rules.require_tagger()  # MissingNLTKData names the install command
     if not use_tagger:
         tagger = _no_adjectives
-    raw_names = sorted({o.name for s in samples for o in s.objects})
-    standard = rules.object_canonical_map(raw_names, tagger=tagger)
+    standard = rules.object_canonical_map(sorted(raw_names), tagger=tagger)
     std_names = sorted(set(standard.values()))
-    actions = sorted({s.action for s in samples})
     os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
     if not os.path.exists(clusters):
-        candidates = rules.action_candidates(actions)
         cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
         with open(cand_path, "w", encoding="utf-8") as f:
             f.write("# surface form\tsuggested class\treason (review; copy the lines you accept "
                     "into your action map)\n")
-            for row in candidates:
+            for row in rules.action_candidates(sorted(actions)):
                 f.write("\t".join(row) + "\n")
         info = curate_cluster.cluster_object_names(
             std_names, clusters, model_path=encoder,
             min_cluster_size=min_cluster_size or curate_cluster.MIN_CLUSTER_SIZE,
             min_samples=min_samples or curate_cluster.MIN_SAMPLES, progress=progress)
-        raise NeedsLabels(clusters, len(info.get("clusters", [])) if isinstance(info, dict)
-                          else 0, len(std_names))
+        raise NeedsLabels(clusters, len(info.get("clusters", [])), len(std_names))
     labels = curate_cluster.read_curated(clusters)
     unknown = [n for n in std_names if n not in labels]
     if unknown:
         raise ValueError(f"{clusters} does not list {len(unknown)} of the dataset's object "
                          f"names (e.g. {unknown[:5]}): it was made for other data; delete it "
                          f"to cluster again")
-    amap = rules.load_action_map(action_map) if action_map else {}
-    result = curate_samples(samples, labels, standard, amap)
+    curator = Curator(labels, standard,
+                      rules.load_action_map(action_map) if action_map else {})
+    # pass B: rewrite and stream into the writer
     rule = manifest.get("split_rule", {})
-    ids = [s.id for s in result.samples]
-    write_dataset(result.samples, out_dir, ids=ids, split_seed=int(rule.get("seed", 42)),
+    write_dataset((curator(s) for s in iter_samples(data_dir, progress=False)), out_dir,
+                  ids=ids, split_seed=int(rule.get("seed", 42)),
                   fractions=tuple(rule.get("fractions", (0.7, 0.1, 0.2))),
                   overwrite=overwrite, progress=progress)
-    result.log["inputs"] = {"data": os.path.abspath(data_dir), "clusters": os.path.abspath(
-        clusters), "action_map": os.path.abspath(action_map) if action_map else "",
-        "adjective_tagger": "nltk" if use_tagger and tagger is not None else "none",
-        "records": len(samples)}
-    for name, doc in (("curation_log.json", result.log), ("statistics.json", result.statistics)):
+    log = curator.log()
+    log["inputs"] = {"data": os.path.abspath(data_dir), "clusters": os.path.abspath(clusters),
+                     "action_map": os.path.abspath(action_map) if action_map else "",
+                     "adjective_tagger": tagger_name,
+                     "records": len(ids)}
+    statistics = curator.statistics()
+    for name, doc in (("curation_log.json", log), ("statistics.json", statistics)):
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
-    return {"records": len(samples), "vocabulary": result.log["vocabulary"],
-            "statistics": result.statistics}
+    return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
 
 
 def _no_adjectives(tokens):
