@@ -30,7 +30,7 @@ import os
 import struct
 import time
 import zlib
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 from PIL import Image
@@ -76,82 +76,105 @@ class AnnotateConfig:
 # --------------------------------------------------------------------------- durable logs
 
 
-class _AppendLog:
-    """An append-only file of entries, fsynced per append. On opening, the entries are parsed
-    (`_parse(data) -> (entries, bytes parsed)`) and a torn tail (an interrupted write) is cut
-    off so appends continue after the last whole entry."""
+def _cut_torn_tail(path: str, good: int, size: int) -> None:
+    if good < size:
+        log.warning("%s: cutting off a torn tail of %d bytes (an interrupted write)", path,
+                    size - good)
+        with open(path, "r+b") as f:
+            f.truncate(good)
+
+
+def _append_durably(f, blob: bytes) -> None:
+    f.write(blob)
+    f.flush()
+    os.fsync(f.fileno())
+
+
+class JsonLog:
+    """Append-only JSON lines (small: the stage caches), fsynced per line, held in memory. On
+    opening, a torn last line (an interrupted write) is cut off."""
 
     def __init__(self, path: str):
         self.path = path
-        self.entries: list = []
+        self.entries: list[dict] = []
         if os.path.exists(path):
             with open(path, "rb") as f:
                 data = f.read()
-            self.entries, good = self._parse(data)
-            if good < len(data):
-                log.warning("%s: cutting off a torn tail of %d bytes (an interrupted write)",
-                            path, len(data) - good)
-                with open(path, "r+b") as f:
-                    f.truncate(good)
+            good = 0
+            for line in data.splitlines(keepends=True):
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    self.entries.append(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+                good += len(line)
+            _cut_torn_tail(path, good, len(data))
         self._f = open(path, "ab")
 
-    def _parse(self, data: bytes) -> tuple[list, int]:
-        raise NotImplementedError
-
-    def _write(self, blob: bytes, entries: list) -> None:
-        self._f.write(blob)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self.entries.extend(entries)
+    def append(self, entry: dict) -> None:
+        _append_durably(self._f, (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
+        self.entries.append(entry)
 
     def close(self) -> None:
         self._f.close()
 
 
-class JsonLog(_AppendLog):
-    """JSON lines; `append(dict)`."""
-
-    def _parse(self, data):
-        entries, good = [], 0
-        for line in data.splitlines(keepends=True):
-            if not line.endswith(b"\n"):
-                break
-            try:
-                entries.append(json.loads(line))
-            except json.JSONDecodeError:
-                break
-            good += len(line)
-        return entries, good
-
-    def append(self, entry: dict) -> None:
-        self._write((json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"), [entry])
-
-
 _FRAME = struct.Struct("<II")  # payload length, crc32
 
 
-class RecordLog(_AppendLog):
-    """Framed binary records (length, CRC32, payload); `append_many([bytes])`."""
+class RecordLog:
+    """Append-only framed binary records (length, CRC32, payload), fsynced per append. Only an
+    index (offset, length) is held in memory; payloads are read back from disk one at a time,
+    so the log can outgrow memory. On opening, a torn or corrupt tail is cut off."""
 
-    def _parse(self, data):
-        entries, pos = [], 0
-        while pos + _FRAME.size <= len(data):
-            n, crc = _FRAME.unpack_from(data, pos)
-            payload = data[pos + _FRAME.size: pos + _FRAME.size + n]
-            if len(payload) < n or zlib.crc32(payload) != crc:
-                break
-            entries.append(payload)
-            pos += _FRAME.size + n
-        return entries, pos
+    def __init__(self, path: str):
+        self.path = path
+        self.index: list[tuple[int, int]] = []
+        if os.path.exists(path):
+            size = os.path.getsize(path)
+            pos = 0
+            with open(path, "rb") as f:
+                while pos + _FRAME.size <= size:
+                    f.seek(pos)
+                    n, crc = _FRAME.unpack(f.read(_FRAME.size))
+                    payload = f.read(n)
+                    if len(payload) < n or zlib.crc32(payload) != crc:
+                        break
+                    self.index.append((pos + _FRAME.size, n))
+                    pos += _FRAME.size + n
+            _cut_torn_tail(path, pos, size)
+        self._f = open(path, "ab")
+
+    def append_many(self, payloads: Sequence[bytes]) -> None:
+        if not payloads:
+            return
+        pos = self._f.tell()
+        _append_durably(self._f, b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p
+                                          for p in payloads))
+        for p in payloads:
+            self.index.append((pos + _FRAME.size, len(p)))
+            pos += _FRAME.size + len(p)
+
+    def read(self, entry: tuple[int, int]) -> bytes:
+        offset, n = entry
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            return f.read(n)
+
+    def __iter__(self) -> Iterator[bytes]:
+        with open(self.path, "rb") as f:
+            for offset, n in self.index:
+                f.seek(offset)
+                yield f.read(n)
 
     @property
     def records(self) -> list[bytes]:
-        return self.entries
+        """All payloads in memory (small logs, tests)."""
+        return list(self)
 
-    def append_many(self, payloads: Sequence[bytes]) -> None:
-        if payloads:
-            self._write(b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p for p in payloads),
-                        list(payloads))
+    def close(self) -> None:
+        self._f.close()
 
 
 # --------------------------------------------------------------------------- models
@@ -489,22 +512,22 @@ class Annotator:
         for entry in self.vlm_log.entries:
             for res in entry["results"].values():
                 self.summary.parse_notes.update(res.get("parse", {}).get("notes", []))
-        by_id = {}
-        for rec in self.records.records:
-            sample = schema.decode(rec)
-            if sample.id in kept_ids:
-                by_id[sample.id] = rec  # a repeated chunk wrote the same bytes again
-        missing = kept_ids - set(by_id)
+        where = {}  # id -> (offset, length) in the record log; a repeated chunk's copy wins
+        for entry, rec in zip(self.records.index, self.records):
+            image_id = schema.decode(rec).id
+            if image_id in kept_ids:
+                where[image_id] = entry
+        missing = kept_ids - set(where)
         if missing:
             raise RuntimeError(f"{self.records.path}: records of {len(missing)} kept images are "
                                f"missing (e.g. {sorted(missing)[:3]}); delete the work folder "
                                f"and rerun")
-        self.summary.kept = len(by_id)
-        ids = sorted(by_id)
+        self.summary.kept = len(where)
+        ids = sorted(where)
         manifest = None
-        if ids:
-            manifest = write_dataset((schema.decode(by_id[i]) for i in ids), self.cfg.out,
-                                     ids=ids, split_seed=self.cfg.split_seed,
+        if ids:  # streamed from the log in id order, one record at a time
+            manifest = write_dataset((schema.decode(self.records.read(where[i])) for i in ids),
+                                     self.cfg.out, ids=ids, split_seed=self.cfg.split_seed,
                                      records_per_shard=self.cfg.records_per_shard,
                                      overwrite=self.cfg.overwrite, progress=self.cfg.progress)
         summary = self.summary.as_dict()
