@@ -21,6 +21,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
+def use_fused_attention(implementation: str | None) -> None:
+    """Swap the CLIP attention core for `jax.nn.dot_product_attention` (cuDNN's fused kernel
+    on GPU when it applies; XLA's otherwise), for this benchmark process only: a measurement
+    of what the model would gain, same projections and masks."""
+    import jax
+    import jax.numpy as jnp
+
+    from sclaro_jax.models import clip
+
+    def call(self, x, mask, queries=None):
+        queries = x if queries is None else queries
+        b, _, d = x.shape
+        head_dim = d // self.heads
+
+        def tokens(t):  # [b, n, d] -> [b, n, heads, head_dim]
+            return t.reshape(b, t.shape[1], self.heads, head_dim)
+
+        out = jax.nn.dot_product_attention(
+            tokens(self.q_proj(queries)), tokens(self.k_proj(x)), tokens(self.v_proj(x)),
+            mask=None if mask is None else jnp.broadcast_to(
+                mask, (b, 1, queries.shape[1], x.shape[1])),
+            implementation=implementation)
+        return self.out_proj(out.reshape(b, queries.shape[1], d))
+
+    clip.Attention.__call__ = call
+
+
 def _flops(cost) -> float:
     cost = cost[0] if isinstance(cost, list) else cost
     return float((cost or {}).get("flops", float("nan")))
@@ -52,6 +79,10 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--flops-only", action="store_true",
                         help="print the step's FLOPs (no compilation, no timing) and exit")
+    parser.add_argument("--attention", choices=("ours", "dpa", "cudnn"), default="ours",
+                        help="attention core: ours (heads-major einsums), dpa "
+                             "(jax.nn.dot_product_attention, implementation chosen by XLA) or "
+                             "cudnn (forced)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the forward pass alone (student + teacher, no gradients)")
     args = parser.parse_args()
@@ -66,6 +97,8 @@ def main():
     from sclaro_jax.models import scenarioclip
     from sclaro_jax.train import core
 
+    if args.attention != "ours":
+        use_fused_attention("cudnn" if args.attention == "cudnn" else None)
     batch = make_batch(args.preset, args.batch, n_obj=args.objects, n_rel=args.relations,
                        text_len=args.text_length)
     batch = jax.device_put(batch)
@@ -97,6 +130,7 @@ def main():
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     compiled_flops = _flops(compiled.cost_analysis())
+    fused_attention_calls = compiled.as_text().count("__cudnn$fmha")
     holder = {"state": state}
     del state
 
@@ -118,6 +152,7 @@ def main():
         "tflops_per_step": flops / 1e12, "achieved_tflops": flops / dt / 1e12,
         "mfu": flops / dt / (args.peak_tflops * 1e12),
         "compiled_cost_analysis_tflops": compiled_flops / 1e12, "compile_s": compile_s,
+        "attention": args.attention, "cudnn_fused_attention_calls": fused_attention_calls,
         "loss": float(metrics["loss"]), "recompiles": step._cache_size() - 1,
     }
     if args.breakdown:
