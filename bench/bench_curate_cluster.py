@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import resource
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ADJECTIVES = """red blue green yellow black white grey brown orange purple pink golden silver
 wooden metal plastic glass stone leather paper small large tiny huge tall short long round
