@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import io
 import json
 import logging
 import os
@@ -282,12 +281,6 @@ def _chunks(items: list, size: int) -> Iterable[tuple[int, list]]:
         yield k // size, items[k:k + size]
 
 
-def _encode_jpeg(pixels: np.ndarray, quality: int) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
-
-
 def _config_key(cfg: AnnotateConfig) -> dict:
     """What the caches depend on: a rerun with other settings must not mix results."""
     return {"version": CACHE_VERSION, "source": cfg.source, "root": os.path.abspath(cfg.root),
@@ -395,6 +388,7 @@ class Annotator:
                        dets: list) -> tuple[schema.Sample | None, str, list[str]]:
         """The record of one image, or None with the reason it is excluded."""
         from data_prep import segment
+        from data_prep.demo import encode_jpeg
         rgb = np.asarray(img.convert("RGB"))
         boxes = np.asarray([d[:4] for d in dets], np.float64).reshape(-1, 4)
         labels = [d[5] for d in dets]
@@ -413,7 +407,7 @@ class Annotator:
             schema.Relation(r.subject, r.predicate, r.object,
                             schema.triplet_text(labels[r.subject], r.predicate,
                                                 labels[r.object]),
-                            _encode_jpeg(r.region, self.cfg.region_quality))
+                            encode_jpeg(r.region, self.cfg.region_quality))
             for r in regions)
         action = item.action if item.action else parsed["action"]
         sample = schema.Sample(
