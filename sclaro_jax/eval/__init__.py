@@ -1,0 +1,1 @@
+"""Evaluation: MINER / ROCS retrieval (`python -m sclaro_jax.eval.rocs`)."""

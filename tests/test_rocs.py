@@ -1,0 +1,220 @@
+"""ROCS / MINER evaluation: split loaders, the embedding cache, encoders and the CLI end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sclaro_jax import miner
+from sclaro_jax.eval import data as data_lib
+from sclaro_jax.eval import encoders, gallery, rocs, synthetic
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------
+# Split loaders
+# ------------------------------------------------------------------------------------------
+
+def _pngs(folder, n, size=(40, 30)):
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    arrays = []
+    for i in range(n):
+        a = rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(a).save(folder / f"im{i}.png")
+        arrays.append(a)
+    return arrays
+
+
+def test_coco_captions_file_gives_one_query_per_caption(tmp_path):
+    arrays = _pngs(tmp_path / "imgs", 3)
+    doc = {"images": [{"id": 10 + i, "file_name": f"im{i}.png"} for i in range(3)],
+           "annotations": [{"image_id": 12, "caption": "c"}, {"image_id": 10, "caption": "a"},
+                           {"image_id": 10, "caption": "b"}, {"image_id": 11, "caption": " "}]}
+    (tmp_path / "caps.json").write_text(json.dumps(doc))
+    split = data_lib.load_split(str(tmp_path / "caps.json"), image_root=str(tmp_path / "imgs"))
+    # im1 has only an empty caption: no query, but still in the gallery (a distractor)
+    assert split.image_ids == ["im0.png", "im1.png", "im2.png"]
+    assert split.queries == ["a", "b", "c"] and split.gt.tolist() == [0, 0, 2]
+    np.testing.assert_array_equal(split.load_image(2), arrays[2])
+
+
+def test_karpathy_file_reads_the_test_split(tmp_path):
+    _pngs(tmp_path / "val2014", 3)
+    doc = {"images": [
+        {"filepath": "val2014", "filename": f"im{i}.png", "split": s,
+         "sentences": [{"raw": f"cap {i} {j}"} for j in range(2)]}
+        for i, s in enumerate(["test", "train", "test"])]}
+    (tmp_path / "dataset_coco.json").write_text(json.dumps(doc))
+    split = data_lib.load_split(str(tmp_path / "dataset_coco.json"), image_root=str(tmp_path))
+    assert split.num_images == 2 and split.queries[2] == "cap 2 0"
+    assert split.gt.tolist() == [0, 0, 1, 1]
+    assert split.load_image(1).shape == (30, 40, 3)
+    with pytest.raises(data_lib.SplitError, match=r"no image has split 'val'.*'test', 'train'"):
+        data_lib.load_split(str(tmp_path / "dataset_coco.json") + ":val",
+                            image_root=str(tmp_path))
+
+
+def test_hf_folder_in_rocs_layout_and_its_errors(tmp_path):
+    images = [np.full((20, 24, 3), 40 * i, np.uint8) for i in range(3)]
+    synthetic.write_hf_split(tmp_path / "rocs", images, [["a dog"], ["a cup", "a mug"], []],
+                             split="coco")
+    split = data_lib.load_split(f"rocs_coco={tmp_path / 'rocs'}:coco")
+    assert split.name == "rocs_coco" and split.num_images == 3
+    assert split.queries == ["a dog", "a cup", "a mug"] and split.gt.tolist() == [0, 1, 1]
+    np.testing.assert_array_equal(split.load_image(2), images[2])
+    with pytest.raises(data_lib.SplitError, match="no split 'flickr'.*'coco'"):
+        data_lib.load_split(f"{tmp_path / 'rocs'}:flickr")
+    with pytest.raises(data_lib.SplitError, match="no column 'text'"):
+        data_lib.load_split(f"{tmp_path / 'rocs'}:coco", caption_column="text")
+    with pytest.raises(data_lib.SplitError, match="split not found"):
+        data_lib.load_split(str(tmp_path / "nowhere"))
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(data_lib.SplitError, match="bad.json is not valid JSON"):
+        data_lib.load_split(str(tmp_path / "bad.json"))
+
+
+def test_missing_image_file_is_named(tmp_path):
+    doc = {"images": [{"id": 1, "file_name": "gone.png"}],
+           "annotations": [{"image_id": 1, "caption": "x"}]}
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    split = data_lib.load_split(str(tmp_path / "c.json"))
+    with pytest.raises(data_lib.SplitError, match="gone.png"):
+        split.load_image(0)
+
+
+# ------------------------------------------------------------------------------------------
+# Gallery embeddings and their cache
+# ------------------------------------------------------------------------------------------
+
+class CountingEncoder(synthetic.PlantedColourEncoder):
+    def __init__(self):
+        super().__init__()
+        self.views = 0
+
+    def encode_views(self, views):
+        self.views += len(views)
+        return super().encode_views(views)
+
+
+def test_gallery_embeddings_crops_match_direct_encoding_and_cache_resumes(tmp_path):
+    json_path = synthetic.make_planted_split(tmp_path / "d", num_images=7, seed=3)
+    split = data_lib.load_split(str(json_path))
+    enc = CountingEncoder()
+    spec = gallery.CropSpec("fixed5")
+    emb = gallery.embed_split(enc, split, spec, cache_dir=tmp_path / "c", part_size=3,
+                              progress=False)
+    assert emb.images.shape == (7, 15) and emb.crops.shape == (7, 5, 15)
+    assert emb.images.dtype == np.float16 and enc.views == 7 * 6
+    image = split.load_image(4)
+    (x0, y0, x1, y1) = miner.crop_boxes(image.shape[1], image.shape[0])[2]
+    direct = enc.encode_views(np.stack([enc.view(image), enc.view(image[y0:y1, x0:x1])]))
+    np.testing.assert_allclose(emb.images[4], direct[0], atol=1e-3)
+    np.testing.assert_allclose(emb.crops[4, 2], direct[1], atol=1e-3)
+    np.testing.assert_allclose(emb.texts, enc.encode_texts(split.queries), atol=1e-6)
+    # a rerun reads everything from the cache; losing one part recomputes only that part
+    enc2 = CountingEncoder()
+    again = gallery.embed_split(enc2, split, spec, cache_dir=tmp_path / "c", part_size=3,
+                                progress=False)
+    assert enc2.views == 0
+    np.testing.assert_array_equal(again.crops, emb.crops)
+    key = gallery.cache_key(enc, split, spec)
+    (tmp_path / "c" / key / "gallery-00001-of-00003.npy").unlink()
+    gallery.embed_split(enc2, split, spec, cache_dir=tmp_path / "c", part_size=3, progress=False)
+    assert enc2.views == 3 * 6
+    # other crop settings are another cache entry
+    assert gallery.cache_key(enc, split, gallery.CropSpec("grid3x3")) != key
+
+
+# ------------------------------------------------------------------------------------------
+# Evaluation
+# ------------------------------------------------------------------------------------------
+
+def test_evaluate_numbers_follow_the_kernels(rng):
+    def unit(*shape):
+        x = rng.normal(size=shape).astype(np.float32)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    emb = gallery.SplitEmbeddings(unit(30, 16).astype(np.float16),
+                                  unit(30, 5, 16).astype(np.float16), unit(45, 16))
+    gt = rng.integers(0, 30, 45)
+    out = rocs.evaluate(emb, gt, rocs.Settings(k=5))
+    assert list(out) == ["Global", "Global+CSLS", "Global+crops", "MINER"]
+    s = emb.texts @ emb.images.astype(np.float32).T
+    ranks = (s > s[np.arange(45), gt][:, None]).sum(1)
+    assert out["Global"]["R@5"] == pytest.approx(100 * np.mean(ranks < 5), abs=1e-4)
+    fused = miner.fused_scores(emb.texts, emb.images, emb.crops, alpha=0.4)
+    expect = miner.recall_at_k(miner.csls(fused, k=5), gt)
+    assert out["MINER"]["R@1"] == pytest.approx(expect[1], abs=1e-4)
+    with pytest.raises(ValueError, match="needs a query bank"):
+        rocs.evaluate(emb, gt, rocs.Settings(rescore="qbnorm"))
+    banked = rocs.evaluate(emb, gt, rocs.Settings(rescore="csls-bank"), bank=unit(20, 16))
+    assert "Global+CSLS(bank)" in banked
+
+
+def test_cli_help_and_clear_errors(tmp_path):
+    run = subprocess.run([sys.executable, "-m", "sclaro_jax.eval.rocs", "--help"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.returncode == 0 and "--alpha" in run.stdout and "--rescore" in run.stdout
+    assert rocs.main(["--model", str(tmp_path / "none"), "--split", str(tmp_path)]) == 2
+    json_path = synthetic.make_planted_split(tmp_path / "d", num_images=3)
+    code = rocs.main(["--model", str(tmp_path / "no_model"), "--split", str(json_path),
+                      "--out", str(tmp_path / "o")])
+    assert code == 2
+
+
+def test_planted_benchmark_miner_beats_global(tmp_path, capsys):
+    json_path = synthetic.make_planted_split(tmp_path / "planted", num_images=56, seed=0)
+    out = tmp_path / "out"
+    code = rocs.main(["--model", "planted-colours", "--split", f"planted={json_path}",
+                      "--out", str(out), "--no_progress"])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())["results"]["planted"]
+    printed = capsys.readouterr().out
+    assert "| MINER |" in printed and (out / "results.md").exists()
+    # global pooling prefers the decoys; the crop view recovers the small flag
+    assert res["Global+crops"]["R@1"] > res["Global"]["R@1"] + 30
+    assert res["MINER"]["R@1"] > res["Global"]["R@1"] + 30
+    assert res["MINER"]["R@1"] >= 80
+
+
+def _demo_rocs_folder(tmp_path):
+    """A ROCS-format split (datasets save_to_disk) of the bundled demo's real photographs, one
+    query per caption and per annotated object."""
+    from data_prep.demo import image_path, load_annotations
+
+    images, captions = [], []
+    for entry in load_annotations():
+        with Image.open(image_path(entry)) as img:
+            images.append(np.asarray(img.convert("RGB")))
+        names = sorted({o["name"] for o in entry["objects"]})[:2]
+        captions.append([entry["caption"]] + [f"a photo with a {n}" for n in names])
+    return synthetic.write_hf_split(tmp_path / "rocs", images, captions,
+                                    ids=[e["id"] for e in load_annotations()], split="coco")
+
+
+def test_cli_end_to_end_on_a_rocs_folder_with_a_tiny_clip(tmp_path, tiny_hf):
+    folder = _demo_rocs_folder(tmp_path)
+    out = tmp_path / "out"
+    argv = ["--model", str(tiny_hf[0]), "--split", f"rocs_coco={folder}:coco", "--out",
+            str(out), "--no_progress", "--k", "3"]
+    assert rocs.main(argv) == 0
+    record = json.loads((out / "results.json").read_text())
+    res = record["results"]["rocs_coco"]
+    assert record["splits"]["rocs_coco"]["images"] == 14
+    assert set(res) == {"Global", "Global+CSLS", "Global+crops", "MINER"}
+    for method in res.values():
+        assert 0 <= method["R@1"] <= method["R@5"] <= method["R@10"] <= 100
+        assert 0 <= method["never_retrieved"] <= 1
+    # the encoder the CLI used gives the cached embeddings
+    enc = encoders.load_encoder(str(tiny_hf[0]))
+    split = data_lib.load_split(f"{folder}:coco")
+    cached = gallery.embed_split(enc, split, gallery.CropSpec(), cache_dir=out / "cache",
+                                 progress=False)
+    direct = enc.encode_views(enc.view(split.load_image(5))[None])
+    np.testing.assert_allclose(cached.images[5], direct[0], atol=2e-3)
