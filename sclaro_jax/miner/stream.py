@@ -227,7 +227,7 @@ def _chunks(gallery: np.ndarray, crops: Optional[np.ndarray], chunk: int
         yield g, c, a, min(chunk, n - a)
 
 
-def _gt_values(queries: jax.Array, gallery: np.ndarray, crops: Optional[np.ndarray],
+def gt_values(queries: jax.Array, gallery: np.ndarray, crops: Optional[np.ndarray],
                bank: Optional[jax.Array], gt: np.ndarray, chunk: int, cfg: Config,
                step=None) -> np.ndarray:
     """[Q] rescored score (2S - r_i, or S) of each query's ground truth, by the chunk step run on
@@ -278,7 +278,7 @@ def search(queries: np.ndarray, gallery: np.ndarray, crops: Optional[np.ndarray]
         gt_val = np.full((nq,), np.inf, np.float32)
     else:
         gt_idx = np.asarray(gt, np.int32)
-        gt_val = _gt_values(q, gallery, crops, b, gt_idx, chunk, cfg)
+        gt_val = gt_values(q, gallery, crops, b, gt_idx, chunk, cfg)
     gt_idx_d, gt_val_d = jnp.asarray(gt_idx), jnp.asarray(gt_val)
     state = init_state(nq, cfg)
     r_i_parts = []
