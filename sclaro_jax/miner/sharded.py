@@ -44,8 +44,8 @@ def shard_rows(arr: np.ndarray, n_rows: int, mesh: Mesh, axis: str) -> jax.Array
     shape = (n_rows,) + arr.shape[1:]
 
     def block(index):
-        rows = index[0]
-        return stream.padded_rows(arr, rows.start, rows.stop, rows.stop - rows.start)
+        start, stop, _ = index[0].indices(n_rows)
+        return stream.padded_rows(arr, start, stop, stop - start)
 
     return jax.make_array_from_callback(shape, NamedSharding(mesh, P(axis)), block)
 

@@ -234,6 +234,8 @@ def gt_values(queries: jax.Array, gallery: np.ndarray, crops: Optional[np.ndarra
     chunks made of the ground-truth rows only."""
     step = step or functools.partial(_step, cfg=cfg)
     q = queries.shape[0]
+    if gt.shape != (q,) or gt.min() < 0 or gt.max() >= gallery.shape[0]:
+        raise ValueError(f"gt must be [{q}] rows of the gallery (0..{gallery.shape[0] - 1})")
     rows, where = np.unique(gt, return_inverse=True)
     out = np.full((q,), -np.inf, np.float32)
     for a in range(0, len(rows), chunk):
