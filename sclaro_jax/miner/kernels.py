@@ -1,0 +1,312 @@
+"""MINER scoring kernels on in-memory score matrices (DESIGN.md section 4).
+
+Pure `jax.numpy`, static shapes; integer arguments (k, m, block sizes, pooling) are static.
+Inputs may be float16/bfloat16/float32 and are upcast: all arithmetic is float32. Score matrices
+are `[Q, G]`: one row per text query, one column per gallery image, higher is better.
+
+The public functions are jitted with `sclaro_jax.compile` options on first use: on CPU, XLA's
+default (YNNPACK) fusions reduce over the first axis of a large matrix about 7x slower.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sclaro_jax import compile
+
+# Block lengths of the exact blocked top-k, chosen by measurement on the 8,231 x 32,768 CSLS
+# matrix (bench/README.md, "MINER kernels on CPU").
+ROW_BLOCK = 64  # top-k along the last axis (each query's best images)
+COLUMN_BLOCK = 32  # top-k along the first axis (each image's best queries)
+
+
+def _jitted(*static: str) -> Callable[[Callable], Callable]:
+    """`compile.jit(fn, static_argnames=static)`, built on the first call (not at import)."""
+
+    def wrap(fn: Callable) -> Callable:
+        compiled: list[Callable] = []
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            if not compiled:
+                compiled.append(compile.jit(fn, static_argnames=static))
+            return compiled[0](*args, **kwargs)
+
+        return call
+
+    return wrap
+
+
+def _f32(x) -> jax.Array:
+    return jnp.asarray(x).astype(jnp.float32)
+
+
+def _check_k(k: int, n: int, what: str) -> None:
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be between 1 and the number of {what} ({n})")
+
+
+def _topk_last(x: jax.Array, k: int, block: int = ROW_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """Exact `lax.top_k(x, k)` along the last axis (same values, same indices, ties to the lower
+    index) through block maxima.
+
+    The last axis is cut into blocks of `block` (the tail padded with -inf); the k largest block
+    maxima name k candidate blocks, which hold every element of the top k (an element outside
+    them is below k distinct block maxima; among equal values the chosen blocks hold the
+    lower-index ones). The candidate blocks are gathered in ascending index order, so a final
+    `top_k` over the k * block candidates breaks ties by the original index.
+    """
+    n = x.shape[-1]
+    if k * block >= n:
+        return jax.lax.top_k(x, k)
+    lead = x.shape[:-1]
+    nblocks = -(-n // block)
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, nblocks * block - n)],
+                     constant_values=-jnp.inf)
+    block_max = padded.reshape(lead + (nblocks, block)).max(-1)
+    chosen = jnp.sort(jax.lax.top_k(block_max, k)[1], axis=-1)
+    pos = (chosen[..., None] * block + jnp.arange(block)).reshape(lead + (k * block,))
+    candidates = jnp.take_along_axis(x, jnp.minimum(pos, n - 1), axis=-1)
+    candidates = jnp.where(pos < n, candidates, -jnp.inf)
+    values, where = jax.lax.top_k(candidates, k)
+    return values, jnp.take_along_axis(pos, where, axis=-1)
+
+
+def _topk_first_values(x: jax.Array, k: int, block: int = COLUMN_BLOCK) -> jax.Array:
+    """The k largest values of each column of `x [N, G]`, as `[G, k]`, without transposing `x`.
+
+    Same blocked argument as `_topk_last`, along the first axis: rows are grouped into blocks
+    ([N/B, B, G] view), block maxima `[N/B, G]` are small enough to transpose, and only the
+    k * B candidate rows per column are gathered.
+    """
+    n, g = x.shape
+    if k * block >= n:
+        return jax.lax.top_k(x.T, k)[0]
+    nblocks = -(-n // block)
+    padded = jnp.pad(x, [(0, nblocks * block - n), (0, 0)], constant_values=-jnp.inf)
+    block_max = padded.reshape(nblocks, block, g).max(1)
+    chosen = jax.lax.top_k(block_max.T, k)[1]  # [G, k]
+    pos = (chosen[..., None] * block + jnp.arange(block)).reshape(g, k * block).T  # [kB, G]
+    candidates = jnp.take_along_axis(x, jnp.minimum(pos, n - 1), axis=0)
+    candidates = jnp.where(pos < n, candidates, -jnp.inf)
+    return jax.lax.top_k(candidates.T, k)[0]
+
+
+def _topk_mean(x: jax.Array, k: int, axis: int) -> jax.Array:
+    if axis in (-1, x.ndim - 1):
+        return _topk_last(x, k)[0].mean(-1)
+    if x.ndim == 2 and axis in (0, -2):
+        return _topk_first_values(x, k).mean(-1)
+    raise ValueError(f"axis must be 0 or -1 of a matrix, or the last axis; got {axis}")
+
+
+@_jitted("k", "axis")
+def topk_mean(scores: jax.Array, k: int, axis: int = -1) -> jax.Array:
+    """Exact mean of the k largest entries along `axis` (the last axis, or axis 0 of a matrix).
+
+    mean_{j in top-k along axis} S_j. Blocked (`_topk_last`, `_topk_first_values`): about 4x
+    faster than `lax.top_k` on the 8,231 x 32,768 CSLS matrix on 2 CPU cores (bench/README.md).
+    """
+    x = _f32(scores)
+    if -x.ndim <= axis < x.ndim:
+        _check_k(k, x.shape[axis], "entries along the axis")
+    return _topk_mean(x, k, axis)
+
+
+def _pooled_crop_scores(text: jax.Array, crops: jax.Array, pool: str) -> jax.Array:
+    """pool_r T C_r^T, one `[Q, G]` matmul per crop folded into a running max / sum, so the
+    `[Q, G, R]` tensor never exists."""
+    pooled = None
+    for r in range(crops.shape[1]):
+        s = text @ crops[:, r].T
+        if pooled is None:
+            pooled = s
+        else:
+            pooled = jnp.maximum(pooled, s) if pool == "max" else pooled + s
+    return pooled if pool == "max" else pooled / crops.shape[1]
+
+
+@_jitted("pool", "chunk")
+def fused_scores(text: jax.Array, global_emb: jax.Array, crop_emb: jax.Array,
+                 alpha: float = 0.4, pool: str = "max", chunk: int | None = None) -> jax.Array:
+    """MINER region fusion (paper section 4.2), `[Q, G]`:
+
+        S = (1 - alpha) * T G^T + alpha * pool_r T C_r^T,   pool in {"max", "mean"} over crops
+
+    `text [Q, D]`, `global_emb [G, D]`, `crop_emb [G, R, D]`, all already L2-normalised.
+    `chunk`: score the gallery in static slices of this many images (bounds the temporaries to
+    `[Q, chunk]`); None scores it whole. Either way only `[Q, G]`-sized buffers exist.
+    """
+    if pool not in ("max", "mean"):
+        raise ValueError(f"pool must be 'max' or 'mean', got {pool!r}")
+    t, g, c = _f32(text), _f32(global_emb), _f32(crop_emb)
+    if c.ndim != 3 or c.shape[0] != g.shape[0]:
+        raise ValueError(f"crop_emb must be [G, R, D] with G={g.shape[0]}, got {c.shape}")
+    size = g.shape[0] if chunk is None else chunk
+    parts = [(1 - alpha) * (t @ g[i:i + size].T)
+             + alpha * _pooled_crop_scores(t, c[i:i + size], pool)
+             for i in range(0, g.shape[0], size)]
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
+def _csls(scores: jax.Array, k: int, bank: jax.Array | None) -> jax.Array:
+    r_q = _topk_mean(scores, k, 1)
+    r_i = _topk_mean(scores if bank is None else bank, k, 0)
+    return 2 * scores - r_q[:, None] - r_i[None, :]
+
+
+@_jitted("k")
+def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None) -> jax.Array:
+    """Two-sided CSLS (paper section 4.3), `[Q, G]`:
+
+        CSLS_qi = 2 S_qi - r_q - r_i
+        r_q = mean of query q's k largest scores over the gallery (row top-k of S)
+        r_i = mean of image i's k largest scores over queries (column top-k)
+
+    Transductive (`bank_scores` None): r_i from `scores` itself. Inductive: r_i from the query
+    bank's scores `bank_scores [Qb, G]` against the same gallery.
+    """
+    s = _f32(scores)
+    _check_k(k, s.shape[1], "gallery images")
+    bank = None if bank_scores is None else _f32(bank_scores)
+    _check_k(k, s.shape[0] if bank is None else bank.shape[0], "queries")
+    return _csls(s, k, bank)
+
+
+@_jitted("m", "k")
+def _shortlist(global_scores: jax.Array, m: int, k: int, bank: jax.Array | None):
+    s = _f32(global_scores)
+    r_q = _topk_mean(s, k, 1)
+    r_i = _topk_mean(s if bank is None else _f32(bank), k, 0)
+    return _topk_last(s, m)[1], r_q, r_i
+
+
+@_jitted("num_images")
+def _place_shortlist(fused_pairs, shortlist, r_q, r_i, num_images: int):
+    rescored = 2 * _f32(fused_pairs) - r_q[:, None] - r_i[shortlist]
+    rows = jnp.arange(shortlist.shape[0])[:, None]
+    out = jnp.full((shortlist.shape[0], num_images), -jnp.inf, jnp.float32)
+    return out.at[rows, shortlist].set(rescored)
+
+
+def csls_shortlist(global_scores: jax.Array,
+                   fused: jax.Array | Callable[[jax.Array], jax.Array],
+                   m: int = 25, k: int = 10, bank_scores: jax.Array | None = None) -> jax.Array:
+    """Shortlist MINER (paper section 5.4 / appendix F.1), `[Q, G]`.
+
+    Each query's M best images by the global score S^g (ties to the lower index) are rescored
+
+        out_qi = 2 F_qi - r_q - r_i                    for i in shortlist(q)
+        out_qi = -inf                                  otherwise (ranked after the shortlist)
+
+    with F the fused score and r_q, r_i the CSLS neighbourhood means of the *global* matrix:
+    r_q = mean of the k largest S^g_q., r_i = mean of the k largest S^g_.i over the queries
+    (transductive) or over `bank_scores [Qb, G]`, a query bank's *global* scores (inductive).
+    So no crop embedding is needed outside the shortlist. r_q is constant along a row and does
+    not change a query's ranking; it is kept so that the values are CSLS values.
+
+    `fused` is either the precomputed fused matrix `[Q, G]` or a function that takes the
+    shortlist indices `int [Q, M]` and returns the fused scores of those pairs `[Q, M]`.
+    """
+    s = jnp.asarray(global_scores)
+    _check_k(m, s.shape[1], "gallery images")
+    _check_k(k, s.shape[1], "gallery images")
+    _check_k(k, s.shape[0] if bank_scores is None else jnp.shape(bank_scores)[0], "queries")
+    shortlist, r_q, r_i = _shortlist(s, m, k, bank_scores)
+    pairs = fused(shortlist) if callable(fused) else jnp.take_along_axis(
+        jnp.asarray(fused), shortlist, axis=1)
+    return _place_shortlist(pairs, shortlist, r_q, r_i, num_images=s.shape[1])
+
+
+@_jitted("dynamic")
+def qbnorm(scores: jax.Array, bank_scores: jax.Array, beta: float = 20.0,
+           dynamic: bool = True) -> jax.Array:
+    """Querybank normalisation with the (dynamic) inverted softmax (Bogolin et al., CVPR 2022).
+
+    Inverted softmax: IS_qi = exp(beta S_qi) / sum_b exp(beta B_bi) over the bank `[Qb, G]`;
+    returned as its logarithm, beta S_qi - logsumexp_b(beta B_bi) (same ranking, no overflow).
+    Dynamic (their `qb_norm` code): the activation set A = images that are the top-1 of some bank
+    query; a query whose own top-1 image (by S) is in A gets the normalised row, every other
+    query keeps its raw row S_q. (`dynamic=False` normalises every row.) Rows are ranked on
+    their own, so mixing the two scales across rows is what the reference does too.
+    """
+    s, b = _f32(scores), _f32(bank_scores)
+    normalised = beta * s - jax.nn.logsumexp(beta * b, axis=0)[None, :]
+    if not dynamic:
+        return normalised
+    active = jnp.zeros(s.shape[1], bool).at[jnp.argmax(b, axis=1)].set(True)
+    return jnp.where(active[jnp.argmax(s, axis=1)][:, None], normalised, s)
+
+
+@_jitted("iters")
+def sinkhorn(scores: jax.Array, tau: float = 0.02, iters: int = 1) -> jax.Array:
+    """Log-domain Sinkhorn on exp(S / tau), `[Q, G]`.
+
+    L = S / tau; `iters` times: L <- L - logsumexp_i L_qi (rows: each query's distribution over
+    images sums to 1), then L <- L - logsumexp_q L_qi (columns sum to 1). Returns L, the log of
+    the normalised plan; the last step is over queries, so it changes each query's ranking.
+    """
+    log_plan = _f32(scores) / tau
+    for _ in range(iters):
+        log_plan = log_plan - jax.nn.logsumexp(log_plan, axis=1, keepdims=True)
+        log_plan = log_plan - jax.nn.logsumexp(log_plan, axis=0, keepdims=True)
+    return log_plan
+
+
+@_jitted()
+def dual_softmax(scores: jax.Array, tau: float = 0.01) -> jax.Array:
+    """Dual softmax (CAMoE / DSL, text-to-image): out_qi = S_qi * softmax_q(S_.i / tau)_q, the
+    prior is a softmax over the query axis (each image's column), computed in float32."""
+    s = _f32(scores)
+    return s * jax.nn.softmax(s / tau, axis=0)
+
+
+@_jitted()
+def ranks(scores: jax.Array, gt: jax.Array) -> jax.Array:
+    """0-based rank of each query's ground-truth image, int32 `[Q]`:
+
+        rank_q = #{j : S_qj > S_q,gt} + #{j < gt : S_qj == S_q,gt}
+
+    i.e. its position in a stable descending argsort of the row.
+    """
+    s = _f32(scores)
+    gt = jnp.asarray(gt, jnp.int32)
+    target = jnp.take_along_axis(s, gt[:, None], axis=1)
+    before = jnp.arange(s.shape[1])[None, :] < gt[:, None]
+    return ((s > target) | ((s == target) & before)).sum(1).astype(jnp.int32)
+
+
+def recall_at_k(scores: jax.Array, gt: jax.Array, ks: tuple[int, ...] = (1, 5, 10)
+                ) -> dict[int, float]:
+    """Text-to-image R@k in percent: 100 * mean_q [rank_q < k], ranks as in `ranks`."""
+    r = np.asarray(ranks(scores, gt))
+    return {int(k): float(100.0 * np.mean(r < k)) for k in ks}
+
+
+@_jitted("k")
+def _k_occurrence(scores: jax.Array, k: int) -> jax.Array:
+    top = _topk_last(_f32(scores), k)[1]
+    return jnp.zeros(scores.shape[1], jnp.int32).at[top.reshape(-1)].add(1)
+
+
+def hubness(scores: jax.Array, k: int = 10) -> dict[str, float | int]:
+    """Hubness statistics of a `[Q, G]` matrix (paper section 5.3, appendix E.4).
+
+    N_k(i) = number of queries with image i in their top k (ties to the lower index);
+    skewness = E[(N - mu)^3] / sigma^3 over all G images, zeros included (population moments;
+    0.0 when every image occurs equally often); never_retrieved = fraction of images with
+    N_k = 0; worst_hub = argmax_i N_k(i) (lowest index on ties), worst_hub_count its N_k.
+    """
+    _check_k(k, jnp.shape(scores)[1], "gallery images")
+    counts = np.asarray(_k_occurrence(scores, k)).astype(np.float64)
+    centred = counts - counts.mean()
+    sigma = np.sqrt(np.mean(centred ** 2))
+    skewness = float(np.mean(centred ** 3) / sigma ** 3) if sigma > 0 else 0.0
+    worst = int(np.argmax(counts))
+    return {"skewness": skewness, "never_retrieved": float(np.mean(counts == 0)),
+            "worst_hub": worst, "worst_hub_count": int(counts[worst])}

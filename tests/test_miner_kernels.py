@@ -1,0 +1,344 @@
+"""sclaro_jax.miner crops and kernels against a plain-numpy float64 reference of DESIGN.md
+section 4 (written out below, np.partition / stable argsort).
+
+Rankings are compared with `assert_same_ranking`: random Gaussian embeddings have no exact ties,
+but float32 and float64 may order two scores closer than 1e-6 differently, so only the order
+across gaps larger than 1e-6 is required to agree.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from sclaro_jax.miner import (crop_boxes, crop_images, csls, csls_shortlist, dual_softmax,
+                              fused_scores, hubness, qbnorm, ranks, recall_at_k, sinkhorn,
+                              topk_mean)
+from sclaro_jax.miner.kernels import _topk_first_values, _topk_last
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ATOL = 1e-5
+
+
+# ---------------------------------------------------------------- numpy reference (float64)
+
+def ref_topk_mean(x, k, axis):
+    x = np.asarray(x, np.float64)
+    return -np.partition(-x, k - 1, axis=axis).take(np.arange(k), axis=axis).mean(axis=axis)
+
+
+def ref_fused(text, gallery, crops, alpha=0.4, pool="max"):
+    t, g, c = (np.asarray(a, np.float64) for a in (text, gallery, crops))
+    per_crop = np.einsum("qd,grd->qgr", t, c)
+    pooled = per_crop.max(-1) if pool == "max" else per_crop.mean(-1)
+    return (1 - alpha) * t @ g.T + alpha * pooled
+
+
+def ref_csls(s, k=10, bank=None):
+    s = np.asarray(s, np.float64)
+    r_q = ref_topk_mean(s, k, 1)
+    r_i = ref_topk_mean(s if bank is None else bank, k, 0)
+    return 2 * s - r_q[:, None] - r_i[None, :]
+
+
+def ref_shortlist(global_s, fused, m=25, k=10, bank=None):
+    g = np.asarray(global_s, np.float64)
+    r_q = ref_topk_mean(g, k, 1)
+    r_i = ref_topk_mean(g if bank is None else bank, k, 0)
+    out = np.full(g.shape, -np.inf)
+    for q in range(g.shape[0]):
+        top = np.argsort(-g[q], kind="stable")[:m]
+        out[q, top] = 2 * np.asarray(fused, np.float64)[q, top] - r_q[q] - r_i[top]
+    return out
+
+
+def ref_qbnorm(s, bank, beta=20.0, dynamic=True):
+    """Bogolin et al.'s `qb_norm` (dynamic inverted softmax), in exp space."""
+    s, bank = np.asarray(s, np.float64), np.asarray(bank, np.float64)
+    out = s.copy()
+    normalised = np.exp(beta * s) / np.exp(beta * bank).sum(0)
+    rows = np.arange(s.shape[0])
+    if dynamic:
+        active = np.unique(np.argmax(bank, 1))
+        rows = np.nonzero(np.isin(np.argmax(s, 1), active))[0]
+    out[rows] = normalised[rows]
+    return out, rows
+
+
+def ref_logsumexp(x, axis):
+    top = x.max(axis, keepdims=True)
+    return top + np.log(np.exp(x - top).sum(axis, keepdims=True))
+
+
+def ref_sinkhorn(s, tau=0.02, iters=1):
+    log_plan = np.asarray(s, np.float64) / tau
+    for _ in range(iters):
+        log_plan = log_plan - ref_logsumexp(log_plan, 1)
+        log_plan = log_plan - ref_logsumexp(log_plan, 0)
+    return log_plan
+
+
+def ref_dual_softmax(s, tau=0.01):
+    s = np.asarray(s, np.float64)
+    e = np.exp((s - s.max(0)) / tau)
+    return s * e / e.sum(0)
+
+
+def ref_ranks(s, gt):
+    s = np.asarray(s)
+    return np.array([int(np.nonzero(np.argsort(-s[q], kind="stable") == gt[q])[0][0])
+                     for q in range(len(gt))])
+
+
+def assert_same_ranking(ours, ref, gap=1e-6):
+    """Each row ranks the same, except inside runs of reference scores closer than `gap`: at every
+    cut where consecutive sorted reference scores differ by more than `gap`, the set of images
+    above the cut must be the same in both."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    ref_order = np.argsort(-ref, axis=1, kind="stable")
+    ours_rank = np.argsort(np.argsort(-ours, axis=1, kind="stable"), axis=1, kind="stable")
+    prefix_max = np.maximum.accumulate(np.take_along_axis(ours_rank, ref_order, 1), axis=1)
+    sorted_ref = np.take_along_axis(ref, ref_order, 1)
+    with np.errstate(invalid="ignore"):
+        cut = (sorted_ref[:, :-1] - sorted_ref[:, 1:]) > gap
+    position = np.broadcast_to(np.arange(ref.shape[1] - 1), cut.shape)
+    assert cut.sum() > 0.5 * np.isfinite(ref).sum(), "too few clean cuts to say anything"
+    np.testing.assert_array_equal(prefix_max[:, :-1][cut], position[cut])
+
+
+def embeddings(rng, *shape, dtype=np.float32):
+    x = rng.standard_normal(shape)
+    return (x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(dtype)
+
+
+# ---------------------------------------------------------------- crops
+
+def test_fixed5_on_640x480_is_centre_then_corners():
+    boxes = crop_boxes(640, 480)
+    np.testing.assert_array_equal(boxes, [[176, 96, 464, 384], [0, 0, 288, 288],
+                                          [352, 0, 640, 288], [0, 192, 288, 480],
+                                          [352, 192, 640, 480]])
+    assert boxes.dtype.kind == "i"
+
+
+def test_grid3x3_and_ratio():
+    np.testing.assert_array_equal(crop_boxes(640, 480, "grid3x3")[:, :2],
+                                  [[x, y] for y in (0, 96, 192) for x in (0, 176, 352)])
+    boxes = crop_boxes(101, 200, "grid3x3", ratio=0.5)  # s = 50, x in linspace(0, 51, 3)
+    assert set(boxes[:, 2] - boxes[:, 0]) == {50} and sorted(set(boxes[:, 0])) == [0, 26, 51]
+    np.testing.assert_array_equal(crop_boxes(300, 300, ratio=1.0),
+                                  np.tile([0, 0, 300, 300], (5, 1)))
+
+
+def test_random_crops_are_deterministic_squares_inside_the_image():
+    boxes = crop_boxes(640, 480, "random", n=50, seed=3)
+    np.testing.assert_array_equal(boxes, crop_boxes(640, 480, "random", n=50, seed=3))
+    assert not np.array_equal(boxes, crop_boxes(640, 480, "random", n=50, seed=4))
+    side = boxes[:, 2] - boxes[:, 0]
+    np.testing.assert_array_equal(side, boxes[:, 3] - boxes[:, 1])
+    assert side.min() >= int(0.3 * 480) and side.max() <= int(0.7 * 480)
+    assert boxes[:, :2].min() >= 0 and boxes[:, 2].max() <= 640 and boxes[:, 3].max() <= 480
+    assert len(crop_boxes(640, 480, "random")) == 5
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((640, 480, "fixed4"), {}, "unknown crop kind"),
+    ((640, 480), {"ratio": 0.0}, "ratio"),
+    ((640, 480), {"ratio": 1.2}, "ratio"),
+    ((0, 480), {}, "positive"),
+    ((640, -1), {}, "positive"),
+    ((640, 480, "random"), {"n": 0}, "positive integer"),
+    ((640, 480, "fixed5"), {"n": 3}, "n applies"),
+])
+def test_crop_boxes_errors(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        crop_boxes(*args, **kwargs)
+
+
+def test_crop_images_slices():
+    image = np.arange(480 * 640 * 3, dtype=np.uint32).reshape(480, 640, 3).astype(np.uint8)
+    crops = crop_images(image, crop_boxes(640, 480))
+    assert [c.shape for c in crops] == [(288, 288, 3)] * 5
+    np.testing.assert_array_equal(crops[0], image[96:384, 176:464])
+    np.testing.assert_array_equal(crops[4], image[192:480, 352:640])
+
+
+# ---------------------------------------------------------------- top-k
+
+@pytest.mark.parametrize("n, k, block", [(1000, 1, 8), (1001, 10, 8), (997, 70, 8),
+                                         (333, 3, 64), (50, 7, 8)])
+def test_blocked_topk_equals_stable_sort_with_ties(n, k, block):
+    rng = np.random.default_rng(n + k)
+    # Small integers: many exact ties, which the blocked method must break by the lower index.
+    x = rng.integers(-40, 40, (37, n)).astype(np.float32)
+    values, index = jax.jit(_topk_last, static_argnums=(1, 2))(x, k, block)
+    order = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    np.testing.assert_array_equal(index, order)
+    np.testing.assert_array_equal(values, np.take_along_axis(x, order, 1))
+    column = jax.jit(_topk_first_values, static_argnums=(1, 2))(x.T.copy(), k, block)
+    np.testing.assert_array_equal(column, np.take_along_axis(x, order, 1))
+
+
+@pytest.mark.parametrize("k", [1, 10, 33])
+def test_topk_mean_default_blocks(k):
+    # 700 x 2100: with k = 10 or 33 the blocked path runs on both axes (k * block < size).
+    x = np.random.default_rng(k).standard_normal((700, 2100)).astype(np.float32)
+    for axis in (0, 1, -1):
+        np.testing.assert_allclose(topk_mean(x, k, axis), ref_topk_mean(x, k, axis), atol=ATOL)
+    np.testing.assert_allclose(topk_mean(x.astype(np.float16), k, 0),
+                               ref_topk_mean(x.astype(np.float16), k, 0), atol=ATOL)
+
+
+def test_topk_mean_errors():
+    x = np.zeros((4, 6), np.float32)
+    with pytest.raises(ValueError, match="k=7"):
+        topk_mean(x, 7, 1)
+    with pytest.raises(ValueError, match="axis"):
+        topk_mean(np.zeros((2, 3, 4), np.float32), 2, 1)
+
+
+# ---------------------------------------------------------------- fusion and CSLS
+
+@pytest.mark.parametrize("pool, chunk, dtype", [("max", None, np.float32), ("max", 64, np.float16),
+                                                ("mean", 50, np.float32)])
+def test_fused_scores(pool, chunk, dtype):
+    rng = np.random.default_rng(1)
+    text, gallery = embeddings(rng, 61, 48), embeddings(rng, 203, 48, dtype=dtype)
+    crops = embeddings(rng, 203, 5, 48, dtype=dtype)
+    ours = fused_scores(text, gallery, crops, alpha=0.4, pool=pool, chunk=chunk)
+    ref = ref_fused(text, gallery, crops, 0.4, pool)
+    assert ours.dtype == np.float32
+    np.testing.assert_allclose(ours, ref, atol=ATOL)
+    assert_same_ranking(ours, ref)
+
+
+def test_fused_scores_rejects_bad_pool():
+    with pytest.raises(ValueError, match="pool"):
+        fused_scores(np.ones((2, 3)), np.ones((4, 3)), np.ones((4, 5, 3)), pool="sum")
+
+
+@pytest.fixture(scope="module")
+def scores():
+    """Fused scores of random embeddings: 700 queries (non-multiple of both block sizes), 1,300
+    images, 5 crops; plus a 400-query bank and the global-only matrices."""
+    rng = np.random.default_rng(7)
+    text, bank_text = embeddings(rng, 700, 64), embeddings(rng, 400, 64)
+    gallery, crops = embeddings(rng, 1300, 64), embeddings(rng, 1300, 5, 64)
+    return dict(fused=ref_fused(text, gallery, crops).astype(np.float32),
+                bank=ref_fused(bank_text, gallery, crops).astype(np.float32),
+                global_=(text @ gallery.T).astype(np.float32),
+                global_bank=(bank_text @ gallery.T).astype(np.float32))
+
+
+@pytest.mark.parametrize("k, inductive", [(10, False), (10, True), (1, False), (40, True)])
+def test_csls(scores, k, inductive):
+    bank = scores["bank"] if inductive else None
+    ours = csls(scores["fused"], k=k, bank_scores=bank)
+    ref = ref_csls(scores["fused"], k, bank)
+    np.testing.assert_allclose(ours, ref, atol=ATOL)
+    assert_same_ranking(ours, ref)
+
+
+def test_csls_float16_input(scores):
+    half = scores["fused"].astype(np.float16)
+    np.testing.assert_allclose(csls(half), ref_csls(half), atol=ATOL)
+
+
+@pytest.mark.parametrize("inductive", [False, True])
+def test_csls_shortlist(scores, inductive):
+    bank = scores["global_bank"] if inductive else None
+    ref = ref_shortlist(scores["global_"], scores["fused"], m=25, k=10, bank=bank)
+    ours = csls_shortlist(scores["global_"], scores["fused"], m=25, k=10, bank_scores=bank)
+    np.testing.assert_array_equal(np.isinf(ours), np.isinf(ref))
+    assert (np.isfinite(ref).sum(1) == 25).all()
+    np.testing.assert_allclose(ours[np.isfinite(ref)], ref[np.isfinite(ref)], atol=ATOL)
+    assert_same_ranking(ours, ref)
+    fused = scores["fused"]
+    by_pairs = csls_shortlist(scores["global_"], lambda idx: np.take_along_axis(
+        fused, np.asarray(idx), 1), m=25, k=10, bank_scores=bank)
+    np.testing.assert_array_equal(by_pairs, ours)
+
+
+# ---------------------------------------------------------------- other hubness corrections
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_qbnorm(scores, dynamic):
+    s, bank = scores["fused"][:200], scores["bank"]
+    ours = np.asarray(qbnorm(s, bank, beta=20.0, dynamic=dynamic))
+    ref, normalised = ref_qbnorm(s, bank, 20.0, dynamic)
+    assert 0 < len(normalised) <= 200 and (len(normalised) == 200) == (not dynamic)
+    raw = np.setdiff1d(np.arange(200), normalised)
+    np.testing.assert_allclose(ours[raw], ref[raw], atol=ATOL)
+    # ours is log(ref) on normalised rows; values of beta * S are ~20, hence the relative bound.
+    np.testing.assert_allclose(ours[normalised], np.log(ref[normalised]), rtol=1e-6, atol=1e-4)
+    assert_same_ranking(ours, np.where(np.isin(np.arange(200), normalised)[:, None],
+                                       np.log(np.maximum(ref, 1e-300)), ref))
+
+
+@pytest.mark.parametrize("tau, iters", [(0.02, 1), (0.05, 3)])
+def test_sinkhorn(scores, tau, iters):
+    s = scores["fused"][:300]
+    ours, ref = sinkhorn(s, tau=tau, iters=iters), ref_sinkhorn(s, tau, iters)
+    # log-domain values are ~S / tau (up to ~100): a float32 relative bound.
+    np.testing.assert_allclose(ours, ref, rtol=1e-6, atol=1e-4)
+    assert_same_ranking(ours, ref, gap=1e-4)
+
+
+def test_dual_softmax(scores):
+    s = scores["fused"][:300]
+    ours, ref = dual_softmax(s, tau=0.01), ref_dual_softmax(s, 0.01)
+    np.testing.assert_allclose(ours, ref, atol=ATOL)
+    np.testing.assert_allclose(np.asarray(ours).sum(0), ref.sum(0), atol=1e-4)
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_ranks_break_ties_like_a_stable_argsort():
+    s = np.array([[0.5, 0.9, 0.5, 0.5, 0.1],
+                  [0.5, 0.9, 0.5, 0.5, 0.1],
+                  [0.5, 0.9, 0.5, 0.5, 0.1],
+                  [0.3, 0.3, 0.3, 0.3, 0.3],
+                  [0.3, 0.3, 0.3, 0.3, 0.3],
+                  [0.0, 0.2, 0.1, 0.4, 0.4]], np.float32)
+    gt = np.array([0, 3, 1, 0, 4, 4])
+    expected = [1, 3, 0, 0, 4, 1]
+    np.testing.assert_array_equal(ranks(s, gt), expected)
+    np.testing.assert_array_equal(ref_ranks(s, gt), expected)
+    assert recall_at_k(s, gt, ks=(1, 2, 4, 5)) == pytest.approx(
+        {1: 100 * 2 / 6, 2: 100 * 4 / 6, 4: 100 * 5 / 6, 5: 100.0})
+
+
+def test_ranks_and_recall_on_random_scores(scores):
+    s = scores["fused"]
+    gt = np.random.default_rng(0).integers(0, s.shape[1], s.shape[0])
+    gt[:50] = np.argmax(s[:50], 1)  # some hits
+    r = ref_ranks(s, gt)
+    np.testing.assert_array_equal(ranks(s, gt), r)
+    got = recall_at_k(s, gt)
+    assert set(got) == {1, 5, 10} and isinstance(got[1], float)
+    for k in (1, 5, 10):
+        assert got[k] == pytest.approx(100 * np.mean(r < k))
+    assert got[1] >= 100 * 50 / 700
+
+
+def test_hubness_hand_made():
+    # top-2 of each query (ties to the lower index): {1,2}, {1,3}, {1,0}, {2,1}
+    s = np.array([[0.0, 0.9, 0.8, 0.1, 0.2],
+                  [0.1, 0.9, 0.0, 0.8, 0.2],
+                  [0.5, 0.5, 0.5, 0.0, 0.0],
+                  [0.0, 0.5, 0.7, 0.0, 0.5]], np.float32)
+    counts = np.array([1, 4, 2, 1, 0], np.float64)
+    c = counts - counts.mean()
+    got = hubness(s, k=2)
+    assert got["skewness"] == pytest.approx(np.mean(c ** 3) / np.mean(c ** 2) ** 1.5)
+    assert got["never_retrieved"] == pytest.approx(0.2)
+    assert (got["worst_hub"], got["worst_hub_count"]) == (1, 4)
+    flat = hubness(np.eye(4, dtype=np.float32), k=1)
+    assert flat["skewness"] == 0.0 and flat["never_retrieved"] == 0.0
+
+
+def test_csls_lowers_hubness(scores):
+    # The paper's effect (section 5.3): CSLS reduces k-occurrence skewness and unreached images.
+    before, after = hubness(scores["fused"]), hubness(csls(scores["fused"]))
+    assert after["skewness"] < before["skewness"]
+    assert after["never_retrieved"] <= before["never_retrieved"]
