@@ -157,6 +157,26 @@ def test_evaluate_numbers_follow_the_kernels(rng):
     assert "Global+CSLS(bank)" in banked
 
 
+@pytest.mark.parametrize("rescore", ["csls", "none"])
+def test_streaming_evaluation_gives_the_in_memory_numbers(rng, rescore):
+    def unit(*shape):
+        x = rng.normal(size=shape).astype(np.float32)
+        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+    emb = gallery.SplitEmbeddings(unit(70, 16).astype(np.float16),
+                                  unit(70, 5, 16).astype(np.float16), unit(90, 16))
+    gt = rng.integers(0, 70, 90)
+    settings = rocs.Settings(k=4, rescore=rescore)
+    full = rocs.evaluate(emb, gt, settings)
+    streamed = rocs.evaluate_streaming(emb, gt, settings, chunk=32)
+    assert list(streamed) == list(full)
+    for method in full:
+        for key, value in full[method].items():
+            assert streamed[method][key] == pytest.approx(value, abs=1e-6), (method, key)
+    with pytest.raises(ValueError, match="--stream supports"):
+        rocs.evaluate_streaming(emb, gt, rocs.Settings(rescore="qbnorm"))
+
+
 def test_cli_help_and_clear_errors(tmp_path):
     run = subprocess.run([sys.executable, "-m", "sclaro_jax.eval.rocs", "--help"], cwd=ROOT,
                          capture_output=True, text=True)

@@ -126,6 +126,51 @@ def evaluate(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings
     return results
 
 
+def hubness_from_topk(indices: np.ndarray, num_images: int) -> dict:
+    """Hubness statistics from each query's top-k gallery indices [Q, k] (the same definitions
+    as `miner.hubness`: k-occurrence N_k over all images, zeros counted)."""
+    counts = np.bincount(np.asarray(indices).ravel(), minlength=num_images).astype(np.float64)
+    sd = counts.std()
+    skew = float(((counts - counts.mean()) ** 3).mean() / sd ** 3) if sd > 0 else 0.0
+    return {"skewness": skew, "never_retrieved": float(np.mean(counts == 0)),
+            "worst_hub": int(counts.argmax()), "worst_hub_count": int(counts.max())}
+
+
+def evaluate_streaming(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings(),
+                       bank: np.ndarray | None = None, chunk: int = 65536) -> dict[str, dict]:
+    """`evaluate` for galleries whose [Q, G] matrix should not be formed: the same four rows
+    through `miner.stream.search` (chunked, float16 gallery). Rescoring: csls (transductive),
+    csls-bank or none. Recall from exact ground-truth ranks; hubness from the top-k lists."""
+    from sclaro_jax.miner import stream
+
+    if settings.rescore not in ("csls", "csls-bank", "none"):
+        raise ValueError(f"--stream supports --rescore csls, csls-bank or none, not "
+                         f"{settings.rescore!r}")
+    if settings.rescore == "csls-bank" and bank is None:
+        raise ValueError("--rescore csls-bank needs a query bank (--bank)")
+    gt = np.asarray(gt)
+    n_images = emb.images.shape[0]
+    k = min(settings.k, n_images)
+    top = max(k, max(settings.ks))
+    label = {"csls": "Global+CSLS", "csls-bank": "Global+CSLS(bank)"}.get(settings.rescore)
+    rows = [("Global", False, "none")]
+    if label:
+        rows.append((label, False, "csls"))
+    if emb.crops is not None:
+        rows.append(("Global+crops", True, "none"))
+        rows.append(("MINER", True, "csls" if label else "none"))
+    results = {}
+    for name, with_crops, rescore in rows:
+        res = stream.search(emb.texts, emb.images, emb.crops if with_crops else None,
+                            alpha=settings.alpha, pool=settings.pool, k=k, rescore=rescore,
+                            bank=bank if (rescore == "csls" and settings.rescore == "csls-bank")
+                            else None, top=min(top, n_images), chunk=chunk, gt=gt)
+        out = {f"R@{kk}": float(100.0 * np.mean(res.gt_rank < kk)) for kk in settings.ks}
+        out.update(hubness_from_topk(res.indices[:, :k], n_images))
+        results[name] = out
+    return results
+
+
 # --------------------------------------------------------------------------------------------
 # Tables
 # --------------------------------------------------------------------------------------------
@@ -209,6 +254,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--sinkhorn_tau", type=float, default=0.02)
     m.add_argument("--sinkhorn_iters", type=int, default=1)
     m.add_argument("--dual_softmax_tau", type=float, default=0.01)
+    m.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
+                   help="score in gallery chunks without forming the [queries x images] matrix "
+                        "(miner.stream); auto: when that matrix would exceed --stream_above")
+    m.add_argument("--stream_above", type=float, default=2e8,
+                   help="matrix entries above which --stream auto streams")
+    m.add_argument("--chunk", type=int, default=65536, help="gallery chunk when streaming")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", help="folder for results.json / results.md")
     o.add_argument("--cache_dir", default=None,
@@ -264,7 +315,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         t0 = time.perf_counter()
         emb = embed_split(encoder, split, crops, cache_dir=cache, progress=not args.no_progress)
         t1 = time.perf_counter()
-        results[split.name] = evaluate(emb, split.gt, settings, bank=bank)
+        big = len(split.queries) * split.num_images > args.stream_above
+        if args.stream == "on" or (args.stream == "auto" and big):
+            results[split.name] = evaluate_streaming(emb, split.gt, settings, bank=bank,
+                                                     chunk=args.chunk)
+        else:
+            results[split.name] = evaluate(emb, split.gt, settings, bank=bank)
         info[split.name] = {"images": split.num_images, "queries": len(split.queries),
                             "source": split.source, "embed_s": round(t1 - t0, 3),
                             "score_s": round(time.perf_counter() - t1, 3)}
