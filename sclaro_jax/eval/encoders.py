@@ -162,30 +162,36 @@ class ScenarioClipEncoder(ClipEncoder):
 
 class SiglipEncoder(Encoder):
     """A Hugging Face SigLIP / SigLIP 2 folder through `sclaro_jax.models.siglip` (torch-free):
-    the folder's preprocessor_config.json (plain resize to S x S, mean/std) and tokenizer.json
-    (padding to max_length, as SigLIP was trained)."""
+    the folder's preprocessor_config.json (plain resize to S x S with its resample filter,
+    rescale, mean/std: SiglipImageProcessor's steps; SigLIP 2 NaFlex folders get a fixed square
+    grid, see `siglip.image_config`) and tokenizer.json (padded to max_length, as SigLIP was
+    trained)."""
 
     def __init__(self, path: str | os.PathLike, *, batch_size: int = 32, dtype=jnp.float32):
         from sclaro_jax.models import siglip
 
         folder = Path(path)
         model = siglip.from_hf(folder, dtype=dtype)
-        self._cfg = siglip.image_config(folder)
+        self._cfg = cfg = siglip.image_config(folder)
         self._tok = siglip.load_tokenizer(folder)
-        self._siglip = siglip
         self.name = f"siglip:{folder.name}"
         self.fingerprint = _folder_fingerprint(folder, f"siglip:{jnp.dtype(dtype).name}")
-        self.image_size = int(self._cfg.size)
+        self.image_size = int(cfg.size[0])
         self.batch_size = batch_size
-        mean = jnp.asarray(self._cfg.mean, jnp.float32)
-        std = jnp.asarray(self._cfg.std, jnp.float32)
-        scale = float(self._cfg.rescale_factor)
+        scale = float(cfg.rescale_factor) if cfg.do_rescale else 1.0
+        mean = jnp.asarray(cfg.image_mean if cfg.do_normalize else (0.0,) * 3, jnp.float32)
+        std = jnp.asarray(cfg.image_std if cfg.do_normalize else (1.0,) * 3, jnp.float32)
         self._image_fn = _jit_module_fn(
             model, lambda m, v: _l2(m.encode_image((v.astype(jnp.float32) * scale - mean) / std)))
         self._text_fn = _jit_module_fn(model, lambda m, ids: _l2(m.encode_text(ids)))
 
     def view(self, image: np.ndarray) -> np.ndarray:
-        return self._siglip.resize(image, self._cfg)
+        """`siglip.preprocess`'s resize, kept as uint8 (rescale and normalise run in jit)."""
+        cfg = self._cfg
+        if cfg.do_resize and image.shape[:2] != tuple(cfg.size):
+            image = np.asarray(Image.fromarray(image).resize(cfg.size[::-1],
+                                                              resample=cfg.resample))
+        return image
 
     def tokenize(self, texts: Sequence[str]) -> np.ndarray:
         return self._tok(texts)
