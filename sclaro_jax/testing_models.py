@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 TINY_TEXT = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, max_position_embeddings=64)
+                 num_attention_heads=4, max_position_embeddings=64, projection_size=48)
 TINY_VISION = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                    num_attention_heads=4)
 # SigLIP: 32 px images of 8 px patches (4 x 4 grid). SigLIP 2: a 4 x 4 position grid of 8 px

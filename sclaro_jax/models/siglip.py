@@ -239,16 +239,20 @@ class VisionEmbeddings(nnx.Module):
 
     def __call__(self, pixels: Array) -> Array:
         _, h, w, _ = pixels.shape
-        if h % self.patch or w % self.patch:
+        if self.naflex and (h % self.patch or w % self.patch):
             raise ValueError(f"image size {h}x{w} is not a multiple of the patch size "
                              f"{self.patch}")
         gh, gw = h // self.patch, w // self.patch
+        # SigLIP's "valid" stride-p conv drops the last h % p rows / w % p columns (384 px at
+        # patch 14: 27 patches, 6 px unused).
+        pixels = pixels[:, :gh * self.patch, :gw * self.patch]
         table = self.position_embedding.embedding[...].astype(jnp.float32)
         if (gh, gw) != (self.grid, self.grid):
             if not self.naflex:
                 raise ValueError(
                     f"a {gh}x{gw} patch grid but the position table is {self.grid}x{self.grid}: "
-                    f"images must be {self.grid * self.patch}x{self.grid * self.patch}")
+                    f"images must be {self.grid * self.patch}x{self.grid * self.patch} (up to "
+                    f"{self.patch - 1} more pixels are ignored)")
             # Static grid: the resize is one constant [gh*gw, grid*grid] matrix.
             weights = np.einsum("ar,bc->abrc", resize_weights(self.grid, gh),
                                 resize_weights(self.grid, gw)).reshape(gh * gw, -1)
@@ -356,8 +360,8 @@ class SiglipModel(nnx.Module):
 
     def encode_image(self, pixels: Array) -> Array:
         """`[B, H, W, 3]` float32 normalised pixels -> `[B, width]`, the pooled output of
-        `get_image_features`. SigLIP: H = W = image_size; SigLIP 2 NaFlex: any multiple of the
-        patch size (one grid for the batch)."""
+        `get_image_features`. SigLIP: H = W = image_size (H // patch = the position grid);
+        SigLIP 2 NaFlex: any multiple of the patch size (one grid for the batch)."""
         return self.vision_model(pixels)[1]
 
     def encode_text(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
