@@ -224,10 +224,11 @@ def test_preprocess_matches_siglip_image_processor(tiny_siglip):
     pil = transformers.SiglipImageProcessorPil.from_pretrained(folder)(images, **kw)
     tv = transformers.SiglipImageProcessor.from_pretrained(folder)(images, **kw)
     # PIL backend: the same PIL bicubic resize -> identical. Torchvision backend: its own
-    # antialiased bicubic, within a few uint8 levels (1 level = 2/255 after normalisation).
+    # antialiased bicubic: a few pixels one uint8 level off (1 level = 2/255 normalised; seen:
+    # max 0.0078, mean 2.3e-5).
     assert _diff(ours, pil["pixel_values"].transpose(0, 2, 3, 1)) <= 1e-6
     tv_diff = np.abs(ours - np.asarray(tv["pixel_values"]).transpose(0, 2, 3, 1))
-    assert tv_diff.mean() < 2 / 255 and tv_diff.max() <= 0.2
+    assert tv_diff.mean() < 1e-3 and tv_diff.max() <= 2 / 255 + 1e-5
 
 
 def test_siglip2_patches_match_processor(tiny_siglip2):
