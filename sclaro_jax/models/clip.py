@@ -226,6 +226,17 @@ class Encoder(nnx.Module):
         return last(x, mask, keep)
 
 
+def patchify(pixels: Array, patch: int) -> Array:
+    """NHWC `[b, h, w, c]` -> `[b, (h/p)*(w/p), p*p*c]`: patches in row-major grid order, each
+    flattened as (row in patch, column in patch, channel)."""
+    b, h, w, c = pixels.shape
+    p = patch
+    if h % p or w % p:
+        raise ValueError(f"image size {h}x{w} is not a multiple of the patch size {p}")
+    patches = pixels.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
+    return patches.reshape(b, (h // p) * (w // p), p * p * c)
+
+
 class PatchEmbedding(nnx.Module):
     """Non-overlapping patch projection (a stride-`p` convolution without bias) on NHWC input.
 
@@ -239,13 +250,8 @@ class PatchEmbedding(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (patch, patch, channels, dim), jnp.float32))
 
     def __call__(self, pixels: Array) -> Array:
-        b, h, w, c = pixels.shape
-        p = self.patch
-        if h % p or w % p:
-            raise ValueError(f"image size {h}x{w} is not a multiple of the patch size {p}")
-        patches = pixels.reshape(b, h // p, p, w // p, p, c).transpose(0, 1, 3, 2, 4, 5)
-        patches = patches.reshape(b, (h // p) * (w // p), p * p * c).astype(self.dtype)
-        kernel = self.kernel[...].reshape(p * p * c, -1).astype(self.dtype)
+        patches = patchify(pixels, self.patch).astype(self.dtype)
+        kernel = self.kernel[...].reshape(patches.shape[-1], -1).astype(self.dtype)
         return patches @ kernel
 
 
@@ -493,8 +499,8 @@ def _abstract_model(config: CLIPConfig, dtype) -> CLIPModel:
     return nnx.eval_shape(lambda: CLIPModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
 
-def load_hf_state(model: CLIPModel, tensors: Mapping[str, np.ndarray], where: str = "checkpoint"
-                  ) -> None:
+def load_hf_state(model: nnx.Module, tensors: Mapping[str, np.ndarray], where: str = "checkpoint",
+                  *, kind: str = "CLIP") -> None:
     """Write Hugging Face state-dict tensors into `model` in place, checking names and shapes.
 
     Every parameter is replaced, so `model` may be a shape-only model from `nnx.eval_shape`."""
@@ -510,7 +516,7 @@ def load_hf_state(model: CLIPModel, tensors: Mapping[str, np.ndarray], where: st
         if tuple(tensors[key].shape) != want:
             wrong_shape.append(f"{key}: file {tuple(tensors[key].shape)}, model {want}")
     if missing or unexpected or wrong_shape:
-        lines = [f"{where} does not match a CLIP model of this config:"]
+        lines = [f"{where} does not match a {kind} model of this config:"]
         for title, items in (("missing keys", missing), ("unexpected keys", unexpected),
                              ("shape mismatches", wrong_shape)):
             if items:
