@@ -290,3 +290,33 @@ def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(tmp_path, d
     want = np.asarray(pair.encode_text(jnp.asarray(enc.tokenize(["a dog on a mat"]))))[0]
     np.testing.assert_allclose(enc.encode_texts(["a dog on a mat"])[0],
                                want / np.linalg.norm(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["siglip", "siglip2"])
+def test_cli_end_to_end_with_tiny_siglip_towers(tmp_path, kind):
+    import jax.numpy as jnp
+
+    from sclaro_jax.models import siglip
+    from tiny_siglip import save_tiny_siglip
+
+    save_tiny_siglip(tmp_path / kind, kind)
+    folder = _demo_rocs_folder(tmp_path)
+    out = tmp_path / "out"
+    assert rocs.main(["--model", str(tmp_path / kind), "--split", f"{folder}:coco", "--out",
+                      str(out), "--no_progress", "--k", "3", "--rescore", "shortlist",
+                      "--shortlist_m", "5", "--max_images", "8"]) == 0
+    res = json.loads((out / "results.json").read_text())["results"]["coco[:8]"]
+    assert set(res) == {"Global", "Global+CSLS(top-M)", "Global+crops", "MINER"}
+    assert all(0 <= r["R@1"] <= r["R@10"] <= 100 for r in res.values())
+    # the encoder's uint8 view + in-jit normalisation equals siglip.preprocess + the model
+    enc = encoders.load_encoder(str(tmp_path / kind))
+    image = data_lib.load_split(f"{folder}:coco").load_image(3)
+    model = siglip.from_hf(tmp_path / kind)
+    pixels = siglip.preprocess([image], siglip.image_config(tmp_path / kind))
+    want = np.asarray(model.encode_image(jnp.asarray(pixels)))[0]
+    np.testing.assert_allclose(enc.encode_views(enc.view(image)[None])[0],
+                               want / np.linalg.norm(want), atol=1e-5)
+    ids = siglip.load_tokenizer(tmp_path / kind)(["a photo with a cup"])
+    want = np.asarray(model.encode_text(jnp.asarray(ids)))[0]
+    np.testing.assert_allclose(enc.encode_texts(["a photo with a cup"])[0],
+                               want / np.linalg.norm(want), atol=1e-5)

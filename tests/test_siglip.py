@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from sclaro_jax.models import siglip
 from sclaro_jax.models.clip import patchify
-from sclaro_jax.testing_models import save_tiny_siglip
+from tiny_siglip import save_tiny_siglip
 
 jax.config.update("jax_default_matmul_precision", "highest")
 TOL = 1e-5
