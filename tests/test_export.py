@@ -78,3 +78,28 @@ def test_export_cli_from_a_training_workdir(tmp_path, demo_dir):
     img, _, _, _ = _torch_embeddings(out, pixels, np.array([[49406, 49407]], np.int32))
     np.testing.assert_allclose(img, np.asarray(model.pair("global").encode_image(pixels)),
                                atol=1e-5)
+
+
+def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):
+    from sclaro_jax.models import clip
+
+    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=24, seed=3)
+    pixels = jnp.asarray(np.random.default_rng(1).normal(size=(2, 32, 32, 3)), jnp.float32)
+    before = {lv: np.asarray(model.pair(lv).encode_image(pixels)) for lv in scenarioclip.LEVELS}
+    head_before = np.asarray(model.pair("object").vision_head.linear.kernel[...])
+    scenarioclip.load_hf_into_level(model, "object", str(tiny_hf[0]))
+    hf = clip.from_hf(tiny_hf[0])
+    np.testing.assert_allclose(model.pair("object").vision_model.pooled(pixels),
+                               hf.vision_model.pooled(pixels), atol=1e-6)
+    ids = jnp.asarray([[49406, 320, 1125, 49407, 0, 0]], jnp.int32)
+    np.testing.assert_allclose(model.pair("object").text_model.pooled(ids),
+                               hf.text_model.pooled(ids), atol=1e-6)
+    np.testing.assert_array_equal(model.pair("object").vision_head.linear.kernel[...],
+                                  head_before)
+    for lv in ("global", "relation"):
+        np.testing.assert_array_equal(model.pair(lv).encode_image(pixels), before[lv])
+    assert np.abs(np.asarray(model.pair("object").encode_image(pixels))
+                  - before["object"]).max() > 1e-3
+    other = scenarioclip.build("scenarioclip", preset="ViT-B/32", embed_dim=24, seed=0)
+    with pytest.raises(clip.CheckpointError, match="does not fit the global level"):
+        scenarioclip.load_hf_into_level(other, "global", str(tiny_hf[0]))

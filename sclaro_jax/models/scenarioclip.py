@@ -122,6 +122,27 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
     return MODELS[kind](make_towers, embed_dim, rngs=nnx.Rngs(seed))
 
 
+def load_hf_into_level(model, level: str, path: str) -> None:
+    """Replace one level's towers (vision + text) with a Hugging Face `CLIPModel` folder's
+    weights, in place; the level's Linear+LayerNorm heads and the other levels are untouched.
+    The folder must have the level's tower sizes (`clip.CheckpointError` otherwise). With
+    PyramidCLIP every level shares the one pair, so all levels change."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    pair = model.pair(level)
+    towers = clip.from_hf(path, dtype=pair.vision_model.dtype)
+    for name in ("vision_model", "text_model"):
+        ours, theirs = nnx.state(getattr(pair, name)), nnx.state(getattr(towers, name))
+        mismatch = [f"{jax.tree_util.keystr(k)}: {a.shape} vs {b.shape}" for (k, a), (_, b) in
+                    zip(jax.tree_util.tree_flatten_with_path(ours)[0],
+                        jax.tree_util.tree_flatten_with_path(theirs)[0]) if a.shape != b.shape]
+        if jax.tree.structure(ours) != jax.tree.structure(theirs) or mismatch:
+            raise clip.CheckpointError(
+                f"{path}: the {name} does not fit the {level} level's towers "
+                f"({'; '.join(mismatch[:5]) or 'different layers'})")
+        nnx.update(getattr(pair, name), theirs)
+
+
 _LAYER = re.compile(r"^\d+$")
 
 
