@@ -22,7 +22,7 @@ from sclaro_jax import compile
 # Block lengths of the exact blocked top-k, chosen by measurement on the 8,231 x 32,768 CSLS
 # matrix (bench/README.md, "MINER kernels on CPU").
 ROW_BLOCK = 64  # top-k along the last axis (each query's best images)
-COLUMN_BLOCK = 32  # top-k along the first axis (each image's best queries)
+COLUMN_BLOCK = 16  # top-k along the first axis (each image's best queries)
 
 
 def _jitted(*static: str, options: bool = True) -> Callable[[Callable], Callable]:
