@@ -239,6 +239,15 @@ def test_csls(scores, k, inductive):
     assert_same_ranking(ours, ref)
 
 
+def test_kernels_trace_inside_a_callers_jit(scores):
+    s = scores["fused"]
+    np.testing.assert_allclose(jax.jit(lambda x: csls(x, k=10))(s), csls(s, k=10), atol=1e-6)
+    rng = np.random.default_rng(2)
+    t, g, c = embeddings(rng, 9, 16), embeddings(rng, 11, 16), embeddings(rng, 11, 5, 16)
+    traced = jax.jit(lambda *a: fused_scores(*a, pool="mean", chunk=4))(t, g, c)
+    np.testing.assert_allclose(traced, ref_fused(t, g, c, pool="mean"), atol=ATOL)
+
+
 def test_csls_float16_input(scores):
     half = scores["fused"].astype(np.float16)
     np.testing.assert_allclose(csls(half), ref_csls(half), atol=ATOL)

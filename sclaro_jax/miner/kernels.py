@@ -4,8 +4,11 @@ Pure `jax.numpy`, static shapes; integer arguments (k, m, block sizes, pooling) 
 Inputs may be float16/bfloat16/float32 and are upcast: all arithmetic is float32. Score matrices
 are `[Q, G]`: one row per text query, one column per gallery image, higher is better.
 
-The public functions are jitted with `sclaro_jax.compile` options on first use: on CPU, XLA's
-default (YNNPACK) fusions reduce over the first axis of a large matrix about 7x slower.
+The public functions are jitted on first use, most with `sclaro_jax.compile`'s options: on CPU,
+XLA's default (YNNPACK) fusions reduce over the first axis of a large matrix about 7x slower.
+The last-axis top-k is the exception (faster with XLA's defaults), so CSLS is three compiled
+calls: row top-k means, column top-k means, 2S - r_q - r_i. Inside a caller's `jax.jit` they
+are traced into the caller's computation like any jitted function.
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ COLUMN_BLOCK = 16  # top-k along the first axis (each image's best queries)
 
 def _jitted(*static: str, options: bool = True) -> Callable[[Callable], Callable]:
     """`compile.jit(fn, static_argnames=static)` (or plain `jax.jit` when `options` is False),
-    built on the first call, not at import."""
+    built on the first call, not at import. Called on tracers (inside a caller's `jax.jit`,
+    where XLA refuses nested compiler options) `fn` is traced into the caller's computation."""
 
     def wrap(fn: Callable) -> Callable:
         compiled: list[Callable] = []
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+                return fn(*args, **kwargs)
             if not compiled:
                 jit = compile.jit if options else jax.jit
                 compiled.append(jit(fn, static_argnames=static))
