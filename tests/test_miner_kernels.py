@@ -181,8 +181,8 @@ def test_blocked_topk_equals_stable_sort_with_ties(n, k, block):
 
 @pytest.mark.parametrize("k", [1, 10, 33])
 def test_topk_mean_default_blocks(k):
-    # 700 x 2100: with k = 10 or 33 the blocked path runs on both axes (k * block < size).
-    x = np.random.default_rng(k).standard_normal((700, 2100)).astype(np.float32)
+    # 700 x 2200: with k = 10 or 33 the blocked path runs on both axes (k * block < size).
+    x = np.random.default_rng(k).standard_normal((700, 2200)).astype(np.float32)
     for axis in (0, 1, -1):
         np.testing.assert_allclose(topk_mean(x, k, axis), ref_topk_mean(x, k, axis), atol=ATOL)
     np.testing.assert_allclose(topk_mean(x.astype(np.float16), k, 0),
