@@ -181,8 +181,8 @@ def test_blocked_topk_equals_stable_sort_with_ties(n, k, block):
 
 @pytest.mark.parametrize("k", [1, 10, 33])
 def test_topk_mean_default_blocks(k):
-    # 700 x 2100: with k = 10 or 33 the blocked path runs on both axes (k * block < size).
-    x = np.random.default_rng(k).standard_normal((700, 2100)).astype(np.float32)
+    # 700 x 2200: with k = 10 or 33 the blocked path runs on both axes (k * block < size).
+    x = np.random.default_rng(k).standard_normal((700, 2200)).astype(np.float32)
     for axis in (0, 1, -1):
         np.testing.assert_allclose(topk_mean(x, k, axis), ref_topk_mean(x, k, axis), atol=ATOL)
     np.testing.assert_allclose(topk_mean(x.astype(np.float16), k, 0),
@@ -237,6 +237,15 @@ def test_csls(scores, k, inductive):
     ref = ref_csls(scores["fused"], k, bank)
     np.testing.assert_allclose(ours, ref, atol=ATOL)
     assert_same_ranking(ours, ref)
+
+
+def test_kernels_trace_inside_a_callers_jit(scores):
+    s = scores["fused"]
+    np.testing.assert_allclose(jax.jit(lambda x: csls(x, k=10))(s), csls(s, k=10), atol=1e-6)
+    rng = np.random.default_rng(2)
+    t, g, c = embeddings(rng, 9, 16), embeddings(rng, 11, 16), embeddings(rng, 11, 5, 16)
+    traced = jax.jit(lambda *a: fused_scores(*a, pool="mean", chunk=4))(t, g, c)
+    np.testing.assert_allclose(traced, ref_fused(t, g, c, pool="mean"), atol=ATOL)
 
 
 def test_csls_float16_input(scores):

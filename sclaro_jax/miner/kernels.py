@@ -4,8 +4,11 @@ Pure `jax.numpy`, static shapes; integer arguments (k, m, block sizes, pooling) 
 Inputs may be float16/bfloat16/float32 and are upcast: all arithmetic is float32. Score matrices
 are `[Q, G]`: one row per text query, one column per gallery image, higher is better.
 
-The public functions are jitted with `sclaro_jax.compile` options on first use: on CPU, XLA's
-default (YNNPACK) fusions reduce over the first axis of a large matrix about 7x slower.
+The public functions are jitted on first use, most with `sclaro_jax.compile`'s options: on CPU,
+XLA's default (YNNPACK) fusions reduce over the first axis of a large matrix about 7x slower.
+The last-axis top-k is the exception (faster with XLA's defaults), so CSLS is three compiled
+calls: row top-k means, column top-k means, 2S - r_q - r_i. Inside a caller's `jax.jit` they
+are traced into the caller's computation like any jitted function.
 """
 
 from __future__ import annotations
@@ -22,19 +25,24 @@ from sclaro_jax import compile
 # Block lengths of the exact blocked top-k, chosen by measurement on the 8,231 x 32,768 CSLS
 # matrix (bench/README.md, "MINER kernels on CPU").
 ROW_BLOCK = 64  # top-k along the last axis (each query's best images)
-COLUMN_BLOCK = 32  # top-k along the first axis (each image's best queries)
+COLUMN_BLOCK = 16  # top-k along the first axis (each image's best queries)
 
 
-def _jitted(*static: str) -> Callable[[Callable], Callable]:
-    """`compile.jit(fn, static_argnames=static)`, built on the first call (not at import)."""
+def _jitted(*static: str, options: bool = True) -> Callable[[Callable], Callable]:
+    """`compile.jit(fn, static_argnames=static)` (or plain `jax.jit` when `options` is False),
+    built on the first call, not at import. Called on tracers (inside a caller's `jax.jit`,
+    where XLA refuses nested compiler options) `fn` is traced into the caller's computation."""
 
     def wrap(fn: Callable) -> Callable:
         compiled: list[Callable] = []
 
         @functools.wraps(fn)
         def call(*args, **kwargs):
+            if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+                return fn(*args, **kwargs)
             if not compiled:
-                compiled.append(compile.jit(fn, static_argnames=static))
+                jit = compile.jit if options else jax.jit
+                compiled.append(jit(fn, static_argnames=static))
             return compiled[0](*args, **kwargs)
 
         return call
@@ -82,7 +90,7 @@ def _topk_first_values(x: jax.Array, k: int, block: int = COLUMN_BLOCK) -> jax.A
 
     Same blocked argument as `_topk_last`, along the first axis: rows are grouped into blocks
     ([N/B, B, G] view), block maxima `[N/B, G]` are small enough to transpose, and only the
-    k * B candidate rows per column are gathered.
+    k * B candidates of each column are gathered, straight into a `[G, k * B]` matrix.
     """
     n, g = x.shape
     if k * block >= n:
@@ -91,31 +99,35 @@ def _topk_first_values(x: jax.Array, k: int, block: int = COLUMN_BLOCK) -> jax.A
     padded = jnp.pad(x, [(0, nblocks * block - n), (0, 0)], constant_values=-jnp.inf)
     block_max = padded.reshape(nblocks, block, g).max(1)
     chosen = jax.lax.top_k(block_max.T, k)[1]  # [G, k]
-    pos = (chosen[..., None] * block + jnp.arange(block)).reshape(g, k * block).T  # [kB, G]
-    candidates = jnp.take_along_axis(x, jnp.minimum(pos, n - 1), axis=0)
+    pos = (chosen[..., None] * block + jnp.arange(block)).reshape(g, k * block)
+    candidates = x[jnp.minimum(pos, n - 1), jnp.arange(g)[:, None]]  # [G, kB], no transpose
     candidates = jnp.where(pos < n, candidates, -jnp.inf)
-    return jax.lax.top_k(candidates.T, k)[0]
+    return jax.lax.top_k(candidates, k)[0]
 
 
-def _topk_mean(x: jax.Array, k: int, axis: int) -> jax.Array:
-    if axis in (-1, x.ndim - 1):
-        return _topk_last(x, k)[0].mean(-1)
-    if x.ndim == 2 and axis in (0, -2):
-        return _topk_first_values(x, k).mean(-1)
-    raise ValueError(f"axis must be 0 or -1 of a matrix, or the last axis; got {axis}")
+# Compiled separately because XLA:CPU's best options differ by axis (bench/README.md): the
+# first-axis reduction is ~7x faster with `sclaro_jax.compile`'s options, the last-axis path
+# ~3x faster with XLA's defaults.
+_row_topk_mean = _jitted("k", options=False)(lambda x, k: _topk_last(_f32(x), k)[0].mean(-1))
+_column_topk_mean = _jitted("k")(lambda x, k: _topk_first_values(_f32(x), k).mean(-1))
 
 
-@_jitted("k", "axis")
 def topk_mean(scores: jax.Array, k: int, axis: int = -1) -> jax.Array:
     """Exact mean of the k largest entries along `axis` (the last axis, or axis 0 of a matrix).
 
-    mean_{j in top-k along axis} S_j. Blocked (`_topk_last`, `_topk_first_values`): about 4x
-    faster than `lax.top_k` on the 8,231 x 32,768 CSLS matrix on 2 CPU cores (bench/README.md).
+    mean_{j in top-k along axis} S_j, float32. Blocked (`_topk_last`, `_topk_first_values`);
+    on the 8,231 x 32,768 CSLS matrix on 2 CPU cores several times faster than `lax.top_k`
+    (bench/README.md).
     """
-    x = _f32(scores)
-    if -x.ndim <= axis < x.ndim:
-        _check_k(k, x.shape[axis], "entries along the axis")
-    return _topk_mean(x, k, axis)
+    shape = jnp.shape(scores)
+    if not -len(shape) <= axis < len(shape):
+        raise ValueError(f"axis {axis} out of range for shape {shape}")
+    _check_k(k, shape[axis], "entries along the axis")
+    if axis in (-1, len(shape) - 1):
+        return _row_topk_mean(scores, k=k)
+    if len(shape) == 2:
+        return _column_topk_mean(scores, k=k)
+    raise ValueError(f"axis must be 0 or -1 of a matrix, or the last axis; got {axis}")
 
 
 def _pooled_crop_scores(text: jax.Array, crops: jax.Array, pool: str) -> jax.Array:
@@ -154,13 +166,11 @@ def fused_scores(text: jax.Array, global_emb: jax.Array, crop_emb: jax.Array,
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-def _csls(scores: jax.Array, k: int, bank: jax.Array | None) -> jax.Array:
-    r_q = _topk_mean(scores, k, 1)
-    r_i = _topk_mean(scores if bank is None else bank, k, 0)
-    return 2 * scores - r_q[:, None] - r_i[None, :]
+@_jitted()
+def _csls_combine(scores: jax.Array, r_q: jax.Array, r_i: jax.Array) -> jax.Array:
+    return 2 * _f32(scores) - r_q[:, None] - r_i[None, :]
 
 
-@_jitted("k")
 def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None) -> jax.Array:
     """Two-sided CSLS (paper section 4.3), `[Q, G]`:
 
@@ -169,21 +179,15 @@ def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None) -
         r_i = mean of image i's k largest scores over queries (column top-k)
 
     Transductive (`bank_scores` None): r_i from `scores` itself. Inductive: r_i from the query
-    bank's scores `bank_scores [Qb, G]` against the same gallery.
+    bank's scores `bank_scores [Qb, G]` against the same gallery. Traceable inside `jax.jit`.
     """
-    s = _f32(scores)
-    _check_k(k, s.shape[1], "gallery images")
-    bank = None if bank_scores is None else _f32(bank_scores)
-    _check_k(k, s.shape[0] if bank is None else bank.shape[0], "queries")
-    return _csls(s, k, bank)
+    return _csls_combine(scores, topk_mean(scores, k, 1),
+                         topk_mean(scores if bank_scores is None else bank_scores, k, 0))
 
 
-@_jitted("m", "k")
-def _shortlist(global_scores: jax.Array, m: int, k: int, bank: jax.Array | None):
-    s = _f32(global_scores)
-    r_q = _topk_mean(s, k, 1)
-    r_i = _topk_mean(s if bank is None else _f32(bank), k, 0)
-    return _topk_last(s, m)[1], r_q, r_i
+@_jitted("m", options=False)
+def _shortlist(global_scores: jax.Array, m: int) -> jax.Array:
+    return _topk_last(_f32(global_scores), m)[1]
 
 
 @_jitted("num_images")
@@ -215,9 +219,9 @@ def csls_shortlist(global_scores: jax.Array,
     """
     s = jnp.asarray(global_scores)
     _check_k(m, s.shape[1], "gallery images")
-    _check_k(k, s.shape[1], "gallery images")
-    _check_k(k, s.shape[0] if bank_scores is None else jnp.shape(bank_scores)[0], "queries")
-    shortlist, r_q, r_i = _shortlist(s, m, k, bank_scores)
+    shortlist = _shortlist(s, m=m)
+    r_q = topk_mean(s, k, 1)
+    r_i = topk_mean(s if bank_scores is None else bank_scores, k, 0)
     pairs = fused(shortlist) if callable(fused) else jnp.take_along_axis(
         jnp.asarray(fused), shortlist, axis=1)
     return _place_shortlist(pairs, shortlist, r_q, r_i, num_images=s.shape[1])
@@ -288,7 +292,7 @@ def recall_at_k(scores: jax.Array, gt: jax.Array, ks: tuple[int, ...] = (1, 5, 1
     return {int(k): float(100.0 * np.mean(r < k)) for k in ks}
 
 
-@_jitted("k")
+@_jitted("k", options=False)
 def _k_occurrence(scores: jax.Array, k: int) -> jax.Array:
     top = _topk_last(_f32(scores), k)[1]
     return jnp.zeros(scores.shape[1], jnp.int32).at[top.reshape(-1)].add(1)
