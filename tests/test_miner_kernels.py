@@ -239,6 +239,18 @@ def test_csls(scores, k, inductive):
     assert_same_ranking(ours, ref)
 
 
+@pytest.mark.parametrize("inductive", [False, True])
+def test_csls_donating_its_input_gives_the_same_values(scores, inductive):
+    bank = scores["bank"] if inductive else None
+    x = jax.device_put(scores["fused"])
+    ours = csls(x, k=10, bank_scores=bank, donate=True)
+    np.testing.assert_allclose(ours, ref_csls(scores["fused"], 10, bank), atol=ATOL)
+    assert x.is_deleted()  # the buffer became the output
+    kept = jax.device_put(scores["fused"])
+    csls(kept, k=10)
+    assert not kept.is_deleted()
+
+
 def test_kernels_trace_inside_a_callers_jit(scores):
     s = scores["fused"]
     np.testing.assert_allclose(jax.jit(lambda x: csls(x, k=10))(s), csls(s, k=10), atol=1e-6)

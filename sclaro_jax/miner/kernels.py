@@ -171,7 +171,11 @@ def _csls_combine(scores: jax.Array, r_q: jax.Array, r_i: jax.Array) -> jax.Arra
     return 2 * _f32(scores) - r_q[:, None] - r_i[None, :]
 
 
-def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None) -> jax.Array:
+_DONATING_COMBINE: list[Callable] = []
+
+
+def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None, *,
+         donate: bool = False) -> jax.Array:
     """Two-sided CSLS (paper section 4.3), `[Q, G]`:
 
         CSLS_qi = 2 S_qi - r_q - r_i
@@ -180,9 +184,21 @@ def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None) -
 
     Transductive (`bank_scores` None): r_i from `scores` itself. Inductive: r_i from the query
     bank's scores `bank_scores [Qb, G]` against the same gallery. Traceable inside `jax.jit`.
+
+    `donate=True` hands the `scores` buffer (a float32 jax array the caller no longer needs) to
+    the output, so no fresh [Q, G] buffer is allocated: on a CPU, faulting in a new 1 GiB output
+    costs more than the arithmetic (0.5 s against 0.13 s measured for 8,231 x 32,768). `scores`
+    is deleted afterwards.
     """
-    return _csls_combine(scores, topk_mean(scores, k, 1),
-                         topk_mean(scores if bank_scores is None else bank_scores, k, 0))
+    r_q = topk_mean(scores, k, 1)
+    r_i = topk_mean(scores if bank_scores is None else bank_scores, k, 0)
+    tracing = isinstance(scores, jax.core.Tracer)
+    if donate and not tracing and isinstance(scores, jax.Array) and scores.dtype == jnp.float32:
+        if not _DONATING_COMBINE:
+            _DONATING_COMBINE.append(compile.jit(
+                lambda s, a, b: 2 * s - a[:, None] - b[None, :], donate_argnums=0))
+        return _DONATING_COMBINE[0](scores, r_q, r_i)
+    return _csls_combine(scores, r_q, r_i)
 
 
 @_jitted("m", options=False)
