@@ -503,11 +503,11 @@ def linear_probe(train_x: np.ndarray, train_y: Sequence, test_x: np.ndarray, tes
     opt_state = tx.init(params)
     x_dev, y_dev = jnp.asarray(train_x), jnp.asarray(y_train)
 
-    @jax.jit
-    def step(params, opt_state, idx, mask):
+    @jax.jit  # the features are arguments, not closed-over constants baked into the program
+    def step(params, opt_state, x_all, y_all, idx, mask):
         def loss_fn(p):
-            logits = x_dev[idx] @ p["w"] + p["b"]
-            ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_dev[idx])
+            logits = x_all[idx] @ p["w"] + p["b"]
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, y_all[idx])
             return jnp.sum(ce * mask) / jnp.sum(mask)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
@@ -521,7 +521,7 @@ def linear_probe(train_x: np.ndarray, train_y: Sequence, test_x: np.ndarray, tes
             mask = np.zeros(batch_size, np.float32)
             mask[:len(idx)] = 1
             idx = np.concatenate([idx, np.zeros(batch_size - len(idx), idx.dtype)])
-            params, opt_state, _ = step(params, opt_state, idx, mask)
+            params, opt_state, _ = step(params, opt_state, x_dev, y_dev, idx, mask)
 
     logits = test_x @ np.asarray(params["w"]) + np.asarray(params["b"])
     ks = tuple(ks)
