@@ -57,6 +57,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.checkpoint_async = True  # write checkpoints in the background while training goes on
     c.progress_bar = True
+    # Periodic evaluation (sclaro_jax.eval.scenario) of the student on `eval_split` every
+    # `eval_every` steps (0: off), appended to WORKDIR/eval.jsonl; tasks: comma-separated from
+    # zero_shot, linear_probe, predcls, sgcls.
+    c.eval_every = 0
+    c.eval_split = "val"
+    c.eval_tasks = "zero_shot"
 
     if arg == "demo":
         # Minutes on a CPU: the tiny preset (random init), small images, the bundled demo

@@ -86,13 +86,23 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
 @pytest.mark.parametrize("config, kind", [("configs/pyramidclip.py:demo", "PyramidCLIP"),
                                           ("configs/scenarioclip_nokd.py:demo", "ScenarioCLIP")])
 def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
+    # the ScenarioCLIP w/o KD run also evaluates itself periodically (config.eval_every)
+    evaluate = ["--config.eval_every=2", "--config.eval_split=test"] if kind == "ScenarioCLIP" \
+        else []
     result = subprocess.run(
         [sys.executable, "launch/train.py", "--config", config, "--workdir", str(tmp_path),
-         f"--config.data.dir={demo_dir}", "--config.train.steps=2", "--config.log_every=1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+         f"--config.data.dir={demo_dir}", "--config.train.steps=2", "--config.log_every=1",
+         *evaluate], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
+    if evaluate:
+        evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
+        assert [e["step"] for e in evals] == [2] and evals[0]["split"] == "test"
+        zero_shot = evals[0]["results"]["zero_shot"]
+        assert set(zero_shot) >= {"action", "object", "relation"}, zero_shot.keys()
+    else:
+        assert not (tmp_path / "eval.jsonl").exists()
     assert all(r["loss_kd"] == 0.0 and r["loss"] == r["loss_ca"] for r in rows)
     from sclaro_jax.train.export import load_checkpoint
     model, _ = load_checkpoint(str(tmp_path))

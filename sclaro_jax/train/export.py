@@ -37,16 +37,20 @@ from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
 HEADS_FILE = "scenarioclip_heads.safetensors"
 
 
-def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False):
-    """(model, step) from WORKDIR's config.json and a checkpoint (the newest by default)."""
+def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False,
+                    config=None):
+    """(model, step) from WORKDIR's config.json (or `config`, an `ml_collections` config that
+    built the run) and a checkpoint (the newest by default)."""
     from sclaro_jax.train import core
     from sclaro_jax.train.trainer import build_model, train_config
 
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir")
-    with open(path, encoding="utf-8") as f:
-        config = ml_collections.ConfigDict(json.load(f))
+    if config is None:
+        path = os.path.join(workdir, "config.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
+                                    "(or pass the run's config)")
+        with open(path, encoding="utf-8") as f:
+            config = ml_collections.ConfigDict(json.load(f))
     manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
     step = manager.latest_step() if step is None else step
     if step is None:

@@ -150,12 +150,30 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
             bar.update(1)
             if save_now:
                 save(done)
+            if config.get("eval_every", 0) and done % config.eval_every == 0:
+                _periodic_eval(config, graphdef, state, done, workdir)
     bar.close()
     manager.wait_until_finished()
     manager.close()
     if writer is not None:
         writer.close()
     return state
+
+
+def _periodic_eval(config, graphdef, state, step: int, workdir: str) -> None:
+    """Evaluate the student (config.eval_tasks on config.eval_split) and append one JSON line
+    {"step", "split", "results"} to WORKDIR/eval.jsonl."""
+    from sclaro_jax.eval.scenario import evaluate_scenario
+
+    model = nnx.merge(graphdef, jax.device_get(state.params))
+    tasks = tuple(t.strip() for t in str(config.eval_tasks).split(",") if t.strip())
+    result = evaluate_scenario(model, config.data.dir, split=config.eval_split, tasks=tasks,
+                               image_size=config.data.image_size, progress=False)
+    with open(os.path.join(workdir, "eval.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step, "split": config.eval_split, "results": result}) + "\n")
+    zs = result.get("zero_shot", {})
+    log.info("eval at step %d on %s: %s", step, config.eval_split,
+             {k: v for k, v in zs.items() if not isinstance(v, dict)} if zs else list(result))
 
 
 def _tensorboard(workdir: str):
