@@ -148,8 +148,10 @@ def _save(fig, out_png: str, dpi: int) -> None:
 # --------------------------------------------------------------------------- t-SNE
 
 def tsne_plot(embeddings: np.ndarray, labels: Sequence[str], out_png: str, *, top_k: int = 10,
-              perplexity: float = 30.0, seed: int = 0, title: str = "") -> np.ndarray:
-    """t-SNE (2-D, PCA init, `perplexity` clipped to n - 1) of `embeddings` [N, D], points
+              perplexity: float = 30.0, seed: int = 0, max_iter: int = 1000, title: str = ""
+              ) -> np.ndarray:
+    """t-SNE (2-D, PCA init, `perplexity` clipped to n - 1, `max_iter` >= 250 optimisation
+    iterations) of `embeddings` [N, D], points
     coloured by `labels`: the `top_k` most frequent classes get a colour and a legend entry,
     the rest are grey ("other"). Writes `out_png`; returns the 2-D coordinates [N, 2]."""
     from sklearn.manifold import TSNE
@@ -161,8 +163,8 @@ def tsne_plot(embeddings: np.ndarray, labels: Sequence[str], out_png: str, *, to
     if len(x) < 3:
         raise FigureError(f"t-SNE needs at least 3 points, got {len(x)}")
     perp = float(min(perplexity, len(x) - 1))
-    coords = TSNE(n_components=2, perplexity=perp, init="pca", random_state=seed
-                  ).fit_transform(x)
+    coords = TSNE(n_components=2, perplexity=perp, init="pca", random_state=seed,
+                  max_iter=max_iter).fit_transform(x)
     top = [lab for lab, _ in Counter(labels).most_common(top_k)]
     fig, ax = plt.subplots(figsize=(7, 6), dpi=100)
     arr = np.asarray(labels)
