@@ -1,5 +1,7 @@
 """Shared fixtures. Parity tests run with float32 matmuls at the highest precision."""
 
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -57,3 +59,38 @@ def demo_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("demo") / "shards"
     build_demo(str(folder), progress=False)
     return str(folder)
+
+
+def _checkpointed_workdir(workdir, demo_dir):
+    """A ScenarioCLIP workdir as the trainer leaves it (config.json + an orbax checkpoint of the
+    train state at step 7), written without training; the teacher differs from the student."""
+    import dataclasses
+    import importlib.util
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    from sclaro_jax.train import core, trainer
+
+    spec = importlib.util.spec_from_file_location("cfg", Path(__file__).resolve().parents[1] / "configs" / "scenarioclip.py")
+    cfg_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg_mod)
+    config = cfg_mod.get_config("demo")
+    config.data.dir = demo_dir
+    workdir.mkdir(parents=True)
+    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
+    _, state, _ = core.init_state(trainer.build_model(config), trainer.train_config(config, 10))
+    teacher = jax.tree.map(lambda x: x * 0.9 + 0.01, state.teacher)
+    state = dataclasses.replace(state, teacher=teacher)
+    manager = ocp.CheckpointManager(str(workdir / "checkpoints"))
+    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+    manager.wait_until_finished()
+    manager.close()
+
+
+@pytest.fixture(scope="session")
+def scenario_workdir(tmp_path_factory, demo_dir):
+    """A tiny ScenarioCLIP training workdir on the demo data, checkpoint at step 7."""
+    workdir = tmp_path_factory.mktemp("scenario") / "run"
+    _checkpointed_workdir(workdir, demo_dir)
+    return workdir

@@ -240,47 +240,19 @@ def test_cli_end_to_end_on_a_rocs_folder_with_a_tiny_clip(tmp_path, tiny_hf):
     np.testing.assert_allclose(cached.images[5], direct[0], atol=2e-3)
 
 
-def _checkpointed_workdir(workdir, demo_dir):
-    """A ScenarioCLIP workdir as the trainer leaves it (config.json + an orbax checkpoint of the
-    train state at step 7), written without training; the teacher differs from the student."""
-    import dataclasses
-    import importlib.util
-
-    import jax
-    import orbax.checkpoint as ocp
-
-    from sclaro_jax.train import core, trainer
-
-    spec = importlib.util.spec_from_file_location("cfg", ROOT / "configs" / "scenarioclip.py")
-    cfg_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cfg_mod)
-    config = cfg_mod.get_config("demo")
-    config.data.dir = demo_dir
-    workdir.mkdir(parents=True)
-    (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    _, state, _ = core.init_state(trainer.build_model(config), trainer.train_config(config, 10))
-    teacher = jax.tree.map(lambda x: x * 0.9 + 0.01, state.teacher)
-    state = dataclasses.replace(state, teacher=teacher)
-    manager = ocp.CheckpointManager(str(workdir / "checkpoints"))
-    manager.save(7, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
-    manager.wait_until_finished()
-    manager.close()
-
-
-def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(tmp_path, demo_dir):
+def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(scenario_workdir):
     teacher = True
     import jax.numpy as jnp
 
     from sclaro_jax.data import augment
     from sclaro_jax.train import export
 
-    _checkpointed_workdir(tmp_path / "run", demo_dir)
     with pytest.raises(encoders.EncoderError, match="choose a level"):
-        encoders.load_encoder(str(tmp_path / "run"))
-    enc = encoders.load_encoder(str(tmp_path / "run"), level="object", teacher=teacher)
+        encoders.load_encoder(str(scenario_workdir))
+    enc = encoders.load_encoder(str(scenario_workdir), level="object", teacher=teacher)
     who = "teacher" if teacher else "student"
-    assert enc.name == f"scenarioclip:run:object:{who}@7"
-    pair = export.load_checkpoint(str(tmp_path / "run"), teacher=teacher)[0].pair("object")
+    assert enc.name == f"scenarioclip:{scenario_workdir.name}:object:{who}@7"
+    pair = export.load_checkpoint(str(scenario_workdir), teacher=teacher)[0].pair("object")
     image = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     view = enc.view(image)
     assert view.shape == (32, 32, 3)

@@ -1,0 +1,287 @@
+"""Evaluate trained ScenarioCLIP / baseline checkpoints: every protocol, one JSON, one table.
+
+    python -m sclaro_jax.eval.suite --workdir WORKDIR [--config configs/scenarioclip.py:demo]
+    python -m sclaro_jax.eval.suite --workdir ScenarioCLIP=RUN1 --workdir "w/o KD"=RUN2 \
+        --workdir PyramidCLIP=RUN3 --data DATASET --out results/
+
+For each model (a training workdir: its config.json, or `--config`, and its newest checkpoint,
+or `--step`; the student, or the EMA teacher with `--teacher`) on `--split` of the dataset
+(`--data`, default the run's `config.data.dir`):
+
+- zero-shot retrieval of actions, objects and relations, strict and lenient, by source
+  (`sclaro_jax.eval.scenario`), the linear probe, PredCls and SGCls;
+- relation localisation, frozen and trainable decoders (`sclaro_jax.eval.localise`);
+- figures (`sclaro_jax.eval.figures`): patch-to-CLS attention overlays of the first test images,
+  every model side by side; a t-SNE of the object embeddings per model; training curves per run;
+- the parameter / FLOPs table (`sclaro_jax.eval.cost`, appendix Table A1).
+
+Writes OUT/eval.json (every number and setting), OUT/eval.md (the tables) and OUT/figures/*.png
+(OUT defaults to the first workdir's `eval/`). The same evaluators are callable from Python
+(`evaluate_workdirs`) and run periodically during training with `config.eval_every`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import io
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+TASKS = ("zero_shot", "linear_probe", "predcls", "sgcls", "localisation")
+
+
+@dataclasses.dataclass
+class Settings:
+    split: str = "test"
+    train_split: str = "train"
+    tasks: tuple = TASKS
+    teacher: bool = False
+    step: int | None = None
+    probe_epochs: int = 6
+    probe_lr: float = 2e-5
+    min_predicate_instances: int = 5
+    localisation_variants: tuple = ("frozen", "trainable")
+    localisation_epochs: int = 1
+    localisation_max_relations: int | None = None
+    figures: bool = True
+    figure_images: int = 3
+    tsne_max_objects: int = 10000
+    cost: bool = True
+    batch_size: int = 32
+    progress: bool = True
+
+
+def load_config(spec: str):
+    """`path/to/config.py[:variant]` -> the `get_config(variant)` ConfigDict."""
+    path, _, variant = spec.partition(":")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file not found: {path}")
+    root = str(Path(path).resolve().parent.parent)
+    if root not in sys.path:  # configs import each other as `configs.x`
+        sys.path.insert(0, root)
+    module_spec = importlib.util.spec_from_file_location(f"_sclaro_config_{Path(path).stem}",
+                                                         path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.get_config(variant or None)
+
+
+def _data_dir(config, workdir: str, data: str | None) -> str:
+    if data:
+        return data
+    if config is not None and config.data.dir:
+        return config.data.dir
+    demo = os.path.join(workdir, "demo_data")  # launch/train.py's demo shards
+    if os.path.exists(os.path.join(demo, "manifest.json")):
+        return demo
+    raise FileNotFoundError(f"no dataset: {workdir}'s config has an empty data.dir; pass --data")
+
+
+def _run_config(workdir: str, config_spec: str | None):
+    import ml_collections
+
+    if config_spec:
+        return load_config(config_spec)
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
+                                "(pass --config)")
+    with open(path, encoding="utf-8") as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
+def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
+    from PIL import Image
+
+    from sclaro_jax.eval.localise import read_split
+
+    out = []
+    for sample in read_split(data_dir, split)[:count]:
+        with Image.open(io.BytesIO(sample.image)) as img:
+            out.append(np.asarray(img.convert("RGB")))
+    return out
+
+
+def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = Settings(), *,
+                      data: str | None = None, config: str | None = None) -> dict:
+    """Evaluate each named workdir; write OUT/eval.json, OUT/eval.md, OUT/figures/*.png and
+    return the JSON record."""
+    from sclaro_jax.eval import cost, figures, localise, scenario
+    from sclaro_jax.train.export import load_checkpoint
+
+    unknown = [t for t in settings.tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; known: {TASKS}")
+    out_dir = Path(out)
+    (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+    record: dict = {"settings": dataclasses.asdict(settings), "models": {}, "figures": {}}
+    tables: list[str] = []
+    models, data_dirs = {}, {}
+    for name, workdir in workdirs.items():
+        cfg = _run_config(workdir, config)
+        data_dir = _data_dir(cfg, workdir, data)
+        model, step = load_checkpoint(workdir, settings.step, teacher=settings.teacher,
+                                      config=cfg)
+        models[name], data_dirs[name] = model, data_dir
+        t0 = time.perf_counter()
+        scen_tasks = tuple(t for t in settings.tasks if t in scenario.TASKS)
+        result = {"workdir": os.path.abspath(workdir), "step": step,
+                  "weights": "teacher" if settings.teacher else "student"}
+        if scen_tasks:
+            result.update(scenario.evaluate_scenario(
+                model, data_dir, split=settings.split, train_split=settings.train_split,
+                tasks=scen_tasks, image_size=int(cfg.data.image_size),
+                batch_size=settings.batch_size, probe_epochs=settings.probe_epochs,
+                probe_lr=settings.probe_lr,
+                min_predicate_instances=settings.min_predicate_instances,
+                cache_dir=str(out_dir / "cache"), progress=settings.progress))
+        if "localisation" in settings.tasks:
+            result["localisation"] = {
+                variant: localise.evaluate_localisation(
+                    model, data_dir, variant=variant, epochs=settings.localisation_epochs,
+                    image_size=int(cfg.data.image_size), train_split=settings.train_split,
+                    test_split=settings.split,
+                    max_relations=settings.localisation_max_relations)
+                for variant in settings.localisation_variants}
+        result["seconds"] = round(time.perf_counter() - t0, 2)
+        record["models"][name] = result
+        title = f"## {name} ({result['weights']}, step {step})\n\n"
+        body = scenario.markdown_tables(result) if scen_tasks else ""
+        if "localisation" in result:
+            body += "\n" + _localisation_table(result["localisation"])
+        tables.append(title + body)
+        if settings.figures:
+            curves = out_dir / "figures" / f"training_curves_{_slug(name)}.png"
+            metrics = os.path.join(workdir, "metrics.jsonl")
+            if os.path.exists(metrics):
+                figures.training_curves(metrics, str(curves))
+                record["figures"][f"training_curves/{name}"] = str(curves)
+            emb = scenario.embed_dataset(model, data_dir, settings.split,
+                                         image_size=int(cfg.data.image_size),
+                                         batch_size=settings.batch_size,
+                                         cache_dir=str(out_dir / "cache"), progress=False)
+            n = min(len(emb.object_names), settings.tsne_max_objects)
+            if n >= 3:
+                tsne = out_dir / "figures" / f"tsne_objects_{_slug(name)}.png"
+                figures.tsne_plot(np.asarray(emb.object_emb)[:n], list(emb.object_names)[:n],
+                                  str(tsne), title=f"{name}: object embeddings ({n})")
+                record["figures"][f"tsne/{name}"] = str(tsne)
+    if settings.figures and models:
+        first = next(iter(data_dirs.values()))
+        images = _test_images(first, settings.split, settings.figure_images)
+        if images:
+            first_cfg = _run_config(next(iter(workdirs.values())), config)
+            path = out_dir / "figures" / "attention_overlays.png"
+            figures.attention_overlays(models, images, str(path),
+                                       int(first_cfg.data.image_size))
+            record["figures"]["attention_overlays"] = str(path)
+    if settings.cost and models:
+        table, rows = cost.cost_table(models)
+        record["cost"] = rows
+        tables.append("## Parameters and FLOPs (appendix Table A1)\n\n" + table)
+    if record["figures"]:
+        tables.append("## Figures\n\n" + "\n".join(
+            f"- {k}: `{os.path.relpath(v, out_dir)}`" for k, v in record["figures"].items()))
+    (out_dir / "eval.json").write_text(json.dumps(record, indent=1, default=_jsonable))
+    (out_dir / "eval.md").write_text("\n\n".join(tables) + "\n")
+    return record
+
+
+def _jsonable(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    return str(x)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+
+
+def _localisation_table(res: dict) -> str:
+    lines = ["| localisation | Dice | IoU | MAE | train / test relations |", "|---|---:|---:|---:|---|"]
+    for variant, r in res.items():
+        lines.append(f"| {variant} | {r['dice']:.4f} | {r['iou']:.4f} | {r['mae']:.4f} | "
+                     f"{r['num_train']} / {r['num_test']} |")
+    return "\n".join(lines) + "\n"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m sclaro_jax.eval.suite",
+        description="Evaluate ScenarioCLIP / baseline checkpoints: zero-shot retrieval, linear "
+                    "probe, PredCls / SGCls, relation localisation, figures, parameters / FLOPs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--workdir", action="append", required=True, metavar="[NAME=]DIR",
+                   help="training workdir to evaluate (repeatable; NAME labels its column)")
+    p.add_argument("--config", help="config file[:variant] that built the runs (default: each "
+                                    "workdir's config.json)")
+    p.add_argument("--data", help="dataset folder (default: the run's config.data.dir)")
+    p.add_argument("--split", default="test")
+    p.add_argument("--train_split", default="train", help="split for the probe / SGCls vocab")
+    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
+    p.add_argument("--teacher", action="store_true", help="evaluate the EMA teacher weights")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.add_argument("--probe_epochs", type=int, default=6)
+    p.add_argument("--probe_lr", type=float, default=2e-5)
+    p.add_argument("--min_predicate_instances", type=int, default=5)
+    p.add_argument("--localisation_variants", default="frozen,trainable")
+    p.add_argument("--localisation_epochs", type=int, default=1)
+    p.add_argument("--localisation_max_relations", type=int, default=None)
+    p.add_argument("--no_figures", action="store_true")
+    p.add_argument("--figure_images", type=int, default=3)
+    p.add_argument("--tsne_max_objects", type=int, default=10000)
+    p.add_argument("--no_cost", action="store_true", help="skip the parameter / FLOPs table")
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--out", help="output folder (default: FIRST_WORKDIR/eval)")
+    p.add_argument("--no_progress", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    workdirs: dict[str, str] = {}
+    for spec in args.workdir:
+        name, sep, path = spec.partition("=")
+        if not sep or os.path.exists(spec):
+            name, path = Path(spec).name, spec
+        if not os.path.isdir(path):
+            print(f"error: workdir not found: {path}", file=sys.stderr)
+            return 2
+        workdirs[name] = path
+    settings = Settings(
+        split=args.split, train_split=args.train_split,
+        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+        teacher=args.teacher, step=args.step, probe_epochs=args.probe_epochs,
+        probe_lr=args.probe_lr, min_predicate_instances=args.min_predicate_instances,
+        localisation_variants=tuple(v.strip() for v in args.localisation_variants.split(",")
+                                    if v.strip()),
+        localisation_epochs=args.localisation_epochs,
+        localisation_max_relations=args.localisation_max_relations,
+        figures=not args.no_figures, figure_images=args.figure_images,
+        tsne_max_objects=args.tsne_max_objects, cost=not args.no_cost,
+        batch_size=args.batch_size, progress=not args.no_progress)
+    out = args.out or os.path.join(next(iter(workdirs.values())), "eval")
+    try:
+        evaluate_workdirs(workdirs, out, settings, data=args.data, config=args.config)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print((Path(out) / "eval.md").read_text())
+    print(f"wrote {out}/eval.json, {out}/eval.md and {out}/figures/")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
