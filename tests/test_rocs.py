@@ -135,10 +135,14 @@ def test_gallery_embeddings_crops_match_direct_encoding_and_cache_resumes(tmp_pa
 # Evaluation
 # ------------------------------------------------------------------------------------------
 
+def _unit(rng, *shape):
+    x = rng.normal(size=shape).astype(np.float32)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
 def test_evaluate_numbers_follow_the_kernels(rng):
     def unit(*shape):
-        x = rng.normal(size=shape).astype(np.float32)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+        return _unit(rng, *shape)
 
     emb = gallery.SplitEmbeddings(unit(30, 16).astype(np.float16),
                                   unit(30, 5, 16).astype(np.float16), unit(45, 16))
@@ -160,8 +164,7 @@ def test_evaluate_numbers_follow_the_kernels(rng):
 @pytest.mark.parametrize("rescore", ["csls", "none"])
 def test_streaming_evaluation_gives_the_in_memory_numbers(rng, rescore):
     def unit(*shape):
-        x = rng.normal(size=shape).astype(np.float32)
-        return x / np.linalg.norm(x, axis=-1, keepdims=True)
+        return _unit(rng, *shape)
 
     emb = gallery.SplitEmbeddings(unit(70, 16).astype(np.float16),
                                   unit(70, 5, 16).astype(np.float16), unit(90, 16))

@@ -109,21 +109,27 @@ class ClipEncoder(Encoder):
     """
 
     def __init__(self, path: str | os.PathLike, *, batch_size: int = 64, dtype=jnp.float32):
-        from sclaro_jax.data.tokenizer import ClipTokenizer
         from sclaro_jax.models import clip
 
         folder = Path(path)
         model = clip.from_hf(folder, dtype=dtype)
         self.name = f"clip:{folder.name}"
         self.fingerprint = _folder_fingerprint(folder, f"clip:{jnp.dtype(dtype).name}")
-        self.image_size = model.config.vision.image_size
-        self.text_length = model.config.text.max_position_embeddings
+        self._setup(model, model.config, batch_size)
+
+    def _setup(self, module, config, batch_size: int) -> None:
+        """Sizes, the CLIP tokenizer and the jitted towers of `module` (anything with
+        `encode_image` / `encode_text`: a CLIP model or a ScenarioCLIP pair)."""
+        from sclaro_jax.data.tokenizer import ClipTokenizer
+
+        self.image_size = config.vision.image_size
+        self.text_length = config.text.max_position_embeddings
         self.batch_size = batch_size
         self._tok = ClipTokenizer()
         mean, std = jnp.asarray(augment.CLIP_MEAN), jnp.asarray(augment.CLIP_STD)
         self._image_fn = _jit_module_fn(
-            model, lambda m, v: _l2(m.encode_image((v.astype(jnp.float32) / 255 - mean) / std)))
-        self._text_fn = _jit_module_fn(model, lambda m, ids: _l2(m.encode_text(ids)))
+            module, lambda m, v: _l2(m.encode_image((v.astype(jnp.float32) / 255 - mean) / std)))
+        self._text_fn = _jit_module_fn(module, lambda m, ids: _l2(m.encode_text(ids)))
 
     def view(self, image: np.ndarray) -> np.ndarray:
         return np.asarray(augment.resize_centre_crop(Image.fromarray(image), self.image_size))
@@ -138,7 +144,6 @@ class ScenarioClipEncoder(ClipEncoder):
 
     def __init__(self, workdir: str | os.PathLike, level: str, *, teacher: bool = False,
                  step: int | None = None, batch_size: int = 64):
-        from sclaro_jax.data.tokenizer import ClipTokenizer
         from sclaro_jax.models.scenarioclip import LEVELS
         from sclaro_jax.train.export import load_checkpoint
 
@@ -150,14 +155,7 @@ class ScenarioClipEncoder(ClipEncoder):
         self.name = f"scenarioclip:{Path(workdir).name}:{level}:{who}@{step}"
         self.fingerprint = hashlib.sha256(
             f"{Path(workdir).resolve()}:{level}:{who}:{step}".encode()).hexdigest()[:16]
-        self.image_size = pair.config.vision.image_size
-        self.text_length = pair.config.text.max_position_embeddings
-        self.batch_size = batch_size
-        self._tok = ClipTokenizer()
-        mean, std = jnp.asarray(augment.CLIP_MEAN), jnp.asarray(augment.CLIP_STD)
-        self._image_fn = _jit_module_fn(
-            pair, lambda m, v: _l2(m.encode_image((v.astype(jnp.float32) / 255 - mean) / std)))
-        self._text_fn = _jit_module_fn(pair, lambda m, ids: _l2(m.encode_text(ids)))
+        self._setup(pair, pair.config, batch_size)
 
 
 class SiglipEncoder(Encoder):
