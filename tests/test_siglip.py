@@ -265,13 +265,40 @@ def test_tokenizer_matches_transformers(fixture, request):
     assert ours[-1, -1] == eos  # truncation keeps the end-of-sequence token
 
 
-def test_tokenizer_needs_tokenizer_json(tmp_path):
-    with pytest.raises(siglip.CheckpointError, match="AutoTokenizer.from_pretrained"):
+def test_tokenizer_needs_a_tokenizer_file(tmp_path):
+    with pytest.raises(siglip.CheckpointError, match="neither tokenizer.json .* nor spiece.model"):
         siglip.load_tokenizer(tmp_path)
 
 
+@pytest.mark.parametrize("lower", [True, False])
+def test_sentencepiece_folder_gives_siglip_tokenizer_ids(tmp_path, lower):
+    """SigLIP 1 folders ship spiece.model only: our ids equal transformers' SiglipTokenizer's
+    (padding="max_length", truncation) on a SentencePiece model trained here."""
+    import sentencepiece
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(TEXTS[:4] + ["the quick brown fox jumps over the lazy dog",
+                                             "a red motorcycle parked near a wall",
+                                             "Caf\u00e9 au lait on a small table"]) * 10)
+    sentencepiece.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(tmp_path / "spiece"), vocab_size=70,
+        model_type="unigram", pad_id=-1, eos_id=1, unk_id=2, bos_id=-1,
+        hard_vocab_limit=False, minloglevel=2)
+    folder = tmp_path / "siglip1"
+    transformers.SiglipTokenizer(vocab_file=str(tmp_path / "spiece.model"),
+                                 do_lower_case=lower).save_pretrained(folder)
+    assert not (folder / "tokenizer.json").exists()
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    texts = TEXTS + ["Two DOGS, playing!!", "a </s> b", "<unk>x", "\u00e9mile's caf\u00e9", "zzz qqq",
+                     "  leading space", "\u2581lower block", "x </s>", "<unk> <unk>", "A.B.C"]
+    ours = siglip.load_tokenizer(folder, max_length=16)(texts)
+    want = ref(texts, padding="max_length", max_length=16, truncation=True,
+               return_tensors="np")["input_ids"]
+    np.testing.assert_array_equal(ours, want)
+
+
 def test_siglip_canonicalisation():
-    # SiglipTokenizer.canonicalize_text (needs sentencepiece, absent here): lowercase, drop
-    # string.punctuation, squeeze whitespace, strip.
+    # SiglipTokenizer.canonicalize_text: lowercase, drop string.punctuation, squeeze whitespace,
+    # strip.
     assert siglip._canonicalize("  A Photo, of a DOG!\n  (2) ", True) == "a photo of a dog 2"
     assert siglip._canonicalize("Keep CASE.", False) == "Keep CASE"

@@ -35,7 +35,8 @@ So400m shapes (`PRESETS`, random init; real configs come from config.json):
 
 Preprocessing without transformers: `image_config` + `preprocess` (PIL resize to S x S, rescale,
 normalise, as `SiglipImageProcessor`), `load_tokenizer` (`tokenizer.json` through `tokenizers`,
-padded to max_length=64 and truncated, as the SigLIP processors are called).
+or SigLIP 1's `spiece.model` through `sentencepiece`; padded to max_length=64 and truncated, as
+the SigLIP processors are called).
 """
 
 from __future__ import annotations
@@ -529,12 +530,81 @@ def _token_str(value) -> str | None:
     return value
 
 
+def _text_max_length(folder: Path, max_length: int | None) -> int:
+    """`max_length`, or 64 capped by the text tower's `max_position_embeddings`."""
+    if max_length is None and (folder / "config.json").is_file():
+        raw = json.loads((folder / "config.json").read_text())
+        positions = (raw.get("text_config") or {}).get("max_position_embeddings")
+        if positions:
+            max_length = min(64, int(positions))
+    return max_length or 64
+
+
+def _sentencepiece_tokenizer(folder: Path, max_length: int | None
+                             ) -> Callable[[Sequence[str]], np.ndarray]:
+    """transformers' `SiglipTokenizer` ids from `spiece.model`, with the `sentencepiece` package,
+    step for step as transformers runs it (legacy mode, its default): `"\u2581" + text`; split
+    around the special tokens (eos / unk / pad strings, whitespace beside them dropped); each
+    other piece canonicalised (lowercase unless `do_lower_case` is false, ASCII punctuation
+    removed, whitespace squeezed) and encoded as `unk + piece` with the unk's own pieces cut
+    off; a lone leading "\u2581" before a special token dropped; then cut to `max_length - 1`,
+    `</s>` appended, padded with the pad id to `max_length`."""
+    try:
+        import sentencepiece
+    except ImportError:
+        raise CheckpointError(
+            f"{folder} has a SentencePiece tokenizer (spiece.model) and no tokenizer.json; "
+            "reading it needs the sentencepiece package: pip install 'sclaro-jax[eval]'") from None
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
+    tcfg_file = folder / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
+    names = {key: _token_str(tcfg.get(key)) or default for key, default in
+             (("eos_token", "</s>"), ("unk_token", "<unk>"), ("pad_token", "</s>"))}
+    special = {}
+    for key, token in names.items():
+        i = sp.piece_to_id(token)
+        if sp.id_to_piece(i) != token:
+            raise CheckpointError(f"{folder}/spiece.model has no {key} {token!r}")
+        special[token] = i
+    unk, eos, pad = names["unk_token"], special[names["eos_token"]], special[names["pad_token"]]
+    unk_pieces = len(sp.encode(unk, out_type=str))
+    lower = bool(tcfg.get("do_lower_case", True))
+    split = re.compile(r"\s*(" + "|".join(re.escape(t) for t in sorted(special, key=len,
+                                                                       reverse=True)) + r")\s*")
+    length = _text_max_length(folder, max_length)
+
+    def pieces(text: str) -> list[str]:
+        out: list[str] = []
+        for part in split.split("\u2581" + text.replace("\u2581", " ")):
+            if part in special:
+                out.append(part)
+            elif part:
+                encoded = sp.encode(unk + _canonicalize(part, lower), out_type=str)
+                out.extend(encoded[unk_pieces:] if len(encoded) >= unk_pieces else encoded)
+        if len(out) > 1 and out[0] == "\u2581" and out[1] in special:
+            out = out[1:]
+        return out
+
+    def encode(text: str) -> list[int]:
+        ids = [special.get(p, sp.piece_to_id(p)) for p in pieces(text)][:length - 1] + [eos]
+        return ids + [pad] * (length - len(ids))
+
+    def tokenize(texts: Sequence[str] | str) -> np.ndarray:
+        if isinstance(texts, str):
+            texts = [texts]
+        return np.asarray([encode(t) for t in texts], np.int32).reshape(len(texts), length)
+
+    return tokenize
+
+
 def load_tokenizer(path: str | os.PathLike, max_length: int | None = None
                    ) -> Callable[[Sequence[str]], np.ndarray]:
     """`texts -> int32 [N, max_length]`, the ids of the HF tokenizer called with
     `padding="max_length", max_length=64, truncation=True` (SigLIP's convention).
 
-    Reads `tokenizer.json` (fast-tokenizer file) with `tokenizers`; its normaliser, pre-tokeniser
+    A folder with `spiece.model` and no `tokenizer.json` (SigLIP 1) goes through
+    `_sentencepiece_tokenizer`. Otherwise: reads `tokenizer.json` (fast-tokenizer file) with
+    `tokenizers`; its normaliser, pre-tokeniser
     and post-processor (special tokens) apply as written. On top, from tokenizer_config.json:
     pad token, padding / truncation side, explicit `add_bos_token` / `add_eos_token` (which
     transformers turns into the post-processor), and the class-specific text handling
@@ -547,21 +617,19 @@ def load_tokenizer(path: str | os.PathLike, max_length: int | None = None
     folder = Path(path)
     file = folder / "tokenizer.json"
     if not file.is_file():
+        if (folder / "spiece.model").is_file():  # SigLIP 1 folders: SentencePiece only
+            return _sentencepiece_tokenizer(folder, max_length)
         raise CheckpointError(
-            f"{folder} has no tokenizer.json (the fast-tokenizer file). Write it once with "
-            f"`transformers.AutoTokenizer.from_pretrained({str(folder)!r})"
-            f".save_pretrained({str(folder)!r})`.")
+            f"{folder} has neither tokenizer.json (a fast-tokenizer file, as SigLIP 2 folders "
+            "ship) nor spiece.model (SigLIP 1's SentencePiece model): copy the model's tokenizer "
+            "files into the folder")
     tok = Tokenizer.from_file(str(file))
     tcfg_file = folder / "tokenizer_config.json"
     tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
     model_type = None
     if (folder / "config.json").is_file():
-        raw = json.loads((folder / "config.json").read_text())
-        model_type = raw.get("model_type")
-        positions = (raw.get("text_config") or {}).get("max_position_embeddings")
-        if max_length is None and positions:
-            max_length = min(64, int(positions))
-    max_length = max_length or 64
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    max_length = _text_max_length(folder, max_length)
 
     cls = tcfg.get("tokenizer_class")
     canonical = cls == "SiglipTokenizer"
