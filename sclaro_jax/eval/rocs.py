@@ -101,12 +101,13 @@ def evaluate(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings
     "never_retrieved", ...}}. `bank`: float32 [Qb, D] query-bank text embeddings."""
     text = jnp.asarray(emb.texts, jnp.float32)
     gallery = jnp.asarray(emb.images)
+    gallery32 = gallery.astype(jnp.float32)
     gt = np.asarray(gt)
-    global_scores = text @ gallery.astype(jnp.float32).T
+    global_scores = text @ gallery32.T
     bank_global = bank_fused = None
     if bank is not None:
         bank = jnp.asarray(bank, jnp.float32)
-        bank_global = bank @ gallery.astype(jnp.float32).T
+        bank_global = bank @ gallery32.T
     label = "Global+" + {"csls": "CSLS", "csls-bank": "CSLS(bank)", "shortlist": "CSLS(top-M)",
                          "qbnorm": "QBNorm", "sinkhorn": "Sinkhorn",
                          "dual-softmax": "DualSoftmax", "none": "none"}[settings.rescore]

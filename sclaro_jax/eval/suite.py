@@ -86,16 +86,10 @@ def _data_dir(config, workdir: str, data: str | None) -> str:
 
 
 def _run_config(workdir: str, config_spec: str | None):
-    import ml_collections
+    """`--config` when given, else the run's own config.json."""
+    from sclaro_jax.train.export import run_config
 
-    if config_spec:
-        return load_config(config_spec)
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
-                                "(pass --config)")
-    with open(path, encoding="utf-8") as f:
-        return ml_collections.ConfigDict(json.load(f))
+    return load_config(config_spec) if config_spec else run_config(workdir)
 
 
 def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
@@ -124,9 +118,10 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
     (out_dir / "figures").mkdir(parents=True, exist_ok=True)
     record: dict = {"settings": dataclasses.asdict(settings), "models": {}, "figures": {}}
     tables: list[str] = []
-    models, data_dirs = {}, {}
+    models, data_dirs, image_sizes = {}, {}, {}
     for name, workdir in workdirs.items():
         cfg = _run_config(workdir, config)
+        image_sizes[name] = int(cfg.data.image_size)
         data_dir = _data_dir(cfg, workdir, data)
         model, step = load_checkpoint(workdir, settings.step, teacher=settings.teacher,
                                       config=cfg)
@@ -138,7 +133,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         if scen_tasks:
             result.update(scenario.evaluate_scenario(
                 model, data_dir, split=settings.split, train_split=settings.train_split,
-                tasks=scen_tasks, image_size=int(cfg.data.image_size),
+                tasks=scen_tasks, image_size=image_sizes[name],
                 batch_size=settings.batch_size, probe_epochs=settings.probe_epochs,
                 probe_lr=settings.probe_lr,
                 min_predicate_instances=settings.min_predicate_instances,
@@ -147,7 +142,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
             result["localisation"] = {
                 variant: localise.evaluate_localisation(
                     model, data_dir, variant=variant, epochs=settings.localisation_epochs,
-                    image_size=int(cfg.data.image_size), train_split=settings.train_split,
+                    image_size=image_sizes[name], train_split=settings.train_split,
                     test_split=settings.split,
                     max_relations=settings.localisation_max_relations)
                 for variant in settings.localisation_variants}
@@ -165,7 +160,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
                 figures.training_curves(metrics, str(curves))
                 record["figures"][f"training_curves/{name}"] = str(curves)
             emb = scenario.embed_dataset(model, data_dir, settings.split,
-                                         image_size=int(cfg.data.image_size),
+                                         image_size=image_sizes[name],
                                          batch_size=settings.batch_size,
                                          cache_dir=str(out_dir / "cache"), progress=False)
             n = min(len(emb.object_names), settings.tsne_max_objects)
@@ -178,10 +173,9 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         first = next(iter(data_dirs.values()))
         images = _test_images(first, settings.split, settings.figure_images)
         if images:
-            first_cfg = _run_config(next(iter(workdirs.values())), config)
             path = out_dir / "figures" / "attention_overlays.png"
             figures.attention_overlays(models, images, str(path),
-                                       int(first_cfg.data.image_size))
+                                       next(iter(image_sizes.values())))
             record["figures"]["attention_overlays"] = str(path)
     if settings.cost and models:
         table, rows = cost.cost_table(models)

@@ -37,6 +37,16 @@ from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
 HEADS_FILE = "scenarioclip_heads.safetensors"
 
 
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a training run wrote to WORKDIR/config.json."""
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
+                                "(or pass the run's config)")
+    with open(path, encoding="utf-8") as f:
+        return ml_collections.ConfigDict(json.load(f))
+
+
 def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False,
                     config=None):
     """(model, step) from WORKDIR's config.json (or `config`, an `ml_collections` config that
@@ -45,12 +55,7 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
     from sclaro_jax.train.trainer import build_model, train_config
 
     if config is None:
-        path = os.path.join(workdir, "config.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
-                                    "(or pass the run's config)")
-        with open(path, encoding="utf-8") as f:
-            config = ml_collections.ConfigDict(json.load(f))
+        config = run_config(workdir)
     manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
     step = manager.latest_step() if step is None else step
     if step is None:
