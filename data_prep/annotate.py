@@ -4,7 +4,8 @@
              (`data_prep.vlm`); Multi-Moments in Time's ground-truth action replaces the VLM's.
     Stage 2  GroundingDINO: boxes for the stage-1 objects, thresholds 0.25 / 0.25, NMS at IoU 0.4
              (`data_prep.detect`). Images whose VLM reply has no objects or no relations are
-             excluded before this stage.
+             excluded before this stage; a reply without an action is kept with action ""
+             (appendix: such images keep valid objects and relations).
     Stage 3  SAM: one mask per box; per relation the closest subject/object instance pair by
              box-centre distance and its focused-region image (`data_prep.segment`).
 
@@ -452,9 +453,7 @@ class Annotator:
                 status[it.id] = ["excluded", "no_objects"]
             elif not p["relations"]:
                 status[it.id] = ["excluded", "no_relations"]
-            elif not p["action"]:
-                status[it.id] = ["excluded", "no_action"]
-            else:
+            else:  # no action: kept with action "" (appendix: its objects and relations hold)
                 parsed[it.id] = p
         todo = [it.id for it in chunk if it.id in parsed]
         det_entry = self._stage_detect(k, todo, images, parsed)

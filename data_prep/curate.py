@@ -108,7 +108,7 @@ class Curator:
             "predicates": dict(sorted(self.predicates.items())),
             "actions": dict(sorted(self.actions.items())),
             "vocabulary": {
-                "actions": len({r["action"] for r in rows}),
+                "actions": len({r["action"] for r in rows} - {""}),
                 "objects": len({o for r in rows for o in r["objects"]}),
                 "relations": len({t for r in rows for t in r["triplets"]}),
                 "predicates": len(set(self.predicates.values())),

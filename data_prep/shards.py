@@ -71,6 +71,7 @@ class ShardWriter:
         self._counts = collections.Counter()
         self._crops = collections.defaultdict(lambda: np.zeros(2, np.int64))
         self._by_source = collections.defaultdict(collections.Counter)
+        self._no_action = collections.Counter()
         self._vocab = {k: collections.Counter() for k in schema.VOCAB_FILES}
         self._mask_kinds = collections.Counter()
         self._closed = False
@@ -100,7 +101,10 @@ class ShardWriter:
         self._crops[sample.split] += (len(sample.objects), len(sample.relations))
         self._by_source[sample.split][sample.source] += 1
         self._mask_kinds[sample.mask_kind] += 1
-        self._vocab["actions"][sample.action] += 1
+        if sample.action:  # "" = no action: kept, but not a class
+            self._vocab["actions"][sample.action] += 1
+        else:
+            self._no_action[sample.split] += 1
         self._vocab["sources"][sample.source] += 1
         for o in sample.objects:
             self._vocab["objects"][o.name] += 1
@@ -150,6 +154,7 @@ class ShardWriter:
                 "records": self._counts.get(split, 0),
                 "objects": int(self._crops[split][0]),
                 "relations": int(self._crops[split][1]),
+                "no_action": self._no_action.get(split, 0),
                 "by_source": dict(sorted(self._by_source[split].items())),
                 "shards": entries,
             }

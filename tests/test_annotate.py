@@ -19,6 +19,7 @@ from sclaro_jax.data import schema
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 PHOTOS = {k: v for k, v in SCENES.items() if k != "immunohistochemistry"}
+NO_ACTION = next(iter(PHOTOS))  # its reply names no action
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +33,7 @@ def setup(tmp_path_factory):
         img = Image.fromarray(photograph(name))
         img.thumbnail((256, 256))
         img.save(root / f"{name}.jpg", quality=90)
+        action = "" if name == NO_ACTION else action  # kept, with action "" (appendix)
         replies[f"folder/{name}.jpg"] = scripted_reply(action, objects, relations, f"a {name}")
     # exclusion rules: no objects, no relations, an unusable reply, an unreadable file
     for name, reply in (("empty_objects", scripted_reply("sitting", [], [], "x")),
@@ -92,12 +94,18 @@ def test_records_come_out_and_exclusions_are_counted(full_run):
     assert s["vlm_parse_recoveries"].get("code_fence") == 7
     recs = _records(full_run["out"])
     assert len(recs) == s["kept"] == s["records"]
+    assert any(k.startswith(f"folder/{NO_ACTION}.") for k in recs)  # no action, still kept
+    manifest = json.loads((full_run["out"] / "manifest.json").read_text())
+    assert sum(v["no_action"] for v in manifest["splits"].values()) == 1
+    actions = (full_run["out"] / "actions.txt").read_text().splitlines()
+    assert "" not in actions and PHOTOS[NO_ACTION][0] not in actions
     assert "kept" in full_run["stdout"] and "excluded" in full_run["stdout"]
     for image_id, rec in recs.items():
         sample = schema.decode(rec)
         name = image_id.split("/", 1)[1].rsplit(".", 1)[0]
         action, objects, relations = PHOTOS[name]
-        assert sample.action == action and sample.mask_kind == "sam"
+        assert sample.action == ("" if name == NO_ACTION else action)
+        assert sample.mask_kind == "sam"
         assert {o.name for o in sample.objects} <= set(objects)
         allowed = {(a, b, c) for a, b, c in relations}
         for rel in sample.relations:

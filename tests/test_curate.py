@@ -1,11 +1,12 @@
 """`python -m data_prep curate` on the demo dataset: two passes (clusters written, then applied),
 records rewritten with canonical labels, decisions logged, Table A3 statistics."""
 
+import dataclasses
 import json
 
 import pytest
 
-from data_prep import curate_rules
+from data_prep import curate_rules, shards
 from data_prep.__main__ import main
 from data_prep.curate import NeedsLabels, curate, read_samples
 from sclaro_jax.data import schema
@@ -18,9 +19,15 @@ def fake_tagger(tokens):
 
 
 def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
+    # The demo with one image whose VLM reply named no action: curation keeps it as it is.
+    demo, _ = read_samples(str(demo_dir), progress=False)
+    blank = demo[1].id
+    src = tmp_path / "raw"
+    shards.write_dataset([dataclasses.replace(s, action="") if s.id == blank else s
+                          for s in demo], str(src), ids=[s.id for s in demo], progress=False)
     out, clusters = tmp_path / "curated", tmp_path / "clusters.json"
     with pytest.raises(NeedsLabels, match="label"):
-        curate(str(demo_dir), str(out), clusters=str(clusters), tagger=fake_tagger,
+        curate(str(src), str(out), clusters=str(clusters), tagger=fake_tagger,
                progress=False)
     assert not (out / schema.MANIFEST).exists()
     doc = json.loads(clusters.read_text())
@@ -28,11 +35,12 @@ def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
     doc["clusters"][0]["label"] = "my label"
     renamed = set(doc["clusters"][0]["members"])
     clusters.write_text(json.dumps(doc))
-    before, _ = read_samples(str(demo_dir), progress=False)
+    before, _ = read_samples(str(src), progress=False)
     action = before[0].action
+    assert action
     amap = tmp_path / "actions.tsv"
     amap.write_text(f"# curated\n{action}\tdoing things\n")
-    result = curate(str(demo_dir), str(out), clusters=str(clusters), action_map=str(amap),
+    result = curate(str(src), str(out), clusters=str(clusters), action_map=str(amap),
                     tagger=fake_tagger, progress=False)
     after, manifest = read_samples(str(out), progress=False)
     assert result["records"] == len(after) == len(before)
@@ -55,11 +63,15 @@ def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
                                                      new.objects[r_new.object].name)
             assert r_new.region == r_old.region
         assert new.action == ("doing things" if old.action == action else old.action)
+        assert (new.action == "") == (old.id == blank)
     vocab = schema.read_vocab(out / "objects.txt")
     assert "my label" in vocab and not renamed & set(vocab) - {"my label"}
     stats = json.loads((out / "statistics.json").read_text())
     assert sum(row["images"] for row in stats.values()) == len(before)
     assert manifest["records"] == len(before)
+    assert sum(v["no_action"] for v in manifest["splits"].values()) == 1
+    assert "" not in schema.read_vocab(out / "actions.txt")
+    assert log["vocabulary"]["actions"] == len({s.action for s in before} - {""})
 
 
 def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_path, capsys,

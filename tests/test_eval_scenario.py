@@ -174,6 +174,27 @@ def test_zero_shot_equals_plain(model, test_emb, demo_dir):
         assert "lenient" not in out["action"]
 
 
+def test_images_without_action_leave_only_the_action_task(model, test_emb, demo_dir):
+    """An image whose action is "" (kept by curation, appendix) is no action query and no
+    action probe example; its objects and relations still count."""
+    import dataclasses
+    vocab = open_dataset(demo_dir).vocab
+    actions = test_emb.actions.copy()
+    actions[0] = ""
+    blank = dataclasses.replace(test_emb, actions=actions)
+    got = scenario.zero_shot(model, blank, vocab, text_batch_size=TEXT_BATCH)
+    full = scenario.zero_shot(model, test_emb, vocab, text_batch_size=TEXT_BATCH)
+    text = scenario.encode_texts(model, "global", vocab.actions, batch_size=TEXT_BATCH)
+    hits = [vocab.actions.index(a) in plain_order([float(q @ t) for t in text])[:1]
+            for q, a in zip(test_emb.global_emb[1:], test_emb.actions[1:])]
+    assert got["action"]["strict"]["all"]["n"] == len(actions) - 1
+    assert got["action"]["strict"]["all"]["top1"] == pytest.approx(100 * np.mean(hits))
+    assert got["object"] == full["object"] and got["relation"] == full["relation"]
+    probe = scenario.probe_tasks(blank, blank, epochs=1)
+    assert probe["action"]["n_train"] == probe["action"]["n"] == len(actions) - 1
+    assert probe["object"]["n"] == len(test_emb.object_names)
+
+
 def _plain_predicate_mr(model, e, subj, obj, min_instances, extra=None):
     counts = {}
     for p in e.relation_predicates:

@@ -164,7 +164,7 @@ def test_packed_layout_holds_the_same_crops_as_caps(demo_dir):
 
 
 def _write_with_bad_records(folder):
-    good = [make_sample(f"good{i}") for i in range(3)]
+    good = [make_sample(f"good{i}", **({"action": ""} if i == 2 else {})) for i in range(3)]
     with shards.ShardWriter(folder) as w:
         for s in good:
             w.add(s)
@@ -203,6 +203,11 @@ def test_bad_records_are_skipped_and_counted(tmp_path, caplog):
     assert {k: v.shape for k, v in b.items()} == batch_shapes(n_good + n_bad, cfg)
     assert b["valid"].tolist() == [True] * n_good + [False] * n_bad
     assert b["bad_record"].tolist() == [0] * n_good + [1] * n_bad
+    # good2 has no action: a valid example that the global level and text KD skip
+    assert b["has_action"].tolist() == [True, True, False] + [False] * n_bad
+    assert b["action_label"][2] == -1 and b["action_label"][0] >= 0
+    assert not b["action_tokens"][2].any() and b["action_tokens"][0].any()
+    assert b["object_mask"][2].any()
     assert not b["object_mask"][n_good:].any() and not b["relation_mask"][n_good:].any()
     text = caplog.text
     for name in ("'corrupt-image': image does not decode", "'box-outside': object 0",

@@ -122,6 +122,10 @@ def test_encode_decode_round_trip():
     (dict(relations=(schema.Relation(0, "on", 1, "cat on mat", _png(32, 32)),)),
      r"relation 0 \('cat on mat'\) region decodes to 32x32, record says 64x48"),
     (dict(split="holdout"), "split 'holdout'"),
+    (dict(action=" eating"), r"action ' eating' has surrounding whitespace \(write '' for no"),
+    (dict(action="  "), "action '  ' has surrounding whitespace"),
+    (dict(action=None), "action must be a string, got NoneType"),
+    (dict(source=""), "empty source"),
 ])
 def test_writer_refuses_bad_samples_naming_them(tmp_path, change, message):
     out = tmp_path / "out"

@@ -27,7 +27,7 @@ def _batch(seed=0, batch_size=B):
             out[k] = rng.uniform(size=shape) < 0.7
         elif k.endswith("labels"):
             out[k] = rng.integers(0, 5, shape).astype(np.int32)
-        elif k == "valid":
+        elif k in ("valid", "has_action"):
             out[k] = np.ones(shape, bool)
         else:
             out[k] = np.zeros(shape, np.int32)
@@ -134,3 +134,50 @@ def test_bf16_compute_keeps_fp32_params_and_losses():
     step32 = jax.jit(core.make_train_step(g32, tx32, CFG, core.param_labels(s32.params, CFG)))
     _, m32 = step32(s32, _batch(0))
     assert abs(float(metrics["loss"]) - float(m32["loss"])) < 0.05 * float(m32["loss"])
+
+
+def test_images_without_action_sit_out_global_and_text_kd():
+    """Appendix: images with no action are kept; their objects and relations still train. The
+    global contrastive loss and the text KD terms (student: the action text) skip them."""
+    from sclaro_jax import losses
+    from sclaro_jax.data.pipeline import normalize
+    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)
+    teacher = model  # the EMA teacher during warm-up: the terms still differ (other inputs)
+    cfg = core.TrainConfig(total_steps=20)
+    batch = _batch(3)
+    batch["object_mask"][:] = batch["relation_mask"][:] = True
+    batch["has_action"][0] = False
+    loss = jax.jit(lambda b: core.compute_losses(model, teacher, b, cfg)[1])
+    m = {k: float(v) for k, v in loss(batch).items()}
+
+    # Nothing about image 0's action reaches the loss.
+    other = dict(batch, action_tokens=batch["action_tokens"].copy())
+    other["action_tokens"][0, 1:3] = [777, 888]
+    assert {k: float(v) for k, v in loss(other).items()} == m
+    # ...while it does when image 0 has an action.
+    with_action = dict(other, has_action=np.ones(B, bool))
+    assert float(loss(with_action)["loss_global"]) != pytest.approx(m["loss_global"], abs=1e-6)
+
+    @jax.jit
+    def reference(b):
+        # Global loss: the contrastive loss over images 1.. alone.
+        g = model.pair("global")
+        txt = g.encode_text(b["action_tokens"][1:])
+        l_global = losses.clip_contrastive(g.encode_image(normalize(b["image"][1:])), txt,
+                                           model.logit_scale("global"))
+        # KD: vision terms over all four images, text terms over images 1.. only.
+        log_scale = model.kd_log_scale[...]
+        t_img = teacher.pair("global").encode_image(normalize(b["image"]))
+        kd = 0.0
+        for level in ("object", "relation"):
+            emb = model.pair(level).encode_image(normalize(b[level + "s"]))
+            kd += losses.kd_one_teacher_many_students(t_img, emb, np.ones((B, N), bool),
+                                                      log_scale)
+            t_txt = teacher.pair(level).encode_text(b[level + "_tokens"][1:])
+            kd += losses.kd_many_teachers_one_student(t_txt, np.ones((B - 1, N), bool), txt,
+                                                      log_scale)
+        return l_global, kd
+
+    l_global, kd = reference(batch)
+    assert m["loss_global"] == pytest.approx(float(l_global), rel=1e-5)
+    assert m["loss_kd"] == pytest.approx(float(kd), rel=1e-5)

@@ -24,6 +24,11 @@ Pixels come out as uint8 (normalise on the accelerator with `normalize`, a quart
 host-to-device bytes) or, with `pixels="float32"`, CLIP-normalised on the host (padding slots
 are then 0.0).
 
+An image whose action is "" (the VLM gave none; the appendix keeps such images) has
+`has_action=False`, `action_label=-1` and all-zero action tokens: it still feeds the object and
+relation levels and the vision distillation terms, but not the global contrastive loss or the
+text distillation terms, whose student is the action text.
+
 Bad records never stop a run: a record that does not decode, is of another schema version, or
 has a box outside its image or a relation index out of range becomes an example with
 `valid=False` and `bad_record=1` (masked out of every loss and summed into the metrics), and the
@@ -167,10 +172,13 @@ class SampleTransform(grain.RandomMapTransform):
             "image": augment.global_view(img, params, size),
             "objects": obj_pixels,
             "relations": rel_pixels,
-            "action_tokens": self.text([sample.action])[0],
+            "action_tokens": self.text([sample.action])[0] if sample.action else
+            np.zeros((c.text_length,), np.int32),
             "object_tokens": self.text([o.name for o in objects]),
             "relation_tokens": self.text([r.text for r in relations]),
-            "action_label": np.int32(self.vocab.index("actions", sample.action)),
+            "action_label": np.int32(self.vocab.index("actions", sample.action)
+                                     if sample.action else -1),
+            "has_action": np.bool_(bool(sample.action)),
             "object_labels": np.array([self.vocab.index("objects", o.name) for o in objects],
                                       np.int32),
             "relation_labels": np.array([self.vocab.index("relations", r.text)
@@ -194,6 +202,7 @@ def empty_example(config: PipelineConfig) -> dict:
         "object_tokens": np.zeros((0, length), np.int32),
         "relation_tokens": np.zeros((0, length), np.int32),
         "action_label": np.int32(-1),
+        "has_action": np.bool_(False),
         "object_labels": np.zeros((0,), np.int32),
         "relation_labels": np.zeros((0,), np.int32),
         "source": np.int32(-1),
@@ -205,8 +214,8 @@ def empty_example(config: PipelineConfig) -> dict:
     }
 
 
-_PER_IMAGE = ("action_tokens", "action_label", "source", "sample_key", "valid", "bad_record",
-              "dropped_objects", "dropped_relations")
+_PER_IMAGE = ("action_tokens", "action_label", "has_action", "source", "sample_key", "valid",
+              "bad_record", "dropped_objects", "dropped_relations")
 
 
 def _put(dst: np.ndarray, src: np.ndarray) -> None:

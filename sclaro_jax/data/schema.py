@@ -4,6 +4,8 @@ A record is the bytes ``MAGIC + version (uint16, little-endian) + msgpack(payloa
 holds one annotated image:
 
     id, source, split, image (encoded bytes, JPEG or PNG), width, height, action, caption,
+    (action "" = the VLM gave none: such images are kept, appendix "label curation", and take
+    no part in the global contrastive loss or the text distillation terms),
     mask_kind ("sam" or "box": what made the relation regions' masks),
     objects:   [{name, box: (x0, y0, x1, y1) pixels, x1/y1 exclusive}, ...]
     relations: [{subject, predicate, object, text, region}, ...]
@@ -176,10 +178,12 @@ def validate(sample: Sample, *, decode_images: bool = True) -> None:
         fail(f"split {sample.split!r} is not one of {SPLITS}")
     if sample.mask_kind not in MASK_KINDS:
         fail(f"mask_kind {sample.mask_kind!r} is not one of {MASK_KINDS}")
-    for field in ("source", "action"):
-        value = getattr(sample, field)
-        if not isinstance(value, str) or not value.strip():
-            fail(f"empty {field}")
+    if not isinstance(sample.source, str) or not sample.source.strip():
+        fail("empty source")
+    if not isinstance(sample.action, str):
+        fail(f"action must be a string, got {type(sample.action).__name__}")
+    if sample.action != sample.action.strip():
+        fail(f"action {sample.action!r} has surrounding whitespace (write '' for no action)")
     if not isinstance(sample.caption, str):
         fail("caption must be a string")
     w, h = int(sample.width), int(sample.height)

@@ -449,8 +449,8 @@ def zero_shot(model, emb: SplitEmbeddings, vocab: Vocab, *, root: str = "",
     each form {"all": {"n", "top1", ...}, "by_source": {source: {...}}}."""
     ks = tuple(ks)
     out = {}
-    tasks = (("action", "global", "actions", emb.global_emb, emb.actions,
-              np.arange(emb.num_images)),
+    acted = np.flatnonzero(emb.actions != "")  # images without an action have no class
+    tasks = (("action", "global", "actions", emb.global_emb[acted], emb.actions[acted], acted),
              ("object", "object", "objects", emb.object_emb, emb.object_names, emb.object_image),
              ("relation", "relation", "relations", emb.relation_emb, emb.relation_texts,
               emb.relation_image))
@@ -548,8 +548,14 @@ def probe_tasks(train: SplitEmbeddings, test: SplitEmbeddings, *, features: str 
     for task, level, labels in (("action", "global", "actions"),
                                 ("object", "object", "object_names"),
                                 ("relation", "relation", "relation_texts")):
-        out[task] = linear_probe(x(train, level), getattr(train, labels),
-                                 x(test, level), getattr(test, labels), **kwargs)
+        xs, ys = [], []
+        for e in (train, test):
+            x_e, y_e = x(e, level), getattr(e, labels)
+            if task == "action":  # images without an action have no class
+                x_e, y_e = x_e[y_e != ""], y_e[y_e != ""]
+            xs.append(x_e)
+            ys.append(y_e)
+        out[task] = linear_probe(xs[0], ys[0], xs[1], ys[1], **kwargs)
     return out
 
 

@@ -150,9 +150,16 @@ def ema_update(teacher: PyTree, params: PyTree, step: jax.Array, cfg: TrainConfi
         teacher, params)
 
 
+def _has_action(batch: dict) -> jax.Array:
+    """[B] bool: valid images with an action text (batches made without `has_action`, e.g.
+    synthetic ones, count every valid image)."""
+    has = batch.get("has_action")
+    return batch["valid"] if has is None else batch["valid"] & has
+
+
 def _level_inputs(batch: dict, level: str):
     if level == "global":
-        return normalize(batch["image"]), batch["action_tokens"], batch["valid"]
+        return normalize(batch["image"]), batch["action_tokens"], _has_action(batch)
     key = level + "s"
     mask = batch[level + "_mask"] & batch["valid"][:, None]
     return normalize(batch[key]), batch[level + "_tokens"], mask
@@ -188,10 +195,13 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig) -> tuple[jax.A
                 img, _, mask = emb[level]
                 l_kd += losses.kd_one_teacher_many_students(t_img, img, mask, log_scale)
         if cfg.kd_direction in ("both", "text"):
+            # The student is the action text: images without an action sit these terms out.
+            with_action = _has_action(batch)[:, None]
             for level in ("object", "relation"):
                 _, tokens, mask = inputs[level]
                 t_txt = teacher.pair(level).encode_text(tokens)
-                l_kd += losses.kd_many_teachers_one_student(t_txt, mask, g_txt, log_scale)
+                l_kd += losses.kd_many_teachers_one_student(t_txt, mask & with_action, g_txt,
+                                                            log_scale)
         metrics["kd_temperature"] = losses.student_temperature(log_scale)
     total = cfg.lambda_ca * l_ca + cfg.lambda_kd * l_kd
     metrics.update(loss=total, loss_ca=l_ca, loss_kd=l_kd)
