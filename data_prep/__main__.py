@@ -52,6 +52,8 @@ def _curate(args) -> int:
                         encoder=args.encoder or None,
                         min_cluster_size=args.min_cluster_size or None,
                         min_samples=args.min_samples or None, use_tagger=not args.no_pos_tagger,
+                        action_lemmatizer=args.action_lemmatizer,
+                        action_similarity=args.action_similarity,
                         overwrite=args.overwrite, progress=not args.no_progress)
     except NeedsLabels as e:
         print(e)
@@ -153,6 +155,14 @@ def main(argv=None) -> int:
     cur.add_argument("--no-pos-tagger", action="store_true",
                      help="skip adjective stripping instead of needing NLTK's tagger data "
                           "(recorded in curation_log.json)")
+    cur.add_argument("--action-lemmatizer", choices=("wordnet", "porter", "none"),
+                     default="wordnet",
+                     help="how action candidates lemmatise words: NLTK's WordNet lemmatiser "
+                          "(needs `python -m nltk.downloader wordnet`), the Porter stemmer (no "
+                          "data) or none (default: wordnet)")
+    cur.add_argument("--action-similarity", type=float, default=0.7,
+                     help="cosine similarity of two actions' embeddings at which the first "
+                          "pass suggests merging them; 0 turns it off (default 0.7)")
     cur.add_argument("--overwrite", action="store_true")
     cur.add_argument("--no-progress", action="store_true")
     cur.set_defaults(func=_curate)

@@ -20,6 +20,7 @@ the form of appendix Table A3 to `OUT/statistics.json`.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -29,6 +30,12 @@ from tqdm import tqdm
 
 from data_prep import curate_rules as rules
 from sclaro_jax.data import schema
+
+# Cosine similarity at which two actions are suggested for merging. With all-MiniLM-L6-v2,
+# "taking photos" / "taking a photo" 0.92, "eating" / "having a meal" 0.78, "running" /
+# "jogging" 0.80, "talking" / "chatting" 0.82, while "reading" / "writing" is 0.64 and
+# "sleeping" / "resting" 0.61. Suggestions are only suggestions: the curator decides.
+ACTION_SIMILARITY = 0.7
 
 
 class NeedsLabels(Exception):
@@ -122,21 +129,27 @@ class Curator:
 def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str = "",
            encoder: str | None = None, min_cluster_size: int | None = None,
            min_samples: int | None = None,
-           tagger=None, use_tagger: bool = True, overwrite: bool = False,
+           tagger=None, use_tagger: bool = True, action_lemmatizer: str = "wordnet",
+           action_similarity: float = ACTION_SIMILARITY, overwrite: bool = False,
            progress: bool = True) -> dict:
     """Curate `data_dir` into `out_dir`. Raises NeedsLabels after writing the clusters file
     on the first pass. `tagger` (tokens -> [(token, tag)]) replaces NLTK's POS tagger;
-    `use_tagger=False` skips adjective stripping (recorded in the log)."""
+    `use_tagger=False` skips adjective stripping (recorded in the log).
+
+    The first pass also writes the action candidates (`*.action_candidates.tsv`): actions
+    whose lemmatised content words agree (`action_lemmatizer`: "wordnet", "porter" or "none",
+    see `curate_rules.require_lemmatizer`), then actions whose embeddings (the object
+    encoder's) have cosine similarity >= `action_similarity` (0 turns this off)."""
     from data_prep import curate_cluster
     from data_prep.shards import write_dataset
     from sclaro_jax.data.dataset import open_dataset
     manifest = open_dataset(data_dir).manifest
     # pass A over the records: the labels only (images are never all held in memory)
-    ids, raw_names, actions = [], set(), set()
+    ids, raw_names, actions = [], set(), collections.Counter()
     for s in iter_samples(data_dir, progress):
         ids.append(s.id)
         raw_names.update(o.name for o in s.objects)
-        actions.add(s.action)
+        actions[s.action] += 1
     if not ids:
         raise ValueError(f"{data_dir}: the dataset has no records")
     clusters = clusters or out_dir.rstrip("/") + ".clusters.json"
@@ -149,14 +162,19 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     std_names = sorted(set(standard.values()))
     os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
     if not os.path.exists(clusters):
+        lemmatize = rules.require_lemmatizer(action_lemmatizer)  # before any slow work
+        text_encoder = curate_cluster.TextEncoder(encoder or curate_cluster.default_model_path())
+        rows = action_candidate_rows(actions, lemmatize, text_encoder, action_similarity,
+                                     progress=progress)
         cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
         with open(cand_path, "w", encoding="utf-8") as f:
-            f.write("# surface form\tsuggested class\treason (review; copy the lines you accept "
-                    "into your action map)\n")
-            for row in rules.action_candidates(sorted(actions)):
+            f.write(f"# surface form\tsuggested class\treason (review; copy the lines you accept "
+                    f"into your action map). lemmatiser {action_lemmatizer}, similarity "
+                    f"threshold {action_similarity}\n")
+            for row in rows:
                 f.write("\t".join(row) + "\n")
         info = curate_cluster.cluster_object_names(
-            std_names, clusters, model_path=encoder,
+            std_names, clusters, encoder=text_encoder,
             min_cluster_size=min_cluster_size or curate_cluster.MIN_CLUSTER_SIZE,
             min_samples=min_samples or curate_cluster.MIN_SAMPLES, progress=progress)
         raise NeedsLabels(clusters, len(info.get("clusters", [])), len(std_names))
@@ -184,6 +202,26 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
     return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
+
+
+def action_candidate_rows(actions: collections.Counter, lemmatize, encoder,
+                          similarity: float = ACTION_SIMILARITY, *,
+                          progress: bool = False) -> list[tuple[str, str, str]]:
+    """Rows of the action candidates file: `curate_rules.action_candidates` (lemmatised
+    content words) first, then `similar_action_candidates` for the actions those left alone
+    (skipped when `similarity` is 0). `actions` counts raw phrases per image."""
+    counts = collections.Counter()
+    for action, n in actions.items():
+        counts[rules.normalise_text(action)] += n
+    counts.pop("", None)
+    expanded = [a for a, n in counts.items() for _ in range(n)]
+    rows = rules.action_candidates(expanded, lemmatize=lemmatize)
+    if similarity and counts:
+        names = sorted(counts)
+        emb = encoder.encode(names, progress=progress)
+        rows += rules.similar_action_candidates(names, counts, emb, similarity,
+                                                skip={r[0] for r in rows})
+    return rows
 
 
 def _no_adjectives(tokens):

@@ -279,12 +279,15 @@ def read_curated(path) -> dict[str, str]:
 
 def cluster_object_names(names: list[str], out_json: str, *, model_path: str | None = None,
                          min_cluster_size: int = MIN_CLUSTER_SIZE,
-                         min_samples: int | None = MIN_SAMPLES, progress: bool = True) -> dict:
+                         min_samples: int | None = MIN_SAMPLES, progress: bool = True,
+                         encoder: TextEncoder | None = None) -> dict:
     """Embed, cluster and write `out_json` for curation (`python -m data_prep curate`).
-    model_path None -> `default_model_path()`. Returns the written document."""
+    `encoder` (a loaded `TextEncoder`) or model_path (None -> `default_model_path()`). Returns
+    the written document."""
     names = list(names)
     _check_unique(names, "cluster_object_names")
-    encoder = TextEncoder(model_path if model_path is not None else default_model_path())
+    if encoder is None:
+        encoder = TextEncoder(model_path if model_path is not None else default_model_path())
     emb = encoder.encode(names, progress=progress)
     labels = cluster_embeddings(emb, min_cluster_size=min_cluster_size, min_samples=min_samples)
     return write_clusters(out_json, names, labels, emb)

@@ -2,7 +2,9 @@
 
 Actions: Multi-Moments ground-truth labels are kept as given; VLM phrases are normalised and
 mapped through a user-curated table ("taking photos" -> "taking a photograph"); an empty action
-means "no action" and is kept.
+means "no action" and is kept. Candidates for that table, for the curator to review, come from
+lemmatised content words (`action_candidates`, `require_lemmatizer`) and from embedding
+similarity (`similar_action_candidates`).
 
 Objects, three steps; this module does the first two, the embedding + HDBSCAN clustering of step
 three lives elsewhere and consumes `object_canonical_map`'s values:
@@ -457,6 +459,49 @@ def canonical_action(raw: str, action_map: Mapping[str, str], *,
     return action_map.get(text, text)
 
 
+WORDNET_RESOURCE = "corpora/wordnet"
+WORDNET_INSTALL = "python -m nltk.downloader wordnet"
+LEMMATIZERS = ("wordnet", "porter", "none")
+
+
+def require_lemmatizer(kind: str = "wordnet") -> Callable[[str], str] | None:
+    """The per-word lemmatiser the action candidates use.
+
+    "wordnet": NLTK's WordNet lemmatiser, a word read as a verb first ("taking" -> "take"),
+    then as a noun ("photos" -> "photo"); it needs NLTK's WordNet data, and without it this
+    raises `MissingNLTKData` with the install command (never a silent fallback).
+    "porter": NLTK's Porter stemmer (rules only, no data: "taking" -> "take", "photos" ->
+    "photo"; stems, so "photographing" -> "photograph"). "none": no lemmatising (None)."""
+    if kind not in LEMMATIZERS:
+        raise ValueError(f"action lemmatiser {kind!r} is not one of {LEMMATIZERS}")
+    if kind == "none":
+        return None
+    try:
+        import nltk
+    except ImportError as e:
+        raise MissingNLTKData(f"the {kind} action lemmatiser needs nltk: pip install nltk"
+                              ) from e
+    if kind == "porter":
+        from nltk.stem import PorterStemmer
+        return PorterStemmer().stem
+    try:
+        nltk.data.find(WORDNET_RESOURCE)
+    except LookupError:
+        raise MissingNLTKData(
+            f"action candidates lemmatise words with NLTK's WordNet lemmatiser (nltk "
+            f"{nltk.__version__}), which needs the resource {WORDNET_RESOURCE!r}; it is not in "
+            f"any NLTK data folder ({', '.join(map(str, nltk.data.path))}). Install it with:\n"
+            f"    {WORDNET_INSTALL}\nor point NLTK_DATA at a folder that holds it, or pass "
+            "--action-lemmatizer porter (rules, no data) or none") from None
+    from nltk.stem import WordNetLemmatizer
+    wordnet = WordNetLemmatizer()
+
+    def lemmatize(word: str) -> str:
+        verb = wordnet.lemmatize(word, "v")
+        return verb if verb != word else wordnet.lemmatize(word, "n")
+    return lemmatize
+
+
 def action_candidates(actions: Iterable[str],
                       lemmatize: Callable[[str], str] | None = None
                       ) -> list[tuple[str, str, str]]:
@@ -519,3 +564,52 @@ def source_statistics(samples: Iterable[Mapping]) -> dict[str, dict[str, float]]
                      "occurrences_per_triplet": (e["images"] / len(e["triplets"])
                                                  if e["triplets"] else 0.0)}
             for source, e in sorted(seen.items())}
+
+
+def similar_action_candidates(actions: Sequence[str], counts: Mapping[str, int],
+                              emb, threshold: float = 0.7, *, skip: Iterable[str] = (),
+                              block: int = 1024) -> list[tuple[str, str, str]]:
+    """Merge suggestions from embedding similarity: (surface form, suggested class, reason).
+
+    `actions` are distinct normalised phrases with L2-normalised embeddings `emb` [A, D] (e.g.
+    `curate_cluster.TextEncoder`), `counts` their occurrences. Actions are ranked by
+    occurrences (ties: alphabetical). Each action points at the best-ranked action whose
+    cosine similarity to it is >= `threshold` (itself included); following the pointers to the
+    end gives the suggested class. Actions in `skip` (e.g. already suggested by
+    `action_candidates`) get no row. Sorted like `action_candidates`."""
+    import numpy as np
+    actions = list(actions)
+    emb = np.asarray(emb, np.float32)
+    if emb.shape[0] != len(actions):
+        raise ValueError(f"{len(actions)} actions but {emb.shape[0]} embeddings")
+    if not 0 < threshold <= 1:
+        raise ValueError(f"similarity threshold must be in (0, 1], got {threshold}")
+    if not actions:
+        return []
+    order = sorted(range(len(actions)), key=lambda i: (-counts.get(actions[i], 0), actions[i]))
+    rank = np.empty(len(actions), np.int64)
+    rank[order] = np.arange(len(actions))
+    parent = np.arange(len(actions))
+    best_sim = np.ones(len(actions), np.float32)
+    for start in range(0, len(actions), block):
+        sim = emb[start:start + block] @ emb.T
+        sim[np.arange(len(sim)), np.arange(start, start + len(sim))] = 1.0  # itself
+        keyed = np.where(sim >= threshold, rank[None, :], len(actions))
+        j = np.argmin(keyed, axis=1)
+        parent[start:start + len(sim)] = j
+        best_sim[start:start + len(sim)] = sim[np.arange(len(sim)), j]
+    skip = set(skip)
+    out = []
+    for i, action in enumerate(actions):
+        if parent[i] == i or action in skip:
+            continue
+        root = parent[i]
+        while parent[root] != root:  # ranks strictly fall along the chain: it ends
+            root = parent[root]
+        via = actions[parent[i]]
+        reason = (f"embedding cosine {best_sim[i]:.2f} to {via!r} ({counts.get(action, 0)} vs "
+                  f"{counts.get(via, 0)} occurrences)")
+        if root != parent[i]:
+            reason += f", which goes on to {actions[root]!r}"
+        out.append((action, actions[root], reason))
+    return sorted(out)

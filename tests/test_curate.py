@@ -28,7 +28,9 @@ def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
     out, clusters = tmp_path / "curated", tmp_path / "clusters.json"
     with pytest.raises(NeedsLabels, match="label"):
         curate(str(src), str(out), clusters=str(clusters), tagger=fake_tagger,
-               progress=False)
+               action_lemmatizer="porter", progress=False)
+    candidates = (tmp_path / "clusters.action_candidates.tsv").read_text().splitlines()
+    assert candidates[0].startswith("# surface form") and "lemmatiser porter" in candidates[0]
     assert not (out / schema.MANIFEST).exists()
     doc = json.loads(clusters.read_text())
     assert doc["clusters"], "HDBSCAN found no cluster among the demo's object names"
@@ -81,6 +83,9 @@ def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_p
     base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress"]
     assert main(base) == 1
     assert curate_rules.TAGGER_INSTALL in capsys.readouterr().err
-    assert main(base + ["--no-pos-tagger"]) == 3
+    assert main(base + ["--no-pos-tagger"]) == 1   # WordNet for the action lemmatiser
+    assert curate_rules.WORDNET_INSTALL in capsys.readouterr().err
+    assert not (tmp_path / "o.clusters.json").exists()
+    assert main(base + ["--no-pos-tagger", "--action-lemmatizer", "porter"]) == 3
     assert "clusters" in capsys.readouterr().out
     assert (tmp_path / "o.clusters.json").exists()

@@ -317,3 +317,27 @@ def test_cluster_object_names(minilm, tmp_path):
                                  minilm[1])
     with pytest.raises(ValueError, match="'dog' appears twice"):
         cluster_object_names(["dog", "cat", "dog"], str(out), progress=False)
+
+
+def test_action_candidates_with_minilm(minilm):
+    """The first pass's action candidates: Porter-lemmatised content words, then MiniLM
+    similarity >= 0.7 (curate.ACTION_SIMILARITY) for the actions those left alone."""
+    import collections
+
+    from data_prep import curate_rules
+    from data_prep.curate import ACTION_SIMILARITY, action_candidate_rows
+    actions = collections.Counter({"taking a photograph": 5, "Taking photos": 2,
+                                   "taking a photo": 3, "taking a selfie": 1, "eating": 4,
+                                   "having a meal": 1, "reading": 2, "writing": 2, "": 7})
+    rows = action_candidate_rows(actions, curate_rules.require_lemmatizer("porter"), minilm[0],
+                                 ACTION_SIMILARITY)
+    got = [(a, b) for a, b, _ in rows]
+    assert got[0] == ("taking photos", "taking a photo")       # same lemmas "take photo"
+    assert "same content words 'take photo'" in rows[0][2]
+    assert sorted(got[1:]) == [("having a meal", "eating"),
+                               ("taking a photo", "taking a photograph"),
+                               ("taking a selfie", "taking a photograph")]
+    assert all(r[2].startswith("embedding cosine ") for r in rows[1:])
+    # off: lemma rows only
+    assert action_candidate_rows(actions, None, minilm[0], 0) == [
+        r for r in curate_rules.action_candidates(["taking photos"] * 2 + ["taking a photo"] * 3)]

@@ -1,5 +1,6 @@
 """data_prep.curate_rules: the appendix's label-curation rules on hand-made cases."""
 
+import numpy as np
 import pytest
 
 from data_prep import curate_rules as cr
@@ -331,3 +332,70 @@ def test_source_statistics_names_the_missing_field():
     with pytest.raises(ValueError, match="sample 1: missing field 'triplets'"):
         cr.source_statistics([{"source": "a", "action": "", "objects": [], "triplets": []},
                               {"source": "a", "action": "", "objects": []}])
+
+
+# --------------------------------------------------------------------------- action candidates
+
+
+def _unit(rows):
+    v = np.asarray(rows, np.float64)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_similar_action_candidates_follow_the_best_ranked_neighbour():
+    actions = ["a photo", "a photograph", "a selfie", "eating", "dining", "reading"]
+    counts = {"a photo": 3, "a photograph": 5, "a selfie": 1, "eating": 4, "dining": 4,
+              "reading": 2}
+    emb = _unit([[1, 0.2, 0, 0], [1, 0, 0, 0], [1, 0.6, 0, 0], [0, 0, 1, 0], [0, 0, 1, 0.3],
+                 [0, 1, 0, 0]])
+    sim = emb @ emb.T
+    # selfie ~ photo (0.94) but not ~ photograph (0.86 < 0.9): it reaches photograph via photo
+    assert sim[2, 0] >= 0.9 > sim[2, 1] and sim[0, 1] >= 0.9
+    rows = cr.similar_action_candidates(actions, counts, emb, 0.9, block=4)
+    assert [(a, b) for a, b, _ in rows] == [("a photo", "a photograph"),
+                                            ("a selfie", "a photograph"),
+                                            ("eating", "dining")]  # tie at 4: alphabetical
+    reason = dict((a, r) for a, _, r in rows)["a selfie"]
+    assert reason.startswith(f"embedding cosine {sim[2, 0]:.2f} to 'a photo' (1 vs 3")
+    assert "goes on to 'a photograph'" in reason
+    assert cr.similar_action_candidates(actions, counts, emb, 0.9, skip={"a selfie"}) == [
+        r for r in rows if r[0] != "a selfie"]
+    assert cr.similar_action_candidates(actions, counts, emb, 1.0) == []
+    assert cr.similar_action_candidates([], {}, np.zeros((0, 4))) == []
+    with pytest.raises(ValueError, match="6 actions but 5 embeddings"):
+        cr.similar_action_candidates(actions, counts, emb[:5])
+    with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+        cr.similar_action_candidates(actions, counts, emb, 0.0)
+
+
+def test_porter_lemmatiser_groups_action_forms():
+    stem = cr.require_lemmatizer("porter")
+    assert [stem(w) for w in ("taking", "photos", "selfies", "running")] == [
+        "take", "photo", "selfi", "run"]
+    actions = ["taking photos"] * 2 + ["taking a photo"] * 3 + ["take photo"]
+    assert [(a, b) for a, b, _ in cr.action_candidates(actions, lemmatize=stem)] == [
+        ("take photo", "taking a photo"), ("taking photos", "taking a photo")]
+    assert cr.require_lemmatizer("none") is None
+    with pytest.raises(ValueError, match="'spacy' is not one of"):
+        cr.require_lemmatizer("spacy")
+
+
+def test_wordnet_lemmatiser_needs_its_data_and_reads_verbs_first(monkeypatch, tmp_path):
+    import nltk
+    import nltk.stem
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "empty")])
+    with pytest.raises(cr.MissingNLTKData, match=r"(?s)python -m nltk\.downloader wordnet.*"
+                       r"--action-lemmatizer porter"):
+        cr.require_lemmatizer("wordnet")
+
+    class FakeWordNet:  # the two lookups the rule makes, as WordNet answers them
+        table = {("taking", "v"): "take", ("photos", "n"): "photo", ("photos", "v"): "photos",
+                 ("saw", "v"): "see"}
+
+        def lemmatize(self, word, pos):
+            return self.table.get((word, pos), word)
+    monkeypatch.setattr(nltk.data, "find", lambda resource: resource)
+    monkeypatch.setattr(nltk.stem, "WordNetLemmatizer", FakeWordNet)
+    lemma = cr.require_lemmatizer("wordnet")
+    assert [lemma(w) for w in ("taking", "photos", "saw", "cat")] == [
+        "take", "photo", "see", "cat"]
