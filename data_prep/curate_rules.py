@@ -514,6 +514,8 @@ def action_candidates(actions: Iterable[str],
     """
     counts = Counter(normalise_text(a) for a in actions)
     counts.pop("", None)
+    if lemmatize is not None:
+        lemmatize = functools.lru_cache(maxsize=None)(lemmatize)  # once per distinct word
     content: dict[str, list[str]] = {}
     for action in counts:
         words = [w for w in action.split() if w not in STOPWORDS] or action.split()
