@@ -57,6 +57,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.checkpoint_async = True  # write checkpoints in the background while training goes on
     c.progress_bar = True
+    # Persistent XLA compilation cache: "workdir" (WORKDIR/jax_cache, so a rerun that resumes
+    # skips compiling the step), a folder to share between runs, or "" (off). A cache folder
+    # already set for JAX (JAX_COMPILATION_CACHE_DIR, jax.config) is left as it is.
+    c.compilation_cache = "workdir"
     # Periodic evaluation (sclaro_jax.eval.scenario) of the student on `eval_split` every
     # `eval_every` steps (0: off), appended to WORKDIR/eval.jsonl; tasks: comma-separated from
     # zero_shot, linear_probe, predcls, sgcls.

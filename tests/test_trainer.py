@@ -73,9 +73,15 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
     assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
     done = [int(d) for d in os.listdir(tmp_path / "checkpoints") if d.isdigit()]
     assert done and max(done) < STEPS  # killed mid-way
+    cached = sorted(os.listdir(tmp_path / "jax_cache"))  # config.compilation_cache="workdir"
+    assert any(name.startswith("jit_step-") for name in cached), cached
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr
+    # the rerun took its step from the cache (nothing new written), and the parameters below
+    # equal those of the uninterrupted run, which compiled its own
+    assert [n for n in sorted(os.listdir(tmp_path / "jax_cache")) if n.startswith("jit_step-")
+            ] == [n for n in cached if n.startswith("jit_step-")]
     want = dict(_flat(_final_params(uninterrupted)))  # student, teacher, optimiser, step
     got = dict(_flat(_final_params(tmp_path)))
     assert want.keys() == got.keys() and len(want) > 500
@@ -109,3 +115,28 @@ def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
     assert type(model).__name__ == kind
     if kind == "PyramidCLIP":  # one pair serves every level
         assert model.pair("global") is model.pair("object") is model.pair("relation")
+
+
+def test_compilation_cache_choice(tmp_path):
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+    from ml_collections import ConfigDict
+
+    from sclaro_jax.train.trainer import use_compilation_cache
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert use_compilation_cache(ConfigDict({"compilation_cache": ""}), str(tmp_path)) is None
+        assert jax.config.jax_compilation_cache_dir is None
+        got = use_compilation_cache(ConfigDict({"compilation_cache": "workdir"}), str(tmp_path))
+        assert got == str(tmp_path / "jax_cache") == jax.config.jax_compilation_cache_dir
+        assert (tmp_path / "jax_cache").is_dir()
+        # a folder already set for JAX (here the one above) is left as it is
+        other = ConfigDict({"compilation_cache": str(tmp_path / "shared")})
+        assert use_compilation_cache(other, str(tmp_path)) == got
+        jax.config.update("jax_compilation_cache_dir", None)
+        assert use_compilation_cache(other, str(tmp_path)) == str(tmp_path / "shared")
+        assert use_compilation_cache(ConfigDict({}), str(tmp_path / "w")) == str(tmp_path / "shared")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()

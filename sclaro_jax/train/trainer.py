@@ -5,9 +5,10 @@
 - restores the newest checkpoint in `workdir/checkpoints` (student, EMA teacher, optimiser
   state, step and the Grain iterator state) if there is one, so rerunning the same command
   resumes exactly where the last checkpoint left off;
-- runs the jitted step (state donated, one compilation), writes `workdir/metrics.jsonl`
-  (step, loss, loss_ca, loss_kd, lr, kd_temperature, examples_per_sec, ...) and TensorBoard
-  scalars, shows a progress bar;
+- runs the jitted step (state donated, one compilation, kept in the persistent compilation
+  cache `config.compilation_cache`, by default `workdir/jax_cache`), writes
+  `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr, kd_temperature,
+  examples_per_sec, ...) and TensorBoard scalars, shows a progress bar;
 - saves every `config.checkpoint_every` steps and at the end; orbax writes each checkpoint to a
   temporary folder and renames it when complete, so a killed run keeps its last good one;
 - stops with `NonFiniteLossError` on a NaN/inf loss, before saving anything from that step.
@@ -72,8 +73,28 @@ def build_model(config, *, abstract: bool = False):
     return nnx.eval_shape(make) if abstract else make()
 
 
+def use_compilation_cache(config, workdir: str) -> str | None:
+    """Turn on JAX's persistent compilation cache as `config.compilation_cache` says
+    ("workdir" -> WORKDIR/jax_cache, a folder, or "" for off) unless a cache folder is already
+    set for JAX. Returns the folder in use (None: no cache). A cache hit gives the same
+    executable, so results do not change; only the compile time goes."""
+    current = jax.config.jax_compilation_cache_dir
+    choice = config.get("compilation_cache", "workdir")
+    if current or not choice:
+        return current or None
+    path = os.path.abspath(os.path.join(workdir, "jax_cache") if choice == "workdir"
+                           else os.path.expanduser(choice))
+    os.makedirs(path, exist_ok=True)
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.set_cache_dir(path)
+    compilation_cache.reset_cache()  # a process that compiled before picks the folder up
+    log.info("XLA compilation cache: %s", path)
+    return path
+
+
 def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     os.makedirs(workdir, exist_ok=True)
+    use_compilation_cache(config, workdir)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
         f.write(config.to_json_best_effort(indent=2))  # what `export` rebuilds the model from
     dataset = open_dataset(config.data.dir)
