@@ -119,7 +119,7 @@ def test_loss_is_finite_and_kd_present(run):
     assert m["loss"] == pytest.approx(m["loss_ca"] + m["loss_kd"], rel=1e-6)
 
 
-def test_bf16_compute_keeps_fp32_params_and_losses():
+def test_bf16_compute_keeps_fp32_params_and_losses(run):
     import jax.numpy as jnp
     model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, dtype=jnp.bfloat16)
     graphdef, state, tx = core.init_state(model, CFG)
@@ -128,12 +128,10 @@ def test_bf16_compute_keeps_fp32_params_and_losses():
     new, metrics = step(state, _batch(0))
     assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))
     assert {x.dtype for x in jax.tree.leaves(new.params)} == {jnp.dtype("float32")}
-    # bf16 matmuls land near the fp32 loss of the same weights
-    model32 = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16)
-    g32, s32, tx32 = core.init_state(model32, CFG)
-    step32 = jax.jit(core.make_train_step(g32, tx32, CFG, core.param_labels(s32.params, CFG)))
-    _, m32 = step32(s32, _batch(0))
-    assert abs(float(metrics["loss"]) - float(m32["loss"])) < 0.05 * float(m32["loss"])
+    # bf16 matmuls land near the fp32 loss of the same weights (seed 0) on the same batch:
+    # the fp32 run's first step
+    loss32 = run["history"][1][2]["loss"]
+    assert abs(float(metrics["loss"]) - loss32) < 0.05 * loss32
 
 
 def test_images_without_action_sit_out_global_and_text_kd():
