@@ -45,7 +45,7 @@ def _annotate(args) -> int:
 
 
 def _curate(args) -> int:
-    from data_prep.curate import NeedsLabels, curate, format_statistics
+    from data_prep.curate import ACTION_SIMILARITY, NeedsLabels, curate, format_statistics
     from data_prep.curate_rules import MissingNLTKData
     try:
         result = curate(args.data, args.out, clusters=args.clusters, action_map=args.action_map,
@@ -53,7 +53,8 @@ def _curate(args) -> int:
                         min_cluster_size=args.min_cluster_size or None,
                         min_samples=args.min_samples or None, use_tagger=not args.no_pos_tagger,
                         action_lemmatizer=args.action_lemmatizer,
-                        action_similarity=args.action_similarity,
+                        action_similarity=(ACTION_SIMILARITY if args.action_similarity is None
+                                           else args.action_similarity),
                         overwrite=args.overwrite, progress=not args.no_progress)
     except NeedsLabels as e:
         print(e)
@@ -160,9 +161,10 @@ def main(argv=None) -> int:
                      help="how action candidates lemmatise words: NLTK's WordNet lemmatiser "
                           "(needs `python -m nltk.downloader wordnet`), the Porter stemmer (no "
                           "data) or none (default: wordnet)")
-    cur.add_argument("--action-similarity", type=float, default=0.7,
+    cur.add_argument("--action-similarity", type=float, default=None,
                      help="cosine similarity of two actions' embeddings at which the first "
-                          "pass suggests merging them; 0 turns it off (default 0.7)")
+                          "pass suggests merging them; 0 turns it off (default: "
+                          "data_prep.curate.ACTION_SIMILARITY, 0.7)")
     cur.add_argument("--overwrite", action="store_true")
     cur.add_argument("--no-progress", action="store_true")
     cur.set_defaults(func=_curate)

@@ -214,8 +214,7 @@ def action_candidate_rows(actions: collections.Counter, lemmatize, encoder,
     for action, n in actions.items():
         counts[rules.normalise_text(action)] += n
     counts.pop("", None)
-    expanded = [a for a, n in counts.items() for _ in range(n)]
-    rows = rules.action_candidates(expanded, lemmatize=lemmatize)
+    rows = rules.action_candidates(counts, lemmatize=lemmatize)
     if similarity and counts:
         names = sorted(counts)
         emb = encoder.encode(names, progress=progress)

@@ -502,17 +502,23 @@ def require_lemmatizer(kind: str = "wordnet") -> Callable[[str], str] | None:
     return lemmatize
 
 
-def action_candidates(actions: Iterable[str],
+def action_candidates(actions: Iterable[str] | Mapping[str, int],
                       lemmatize: Callable[[str], str] | None = None
                       ) -> list[tuple[str, str, str]]:
     """Merge suggestions for the curator: (surface form, suggested class, reason), sorted.
+    `actions`: one phrase per occurrence, or a phrase -> occurrences mapping.
 
     Actions whose content words (stopwords removed, then `lemmatize` per word if given, then
     plurals folded over all action words) are the same, in order, form a group; each member
     is suggested to merge into the group's most frequent phrase (ties: alphabetical first).
     "taking photos" ~ "taking a photo" (content words "taking photo").
     """
-    counts = Counter(normalise_text(a) for a in actions)
+    counts: Counter = Counter()
+    if isinstance(actions, Mapping):  # phrase -> occurrences
+        for action, n in actions.items():
+            counts[normalise_text(action)] += n
+    else:
+        counts.update(normalise_text(a) for a in actions)
     counts.pop("", None)
     if lemmatize is not None:
         lemmatize = functools.lru_cache(maxsize=None)(lemmatize)  # once per distinct word

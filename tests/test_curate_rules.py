@@ -375,6 +375,8 @@ def test_porter_lemmatiser_groups_action_forms():
     actions = ["taking photos"] * 2 + ["taking a photo"] * 3 + ["take photo"]
     assert [(a, b) for a, b, _ in cr.action_candidates(actions, lemmatize=stem)] == [
         ("take photo", "taking a photo"), ("taking photos", "taking a photo")]
+    assert cr.action_candidates({"taking photos": 2, "Taking a photo": 3, "take photo": 1},
+                                lemmatize=stem) == cr.action_candidates(actions, lemmatize=stem)
     assert cr.require_lemmatizer("none") is None
     with pytest.raises(ValueError, match="'spacy' is not one of"):
         cr.require_lemmatizer("spacy")
