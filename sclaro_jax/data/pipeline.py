@@ -176,8 +176,7 @@ class SampleTransform(grain.RandomMapTransform):
             np.zeros((c.text_length,), np.int32),
             "object_tokens": self.text([o.name for o in objects]),
             "relation_tokens": self.text([r.text for r in relations]),
-            "action_label": np.int32(self.vocab.index("actions", sample.action)
-                                     if sample.action else -1),
+            "action_label": np.int32(self.vocab.index("actions", sample.action)),  # "": -1
             "has_action": np.bool_(bool(sample.action)),
             "object_labels": np.array([self.vocab.index("objects", o.name) for o in objects],
                                       np.int32),
