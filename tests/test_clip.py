@@ -239,3 +239,48 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_hf, rng):
     pixels, ids = _inputs(rng, 2, 32)
     _assert_close(_jax_features(clip.from_hf(tmp_path), jnp.asarray(pixels), jnp.asarray(ids)),
                   _torch_features(hf, pixels, ids))
+
+
+def test_text_prefix_then_rest_equals_pooled(rng):
+    """`pooled_from(*prefix(ids, k), ids, k)` is `pooled(ids)` for every split point; a prefix
+    of every block, or of none past the last, is refused."""
+    model = clip.create("tiny", seed=1)
+    text = model.text_model
+    _, ids = _inputs(rng, 3, 32, length=16)
+
+    @nnx.jit
+    def split_runs(text, ids):
+        return text.pooled(ids), [text.pooled_from(*text.prefix(ids, k), ids, k)
+                                  for k in range(len(text.encoder.layers))]
+
+    full, parts = split_runs(text, ids)
+    for part in parts:
+        np.testing.assert_allclose(part, full, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="prefix of 2 layers"):
+        text.prefix(ids, 2)
+    with pytest.raises(ValueError, match="start 2"):
+        text.pooled_from(*text.prefix(ids, 1), ids, 2)
+
+
+def test_cotangent_barriers_change_no_gradient(monkeypatch, rng):
+    """The CPU cotangent barriers (a conditional with identical branches on each residual
+    gradient) are in the compiled backward pass when on, and every gradient is unchanged."""
+    model = clip.create("tiny", seed=2)
+    graphdef, params = nnx.split(model, nnx.Param)
+    pixels, ids = _inputs(rng, 2, 32, length=16)
+
+    def loss(p):
+        m = nnx.merge(graphdef, p)
+        return jnp.sum(m.encode_image(pixels) ** 2) + jnp.sum(m.encode_text(ids) ** 2)
+
+    grads, hlo = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(clip, "COTANGENT_BARRIERS", on)
+        fn = jax.jit(jax.grad(loss))
+        grads[on] = fn(params)
+        hlo[on] = fn.lower(params).compile().as_text()
+    assert "conditional(" in hlo[True] and "conditional(" not in hlo[False]
+    for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    monkeypatch.setattr(clip, "COTANGENT_BARRIERS", None)
+    assert clip._barriers_on() == (jax.default_backend() == "cpu")

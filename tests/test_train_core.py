@@ -1,8 +1,11 @@
 """The training core on the tiny preset: groups, schedule, EMA rule, moving scales, one compile."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from sclaro_jax.data.pipeline import PipelineConfig, batch_shapes
 from sclaro_jax.models import scenarioclip
@@ -179,3 +182,43 @@ def test_images_without_action_sit_out_global_and_text_kd():
     l_global, kd = reference(batch)
     assert m["loss_global"] == pytest.approx(float(l_global), rel=1e-5)
     assert m["loss_kd"] == pytest.approx(float(kd), rel=1e-5)
+
+
+def test_teacher_continues_from_the_students_frozen_text_blocks(run):
+    """share_frozen_text: the teacher's object / relation text targets start from the student's
+    hidden state after the frozen blocks. With the same frozen weights every loss equals the
+    unshared computation; the train step builds its teacher from the student's frozen leaves,
+    so the teacher's stored ones cannot change its loss."""
+    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)  # run's
+    graphdef, state, _ = core.init_state(model, CFG)
+    labels = jax.tree.leaves(core.param_labels(state.params, CFG))
+    leaves, treedef = jax.tree.flatten(state.params)
+    rng = np.random.default_rng(0)
+    noise = [0.05 * rng.standard_normal(x.shape, np.float32) for x in leaves]
+    # A teacher that differs from the student in every trainable leaf, not in the frozen ones.
+    moved = [x if lab == "frozen" else x + d for x, d, lab in zip(leaves, noise, labels)]
+    teacher = nnx.merge(graphdef, jax.tree.unflatten(treedef, moved))
+    assert core.shared_text_layers(model, teacher, CFG) == 1
+    assert core.shared_text_layers(model, None, CFG) == 0
+    assert core.shared_text_layers(
+        model, teacher, dataclasses.replace(CFG, kd_direction="vision")) == 0
+    assert core.shared_text_layers(
+        model, teacher, dataclasses.replace(CFG, frozen_text_layers=12)) == 1  # never the last
+    batch = _batch(1)
+
+    @jax.jit
+    def both(b):
+        return [core.compute_losses(model, teacher, b, CFG, share_frozen_text=share)[1]
+                for share in (False, True)]
+
+    plain, shared = both(batch)
+    assert float(plain["loss_kd"]) > 0
+    for k in plain:
+        np.testing.assert_allclose(shared[k], plain[k], rtol=1e-6, err_msg=k)
+
+    # The step (compiled once by `run`) with this teacher, its frozen leaves scrambled too.
+    scrambled = [x + d for x, d in zip(leaves, noise)]
+    state = state.replace(teacher=jax.tree.unflatten(treedef, scrambled))
+    _, metrics = run["step"](state, batch)
+    np.testing.assert_allclose(metrics["loss"], plain["loss"], rtol=1e-6)
+    assert run["step"]._cache_size() == 1

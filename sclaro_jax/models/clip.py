@@ -124,6 +124,53 @@ def quick_gelu(x: Array) -> Array:
     return x * jax.nn.sigmoid(1.702 * x)
 
 
+# Cotangent barriers (XLA:CPU only). In the backward pass the residual-stream gradient of each
+# block is an element-wise sum of the blocks above it; XLA:CPU's fusion duplicates that chain into
+# each consumer (the transposing copies feeding the weight-gradient matmuls) instead of storing
+# it, so a 12-block tower recomputes it ~quadratically. `residual` below is an identity whose
+# backward passes the gradient through a conditional with identical branches, which XLA cannot
+# fuse across: the gradient is written once per residual add. Same numbers; on the ViT-B/32
+# vision tower's backward 1.5 s instead of 2.6 s (batch 8, bench/README.md). Off on GPUs and
+# TPUs, whose fusion differs and where a conditional costs a host round trip. None = on where
+# the default backend is the CPU; True / False force it (for benchmarks).
+COTANGENT_BARRIERS: bool | None = None
+
+
+def _barriers_on() -> bool:
+    if COTANGENT_BARRIERS is None:
+        return jax.default_backend() == "cpu"
+    return COTANGENT_BARRIERS
+
+
+def _materialise(g: Array) -> Array:
+    # The predicate reads the data, so XLA cannot fold the conditional away; both branches
+    # return the gradient unchanged.
+    keep = jnp.isfinite(g.reshape(-1)[0])
+    return jax.lax.cond(keep, lambda t: t, lambda t: t * 1, g)
+
+
+@jax.custom_vjp
+def _residual_barrier(x: Array) -> Array:
+    return x
+
+
+def _residual_barrier_fwd(x: Array):
+    return x, None
+
+
+def _residual_barrier_bwd(_, g: Array):
+    return (_materialise(g),)
+
+
+_residual_barrier.defvjp(_residual_barrier_fwd, _residual_barrier_bwd)
+
+
+def residual(x: Array) -> Array:
+    """`x` itself; under differentiation on the CPU its gradient is stored, not re-fused (see
+    COTANGENT_BARRIERS)."""
+    return _residual_barrier(x) if _barriers_on() else x
+
+
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
     "quick_gelu": quick_gelu,
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
@@ -199,15 +246,16 @@ class EncoderLayer(nnx.Module):
         Attention still reads every token, so the kept outputs equal the full layer's."""
         h = self.layer_norm1(x).astype(self.dtype)
         if keep is None:
-            x = x + self.self_attn(h, mask)
-        else:
-            def pick(t):
-                return jnp.take_along_axis(t, keep.reshape((-1,) + (1,) * (t.ndim - 1)), axis=1)
+            x = residual(x + self.self_attn(h, mask))
+            return residual(x + self.mlp(self.layer_norm2(x).astype(self.dtype)))
 
-            if mask is not None:  # [., 1, n, n] -> the kept query rows [b, 1, 1, n]
-                mask = jnp.broadcast_to(mask, (x.shape[0],) + mask.shape[1:]).swapaxes(1, 2)
-                mask = pick(mask).swapaxes(1, 2)
-            x = pick(x) + self.self_attn(h, mask, queries=pick(h))
+        def pick(t):
+            return jnp.take_along_axis(t, keep.reshape((-1,) + (1,) * (t.ndim - 1)), axis=1)
+
+        if mask is not None:  # [., 1, n, n] -> the kept query rows [b, 1, 1, n]
+            mask = jnp.broadcast_to(mask, (x.shape[0],) + mask.shape[1:]).swapaxes(1, 2)
+            mask = pick(mask).swapaxes(1, 2)
+        x = pick(x) + self.self_attn(h, mask, queries=pick(h))
         return x + self.mlp(self.layer_norm2(x).astype(self.dtype))
 
 
@@ -216,14 +264,26 @@ class Encoder(nnx.Module):
         self.layers = nnx.List(
             [EncoderLayer(cfg, dtype=dtype, rngs=rngs) for _ in range(cfg.num_hidden_layers)])
 
-    def __call__(self, x: Array, mask: Array | None = None, keep: Array | None = None) -> Array:
+    def __call__(self, x: Array, mask: Array | None = None, keep: Array | None = None,
+                 *, start: int = 0) -> Array:
         """All tokens through every layer; with `keep` (int [b]) the last layer computes only
         that token per row (the pooled token), returning [b, 1, d]. That skips most of the last
-        layer's work when only the pooled output is wanted, with the same numbers."""
+        layer's work when only the pooled output is wanted, with the same numbers. `start`
+        skips the first layers (`x` is then the output of `prefix(., start)`)."""
         *body, last = self.layers
-        for layer in body:
+        if not 0 <= start < len(self.layers):
+            raise ValueError(f"start {start} is not a layer index below {len(self.layers)}")
+        for layer in body[start:]:
             x = layer(x, mask)
         return last(x, mask, keep)
+
+    def prefix(self, x: Array, mask: Array | None, layers: int) -> Array:
+        """The first `layers` layers (fewer than all), every token."""
+        if not 0 <= layers < len(self.layers):
+            raise ValueError(f"a prefix of {layers} layers: the encoder has {len(self.layers)}")
+        for layer in self.layers[:layers]:
+            x = layer(x, mask)
+        return x
 
 
 def patchify(pixels: Array, patch: int) -> Array:
@@ -333,8 +393,21 @@ class TextTransformer(nnx.Module):
     def pooled(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
         """The pooled output alone: the last layer computes only the EOT token."""
         x, mask = self._embed(input_ids, attention_mask)
+        return self.pooled_from(x, mask, input_ids, 0)
+
+    def prefix(self, input_ids: Array, layers: int, attention_mask: Array | None = None
+               ) -> tuple[Array, Array]:
+        """Embeddings and the first `layers` blocks: (hidden state [B, L, d], attention mask).
+        `pooled_from(*prefix(ids, k), ids, k)` equals `pooled(ids)`; two models that share
+        these weights (a student and its EMA teacher with frozen early blocks) can share it."""
+        x, mask = self._embed(input_ids, attention_mask)
+        return self.encoder.prefix(x, mask, layers), mask
+
+    def pooled_from(self, hidden: Array, mask: Array, input_ids: Array, start: int) -> Array:
+        """`pooled` from the hidden state after the first `start` blocks."""
         eot = eot_positions(input_ids, self.eos_token_id)
-        return self.final_layer_norm(self.encoder(x, mask, keep=eot)[:, 0].astype(jnp.float32))
+        x = self.encoder(hidden, mask, keep=eot, start=start)
+        return self.final_layer_norm(x[:, 0].astype(jnp.float32))
 
     def _embed(self, input_ids: Array, attention_mask: Array | None) -> tuple[Array, Array]:
         n = input_ids.shape[-1]

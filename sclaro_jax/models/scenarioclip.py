@@ -61,6 +61,21 @@ class CLIPPair(nnx.Module):
         out = self.text_head(self.text_model.pooled(input_ids.reshape(-1, input_ids.shape[-1])))
         return out.reshape(*lead, -1)
 
+    def text_prefix(self, input_ids: jax.Array, layers: int) -> tuple[jax.Array, jax.Array]:
+        """The text tower's embeddings and first `layers` blocks on [..., L] token ids:
+        (hidden [N, L, d], mask), for `encode_text_from`."""
+        return self.text_model.prefix(input_ids.reshape(-1, input_ids.shape[-1]), layers)
+
+    def encode_text_from(self, prefix: tuple[jax.Array, jax.Array], input_ids: jax.Array,
+                         start: int) -> jax.Array:
+        """`encode_text(input_ids)` from `text_prefix(input_ids, start)`, which may come from
+        another pair with the same embeddings and first `start` blocks."""
+        lead = input_ids.shape[:-1]
+        hidden, mask = prefix
+        pooled = self.text_model.pooled_from(hidden, mask,
+                                             input_ids.reshape(-1, input_ids.shape[-1]), start)
+        return self.text_head(pooled).reshape(*lead, -1)
+
 
 class ScenarioCLIP(nnx.Module):
     """Three disentangled CLIP pairs + per-level logit scales + the KD temperature."""
