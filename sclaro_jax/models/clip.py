@@ -124,22 +124,25 @@ def quick_gelu(x: Array) -> Array:
     return x * jax.nn.sigmoid(1.702 * x)
 
 
-# Cotangent barriers (XLA:CPU only). In the backward pass the residual-stream gradient of each
-# block is an element-wise sum of the blocks above it; XLA:CPU's fusion duplicates that chain into
-# each consumer (the transposing copies feeding the weight-gradient matmuls) instead of storing
-# it, so a 12-block tower recomputes it ~quadratically. `residual` below is an identity whose
-# backward passes the gradient through a conditional with identical branches, which XLA cannot
-# fuse across: the gradient is written once per residual add. Same numbers; on the ViT-B/32
-# vision tower's backward 1.5 s instead of 2.6 s (batch 8, bench/README.md). Off on GPUs and
-# TPUs, whose fusion differs and where a conditional costs a host round trip. None = on where
-# the default backend is the CPU; True / False force it (for benchmarks).
-COTANGENT_BARRIERS: bool | None = None
+# CPU gradient forms. Two rewrites of the backward pass, with the same numbers, for XLA:CPU:
+# - Cotangent barriers. The residual-stream gradient of each block is an element-wise sum of the
+#   blocks above it; XLA:CPU's fusion duplicates that chain into each consumer (the transposing
+#   copies feeding the weight-gradient matmuls) instead of storing it, so a 12-block tower
+#   recomputes it about quadratically. `residual` is an identity whose backward passes the
+#   gradient through a conditional with identical branches, which XLA cannot fuse across: the
+#   gradient is written once per residual add.
+# - Column sums as matmuls. Bias and LayerNorm scale/bias gradients sum over every row; XLA:CPU
+#   splits such sums into reduce-windows about half as fast as a matmul with a ones vector.
+# Together the ViT-B/32 training step at batch 8 takes ~15% less time (bench/README.md). Off on
+# GPUs and TPUs, whose fusion differs and where a conditional costs a host round trip. None = on
+# where the default backend is the CPU; True / False force it (benchmarks, tests).
+CPU_GRADIENT_FORMS: bool | None = None
 
 
-def _barriers_on() -> bool:
-    if COTANGENT_BARRIERS is None:
+def _cpu_forms_on() -> bool:
+    if CPU_GRADIENT_FORMS is None:
         return jax.default_backend() == "cpu"
-    return COTANGENT_BARRIERS
+    return CPU_GRADIENT_FORMS
 
 
 def _materialise(g: Array) -> Array:
@@ -165,10 +168,88 @@ def _residual_barrier_bwd(_, g: Array):
 _residual_barrier.defvjp(_residual_barrier_fwd, _residual_barrier_bwd)
 
 
+@jax.custom_vjp
+def _add_bias(y: Array, bias: Array) -> Array:
+    return y + bias
+
+
+def _add_bias_fwd(y: Array, bias: Array):
+    return y + bias, bias
+
+
+def _add_bias_bwd(bias: Array, g: Array):
+    # The bias gradient (a column sum over every row) as a matmul with a ones vector: XLA:CPU
+    # runs such sums as split reduce-windows, about twice as slow as the GEMV.
+    rows = g.reshape(-1, g.shape[-1])
+    db = jnp.dot(jnp.ones(rows.shape[0], rows.dtype), rows, preferred_element_type=jnp.float32)
+    return g, db.astype(bias.dtype)
+
+
+_add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
+
+
+def _column_sum(t: Array, dtype) -> Array:
+    rows = t.reshape(-1, t.shape[-1])
+    ones = jnp.ones(rows.shape[0], rows.dtype)
+    return jnp.dot(ones, rows, preferred_element_type=jnp.float32).astype(dtype)
+
+
+@jax.custom_vjp
+def _scale_shift(centred: Array, inv_std: Array, scale: Array, bias: Array) -> Array:
+    # Flax's LayerNorm arithmetic, operation for operation: (x - mean) * (rsqrt * scale) + bias.
+    return centred * (inv_std * scale) + bias
+
+
+def _scale_shift_fwd(centred, inv_std, scale, bias):
+    return _scale_shift(centred, inv_std, scale, bias), (centred, inv_std, scale, bias)
+
+
+def _scale_shift_bwd(res, g):
+    centred, inv_std, scale, bias = res
+    return (g * (inv_std * scale),
+            jnp.sum(g * centred * scale, axis=-1, keepdims=True),
+            _column_sum(g * centred * inv_std, scale.dtype),
+            _column_sum(g, bias.dtype))
+
+
+_scale_shift.defvjp(_scale_shift_fwd, _scale_shift_bwd)
+
+
+class LayerNorm(nnx.LayerNorm):
+    """`nnx.LayerNorm` over the last axis (two-pass variance; same parameters, same forward
+    numbers) whose scale and bias gradients are matmuls where CPU_GRADIENT_FORMS are on."""
+
+    def __call__(self, x: Array, *, mask=None) -> Array:
+        if mask is not None or self.scale is None or self.bias is None or \
+                self.use_fast_variance or not _cpu_forms_on():
+            return super().__call__(x, mask=mask)
+        stats = jnp.promote_types(jnp.result_type(x), jnp.float32)
+        x32 = jnp.asarray(x, stats)
+        mean = jnp.mean(x32, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+        y = _scale_shift(x - mean, jax.lax.rsqrt(var + self.epsilon), self.scale[...],
+                         self.bias[...])
+        return jnp.asarray(y, self.dtype or jnp.result_type(x, self.scale[...]))
+
+
+class Linear(nnx.Linear):
+    """`nnx.Linear` (same parameters, same forward numbers) whose bias gradient is a matmul
+    where CPU_GRADIENT_FORMS are on."""
+
+    def __call__(self, inputs: Array) -> Array:
+        if self.bias is None or not _cpu_forms_on():
+            return super().__call__(inputs)
+        inputs, kernel, bias = self.promote_dtype(
+            (inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
+        y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
+                             precision=self.precision)
+        return _add_bias(y, bias)
+
+
 def residual(x: Array) -> Array:
     """`x` itself; under differentiation on the CPU its gradient is stored, not re-fused (see
-    COTANGENT_BARRIERS)."""
-    return _residual_barrier(x) if _barriers_on() else x
+    CPU_GRADIENT_FORMS)."""
+    return _residual_barrier(x) if _cpu_forms_on() else x
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
@@ -181,7 +262,7 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
 
 def _layer_norm(dim: int, eps: float, rngs: nnx.Rngs) -> nnx.LayerNorm:
     # float32 statistics and output, two-pass variance as PyTorch computes it.
-    return nnx.LayerNorm(dim, epsilon=eps, dtype=jnp.float32, use_fast_variance=False, rngs=rngs)
+    return LayerNorm(dim, epsilon=eps, dtype=jnp.float32, use_fast_variance=False, rngs=rngs)
 
 
 class Attention(nnx.Module):
@@ -192,7 +273,7 @@ class Attention(nnx.Module):
             raise ValueError(f"hidden size {dim} is not divisible by {heads} heads")
         self.heads = heads
         self.dtype = dtype
-        linear = lambda: nnx.Linear(dim, dim, dtype=dtype, rngs=rngs)  # noqa: E731
+        linear = lambda: Linear(dim, dim, dtype=dtype, rngs=rngs)  # noqa: E731
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = linear(), linear(), linear(), linear()
 
     def __call__(self, x: Array, mask: Array | None, queries: Array | None = None) -> Array:
@@ -222,8 +303,8 @@ class MLP(nnx.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported hidden_act {act!r}; supported: {sorted(ACTIVATIONS)}")
         self.act = act
-        self.fc1 = nnx.Linear(dim, hidden, dtype=dtype, rngs=rngs)
-        self.fc2 = nnx.Linear(hidden, dim, dtype=dtype, rngs=rngs)
+        self.fc1 = Linear(dim, hidden, dtype=dtype, rngs=rngs)
+        self.fc2 = Linear(hidden, dim, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
         return self.fc2(ACTIVATIONS[self.act](self.fc1(x)))
