@@ -117,8 +117,8 @@ def main():
     @jax.jit
     def forward(state, batch):
         model = nnx.merge(graphdef, state.params)
-        teacher = nnx.merge(graphdef, state.teacher)
-        return core.compute_losses(model, teacher, batch, cfg)[0]
+        teacher = nnx.merge(graphdef, state.teacher)  # its frozen leaves are the student's
+        return core.compute_losses(model, teacher, batch, cfg, share_frozen_text=True)[0]
 
     if args.flops_only:
         print(json.dumps({"preset": args.preset, "batch": args.batch, "objects": args.objects,
