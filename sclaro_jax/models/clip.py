@@ -130,12 +130,14 @@ def quick_gelu(x: Array) -> Array:
 #   copies feeding the weight-gradient matmuls) instead of storing it, so a 12-block tower
 #   recomputes it about quadratically. `residual` is an identity whose backward passes the
 #   gradient through a conditional with identical branches, which XLA cannot fuse across: the
-#   gradient is written once per residual add.
+#   gradient is written once per residual add. The same barrier on each `Linear`'s output
+#   stores its gradient once for the weight-gradient and input-gradient matmuls (otherwise the
+#   MLP's activation derivative is recomputed inside a transposing copy, ~40 M elements/s).
 # - Column sums as matmuls. Bias and LayerNorm scale/bias gradients sum over every row; XLA:CPU
 #   splits such sums into reduce-windows about half as fast as a matmul with a ones vector.
-# Together the ViT-B/32 training step at batch 8 takes ~15% less time (bench/README.md). Off on
-# GPUs and TPUs, whose fusion differs and where a conditional costs a host round trip. None = on
-# where the default backend is the CPU; True / False force it (benchmarks, tests).
+# Measured on the ViT-B/32 training step in bench/README.md ("CPU gradient forms"). Off on GPUs
+# and TPUs, whose fusion differs and where a conditional costs a host round trip. None = on where
+# the default backend is the CPU; True / False force it (benchmarks, tests).
 CPU_GRADIENT_FORMS: bool | None = None
 
 
@@ -233,8 +235,8 @@ class LayerNorm(nnx.LayerNorm):
 
 
 class Linear(nnx.Linear):
-    """`nnx.Linear` (same parameters, same forward numbers) whose bias gradient is a matmul
-    where CPU_GRADIENT_FORMS are on."""
+    """`nnx.Linear` (same parameters, same forward numbers) whose output gradient is stored
+    once and whose bias gradient is a matmul where CPU_GRADIENT_FORMS are on."""
 
     def __call__(self, inputs: Array) -> Array:
         if self.bias is None or not _cpu_forms_on():
@@ -243,7 +245,7 @@ class Linear(nnx.Linear):
             (inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
         y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
                              precision=self.precision)
-        return _add_bias(y, bias)
+        return _residual_barrier(_add_bias(y, bias))
 
 
 def residual(x: Array) -> Array:

@@ -234,11 +234,12 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig, *,
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: TrainConfig,
-                    labels: PyTree):
+                    labels: PyTree, *, share_frozen_text: bool = True):
     """The step `(state, batch) -> (state, metrics)`, to be jitted with the state donated.
 
     Gradients, optimiser and EMA touch only the trainable leaves; frozen leaves pass through
-    (student and teacher hold the same frozen values for ever)."""
+    (student and teacher hold the same frozen values for ever). `share_frozen_text=False`
+    recomputes the teacher's frozen text blocks (same numbers; for benchmarks)."""
     index = trainable_indices(labels)
     lr = learning_rate(cfg)
 
@@ -262,7 +263,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
             # shared by construction.
             teacher = nnx.merge(graphdef, with_leaves(
                 frozen, jax.lax.stop_gradient(pick(teacher_params))))
-        return compute_losses(model, teacher, batch, cfg, share_frozen_text=True)
+        return compute_losses(model, teacher, batch, cfg, share_frozen_text=share_frozen_text)
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         trainable = pick(state.params)

@@ -1,0 +1,94 @@
+"""What the training step's two CPU-side savings are worth, paired in one process: the same
+jitted ScenarioCLIP step (weights, batch and numbers as bench_train_step.py) compiled with and
+without `clip.CPU_GRADIENT_FORMS` (cotangent barriers + column sums as matmuls) and with and
+without the teacher continuing from the student's frozen text blocks (`share_frozen_text`).
+
+    python bench/bench_cpu_forms.py --preset ViT-B/32 --batch 8 --rounds 3
+    python bench/bench_cpu_forms.py --preset tiny --batch 32 --rounds 10
+
+Each round runs one step of every variant, alternating the order, after a 0.1 s pause; a
+ratio is the median over rounds of a variant's time / the first variant's in the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = {  # name: (CPU_GRADIENT_FORMS, share_frozen_text)
+    "both on (default)": (True, True),
+    "gradient forms off": (False, True),
+    "text sharing off": (True, False),
+    "both off": (False, False),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of: " + ", ".join(VARIANTS))
+    args = parser.parse_args()
+    import jax
+
+    import bench_train_step as bts
+    from sclaro_jax import compile as xla_options
+    from sclaro_jax.models import clip, scenarioclip
+    from sclaro_jax.train import core
+
+    names = [v.strip() for v in args.variants.split(",")]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; known: {list(VARIANTS)}")
+    folder = bts.hf_folder(args.preset, tempfile.mkdtemp(prefix="bench_forms_"))
+    batch = jax.device_put(bts.make_batch(args.preset, args.batch))
+    runs, first = [], []
+    for name in names:
+        forms, share = VARIANTS[name]
+        model = scenarioclip.build("scenarioclip", preset=args.preset, init=folder,
+                                   embed_dim=bts.EMBED)
+        layers = model.global_pair.config.vision.num_hidden_layers
+        cfg = core.TrainConfig(total_steps=1000, **{**bts.TRAIN, **bts._frozen(layers)})
+        graphdef, state, tx = core.init_state(model, cfg)
+        fn = core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg),
+                                  share_frozen_text=share)
+        step = jax.jit(fn, donate_argnums=0, compiler_options=xla_options.compiler_options())
+        holder = {"state": state}
+
+        def run(step=step, holder=holder):
+            holder["state"], metrics = step(holder["state"], batch)
+            return float(metrics["loss"])
+
+        clip.CPU_GRADIENT_FORMS = forms  # read while tracing, i.e. on the first call
+        first.append(run())
+        clip.CPU_GRADIENT_FORMS = None
+        runs.append(run)
+    times = np.zeros((args.rounds, len(runs)))
+    for r in range(args.rounds):
+        for i in (range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))):
+            time.sleep(0.1)
+            t0 = time.perf_counter()
+            runs[i]()
+            times[r, i] = time.perf_counter() - t0
+    print(f"{args.preset}, batch {args.batch}, {args.rounds} paired rounds, {os.cpu_count()} "
+          f"cores; first-step losses {', '.join(f'{x:.6f}' for x in first)}")
+    print("| variant | s/step median (min) | time / first variant's (median of rounds) |")
+    print("|---|---|---|")
+    for i, name in enumerate(names):
+        print(f"| {name} | {np.median(times[:, i]):.3f} ({times[:, i].min():.3f}) | "
+              f"{np.median(times[:, i] / times[:, 0]):.3f} |")
+
+
+if __name__ == "__main__":
+    main()
