@@ -155,19 +155,27 @@ def _materialise(g: Array) -> Array:
 
 
 @jax.custom_vjp
-def _residual_barrier(x: Array) -> Array:
+def _store_gradient(x: Array) -> Array:
     return x
 
 
-def _residual_barrier_fwd(x: Array):
+def _store_gradient_fwd(x: Array):
     return x, None
 
 
-def _residual_barrier_bwd(_, g: Array):
+def _store_gradient_bwd(_, g: Array):
     return (_materialise(g),)
 
 
-_residual_barrier.defvjp(_residual_barrier_fwd, _residual_barrier_bwd)
+_store_gradient.defvjp(_store_gradient_fwd, _store_gradient_bwd)
+
+
+def _column_sum(t: Array, dtype) -> Array:
+    # A sum over every row as a matmul with a ones vector: XLA:CPU runs such sums as split
+    # reduce-windows, about twice as slow as the GEMV.
+    rows = t.reshape(-1, t.shape[-1])
+    ones = jnp.ones(rows.shape[0], rows.dtype)
+    return jnp.dot(ones, rows, preferred_element_type=jnp.float32).astype(dtype)
 
 
 @jax.custom_vjp
@@ -180,20 +188,10 @@ def _add_bias_fwd(y: Array, bias: Array):
 
 
 def _add_bias_bwd(bias: Array, g: Array):
-    # The bias gradient (a column sum over every row) as a matmul with a ones vector: XLA:CPU
-    # runs such sums as split reduce-windows, about twice as slow as the GEMV.
-    rows = g.reshape(-1, g.shape[-1])
-    db = jnp.dot(jnp.ones(rows.shape[0], rows.dtype), rows, preferred_element_type=jnp.float32)
-    return g, db.astype(bias.dtype)
+    return g, _column_sum(g, bias.dtype)
 
 
 _add_bias.defvjp(_add_bias_fwd, _add_bias_bwd)
-
-
-def _column_sum(t: Array, dtype) -> Array:
-    rows = t.reshape(-1, t.shape[-1])
-    ones = jnp.ones(rows.shape[0], rows.dtype)
-    return jnp.dot(ones, rows, preferred_element_type=jnp.float32).astype(dtype)
 
 
 @jax.custom_vjp
@@ -245,13 +243,13 @@ class Linear(nnx.Linear):
             (inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
         y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
                              precision=self.precision)
-        return _residual_barrier(_add_bias(y, bias))
+        return _store_gradient(_add_bias(y, bias))
 
 
 def residual(x: Array) -> Array:
     """`x` itself; under differentiation on the CPU its gradient is stored, not re-fused (see
     CPU_GRADIENT_FORMS)."""
-    return _residual_barrier(x) if _cpu_forms_on() else x
+    return _store_gradient(x) if _cpu_forms_on() else x
 
 
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
