@@ -43,9 +43,7 @@ def main():
     import jax
 
     import bench_train_step as bts
-    from sclaro_jax import compile as xla_options
-    from sclaro_jax.models import clip, scenarioclip
-    from sclaro_jax.train import core
+    from sclaro_jax.models import clip
 
     names = [v.strip() for v in args.variants.split(",")]
     unknown = [v for v in names if v not in VARIANTS]
@@ -56,22 +54,9 @@ def main():
     runs, first = [], []
     for name in names:
         forms, share = VARIANTS[name]
-        model = scenarioclip.build("scenarioclip", preset=args.preset, init=folder,
-                                   embed_dim=bts.EMBED)
-        layers = model.global_pair.config.vision.num_hidden_layers
-        cfg = core.TrainConfig(total_steps=1000, **{**bts.TRAIN, **bts._frozen(layers)})
-        graphdef, state, tx = core.init_state(model, cfg)
-        fn = core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg),
-                                  share_frozen_text=share)
-        step = jax.jit(fn, donate_argnums=0, compiler_options=xla_options.compiler_options())
-        holder = {"state": state}
-
-        def run(step=step, holder=holder):
-            holder["state"], metrics = step(holder["state"], batch)
-            return float(metrics["loss"])
-
+        run, _ = bts.jax_side(folder, args.preset, bts.EMBED, share_frozen_text=share)
         clip.CPU_GRADIENT_FORMS = forms  # read while tracing, i.e. on the first call
-        first.append(run())
+        first.append(run(batch))
         clip.CPU_GRADIENT_FORMS = None
         runs.append(run)
     times = np.zeros((args.rounds, len(runs)))
@@ -79,7 +64,7 @@ def main():
         for i in (range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))):
             time.sleep(0.1)
             t0 = time.perf_counter()
-            runs[i]()
+            runs[i](batch)
             times[r, i] = time.perf_counter() - t0
     print(f"{args.preset}, batch {args.batch}, {args.rounds} paired rounds, {os.cpu_count()} "
           f"cores; first-step losses {', '.join(f'{x:.6f}' for x in first)}")

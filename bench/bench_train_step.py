@@ -76,7 +76,7 @@ def hf_folder(preset: str, tmp: str) -> str:
 TRAIN = dict(lr=2e-5, ema_warmup_steps=0, frozen_vision_layers=6, frozen_text_layers=10)
 
 
-def jax_side(folder: str, preset: str, embed: int):
+def jax_side(folder: str, preset: str, embed: int, share_frozen_text: bool = True):
     from sclaro_jax.models import scenarioclip
     from sclaro_jax.train import core, sharding
     model = scenarioclip.build("scenarioclip", preset=preset, init=folder, embed_dim=embed)
@@ -84,8 +84,9 @@ def jax_side(folder: str, preset: str, embed: int):
     cfg = core.TrainConfig(total_steps=1000, **{**TRAIN, **_frozen(layers)})
     graphdef, state, tx = core.init_state(model, cfg)
     step, state = sharding.jit_step(
-        core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg)), state,
-        None, "none")  # what the trainer runs on one device
+        core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg),
+                             share_frozen_text=share_frozen_text),
+        state, None, "none")  # what the trainer runs on one device
     holder = {"state": state}
 
     def run(batch):

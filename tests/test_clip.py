@@ -243,7 +243,7 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_hf, rng):
 
 def test_text_prefix_then_rest_equals_pooled(rng):
     """`pooled_from(*prefix(ids, k), ids, k)` is `pooled(ids)` for every split point; a prefix
-    of every block, or of none past the last, is refused."""
+    of every block, or a start past the last block, is refused."""
     model = clip.create("tiny", seed=1)
     text = model.text_model
     _, ids = _inputs(rng, 3, 32, length=16)
