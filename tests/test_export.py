@@ -1,9 +1,5 @@
 """Export of a trained level: the PyTorch snippet in README reproduces our embeddings."""
 
-import subprocess
-import sys
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,8 +9,6 @@ from safetensors.torch import load_file
 
 from sclaro_jax.models import scenarioclip
 from sclaro_jax.train import export
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torch_embeddings(folder, pixels_nhwc, ids):
@@ -58,26 +52,6 @@ def test_exported_level_reproduces_our_embeddings_in_pytorch(tmp_path, level):
     # the other levels' towers are different weights: the export picked the right one
     other = np.asarray(model.pair("global").encode_image(jnp.asarray(pixels)))
     assert np.abs(other - img).max() > 1e-3
-
-
-def test_export_cli_from_a_training_workdir(tmp_path, demo_dir):
-    workdir = tmp_path / "run"
-    train = subprocess.run(
-        [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:demo",
-         "--workdir", str(workdir), f"--config.data.dir={demo_dir}", "--config.train.steps=2",
-         "--config.log_every=1"], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert train.returncode == 0, train.stderr[-2000:]
-    out = tmp_path / "exported"
-    result = subprocess.run([sys.executable, "-m", "sclaro_jax.train.export", "--workdir",
-                             str(workdir), "--level", "global", "--out", str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "wrote the global level of step 2" in result.stdout
-    model, step = export.load_checkpoint(str(workdir))
-    pixels = np.zeros((1, 32, 32, 3), np.float32)
-    img, _, _, _ = _torch_embeddings(out, pixels, np.array([[49406, 49407]], np.int32))
-    np.testing.assert_allclose(img, np.asarray(model.pair("global").encode_image(pixels)),
-                               atol=1e-5)
 
 
 def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):

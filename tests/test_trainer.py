@@ -89,6 +89,28 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_export_cli_from_the_demo_run(uninterrupted, tmp_path):
+    # the export CLI on the workdir the demo run left: its latest checkpoint, read by PyTorch
+    from test_export import _torch_embeddings
+
+    from sclaro_jax.train import export
+    out = tmp_path / "exported"
+    result = subprocess.run([sys.executable, "-m", "sclaro_jax.train.export", "--workdir",
+                             str(uninterrupted), "--level", "global", "--out", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"wrote the global level of step {STEPS}" in result.stdout
+    model, step = export.load_checkpoint(str(uninterrupted))
+    assert step == STEPS
+    pixels = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
+    ids = np.array([[49406, 320, 49407, 0], [49406, 7, 8, 49407]], np.int32)
+    img, txt, _, _ = _torch_embeddings(out, pixels, ids)
+    np.testing.assert_allclose(img, np.asarray(model.pair("global").encode_image(pixels)),
+                               atol=1e-5)
+    np.testing.assert_allclose(txt, np.asarray(model.pair("global").encode_text(ids)),
+                               atol=1e-5)
+
+
 @pytest.mark.parametrize("config, kind", [("configs/pyramidclip.py:demo", "PyramidCLIP"),
                                           ("configs/scenarioclip_nokd.py:demo", "ScenarioCLIP")])
 def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
