@@ -199,34 +199,39 @@ def torch_side(folder: str, jax_model, embed: int, kd_loops: bool = True):
             t_txt = {k: teacher.pairs[k].txt(ids[k]) for k in ("object", "relation")}
         t_s = 1.0 / model.kd_log_scale.exp().clamp(1, 100)
         loss_kd = 0.0
-        for level in ([] if kd_loops else ("object", "relation")):
-            mask = torch.from_numpy(batch[f"{level}_mask"]).float()  # [b, n]: crop slots
-            seen = mask.sum(1) > 0
+        if kd_loops:
+            for level in ("object", "relation"):
+                start = 0
+                vision_terms, text_terms = [], []
+                for i in range(b):  # per-image Python loops, as the reference code does
+                    n = int(counts[level][i])
+                    if n:
+                        vision_terms.append(torch.stack(
+                            [kd(emb[level][0][start + j], t_img[i], t_s)
+                             for j in range(n)]).mean())
+                        text_terms.append(torch.stack(
+                            [kd(emb["global"][1][i], t_txt[level][start + j], t_s)
+                             for j in range(n)]).mean())
+                    start += n
+                loss_kd = loss_kd + torch.stack(vision_terms).mean() \
+                    + torch.stack(text_terms).mean()
+        else:
+            for level in ("object", "relation"):
+                mask = torch.from_numpy(batch[f"{level}_mask"]).float()  # [b, n]: crop slots
+                seen = mask.sum(1) > 0
 
-            def kd_rows(student, teacher):  # kd() of each row pair: batchmean of 1-D is / dim
-                log_p = F.log_softmax(teacher / 0.07, -1)
-                return (log_p.exp() * (log_p - F.log_softmax(student / t_s, -1))).sum(-1) \
-                    / student.shape[-1] * t_s ** 2
+                def kd_rows(student, teacher):  # kd() of each row pair: batchmean of 1-D is / dim
+                    log_p = F.log_softmax(teacher / 0.07, -1)
+                    return (log_p.exp() * (log_p - F.log_softmax(student / t_s, -1))).sum(-1) \
+                        / student.shape[-1] * t_s ** 2
 
-            def image_means(per_slot):  # mean over each image's crops, then over images
-                full = per_slot.view(mask.shape) * mask
-                return (full.sum(1)[seen] / mask.sum(1)[seen]).mean()
+                def image_means(per_slot):  # mean over each image's crops, then over images
+                    full = per_slot.view(mask.shape) * mask
+                    return (full.sum(1)[seen] / mask.sum(1)[seen]).mean()
 
-            owner = torch.arange(b).repeat_interleave(mask.shape[1])  # image of each slot
-            loss_kd = loss_kd + image_means(kd_rows(emb[level][0], t_img[owner])) \
-                + image_means(kd_rows(emb["global"][1][owner], t_txt[level]))
-        for level in (("object", "relation") if kd_loops else ()):
-            start = 0
-            vision_terms, text_terms = [], []
-            for i in range(b):  # per-image Python loops, as the reference code does
-                n = int(counts[level][i])
-                if n:
-                    vision_terms.append(torch.stack([kd(emb[level][0][start + j], t_img[i], t_s)
-                                                     for j in range(n)]).mean())
-                    text_terms.append(torch.stack([kd(emb["global"][1][i], t_txt[level][start + j],
-                                                      t_s) for j in range(n)]).mean())
-                start += n
-            loss_kd = loss_kd + torch.stack(vision_terms).mean() + torch.stack(text_terms).mean()
+                owner = torch.arange(b).repeat_interleave(mask.shape[1])  # image of each slot
+                loss_kd = loss_kd + image_means(kd_rows(emb[level][0], t_img[owner])) \
+                    + image_means(kd_rows(emb["global"][1][owner], t_txt[level]))
         loss = loss_ca + loss_kd
         opt.zero_grad(set_to_none=True)
         loss.backward()
