@@ -6,8 +6,9 @@ without the teacher continuing from the student's frozen text blocks (`share_fro
     python bench/bench_cpu_forms.py --preset ViT-B/32 --batch 8 --rounds 3
     python bench/bench_cpu_forms.py --preset tiny --batch 32 --rounds 10
 
-Each round runs one step of every variant, alternating the order, after a 0.1 s pause; a
-ratio is the median over rounds of a variant's time / the first variant's in the same round.
+Timing is `timing.paired_timings` (two warm-up steps each, then every round one step of every
+variant, alternating the order, after a 0.1 s pause); a ratio is the median over rounds of a
+variant's time / the first variant's in the same round.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,7 @@ def main():
     import jax
 
     import bench_train_step as bts
+    from timing import paired_timings
     from sclaro_jax.models import clip
 
     names = [v.strip() for v in args.variants.split(",")]
@@ -59,13 +60,7 @@ def main():
         first.append(run(batch))
         clip.CPU_GRADIENT_FORMS = None
         runs.append(run)
-    times = np.zeros((args.rounds, len(runs)))
-    for r in range(args.rounds):
-        for i in (range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))):
-            time.sleep(0.1)
-            t0 = time.perf_counter()
-            runs[i](batch)
-            times[r, i] = time.perf_counter() - t0
+    times = paired_timings([lambda run=run: run(batch) for run in runs], args.rounds, pause=0.1)
     print(f"{args.preset}, batch {args.batch}, {args.rounds} paired rounds, {os.cpu_count()} "
           f"cores; first-step losses {', '.join(f'{x:.6f}' for x in first)}")
     print("| variant | s/step median (min) | time / first variant's (median of rounds) |")
