@@ -61,12 +61,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # skips compiling the step), a folder to share between runs, or "" (off). A cache folder
     # already set for JAX (JAX_COMPILATION_CACHE_DIR, jax.config) is left as it is.
     c.compilation_cache = "workdir"
-    # Periodic evaluation (sclaro_jax.eval.scenario) of the student on `eval_split` every
-    # `eval_every` steps (0: off), appended to WORKDIR/eval.jsonl; tasks: comma-separated from
-    # zero_shot, linear_probe, predcls, sgcls.
-    c.eval_every = 0
-    c.eval_split = "val"
-    c.eval_tasks = "zero_shot"
+    # Evaluators by name (sclaro_jax.eval.registry): each runs on the student every `every`
+    # steps (0: off in training; `python -m sclaro_jax.eval.suite` runs them on demand),
+    # appending to WORKDIR/eval.jsonl. Known: zero_shot, linear_probe, predcls, sgcls.
+    c.evals = ml_collections.ConfigDict()
+    c.evals.zero_shot = ml_collections.ConfigDict({"every": 0, "split": "val"})
 
     if arg == "demo":
         # Minutes on a CPU: the tiny preset (random init), small images, the bundled demo

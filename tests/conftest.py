@@ -70,6 +70,7 @@ def _checkpointed_workdir(workdir, demo_dir):
     import jax
     import orbax.checkpoint as ocp
 
+    from sclaro_jax.checkpoint import build_model
     from sclaro_jax.train import core, trainer
 
     spec = importlib.util.spec_from_file_location("cfg", Path(__file__).resolve().parents[1] / "configs" / "scenarioclip.py")
@@ -79,7 +80,7 @@ def _checkpointed_workdir(workdir, demo_dir):
     config.data.dir = demo_dir
     workdir.mkdir(parents=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    _, state, _ = core.init_state(trainer.build_model(config), trainer.train_config(config, 10))
+    _, state, _ = core.init_state(build_model(config), trainer.train_config(config, 10))
     teacher = jax.tree.map(lambda x: x * 0.9 + 0.01, state.teacher)
     state = dataclasses.replace(state, teacher=teacher)
     manager = ocp.CheckpointManager(str(workdir / "checkpoints"))

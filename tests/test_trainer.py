@@ -114,8 +114,9 @@ def test_export_cli_from_the_demo_run(uninterrupted, tmp_path):
 @pytest.mark.parametrize("config, kind", [("configs/pyramidclip.py:demo", "PyramidCLIP"),
                                           ("configs/scenarioclip_nokd.py:demo", "ScenarioCLIP")])
 def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
-    # the ScenarioCLIP w/o KD run also evaluates itself periodically (config.eval_every)
-    evaluate = ["--config.eval_every=2", "--config.eval_split=test"] if kind == "ScenarioCLIP" \
+    # the ScenarioCLIP w/o KD run also evaluates itself periodically (config.evals)
+    evaluate = ["--config.evals.zero_shot.every=2", "--config.evals.zero_shot.split=test"] \
+        if kind == "ScenarioCLIP" \
         else []
     result = subprocess.run(
         [sys.executable, "launch/train.py", "--config", config, "--workdir", str(tmp_path),
@@ -127,7 +128,8 @@ def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
     if evaluate:
         evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
         assert [e["step"] for e in evals] == [2] and evals[0]["split"] == "test"
-        zero_shot = evals[0]["results"]["zero_shot"]
+        assert evals[0]["evaluator"] == "zero_shot"
+        zero_shot = evals[0]["results"]
         assert set(zero_shot) >= {"action", "object", "relation"}, zero_shot.keys()
     else:
         assert not (tmp_path / "eval.jsonl").exists()

@@ -68,7 +68,7 @@ from tqdm.auto import tqdm
 
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import DatasetError, ShardedDataset, Vocab, open_dataset
-from sclaro_jax.eval import metrics
+from sclaro_jax.eval import metrics, registry
 
 log = logging.getLogger(__name__)
 
@@ -795,3 +795,24 @@ def markdown_tables(result: dict) -> str:
                      f"({result['sgcls']['object_classes']} train object classes)")
         parts.append(text)
     return "\n\n".join(parts) + "\n"
+
+
+# --------------------------------------------------------------------------- registry
+
+class _ScenarioTask(registry.Evaluator):
+    """One of TASKS on a split of the run's dataset, through `evaluate_scenario`."""
+
+    def __init__(self, **options):
+        known = {"name", "every", "data_dir", "image_size", "split"}
+        self.options = {k: options.pop(k) for k in list(options) if k not in known}
+        super().__init__(**options)
+
+    def run(self, model):
+        result = evaluate_scenario(model, self.data_dir, split=self.split, tasks=(self.kind,),
+                                   image_size=self.image_size, progress=False, **self.options)
+        yield from result[self.kind].items()
+
+
+for _task in TASKS:
+    registry.register(_task)(type(f"{_task.title().replace('_', '')}Evaluator",
+                                  (_ScenarioTask,), {}))

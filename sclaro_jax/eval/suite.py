@@ -17,7 +17,7 @@ or `--step`; the student, or the EMA teacher with `--teacher`) on `--split` of t
 
 Writes OUT/eval.json (every number and setting), OUT/eval.md (the tables) and OUT/figures/*.png
 (OUT defaults to the first workdir's `eval/`). The same evaluators are callable from Python
-(`evaluate_workdirs`) and run periodically during training with `config.eval_every`.
+(`evaluate_workdirs`) and run periodically during training with `config.evals` (`sclaro_jax.eval.registry`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def _data_dir(config, workdir: str, data: str | None) -> str:
 
 def _run_config(workdir: str, config_spec: str | None):
     """`--config` when given, else the run's own config.json."""
-    from sclaro_jax.train.export import run_config
+    from sclaro_jax.checkpoint import run_config
 
     return load_config(config_spec) if config_spec else run_config(workdir)
 

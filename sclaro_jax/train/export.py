@@ -31,20 +31,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from sclaro_jax.checkpoint import build_model, run_config
 from sclaro_jax.models import clip
 from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
 
 HEADS_FILE = "scenarioclip_heads.safetensors"
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a training run wrote to WORKDIR/config.json."""
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
-                                "(or pass the run's config)")
-    with open(path, encoding="utf-8") as f:
-        return ml_collections.ConfigDict(json.load(f))
 
 
 def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False,
@@ -52,7 +43,7 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
     """(model, step) from WORKDIR's config.json (or `config`, an `ml_collections` config that
     built the run) and a checkpoint (the newest by default)."""
     from sclaro_jax.train import core
-    from sclaro_jax.train.trainer import build_model, train_config
+    from sclaro_jax.train.trainer import train_config
 
     if config is None:
         config = run_config(workdir)

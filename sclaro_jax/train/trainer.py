@@ -29,9 +29,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from tqdm import tqdm
 
+from sclaro_jax.checkpoint import build_model
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
-from sclaro_jax.models import scenarioclip
+from sclaro_jax.eval import registry
 from sclaro_jax.train import core, sharding
 
 log = logging.getLogger(__name__)
@@ -61,16 +62,6 @@ def total_steps(config, records: int) -> int:
         raise ValueError(f"batch size {config.data.batch_size} exceeds the {records} training "
                          f"records of {config.data.dir}")
     return int(config.train.epochs * per_epoch)
-
-
-def build_model(config, *, abstract: bool = False):
-    """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into)."""
-    def make():
-        return scenarioclip.build(config.model.kind, preset=config.model.preset,
-                                  init="" if abstract else config.model.init,
-                                  dtype=jnp.dtype(config.model.dtype), seed=config.seed,
-                                  embed_dim=config.model.embed_dim)
-    return nnx.eval_shape(make) if abstract else make()
 
 
 def use_compilation_cache(config, workdir: str) -> str | None:
@@ -138,6 +129,7 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
         log.info("checkpoint at step %d %s", step,
                  "started (written in the background)" if config.checkpoint_async else "written")
 
+    evals = registry.evaluators(config)
     writer = _tensorboard(workdir)
     bar = tqdm(total=steps, initial=start, desc="train", unit="step",
                disable=not (progress and config.progress_bar))
@@ -171,8 +163,7 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
             bar.update(1)
             if save_now:
                 save(done)
-            if config.get("eval_every", 0) and done % config.eval_every == 0:
-                _periodic_eval(config, graphdef, state, done, workdir)
+            _periodic_eval(evals, graphdef, state, done, workdir)
     bar.close()
     manager.wait_until_finished()
     manager.close()
@@ -181,20 +172,21 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     return state
 
 
-def _periodic_eval(config, graphdef, state, step: int, workdir: str) -> None:
-    """Evaluate the student (config.eval_tasks on config.eval_split) and append one JSON line
-    {"step", "split", "results"} to WORKDIR/eval.jsonl."""
-    from sclaro_jax.eval.scenario import evaluate_scenario
-
+def _periodic_eval(evals, graphdef, state, step: int, workdir: str) -> None:
+    """Run the evaluators due at `step` on the student; one JSON line per evaluator
+    {"step", "evaluator", "split", "results"} appended to WORKDIR/eval.jsonl."""
+    due = [ev for ev in evals if ev.every and step % ev.every == 0]
+    if not due:
+        return
     model = nnx.merge(graphdef, jax.device_get(state.params))
-    tasks = tuple(t.strip() for t in str(config.eval_tasks).split(",") if t.strip())
-    result = evaluate_scenario(model, config.data.dir, split=config.eval_split, tasks=tasks,
-                               image_size=config.data.image_size, progress=False)
     with open(os.path.join(workdir, "eval.jsonl"), "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step, "split": config.eval_split, "results": result}) + "\n")
-    zs = result.get("zero_shot", {})
-    log.info("eval at step %d on %s: %s", step, config.eval_split,
-             {k: v for k, v in zs.items() if not isinstance(v, dict)} if zs else list(result))
+        for ev in due:
+            results = dict(ev.run(model))
+            f.write(json.dumps({"step": step, "evaluator": ev.name, "split": ev.split,
+                                "results": results}) + "\n")
+            log.info("eval %s at step %d on %s: %s", ev.name, step, ev.split,
+                     {k: v for k, v in results.items() if not isinstance(v, dict)} or
+                     list(results))
 
 
 def _tensorboard(workdir: str):
