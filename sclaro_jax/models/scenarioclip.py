@@ -61,6 +61,11 @@ class CLIPPair(nnx.Module):
         out = self.text_head(self.text_model.pooled(input_ids.reshape(-1, input_ids.shape[-1])))
         return out.reshape(*lead, -1)
 
+    @property
+    def num_text_layers(self) -> int:
+        """How many blocks the text tower has (the most `text_prefix` can run)."""
+        return len(self.text_model.encoder.layers)
+
     def text_prefix(self, input_ids: jax.Array, layers: int) -> tuple[jax.Array, jax.Array]:
         """The text tower's embeddings and first `layers` blocks on [..., L] token ids:
         (hidden [N, L, d], mask), for `encode_text_from`."""
