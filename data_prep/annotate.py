@@ -154,7 +154,8 @@ def _config_key(cfg: AnnotateConfig) -> dict:
     """What the caches depend on: a rerun with other settings must not mix results."""
     return {"version": CACHE_VERSION, "source": cfg.source, "root": os.path.abspath(cfg.root),
             "source_options": [list(kv) for kv in cfg.source_options],
-            "vlm": cfg.vlm, "vlm_replies": cfg.vlm_replies, "detector": cfg.detector, "sam": cfg.sam, "sam_type": cfg.sam_type,
+            "vlm": cfg.vlm, "vlm_replies": cfg.vlm_replies, "detector": cfg.detector,
+            "sam": cfg.sam, "sam_type": cfg.sam_type,
             "batch_size": cfg.batch_size, "box_threshold": cfg.box_threshold,
             "text_threshold": cfg.text_threshold, "nms_iou": cfg.nms_iou,
             "region_quality": cfg.region_quality, "limit": cfg.limit}
