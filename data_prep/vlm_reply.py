@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from data_prep.loose_json import Notes, is_empty, keep_first_non_empty, parse_at
+from data_prep.loose_json import Notes, keep_first_non_empty, parse_at
 
 MAX_OBJECTS = 10
 FIELDS = ("action", "objects", "relations", "caption")
