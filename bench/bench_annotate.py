@@ -82,7 +82,7 @@ def main():
     args = parser.parse_args()
     import torch
 
-    from data_prep import annotate, detect, segment
+    from data_prep import annotate, detect, segment, vlm
     torch.set_num_threads(os.cpu_count())
     tmp = args.tmp or tempfile.mkdtemp(prefix="bench_annotate_")
     root, replies = make_inputs(tmp, args.images)
@@ -110,7 +110,7 @@ def main():
             out.append(kept)
         return out
     segmenter = segment.SamSegmenter(segment.load_sam(sam_path, sam_type), device="cpu")
-    models = annotate.Models(vlm=annotate.RepliesFile(replies), detector=detect_top,
+    models = annotate.Models(vlm=vlm.RepliesFile(replies), detector=detect_top,
                              segmenter=segmenter)
     # warm-up on one image so first-call costs (lazy init, allocator) are not in the figures
     from PIL import Image

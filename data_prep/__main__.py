@@ -30,8 +30,8 @@ def _annotate(args) -> int:
         except json.JSONDecodeError:
             options.append((key, value))
     cfg = AnnotateConfig(
-        source=args.source, root=args.root, source_options=tuple(options), out=args.out, work=args.work, vlm=args.vlm,
-        vlm_replies=args.vlm_replies, vlm_trust_remote_code=args.vlm_trust_remote_code,
+        source=args.source, root=args.root, source_options=tuple(options), out=args.out,
+        work=args.work, vlm=args.vlm, vlm_replies=args.vlm_replies, vlm_trust_remote_code=args.vlm_trust_remote_code,
         detector=args.detector, sam=args.sam, sam_type=args.sam_type, device=args.device,
         batch_size=args.batch_size, box_threshold=args.box_threshold,
         text_threshold=args.text_threshold, nms_iou=args.nms_iou, limit=args.limit,
@@ -70,17 +70,24 @@ def _curate(args) -> int:
     return 0
 
 
+def _command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
+    """A sub-command `name` run by `func(args)`."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="SCLARO annotation pipeline: annotate images, curate labels, write shards.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    demo = sub.add_parser(
-        "demo", help="write the bundled demo dataset (real photographs from PyPI wheels, "
-                     "hand-written annotations) as SCLARO shards",
-        description="Turn data_prep/demo/annotations.json into ArrayRecord shards, "
-                    "vocabularies and a manifest. Relation regions use box masks in place of "
-                    "SAM masks.")
+    demo = _command(
+        sub, "demo", _demo,
+        "write the bundled demo dataset (real photographs from PyPI wheels, hand-written "
+        "annotations) as SCLARO shards",
+        "Turn data_prep/demo/annotations.json into ArrayRecord shards, vocabularies and a "
+        "manifest. Relation regions use box masks in place of SAM masks.")
     demo.add_argument("--out", required=True, help="output folder")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace a dataset already in --out")
@@ -88,15 +95,15 @@ def main(argv=None) -> int:
                       help="seed of the deterministic 70/10/20 split (default 42)")
     demo.add_argument("--records-per-shard", type=int, default=4,
                       help="records per ArrayRecord shard (default 4, so the demo has several)")
-    demo.set_defaults(func=_demo)
 
-    ann = sub.add_parser(
-        "annotate", help="run the three annotation stages (VLM, GroundingDINO, SAM) over a "
-                         "source and write SCLARO shards; rerun the same command to resume",
-        description="Stage 1: the VLM's action, objects, relation triplets and caption. "
-                    "Stage 2: GroundingDINO boxes (thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: "
-                    "SAM masks and a focused-region image per relation. Results are cached per "
-                    "chunk in the work folder: a killed run continues where it stopped.")
+    ann = _command(
+        sub, "annotate", _annotate,
+        "run the three annotation stages (VLM, GroundingDINO, SAM) over a source and write "
+        "SCLARO shards; rerun the same command to resume",
+        "Stage 1: the VLM's action, objects, relation triplets and caption. Stage 2: "
+        "GroundingDINO boxes (thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: SAM masks and a "
+        "focused-region image per relation. Results are cached per chunk in the work folder: a "
+        "killed run continues where it stopped.")
     ann.add_argument("--source", default="folder",
                      choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015"),
                      help="layout of --root (default: a plain folder of images)")
@@ -129,16 +136,16 @@ def main(argv=None) -> int:
     ann.add_argument("--overwrite", action="store_true",
                      help="replace a dataset already in --out")
     ann.add_argument("--no-progress", action="store_true", help="no progress bar")
-    ann.set_defaults(func=_annotate)
 
-    cur = sub.add_parser(
-        "curate", help="curate a dataset's labels into shared canonical vocabularies "
-                       "(two passes: cluster object names, then apply your cluster labels)",
-        description="Objects: colour words and adjectives stripped (NLTK POS tagger), plurals "
-                    "folded, names embedded and clustered with HDBSCAN into a clusters file you "
-                    "label; relations: cluster labels for subject/object, stopwords removed "
-                    "from the predicate; actions: your surface-form -> class map. The first "
-                    "run writes the clusters file and exits with status 3; label it and rerun.")
+    cur = _command(
+        sub, "curate", _curate,
+        "curate a dataset's labels into shared canonical vocabularies (two passes: cluster "
+        "object names, then apply your cluster labels)",
+        "Objects: colour words and adjectives stripped (NLTK POS tagger), plurals folded, names "
+        "embedded and clustered with HDBSCAN into a clusters file you label; relations: cluster "
+        "labels for subject/object, stopwords removed from the predicate; actions: your "
+        "surface-form -> class map. The first run writes the clusters file and exits with "
+        "status 3; label it and rerun.")
     cur.add_argument("--data", required=True, help="a SCLARO dataset folder (e.g. annotate's "
                                                    "or the demo's output)")
     cur.add_argument("--out", required=True, help="the curated dataset folder to write")
@@ -167,7 +174,6 @@ def main(argv=None) -> int:
                           "data_prep.curate.ACTION_SIMILARITY, 0.7)")
     cur.add_argument("--overwrite", action="store_true")
     cur.add_argument("--no-progress", action="store_true")
-    cur.set_defaults(func=_curate)
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

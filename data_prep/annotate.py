@@ -27,15 +27,14 @@ import dataclasses
 import json
 import logging
 import os
-import struct
 import time
-import zlib
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable
 
 import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from data_prep.durable_logs import JsonLog, RecordLog
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")
@@ -73,110 +72,6 @@ class AnnotateConfig:
         return self.work or self.out.rstrip("/") + ".work"
 
 
-# --------------------------------------------------------------------------- durable logs
-
-
-def _cut_torn_tail(path: str, good: int, size: int) -> None:
-    if good < size:
-        log.warning("%s: cutting off a torn tail of %d bytes (an interrupted write)", path,
-                    size - good)
-        with open(path, "r+b") as f:
-            f.truncate(good)
-
-
-def _append_durably(f, blob: bytes) -> None:
-    f.write(blob)
-    f.flush()
-    os.fsync(f.fileno())
-
-
-class JsonLog:
-    """Append-only JSON lines (small: the stage caches), fsynced per line, held in memory. On
-    opening, a torn last line (an interrupted write) is cut off."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.entries: list[dict] = []
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                data = f.read()
-            good = 0
-            for line in data.splitlines(keepends=True):
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    self.entries.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break
-                good += len(line)
-            _cut_torn_tail(path, good, len(data))
-        self._f = open(path, "ab")
-
-    def append(self, entry: dict) -> None:
-        _append_durably(self._f, (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))
-        self.entries.append(entry)
-
-    def close(self) -> None:
-        self._f.close()
-
-
-_FRAME = struct.Struct("<II")  # payload length, crc32
-
-
-class RecordLog:
-    """Append-only framed binary records (length, CRC32, payload), fsynced per append. Only an
-    index (offset, length) is held in memory; payloads are read back from disk one at a time,
-    so the log can outgrow memory. On opening, a torn or corrupt tail is cut off."""
-
-    def __init__(self, path: str):
-        self.path = path
-        self.index: list[tuple[int, int]] = []
-        if os.path.exists(path):
-            size = os.path.getsize(path)
-            pos = 0
-            with open(path, "rb") as f:
-                while pos + _FRAME.size <= size:
-                    f.seek(pos)
-                    n, crc = _FRAME.unpack(f.read(_FRAME.size))
-                    payload = f.read(n)
-                    if len(payload) < n or zlib.crc32(payload) != crc:
-                        break
-                    self.index.append((pos + _FRAME.size, n))
-                    pos += _FRAME.size + n
-            _cut_torn_tail(path, pos, size)
-        self._f = open(path, "ab")
-
-    def append_many(self, payloads: Sequence[bytes]) -> None:
-        if not payloads:
-            return
-        pos = self._f.tell()
-        _append_durably(self._f, b"".join(_FRAME.pack(len(p), zlib.crc32(p)) + p
-                                          for p in payloads))
-        for p in payloads:
-            self.index.append((pos + _FRAME.size, len(p)))
-            pos += _FRAME.size + len(p)
-
-    def read(self, entry: tuple[int, int]) -> bytes:
-        offset, n = entry
-        with open(self.path, "rb") as f:
-            f.seek(offset)
-            return f.read(n)
-
-    def __iter__(self) -> Iterator[bytes]:
-        with open(self.path, "rb") as f:
-            for offset, n in self.index:
-                f.seek(offset)
-                yield f.read(n)
-
-    @property
-    def records(self) -> list[bytes]:
-        """All payloads in memory (small logs, tests)."""
-        return list(self)
-
-    def close(self) -> None:
-        self._f.close()
-
-
 # --------------------------------------------------------------------------- models
 
 
@@ -201,33 +96,6 @@ def check_model_flags(cfg: AnnotateConfig) -> None:
             f"save_pretrained) and --sam FILE (sam_vit_h_4b8939.pth))")
 
 
-class RepliesFile:
-    """Stage 1 from replies obtained elsewhere (a batch API, another machine): a JSON object
-    {image id: reply text}. Called with the chunk's items rather than images."""
-    wants_items = True
-
-    def __init__(self, path: str):
-        try:
-            with open(path, encoding="utf-8") as f:
-                self.replies = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"--vlm-replies {path}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--vlm-replies {path}: not valid JSON ({e})") from None
-        if not isinstance(self.replies, dict) or not all(
-                isinstance(v, str) for v in self.replies.values()):
-            raise ValueError(f"--vlm-replies {path}: expected a JSON object "
-                             f"{{image id: reply text}}")
-        self.path = path
-
-    def __call__(self, items: list) -> list[str]:
-        missing = [it.id for it in items if it.id not in self.replies]
-        if missing:
-            raise KeyError(f"--vlm-replies {self.path} has no reply for image {missing[0]!r} "
-                           f"({len(missing)} of this batch missing)")
-        return [self.replies[it.id] for it in items]
-
-
 def load_models(cfg: AnnotateConfig) -> Models:
     """The configured models; a clear error for each one not given or not found."""
     import torch
@@ -236,7 +104,7 @@ def load_models(cfg: AnnotateConfig) -> Models:
     check_model_flags(cfg)
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if cfg.vlm_replies:
-        stage1 = RepliesFile(cfg.vlm_replies)
+        stage1 = vlm.RepliesFile(cfg.vlm_replies)
     else:
         stage1 = vlm.TransformersVLM(cfg.vlm, device=device, batch_size=cfg.batch_size,
                                      trust_remote_code=cfg.vlm_trust_remote_code)
@@ -286,7 +154,8 @@ def _config_key(cfg: AnnotateConfig) -> dict:
     """What the caches depend on: a rerun with other settings must not mix results."""
     return {"version": CACHE_VERSION, "source": cfg.source, "root": os.path.abspath(cfg.root),
             "source_options": [list(kv) for kv in cfg.source_options],
-            "vlm": cfg.vlm, "vlm_replies": cfg.vlm_replies, "detector": cfg.detector, "sam": cfg.sam, "sam_type": cfg.sam_type,
+            "vlm": cfg.vlm, "vlm_replies": cfg.vlm_replies, "detector": cfg.detector,
+            "sam": cfg.sam, "sam_type": cfg.sam_type,
             "batch_size": cfg.batch_size, "box_threshold": cfg.box_threshold,
             "text_threshold": cfg.text_threshold, "nms_iou": cfg.nms_iou,
             "region_quality": cfg.region_quality, "limit": cfg.limit}

@@ -148,8 +148,8 @@ def cluster_embeddings(emb: np.ndarray, *, min_cluster_size: int = MIN_CLUSTER_S
     gives the same single-linkage hierarchy and the same "leaf" clusters; but "eom" weighs
     clusters by sums of lambda = 1/distance, which a non-linear change of units alters, and
     its labels do differ (tests/test_curate_cluster.py has a case). The price is O(N^2)
-    memory: the matrix is 0.8 GB at 10,000 names and scikit-learn's symmetry check on it
-    raises the peak to about 2.4 GiB (bench/README.md). k = min_samples counts the point
+    memory: an N x N float64 matrix, plus the copy scikit-learn's symmetry check makes of it
+    (see bench/README.md). k = min_samples counts the point
     itself (scikit-learn's convention): min_samples=1 makes d_mreach = d (single linkage),
     2 makes core_k(a) the distance to a's nearest neighbour.
 

@@ -18,37 +18,20 @@ a caller can count it as failed and go on.
 from __future__ import annotations
 
 import csv
-import dataclasses
 import functools
-import io
-import json
 import logging
 import os
 import re
-import urllib.parse
 from typing import Callable, Iterable, Iterator
 
-from PIL import Image
+from data_prep.source_items import (SourceError, SourceItem, id_key, is_image, is_index,
+                                    load_json, middle_frames, natural_order,
+                                    read_image,  # noqa: F401  (re-exported)
+                                    require_dir, require_file)
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
-KEPT_FORMATS = ("JPEG", "MPO", "PNG")  # MPO: a JPEG with extra frames; readers see the first
 PVSG_SUBSETS = ("vidor", "epic_kitchen", "ego4d")
-
-
-class SourceError(ValueError):
-    """A source layout or image that cannot be used; the message names the file or item."""
-
-
-@dataclasses.dataclass(frozen=True)
-class SourceItem:
-    id: str  # "<source>/<key>": stable, unique across sources, no whitespace
-    source: str  # one of SOURCES
-    path: str  # absolute path of the image file
-    action: str | None = None  # ground-truth action (MMiT), else None
-    caption: str | None = None  # the source's own caption (CC3M), kept for reference
-
 
 SOURCES: dict[str, Callable[..., Iterator[SourceItem]]] = {}
 
@@ -63,33 +46,7 @@ def iter_source(kind: str, root: str, **options) -> Iterator[SourceItem]:
     return SOURCES[kind](root, **options)
 
 
-def read_image(item: SourceItem) -> tuple[bytes, Image.Image]:
-    """The image's bytes for the record and its decoded RGB pixels.
-
-    JPEG and PNG files are returned byte for byte; other formats (BMP, WebP, ...) are re-encoded
-    losslessly as PNG. Pixels are kept as stored: EXIF orientation is not applied, exactly as
-    `sclaro_jax.data.schema.decode_image` decodes the record later, so boxes and masks computed
-    on the returned image match the pixels a reader sees. SourceError naming the item if the
-    file is missing or does not decode.
-    """
-    try:
-        with open(item.path, "rb") as f:
-            data = f.read()
-        img = Image.open(io.BytesIO(data))
-        img.load()
-        fmt = img.format
-        rgb = img if img.mode == "RGB" else img.convert("RGB")
-    except Exception as e:  # OSError, PIL.UnidentifiedImageError, DecompressionBombError, ...
-        raise SourceError(f"{item.id}: cannot read image {item.path}: "
-                          f"{type(e).__name__}: {e}") from None
-    if fmt not in KEPT_FORMATS:
-        buf = io.BytesIO()
-        rgb.save(buf, format="PNG")
-        data = buf.getvalue()
-    return data, rgb
-
-
-# --------------------------------------------------------------------------- helpers
+# --------------------------------------------------------------------------- registration
 
 def _adapter(name: str, title: str, layout: str):
     """Register `fn(root, **options) -> Iterable[SourceItem]` as source `name`. The registered
@@ -112,52 +69,6 @@ def _adapter(name: str, title: str, layout: str):
         SOURCES[name] = adapter
         return adapter
     return register
-
-
-def _key(text: str) -> str:
-    """A path-like key for an id: '/'-separated, whitespace and other characters
-    percent-encoded (injective: '%' itself is encoded)."""
-    return urllib.parse.quote(text.replace(os.sep, "/"), safe="/!$&'()*+,:;=@")
-
-
-def _is_image(name: str) -> bool:
-    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
-
-
-def _natural(name: str) -> list:
-    """Sort key that orders 'img_2.jpg' before 'img_10.jpg'."""
-    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"([0-9]+)", name))]
-
-
-def _is_index(text: str) -> bool:
-    return re.fullmatch(r"[0-9]+", text) is not None
-
-
-def _require_file(title: str, path: str, layout: str) -> str:
-    if not os.path.isfile(path):
-        raise SourceError(f"{title}: {path} not found; expected {layout}")
-    return path
-
-
-def _require_dir(title: str, path: str, layout: str) -> str:
-    if not os.path.isdir(path):
-        raise SourceError(f"{title}: folder {path} not found; expected {layout}")
-    return path
-
-
-def _load_json(title: str, path: str):
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError) as e:
-        raise SourceError(f"{title}: cannot read {path}: {type(e).__name__}: {e}") from None
-
-
-def _middle_frames(n: int, k: int) -> list[int]:
-    """Indices of the centre frames of `k` equal segments of `n` frames (all if k >= n)."""
-    if k >= n:
-        return list(range(n))
-    return [(2 * i + 1) * n // (2 * k) for i in range(k)]
 
 
 # --------------------------------------------------------------------------- adapters
@@ -205,7 +116,7 @@ def mmit(root: str, *, splits: Iterable[str] = ("training", "validation"),
                           f"expected {MMIT_LAYOUT}")
     by_index = _mmit_categories(categories_path)
     names = set(by_index.values())
-    frames_root = _require_dir(title, os.path.join(root, frames_dir), MMIT_LAYOUT)
+    frames_root = require_dir(title, os.path.join(root, frames_dir), MMIT_LAYOUT)
 
     missing = 0
     for split in splits:
@@ -221,7 +132,7 @@ def mmit(root: str, *, splits: Iterable[str] = ("training", "validation"),
                     raise SourceError(f"{title}: {csv_path} line {line}: expected "
                                       f"video_path,label[,label...], got {','.join(row)!r}")
                 video, label = row[0].strip(), row[1].strip()
-                if _is_index(label) and int(label) in by_index:
+                if is_index(label) and int(label) in by_index:
                     action = by_index[int(label)]
                 elif label in names:
                     action = label
@@ -231,7 +142,7 @@ def mmit(root: str, *, splits: Iterable[str] = ("training", "validation"),
                 stem = os.path.splitext(video)[0]
                 folder = os.path.join(frames_root, stem)
                 frames = (sorted((n for n in os.listdir(folder)
-                                  if _is_image(n) and n.startswith(frame_prefix)), key=_natural)
+                                  if is_image(n) and n.startswith(frame_prefix)), key=natural_order)
                           if os.path.isdir(folder) else [])
                 if not frames:
                     if skip_missing:
@@ -240,9 +151,9 @@ def mmit(root: str, *, splits: Iterable[str] = ("training", "validation"),
                     raise SourceError(f"{title}: no frames for video {video!r} "
                                       f"({csv_path} line {line}) in {folder}; expected "
                                       f"{MMIT_LAYOUT} (or pass skip_missing=True)")
-                for i in _middle_frames(len(frames), frames_per_video):
+                for i in middle_frames(len(frames), frames_per_video):
                     name = frames[i]
-                    yield SourceItem(id=f"mmit/{_key(stem)}/{_key(os.path.splitext(name)[0])}",
+                    yield SourceItem(id=f"mmit/{id_key(stem)}/{id_key(os.path.splitext(name)[0])}",
                                      source="mmit", path=os.path.join(folder, name),
                                      action=action)
     if missing:
@@ -259,7 +170,7 @@ def _mmit_categories(path: str) -> dict[int, str]:
         return {i: row[0].strip() for i, row in enumerate(rows)}
     by_index = {}
     for line, row in enumerate(rows, start=1):
-        if len(row) != 2 or not _is_index(row[1].strip()):
+        if len(row) != 2 or not is_index(row[1].strip()):
             raise SourceError(f"MMiT: {path} row {line}: expected name,index, got "
                               f"{','.join(row)!r}")
         by_index[int(row[1])] = row[0].strip()
@@ -295,17 +206,17 @@ def cc3m(root: str, *, tsv: str | None = None,
         yield from _cc3m_tsv(root, tsv, images_dir)
         return
     shards = sorted(n for n in os.listdir(root)
-                    if _is_index(n) and os.path.isdir(os.path.join(root, n)))
+                    if is_index(n) and os.path.isdir(os.path.join(root, n)))
     if not shards:
         raise SourceError(f"{title}: no shard folders (<root>/00000/, ...) in {root}; expected "
                           f"{CC3M_LAYOUT}")
     for shard in shards:
         folder = os.path.join(root, shard)
         for name in os.listdir(folder):
-            if not _is_image(name):
+            if not is_image(name):
                 continue
             key = os.path.splitext(name)[0]
-            yield SourceItem(id=f"cc3m/{_key(shard)}/{_key(key)}", source="cc3m",
+            yield SourceItem(id=f"cc3m/{id_key(shard)}/{id_key(key)}", source="cc3m",
                              path=os.path.join(folder, name),
                              caption=_img2dataset_caption(os.path.join(folder, key)))
 
@@ -315,15 +226,15 @@ def _img2dataset_caption(stem: str) -> str | None:
         with open(stem + ".txt", encoding="utf-8") as f:
             return f.read().strip()
     if os.path.isfile(stem + ".json"):
-        caption = _load_json("CC3M", stem + ".json").get("caption")
+        caption = load_json("CC3M", stem + ".json").get("caption")
         return caption.strip() if isinstance(caption, str) else None
     return None
 
 
 def _cc3m_tsv(root: str, tsv: str, images_dir: str) -> Iterator[SourceItem]:
     title = "CC3M"
-    tsv_path = _require_file(title, os.path.join(root, tsv), CC3M_LAYOUT)
-    images = _require_dir(title, os.path.join(root, images_dir), CC3M_LAYOUT)
+    tsv_path = require_file(title, os.path.join(root, tsv), CC3M_LAYOUT)
+    images = require_dir(title, os.path.join(root, images_dir), CC3M_LAYOUT)
     with open(tsv_path, newline="", encoding="utf-8") as f:
         for line, row in enumerate(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE),
                                    start=1):
@@ -339,7 +250,7 @@ def _cc3m_tsv(root: str, tsv: str, images_dir: str) -> Iterator[SourceItem]:
             if os.path.isabs(rel) or rel.split(os.sep)[0] == "..":
                 raise SourceError(f"{title}: {tsv_path} line {line}: filename {filename!r} "
                                   f"must lie inside {images}")
-            yield SourceItem(id=f"cc3m/{_key(os.path.splitext(rel)[0])}", source="cc3m",
+            yield SourceItem(id=f"cc3m/{id_key(os.path.splitext(rel)[0])}", source="cc3m",
                              path=os.path.join(images, rel), caption=caption)
 
 
@@ -363,9 +274,9 @@ def openpsg(root: str) -> Iterator[SourceItem]:
     path = os.path.join(root, "psg.json")
     if not os.path.isfile(path) and os.path.isfile(os.path.join(root, "psg", "psg.json")):
         path = os.path.join(root, "psg", "psg.json")
-    _require_file(title, path, OPENPSG_LAYOUT)
-    coco = _require_dir(title, os.path.join(root, "coco"), OPENPSG_LAYOUT)
-    doc = _load_json(title, path)
+    require_file(title, path, OPENPSG_LAYOUT)
+    coco = require_dir(title, os.path.join(root, "coco"), OPENPSG_LAYOUT)
+    doc = load_json(title, path)
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         raise SourceError(f"{title}: {path} has no 'data' list; expected {OPENPSG_LAYOUT}")
@@ -373,7 +284,7 @@ def openpsg(root: str) -> Iterator[SourceItem]:
         if not isinstance(entry, dict) or not entry.get("file_name") or \
                 entry.get("image_id") in (None, ""):
             raise SourceError(f"{title}: {path} data[{i}] lacks 'file_name' or 'image_id'")
-        yield SourceItem(id=f"openpsg/{_key(str(entry['image_id']))}", source="openpsg",
+        yield SourceItem(id=f"openpsg/{id_key(str(entry['image_id']))}", source="openpsg",
                          path=os.path.join(coco, entry["file_name"]))
 
 
@@ -399,8 +310,8 @@ def pvsg(root: str, *, stride: int = 25, skip_missing: bool = False) -> Iterator
     title = "PVSG"
     if stride < 1:
         raise SourceError(f"{title}: stride must be at least 1, got {stride}")
-    path = _require_file(title, os.path.join(root, "pvsg.json"), PVSG_LAYOUT)
-    doc = _load_json(title, path)
+    path = require_file(title, os.path.join(root, "pvsg.json"), PVSG_LAYOUT)
+    doc = load_json(title, path)
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):
         raise SourceError(f"{title}: {path} has no 'data' list; expected {PVSG_LAYOUT}")
@@ -422,7 +333,7 @@ def pvsg(root: str, *, stride: int = 25, skip_missing: bool = False) -> Iterator
                               f"{', '.join(folders)} exists; expected {PVSG_LAYOUT} "
                               f"(or pass skip_missing=True)")
         for frame in range(0, num_frames, stride):
-            yield SourceItem(id=f"pvsg/{_key(video)}/{frame:04d}", source="pvsg",
+            yield SourceItem(id=f"pvsg/{id_key(video)}/{frame:04d}", source="pvsg",
                              path=os.path.join(found[0], f"{frame:04d}.png"))
     if missing:
         log.warning("PVSG: skipped %d videos without a frames folder under %s", missing, root)
@@ -448,7 +359,7 @@ def kitti2015(root: str, *, subsets: Iterable[str] = ("training", "testing"),
     frames = {f"{int(f):02d}" for f in frames}
     for subset in subsets:
         for camera in cameras:
-            folder = _require_dir(title, os.path.join(root, subset, camera),
+            folder = require_dir(title, os.path.join(root, subset, camera),
                                   f"{KITTI_LAYOUT} (pass subsets=/cameras= to read fewer)")
             for name in os.listdir(folder):
                 m = _KITTI_NAME.match(name)
@@ -468,7 +379,7 @@ def image_folder(root: str) -> Iterator[SourceItem]:
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
-            if _is_image(name):
+            if is_image(name):
                 path = os.path.join(dirpath, name)
-                yield SourceItem(id=f"folder/{_key(os.path.relpath(path, root))}",
+                yield SourceItem(id=f"folder/{id_key(os.path.relpath(path, root))}",
                                  source="folder", path=path)

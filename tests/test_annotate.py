@@ -162,7 +162,7 @@ def test_cli_names_what_is_missing(tmp_path, capsys):
 
 
 def test_torn_tails_are_cut_off(tmp_path):
-    from data_prep.annotate import JsonLog, RecordLog
+    from data_prep.durable_logs import JsonLog, RecordLog
     j = JsonLog(str(tmp_path / "a.jsonl"))
     j.append({"chunk": 0})
     j.close()

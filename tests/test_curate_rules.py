@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from data_prep import curate_objects
 from data_prep import curate_rules as cr
 
 # A dict-based stand-in for nltk.pos_tag (nltk's tagger data is not installed here); unknown
@@ -98,9 +99,9 @@ def no_nltk_data(monkeypatch, tmp_path):
     import nltk
 
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path)])
-    cr._default_tagger.cache_clear()
+    curate_objects._default_tagger.cache_clear()
     yield tmp_path
-    cr._default_tagger.cache_clear()
+    curate_objects._default_tagger.cache_clear()
 
 
 def test_missing_tagger_data_says_what_to_install(no_nltk_data):

@@ -1,0 +1,102 @@
+"""What a source adapter yields and how its files are read: `SourceItem`, `SourceError`,
+`read_image`, and the checks and naming helpers the adapters of `data_prep.sources` share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import re
+import urllib.parse
+
+from PIL import Image
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+KEPT_FORMATS = ("JPEG", "MPO", "PNG")  # MPO: a JPEG with extra frames; readers see the first
+
+
+class SourceError(ValueError):
+    """A source layout or image that cannot be used; the message names the file or item."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceItem:
+    id: str  # "<source>/<key>": stable, unique across sources, no whitespace
+    source: str  # one of data_prep.sources.SOURCES
+    path: str  # absolute path of the image file
+    action: str | None = None  # ground-truth action (MMiT), else None
+    caption: str | None = None  # the source's own caption (CC3M), kept for reference
+
+
+def read_image(item: SourceItem) -> tuple[bytes, Image.Image]:
+    """The image's bytes for the record and its decoded RGB pixels.
+
+    JPEG and PNG files are returned byte for byte; other formats (BMP, WebP, ...) are re-encoded
+    losslessly as PNG. Pixels are kept as stored: EXIF orientation is not applied, exactly as
+    `sclaro_jax.data.schema.decode_image` decodes the record later, so boxes and masks computed
+    on the returned image match the pixels a reader sees. SourceError naming the item if the
+    file is missing or does not decode.
+    """
+    try:
+        with open(item.path, "rb") as f:
+            data = f.read()
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        fmt = img.format
+        rgb = img if img.mode == "RGB" else img.convert("RGB")
+    except Exception as e:  # OSError, PIL.UnidentifiedImageError, DecompressionBombError, ...
+        raise SourceError(f"{item.id}: cannot read image {item.path}: "
+                          f"{type(e).__name__}: {e}") from None
+    if fmt not in KEPT_FORMATS:
+        buf = io.BytesIO()
+        rgb.save(buf, format="PNG")
+        data = buf.getvalue()
+    return data, rgb
+
+
+def id_key(text: str) -> str:
+    """A path-like key for an id: '/'-separated, whitespace and other characters
+    percent-encoded (injective: '%' itself is encoded)."""
+    return urllib.parse.quote(text.replace(os.sep, "/"), safe="/!$&'()*+,:;=@")
+
+
+def is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def natural_order(name: str) -> list:
+    """Sort key that orders 'img_2.jpg' before 'img_10.jpg'."""
+    return [int(t) if i % 2 else t for i, t in enumerate(re.split(r"([0-9]+)", name))]
+
+
+def is_index(text: str) -> bool:
+    return re.fullmatch(r"[0-9]+", text) is not None
+
+
+def require_file(title: str, path: str, layout: str) -> str:
+    if not os.path.isfile(path):
+        raise SourceError(f"{title}: {path} not found; expected {layout}")
+    return path
+
+
+def require_dir(title: str, path: str, layout: str) -> str:
+    if not os.path.isdir(path):
+        raise SourceError(f"{title}: folder {path} not found; expected {layout}")
+    return path
+
+
+def load_json(title: str, path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise SourceError(f"{title}: cannot read {path}: {type(e).__name__}: {e}") from None
+
+
+def middle_frames(n: int, k: int) -> list[int]:
+    """Indices of the centre frames of `k` equal segments of `n` frames (all if k >= n)."""
+    if k >= n:
+        return list(range(n))
+    return [(2 * i + 1) * n // (2 * k) for i in range(k)]
