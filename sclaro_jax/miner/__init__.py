@@ -8,8 +8,9 @@ with the same two functions.
 
 from .crops import crop_boxes, crop_images
 from .kernels import (csls, csls_combine, csls_shortlist, dual_softmax, fuse, fused_scores,
-                      hubness, qbnorm, ranks, recall_at_k, sinkhorn, topk_mean)
+                      hubness, hubness_from_topk, qbnorm, ranks, recall_at_k, recall_from_ranks,
+                      sinkhorn, topk_mean)
 
 __all__ = ["crop_boxes", "crop_images", "csls", "csls_combine", "csls_shortlist", "dual_softmax",
-           "fuse", "fused_scores", "hubness", "qbnorm", "ranks", "recall_at_k", "sinkhorn",
-           "topk_mean"]
+           "fuse", "fused_scores", "hubness", "hubness_from_topk", "qbnorm", "ranks",
+           "recall_at_k", "recall_from_ranks", "sinkhorn", "topk_mean"]

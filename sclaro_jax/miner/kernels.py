@@ -232,9 +232,10 @@ def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None, *
     return _csls_combine(scores, r_q, r_i)
 
 
-@_jitted("m", options=False)
-def _shortlist(global_scores: jax.Array, m: int) -> jax.Array:
-    return _topk_last(_f32(global_scores), m)[1]
+@_jitted("k", options=False)
+def _top_indices(scores: jax.Array, k: int) -> jax.Array:
+    """int `[Q, k]`: each row's k best columns, best first, ties to the lower index."""
+    return _topk_last(_f32(scores), k)[1]
 
 
 @_jitted("num_images")
@@ -266,7 +267,7 @@ def csls_shortlist(global_scores: jax.Array,
     """
     s = jnp.asarray(global_scores)
     _check_k(m, s.shape[1], "gallery images")
-    shortlist = _shortlist(s, m=m)
+    shortlist = _top_indices(s, k=m)
     r_q = topk_mean(s, k, 1)
     r_i = topk_mean(s if bank_scores is None else bank_scores, k, 0)
     pairs = fused(shortlist) if callable(fused) else jnp.take_along_axis(
@@ -335,14 +336,15 @@ def ranks(scores: jax.Array, gt: jax.Array) -> jax.Array:
 def recall_at_k(scores: jax.Array, gt: jax.Array, ks: tuple[int, ...] = (1, 5, 10)
                 ) -> dict[int, float]:
     """Text-to-image R@k in percent: 100 * mean_q [rank_q < k], ranks as in `ranks`."""
-    r = np.asarray(ranks(scores, gt))
+    return recall_from_ranks(ranks(scores, gt), ks)
+
+
+def recall_from_ranks(gt_ranks: np.ndarray, ks: tuple[int, ...] = (1, 5, 10)
+                      ) -> dict[int, float]:
+    """R@k in percent from 0-based ground-truth ranks `[Q]` (`ranks`, or a streamed search's
+    `gt_rank`): 100 * mean_q [rank_q < k]."""
+    r = np.asarray(gt_ranks)
     return {int(k): float(100.0 * np.mean(r < k)) for k in ks}
-
-
-@_jitted("k", options=False)
-def _k_occurrence(scores: jax.Array, k: int) -> jax.Array:
-    top = _topk_last(_f32(scores), k)[1]
-    return jnp.zeros(scores.shape[1], jnp.int32).at[top.reshape(-1)].add(1)
 
 
 def hubness(scores: jax.Array, k: int = 10) -> dict[str, float | int]:
@@ -353,8 +355,16 @@ def hubness(scores: jax.Array, k: int = 10) -> dict[str, float | int]:
     0.0 when every image occurs equally often); never_retrieved = fraction of images with
     N_k = 0; worst_hub = argmax_i N_k(i) (lowest index on ties), worst_hub_count its N_k.
     """
-    _check_k(k, jnp.shape(scores)[1], "gallery images")
-    counts = np.asarray(_k_occurrence(scores, k)).astype(np.float64)
+    num_images = jnp.shape(scores)[1]
+    _check_k(k, num_images, "gallery images")
+    return hubness_from_topk(_top_indices(scores, k=k), num_images)
+
+
+def hubness_from_topk(indices: np.ndarray, num_images: int) -> dict[str, float | int]:
+    """`hubness` from each query's top-k gallery indices `[Q, k]` (e.g. a streamed search's
+    `indices[:, :k]`) over a gallery of `num_images`: N_k(i) = occurrences of i in `indices`,
+    then the same statistics."""
+    counts = np.bincount(np.asarray(indices).ravel(), minlength=num_images).astype(np.float64)
     centred = counts - counts.mean()
     sigma = np.sqrt(np.mean(centred ** 2))
     skewness = float(np.mean(centred ** 3) / sigma ** 3) if sigma > 0 else 0.0
