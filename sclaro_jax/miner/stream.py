@@ -35,6 +35,8 @@ Memory rule (float32 bytes, Q queries, Qb bank rows, C = chunk, D = dim, R crops
     upcast for the matmul:          C * D * 4 (per view, transient)
     scores and masks:               about 5 * Q * C * 4  (+ 2 * Qb * C * 4 with a bank,
                                     + 2 * Q * C * 4 with crops: running pool + one crop)
+    column top-k (r_i):             C * 16 k * 4 candidates + Q / 16 * C * 4 block maxima
+                                    (`kernels.topk_mean`, blocked when 16 k < Q)
     results:                        G * 4 (r_i) + Q * (k + 2 top) * 4
 Queries are kept whole (the transductive r_i of a column needs every query's score); pick
 `chunk` so that 5 * Q * C * 4 fits, e.g. Q = 1,000 and C = 65,536 is about 1.3 GB.
