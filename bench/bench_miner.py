@@ -1,4 +1,5 @@
-"""MINER kernels on CPU against the numpy way MINER's reference code scores (DESIGN.md section 4).
+"""MINER kernels on CPU against the numpy way MINER's reference code scores
+(docs/design.md, section 4).
 
 (1) CSLS on a Q x G float32 score matrix (default 8,231 x 32,768): jitted `csls` vs `np.partition`
 top-k means on both axes, then 2S - r_q - r_i. (2) Fused + CSLS scoring of the ROCS-COCO shape
@@ -7,7 +8,7 @@ top-k means on both axes, then 2S - r_q - r_i. (2) Fused + CSLS scoring of the R
 once, alternating the order; figures are medians over rounds after one compile call. Optionally
 (--sweep-blocks) the top-k block lengths on the CSLS matrix.
 
-    python bench/bench_miner.py                      # full size, needs ~6 GB
+    python bench/bench_miner.py                      # full size (memory: see bench/README.md)
     python bench/bench_miner.py --queries 800 --images 3000 --rocs-queries 500 --rocs-images 300
 """
 

@@ -1,4 +1,4 @@
-"""sclaro_jax.miner crops and kernels against a plain-numpy float64 reference of DESIGN.md
+"""sclaro_jax.miner crops and kernels against a plain-numpy float64 reference of docs/design.md,
 section 4 (written out below, np.partition / stable argsort).
 
 Rankings are compared with `assert_same_ranking`: random Gaussian embeddings have no exact ties,
@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from sclaro_jax.miner import (crop_boxes, crop_images, csls, csls_shortlist, dual_softmax,
-                              fused_scores, hubness, qbnorm, ranks, recall_at_k, sinkhorn,
-                              topk_mean)
+from sclaro_jax.miner import (crop_boxes, crop_images, csls, csls_combine, csls_shortlist,
+                              dual_softmax, fuse, fused_scores, hubness, hubness_from_topk, qbnorm, ranks,
+                              recall_at_k, recall_from_ranks, sinkhorn, topk_mean)
 from sclaro_jax.miner.kernels import _topk_first_values, _topk_last
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -212,6 +212,21 @@ def test_fused_scores(pool, chunk, dtype):
     assert_same_ranking(ours, ref)
 
 
+def test_fuse_and_csls_combine_are_the_two_equations():
+    rng = np.random.default_rng(4)
+    t, g, c = embeddings(rng, 7, 16), embeddings(rng, 9, 16), embeddings(rng, 9, 3, 16)
+    np.testing.assert_allclose(fuse(t, g, None, 0.4), t.astype(np.float64) @ g.T, atol=ATOL)
+    np.testing.assert_allclose(fuse(t, g, c, 0.25, "mean"), ref_fused(t, g, c, 0.25, "mean"),
+                               atol=ATOL)
+    s, r_q, r_i = rng.standard_normal((7, 9)), rng.standard_normal(7), rng.standard_normal(9)
+    expected = 2 * s - r_q[:, None] - r_i[None, :]
+    np.testing.assert_allclose(csls_combine(s, r_q, r_i), expected, atol=ATOL)
+    np.testing.assert_allclose(csls_combine(s, None, r_i), expected + r_q[:, None], atol=ATOL)
+    pick = rng.integers(0, 9, (7, 4))  # r_i gathered per entry, as for a shortlist
+    np.testing.assert_allclose(csls_combine(np.take_along_axis(s, pick, 1), r_q, r_i[pick]),
+                               np.take_along_axis(expected, pick, 1), atol=ATOL)
+
+
 def test_fused_scores_rejects_bad_pool():
     with pytest.raises(ValueError, match="pool"):
         fused_scores(np.ones((2, 3)), np.ones((4, 3)), np.ones((4, 5, 3)), pool="sum")
@@ -339,6 +354,7 @@ def test_ranks_and_recall_on_random_scores(scores):
     assert set(got) == {1, 5, 10} and isinstance(got[1], float)
     for k in (1, 5, 10):
         assert got[k] == pytest.approx(100 * np.mean(r < k))
+    assert recall_from_ranks(r, ks=(1, 1300)) == {1: pytest.approx(got[1]), 1300: 100.0}
     assert got[1] >= 100 * 50 / 700
 
 
@@ -354,6 +370,8 @@ def test_hubness_hand_made():
     assert got["skewness"] == pytest.approx(np.mean(c ** 3) / np.mean(c ** 2) ** 1.5)
     assert got["never_retrieved"] == pytest.approx(0.2)
     assert (got["worst_hub"], got["worst_hub_count"]) == (1, 4)
+    assert hubness_from_topk(np.array([[1, 2], [1, 3], [1, 0], [2, 1]]), 5) == got
+    assert hubness_from_topk(np.array([[0], [1]]), 4)["never_retrieved"] == 0.5
     flat = hubness(np.eye(4, dtype=np.float32), k=1)
     assert flat["skewness"] == 0.0 and flat["never_retrieved"] == 0.0
 

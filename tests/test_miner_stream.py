@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from sclaro_jax.miner import stream
+from sclaro_jax.miner import recall_from_ranks, stream
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -123,8 +123,8 @@ def test_stream_matches_reference(name):
                     gt=d["gt"])
     check(res, ref, d["gt"])
     # recall@k follows exactly from the ranks.
-    for k in (1, 5, 10, 50):
-        assert np.mean(res.gt_rank < k) == np.mean(ref[5] < k)
+    assert recall_from_ranks(res.gt_rank, (1, 5, 10, 50)) == {
+        k: 100.0 * np.mean(ref[5] < k) for k in (1, 5, 10, 50)}
 
 
 def test_memmap_gallery_and_top_beyond_chunk(tmp_path):

@@ -1,4 +1,4 @@
-"""MINER region candidates (DESIGN.md section 4, paper section 4.1 and appendix H).
+"""MINER region candidates (docs/design.md, section 4; MINER paper, section 4.1 and appendix H).
 
 Boxes are `(x0, y0, x1, y1)` in pixels with `x1`/`y1` exclusive, so `image[y0:y1, x0:x1]` is the
 crop. Every generator makes squares; the encoder resizes each crop like the global view.

@@ -1,14 +1,18 @@
-"""MINER scoring kernels on in-memory score matrices (DESIGN.md section 4).
+"""MINER scoring kernels on in-memory score matrices (docs/design.md, section 4).
 
 Pure `jax.numpy`, static shapes; integer arguments (k, m, block sizes, pooling) are static.
 Inputs may be float16/bfloat16/float32 and are upcast: all arithmetic is float32. Score matrices
 are `[Q, G]`: one row per text query, one column per gallery image, higher is better.
 
+MINER's two equations are written once here, as pure functions every path calls (the in-memory
+kernels below, `stream`'s chunk step and through it `sharded`): `fuse` (region fusion) and
+`csls_combine` (2S - r_q - r_i).
+
 The public functions are jitted on first use, most with `sclaro_jax.compile`'s options: on CPU,
-XLA's default (YNNPACK) fusions reduce over the first axis of a large matrix about 7x slower.
-The last-axis top-k is the exception (faster with XLA's defaults), so CSLS is three compiled
-calls: row top-k means, column top-k means, 2S - r_q - r_i. Inside a caller's `jax.jit` they
-are traced into the caller's computation like any jitted function.
+XLA's default (YNNPACK) fusions reduce over the first axis of a large matrix much more slowly
+(see bench/README.md). The last-axis top-k is the exception (faster with XLA's defaults), so
+CSLS is three compiled calls: row top-k means, column top-k means, 2S - r_q - r_i. Inside a
+caller's `jax.jit` they are traced into the caller's computation like any jitted function.
 """
 
 from __future__ import annotations
@@ -106,8 +110,8 @@ def _topk_first_values(x: jax.Array, k: int, block: int = COLUMN_BLOCK) -> jax.A
 
 
 # Compiled separately because XLA:CPU's best options differ by axis (bench/README.md): the
-# first-axis reduction is ~7x faster with `sclaro_jax.compile`'s options, the last-axis path
-# ~3x faster with XLA's defaults.
+# first-axis reduction is faster with `sclaro_jax.compile`'s options, the last-axis path with
+# XLA's defaults.
 _row_topk_mean = _jitted("k", options=False)(lambda x, k: _topk_last(_f32(x), k)[0].mean(-1))
 _column_topk_mean = _jitted("k")(lambda x, k: _topk_first_values(_f32(x), k).mean(-1))
 
@@ -115,9 +119,8 @@ _column_topk_mean = _jitted("k")(lambda x, k: _topk_first_values(_f32(x), k).mea
 def topk_mean(scores: jax.Array, k: int, axis: int = -1) -> jax.Array:
     """Exact mean of the k largest entries along `axis` (the last axis, or axis 0 of a matrix).
 
-    mean_{j in top-k along axis} S_j, float32. Blocked (`_topk_last`, `_topk_first_values`);
-    on the 8,231 x 32,768 CSLS matrix on 2 CPU cores several times faster than `lax.top_k`
-    (bench/README.md).
+    mean_{j in top-k along axis} S_j, float32. Blocked (`_topk_last`, `_topk_first_values`),
+    which is faster than `lax.top_k` on CPU (see bench/README.md).
     """
     shape = jnp.shape(scores)
     if not -len(shape) <= axis < len(shape):
@@ -130,23 +133,58 @@ def topk_mean(scores: jax.Array, k: int, axis: int = -1) -> jax.Array:
     raise ValueError(f"axis must be 0 or -1 of a matrix, or the last axis; got {axis}")
 
 
-def _pooled_crop_scores(text: jax.Array, crops: jax.Array, pool: str) -> jax.Array:
-    """pool_r T C_r^T, one `[Q, G]` matmul per crop folded into a running max / sum, so the
-    `[Q, G, R]` tensor never exists."""
+def fuse(text: jax.Array, global_emb: jax.Array, crop_emb: jax.Array | None, alpha: float,
+         pool: str = "max", precision: jax.lax.Precision | None = None) -> jax.Array:
+    """MINER's region fusion (MINER paper, section 4.2; docs/design.md, section 4), `[Q, G]`:
+
+        S = (1 - alpha) * T G^T + alpha * pool_r T C_r^T,   pool in {"max", "mean"} over crops
+        S = T G^T                                            when `crop_emb` is None
+
+    `text [Q, D]`, `global_emb [G, D]`, `crop_emb [G, R, D]` (or None), L2-normalised; each is
+    upcast to float32 where it is multiplied. The crops are scored one `[Q, G]` matmul at a time
+    and folded into a running max / sum (left to right, then / R for "mean"), so the
+    `[Q, G, R]` tensor never exists. `precision`: of every matmul (None: JAX's default).
+    A pure function: the caller jits it, or traces it into its own step.
+    """
+    if pool not in ("max", "mean"):
+        raise ValueError(f"pool must be 'max' or 'mean', got {pool!r}")
+    t = _f32(text)
+    s = jnp.dot(t, _f32(global_emb).T, precision=precision)
+    if crop_emb is None:
+        return s
     pooled = None
-    for r in range(crops.shape[1]):
-        s = text @ crops[:, r].T
+    for r in range(crop_emb.shape[1]):
+        s_r = jnp.dot(t, _f32(crop_emb[:, r]).T, precision=precision)
         if pooled is None:
-            pooled = s
+            pooled = s_r
         else:
-            pooled = jnp.maximum(pooled, s) if pool == "max" else pooled + s
-    return pooled if pool == "max" else pooled / crops.shape[1]
+            pooled = jnp.maximum(pooled, s_r) if pool == "max" else pooled + s_r
+    if pool == "mean":
+        pooled = pooled / crop_emb.shape[1]
+    return (1 - alpha) * s + alpha * pooled
+
+
+def csls_combine(scores: jax.Array, r_q: jax.Array | None, r_i: jax.Array) -> jax.Array:
+    """MINER's CSLS rescoring (MINER paper, section 4.3; docs/design.md, section 4):
+
+        CSLS_qi = 2 S_qi - r_q - r_i
+
+    `scores [Q, G]` (upcast to float32), `r_q [Q]` the queries' neighbourhood means, `r_i` the
+    images' means, `[G]` or already gathered per entry (`[Q, G]`, e.g. a shortlist's
+    `r_i[shortlist]`). `r_q` None leaves it out (2S - r_i): a streamed search does not know
+    r_q until the whole gallery is seen, and since r_q is constant along a row it is
+    subtracted from the kept candidates at the end. A pure function, traceable and jittable.
+    """
+    out = 2 * _f32(scores)
+    if r_q is not None:
+        out = out - r_q[:, None]
+    return out - r_i
 
 
 @_jitted("pool", "chunk")
 def fused_scores(text: jax.Array, global_emb: jax.Array, crop_emb: jax.Array,
                  alpha: float = 0.4, pool: str = "max", chunk: int | None = None) -> jax.Array:
-    """MINER region fusion (paper section 4.2), `[Q, G]`:
+    """`fuse` of a whole gallery, jitted, `[Q, G]` (MINER paper, section 4.2):
 
         S = (1 - alpha) * T G^T + alpha * pool_r T C_r^T,   pool in {"max", "mean"} over crops
 
@@ -154,29 +192,23 @@ def fused_scores(text: jax.Array, global_emb: jax.Array, crop_emb: jax.Array,
     `chunk`: score the gallery in static slices of this many images (bounds the temporaries to
     `[Q, chunk]`); None scores it whole. Either way only `[Q, G]`-sized buffers exist.
     """
-    if pool not in ("max", "mean"):
-        raise ValueError(f"pool must be 'max' or 'mean', got {pool!r}")
-    t, g, c = _f32(text), _f32(global_emb), _f32(crop_emb)
-    if c.ndim != 3 or c.shape[0] != g.shape[0]:
-        raise ValueError(f"crop_emb must be [G, R, D] with G={g.shape[0]}, got {c.shape}")
-    size = g.shape[0] if chunk is None else chunk
-    parts = [(1 - alpha) * (t @ g[i:i + size].T)
-             + alpha * _pooled_crop_scores(t, c[i:i + size], pool)
-             for i in range(0, g.shape[0], size)]
+    if crop_emb.ndim != 3 or crop_emb.shape[0] != global_emb.shape[0]:
+        raise ValueError(f"crop_emb must be [G, R, D] with G={global_emb.shape[0]}, "
+                         f"got {crop_emb.shape}")
+    n = global_emb.shape[0]
+    size = n if chunk is None else chunk
+    parts = [fuse(text, global_emb[i:i + size], crop_emb[i:i + size], alpha, pool)
+             for i in range(0, n, size)]
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-@_jitted()
-def _csls_combine(scores: jax.Array, r_q: jax.Array, r_i: jax.Array) -> jax.Array:
-    return 2 * _f32(scores) - r_q[:, None] - r_i[None, :]
-
-
+_csls_combine = _jitted()(csls_combine)
 _DONATING_COMBINE: list[Callable] = []
 
 
 def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None, *,
          donate: bool = False) -> jax.Array:
-    """Two-sided CSLS (paper section 4.3), `[Q, G]`:
+    """Two-sided CSLS (MINER paper, section 4.3), `[Q, G]`, by `csls_combine`:
 
         CSLS_qi = 2 S_qi - r_q - r_i
         r_q = mean of query q's k largest scores over the gallery (row top-k of S)
@@ -186,29 +218,29 @@ def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None, *
     bank's scores `bank_scores [Qb, G]` against the same gallery. Traceable inside `jax.jit`.
 
     `donate=True` hands the `scores` buffer (a float32 jax array the caller no longer needs) to
-    the output, so no fresh [Q, G] buffer is allocated: on a CPU, faulting in a new 1 GiB output
-    costs more than the arithmetic (0.5 s against 0.13 s measured for 8,231 x 32,768). `scores`
-    is deleted afterwards.
+    the output, so no fresh [Q, G] buffer is allocated: on a CPU, faulting in a new large
+    output can cost more than the arithmetic (see bench/README.md). `scores` is deleted
+    afterwards.
     """
     r_q = topk_mean(scores, k, 1)
     r_i = topk_mean(scores if bank_scores is None else bank_scores, k, 0)
     tracing = isinstance(scores, jax.core.Tracer)
     if donate and not tracing and isinstance(scores, jax.Array) and scores.dtype == jnp.float32:
         if not _DONATING_COMBINE:
-            _DONATING_COMBINE.append(compile.jit(
-                lambda s, a, b: 2 * s - a[:, None] - b[None, :], donate_argnums=0))
+            _DONATING_COMBINE.append(compile.jit(csls_combine, donate_argnums=0))
         return _DONATING_COMBINE[0](scores, r_q, r_i)
     return _csls_combine(scores, r_q, r_i)
 
 
-@_jitted("m", options=False)
-def _shortlist(global_scores: jax.Array, m: int) -> jax.Array:
-    return _topk_last(_f32(global_scores), m)[1]
+@_jitted("k", options=False)
+def _top_indices(scores: jax.Array, k: int) -> jax.Array:
+    """int `[Q, k]`: each row's k best columns, best first, ties to the lower index."""
+    return _topk_last(_f32(scores), k)[1]
 
 
 @_jitted("num_images")
 def _place_shortlist(fused_pairs, shortlist, r_q, r_i, num_images: int):
-    rescored = 2 * _f32(fused_pairs) - r_q[:, None] - r_i[shortlist]
+    rescored = csls_combine(fused_pairs, r_q, r_i[shortlist])
     rows = jnp.arange(shortlist.shape[0])[:, None]
     out = jnp.full((shortlist.shape[0], num_images), -jnp.inf, jnp.float32)
     return out.at[rows, shortlist].set(rescored)
@@ -217,7 +249,7 @@ def _place_shortlist(fused_pairs, shortlist, r_q, r_i, num_images: int):
 def csls_shortlist(global_scores: jax.Array,
                    fused: jax.Array | Callable[[jax.Array], jax.Array],
                    m: int = 25, k: int = 10, bank_scores: jax.Array | None = None) -> jax.Array:
-    """Shortlist MINER (paper section 5.4 / appendix F.1), `[Q, G]`.
+    """Shortlist MINER (MINER paper, section 5.4 / appendix F.1), `[Q, G]`.
 
     Each query's M best images by the global score S^g (ties to the lower index) are rescored
 
@@ -235,7 +267,7 @@ def csls_shortlist(global_scores: jax.Array,
     """
     s = jnp.asarray(global_scores)
     _check_k(m, s.shape[1], "gallery images")
-    shortlist = _shortlist(s, m=m)
+    shortlist = _top_indices(s, k=m)
     r_q = topk_mean(s, k, 1)
     r_i = topk_mean(s if bank_scores is None else bank_scores, k, 0)
     pairs = fused(shortlist) if callable(fused) else jnp.take_along_axis(
@@ -304,26 +336,35 @@ def ranks(scores: jax.Array, gt: jax.Array) -> jax.Array:
 def recall_at_k(scores: jax.Array, gt: jax.Array, ks: tuple[int, ...] = (1, 5, 10)
                 ) -> dict[int, float]:
     """Text-to-image R@k in percent: 100 * mean_q [rank_q < k], ranks as in `ranks`."""
-    r = np.asarray(ranks(scores, gt))
+    return recall_from_ranks(ranks(scores, gt), ks)
+
+
+def recall_from_ranks(gt_ranks: np.ndarray, ks: tuple[int, ...] = (1, 5, 10)
+                      ) -> dict[int, float]:
+    """R@k in percent from 0-based ground-truth ranks `[Q]` (`ranks`, or a streamed search's
+    `gt_rank`): 100 * mean_q [rank_q < k]."""
+    r = np.asarray(gt_ranks)
     return {int(k): float(100.0 * np.mean(r < k)) for k in ks}
 
 
-@_jitted("k", options=False)
-def _k_occurrence(scores: jax.Array, k: int) -> jax.Array:
-    top = _topk_last(_f32(scores), k)[1]
-    return jnp.zeros(scores.shape[1], jnp.int32).at[top.reshape(-1)].add(1)
-
-
 def hubness(scores: jax.Array, k: int = 10) -> dict[str, float | int]:
-    """Hubness statistics of a `[Q, G]` matrix (paper section 5.3, appendix E.4).
+    """Hubness statistics of a `[Q, G]` matrix (MINER paper, section 5.3, appendix E.4).
 
     N_k(i) = number of queries with image i in their top k (ties to the lower index);
     skewness = E[(N - mu)^3] / sigma^3 over all G images, zeros included (population moments;
     0.0 when every image occurs equally often); never_retrieved = fraction of images with
     N_k = 0; worst_hub = argmax_i N_k(i) (lowest index on ties), worst_hub_count its N_k.
     """
-    _check_k(k, jnp.shape(scores)[1], "gallery images")
-    counts = np.asarray(_k_occurrence(scores, k)).astype(np.float64)
+    num_images = jnp.shape(scores)[1]
+    _check_k(k, num_images, "gallery images")
+    return hubness_from_topk(_top_indices(scores, k=k), num_images)
+
+
+def hubness_from_topk(indices: np.ndarray, num_images: int) -> dict[str, float | int]:
+    """`hubness` from each query's top-k gallery indices `[Q, k]` (e.g. a streamed search's
+    `indices[:, :k]`) over a gallery of `num_images`: N_k(i) = occurrences of i in `indices`,
+    then the same statistics."""
+    counts = np.bincount(np.asarray(indices).ravel(), minlength=num_images).astype(np.float64)
     centred = counts - counts.mean()
     sigma = np.sqrt(np.mean(centred ** 2))
     skewness = float(np.mean(centred ** 3) / sigma ** 3) if sigma > 0 else 0.0

@@ -1,7 +1,8 @@
 """MINER streaming search with the gallery split across the devices of a mesh.
 
-Same scores and result as `stream.search` (see its docstring for the formulas):
-S = (1 - alpha) T G^T + alpha pool_r T C_r^T, CSLS = 2S - r_q - r_i with k-nearest means.
+Same scores and result as `stream.search` (see its docstring for the formulas, and
+docs/design.md, section 4): each device runs `stream`'s chunk step, so the fusion and the CSLS
+combination are `kernels.fuse` and `kernels.csls_combine`.
 
 Layout: the gallery (float16) is padded to `n_dev * n_local * chunk` rows and split into
 contiguous row blocks along the mesh axis `axis` (device d holds global rows
@@ -50,16 +51,9 @@ def shard_rows(arr: np.ndarray, n_rows: int, mesh: Mesh, axis: str) -> jax.Array
     return jax.make_array_from_callback(shape, NamedSharding(mesh, P(axis)), block)
 
 
-def _merge_gathered(vals: jax.Array, idx: Optional[jax.Array], axis: str, k: int):
-    """Top-k per query of the per-device lists [Q, k] gathered in device order."""
-    all_v = jax.lax.all_gather(vals, axis)                  # [n_dev, Q, k]
-    q = vals.shape[0]
-    all_v = jnp.moveaxis(all_v, 0, 1).reshape(q, -1)
-    top_v, pos = jax.lax.top_k(all_v, k)
-    if idx is None:
-        return top_v, None
-    all_i = jnp.moveaxis(jax.lax.all_gather(idx, axis), 0, 1).reshape(q, -1)
-    return top_v, jnp.take_along_axis(all_i, pos, axis=1)
+def _gathered(x: jax.Array, axis: str) -> jax.Array:
+    """Every device's per-query list x [Q, k], side by side in device order: [Q, n_dev * k]."""
+    return jnp.moveaxis(jax.lax.all_gather(x, axis), 0, 1).reshape(x.shape[0], -1)
 
 
 def _local_scan(gal, crops, queries, bank, gt_idx, gt_val, *, cfg: Config, axis: str,
@@ -78,8 +72,9 @@ def _local_scan(gal, crops, queries, bank, gt_idx, gt_val, *, cfg: Config, axis:
 
     state, r_i = jax.lax.scan(body, stream.init_state(queries.shape[0], cfg),
                               (jnp.arange(n_local, dtype=jnp.int32), g, c))
-    topq, _ = _merge_gathered(state.topq, None, axis, cfg.k_q)
-    cand_s, cand_i = _merge_gathered(state.cand_s, state.cand_i, axis, cfg.top)
+    topq = jax.lax.top_k(_gathered(state.topq, axis), cfg.k_q)[0]
+    cand_s, cand_i = stream.top_of(_gathered(state.cand_s, axis), _gathered(state.cand_i, axis),
+                                   cfg.top)
     merged = State(topq=topq, cand_s=cand_s, cand_i=cand_i,
                    ahead=jax.lax.psum(state.ahead, axis),
                    gt_seen=jax.lax.pmax(state.gt_seen, axis))
@@ -120,20 +115,12 @@ def search(queries: np.ndarray, gallery: np.ndarray, crops: Optional[np.ndarray]
     chunk = max(1, min(chunk, math.ceil(n_gallery / n_dev)))
     n_local = math.ceil(n_gallery / (n_dev * chunk))
     n_rows = n_dev * n_local * chunk
-    cfg = stream.make_config(queries.shape[0], n_gallery,
-                             None if bank is None else bank.shape[0],
-                             alpha=alpha, pool=pool, k=k, rescore=rescore, top=top)
-    q = jnp.asarray(queries, jnp.float32)
-    b = None if bank is None else jnp.asarray(bank, jnp.float32)
-    if gt is None:
-        gt_idx = np.full((q.shape[0],), -1, np.int32)
-        gt_val = np.full((q.shape[0],), np.inf, np.float32)
-    else:
-        gt_idx = np.asarray(gt, np.int32)
-        gt_val = stream.gt_values(q, gallery, crops, b, gt_idx, chunk, cfg)
+    cfg, q, b, gt_idx, gt_val = stream.prepare(queries, gallery, crops, bank, gt, chunk,
+                                               alpha=alpha, pool=pool, k=k, rescore=rescore,
+                                               top=top)
     gal = shard_rows(gallery, n_rows, mesh, axis)
     crp = None if crops is None else shard_rows(crops, n_rows, mesh, axis)
-    state, r_i = _sharded_scan(gal, crp, q, b, jnp.asarray(gt_idx), jnp.asarray(gt_val),
+    state, r_i = _sharded_scan(gal, crp, q, b, gt_idx, gt_val,
                                cfg=cfg, mesh=mesh, axis=axis, n_local=n_local, chunk=chunk,
                                n_gallery=n_gallery)
     return stream.finish(state, np.asarray(r_i)[:n_gallery], cfg, gt is not None)

@@ -1,6 +1,7 @@
 """MINER search over a large gallery in fixed-size chunks, never forming the [Q, G] matrix.
 
-Scores (DESIGN.md section 4), all embeddings L2-normalised:
+Scores (docs/design.md, section 4), all embeddings L2-normalised; the fusion and the CSLS
+combination are `kernels.fuse` and `kernels.csls_combine`, the column means `kernels.topk_mean`:
 
     S = (1 - alpha) * T G^T + alpha * pool_r(T C_r^T)      pool = max (default) or mean
     S = T G^T                                               when there are no crops
@@ -34,6 +35,8 @@ Memory rule (float32 bytes, Q queries, Qb bank rows, C = chunk, D = dim, R crops
     upcast for the matmul:          C * D * 4 (per view, transient)
     scores and masks:               about 5 * Q * C * 4  (+ 2 * Qb * C * 4 with a bank,
                                     + 2 * Q * C * 4 with crops: running pool + one crop)
+    column top-k (r_i):             C * 16 k * 4 candidates + Q / 16 * C * 4 block maxima
+                                    (`kernels.topk_mean`, blocked when 16 k < Q)
     results:                        G * 4 (r_i) + Q * (k + 2 top) * 4
 Queries are kept whole (the transductive r_i of a column needs every query's score); pick
 `chunk` so that 5 * Q * C * 4 fits, e.g. Q = 1,000 and C = 65,536 is about 1.3 GB.
@@ -47,6 +50,8 @@ from typing import Iterator, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from sclaro_jax.miner.kernels import csls_combine, fuse, topk_mean
 
 HIGHEST = jax.lax.Precision.HIGHEST
 NEG = -jnp.inf
@@ -98,40 +103,19 @@ def init_state(n_queries: int, cfg: Config) -> State:
                  gt_seen=jnp.full((n_queries,), NEG, jnp.float32))
 
 
-def fused_chunk(text: jax.Array, glob: jax.Array, crops: Optional[jax.Array], alpha: float,
-                pool: str) -> jax.Array:
-    """[N, C] f32 fused scores of text [N, D] f32 against a chunk glob [C, D] (+ crops [C, R, D]).
-
-    (1 - alpha) T G^T + alpha pool_r T C_r^T; crops are scored one at a time so the pool holds
-    [N, C], not [N, C, R].
-    """
-    s = jnp.dot(text, glob.astype(jnp.float32).T, precision=HIGHEST)
-    if crops is None:
-        return s
-    parts = [jnp.dot(text, crops[:, r].astype(jnp.float32).T, precision=HIGHEST)
-             for r in range(crops.shape[1])]
-    if pool == "max":
-        pooled = functools.reduce(jnp.maximum, parts)
-    elif pool == "mean":
-        pooled = functools.reduce(jnp.add, parts) / len(parts)
-    else:
-        raise ValueError(f"pool must be 'max' or 'mean', not {pool!r}")
-    return (1.0 - alpha) * s + alpha * pooled
-
-
-def column_topk_mean(scores: jax.Array, k: int) -> jax.Array:
-    """[C]: mean of each column's k highest entries of scores [N, C]."""
-    return jax.lax.top_k(scores.T, k)[0].mean(axis=1)
+def top_of(scores: jax.Array, indices: jax.Array, top: int) -> tuple[jax.Array, jax.Array]:
+    """The `top` highest of each row of scores [Q, n] and their indices [Q, n], ties to the
+    lower position (so to the lower gallery index when the positions follow gallery order)."""
+    vals, pos = jax.lax.top_k(scores, top)
+    return vals, jnp.take_along_axis(indices, pos, axis=1)
 
 
 def merge_top(run_s: jax.Array, run_i: jax.Array, new_s: jax.Array, new_i: jax.Array,
               top: int) -> tuple[jax.Array, jax.Array]:
     """Top-`top` of the running list [Q, top] and new candidates [Q, n] (indices all above the
     running ones', or running first in gallery order), ties to the lower index."""
-    s = jnp.concatenate([run_s, new_s], axis=1)
-    i = jnp.concatenate([run_i, new_i], axis=1)
-    vals, pos = jax.lax.top_k(s, top)
-    return vals, jnp.take_along_axis(i, pos, axis=1)
+    return top_of(jnp.concatenate([run_s, new_s], axis=1),
+                  jnp.concatenate([run_i, new_i], axis=1), top)
 
 
 def step_body(state: State, queries: jax.Array, glob: jax.Array, crops: Optional[jax.Array],
@@ -144,16 +128,17 @@ def step_body(state: State, queries: jax.Array, glob: jax.Array, crops: Optional
     (2S - r_i, or S), used to count items ranked ahead of them.
     """
     c = glob.shape[0]
-    s = fused_chunk(queries, glob, crops, cfg.alpha, cfg.pool)
+    s = fuse(queries, glob, crops, cfg.alpha, cfg.pool, precision=HIGHEST)
     col = jnp.arange(c, dtype=jnp.int32)
     valid = (col < n_valid)[None, :]
     gidx = start + col
     s_masked = jnp.where(valid, s, NEG)
     topq = jax.lax.top_k(jnp.concatenate([state.topq, s_masked], axis=1), cfg.k_q)[0]
     if cfg.csls:
-        src = s if bank is None else fused_chunk(bank, glob, crops, cfg.alpha, cfg.pool)
-        r_i = column_topk_mean(src, cfg.k_i)
-        resc = jnp.where(valid, 2.0 * s - r_i[None, :], NEG)
+        src = s if bank is None else fuse(bank, glob, crops, cfg.alpha, cfg.pool,
+                                          precision=HIGHEST)
+        r_i = topk_mean(src, cfg.k_i, axis=0)
+        resc = jnp.where(valid, csls_combine(s, None, r_i), NEG)  # r_q: in `finish`
     else:
         r_i = jnp.zeros((c,), jnp.float32)
         resc = s_masked
@@ -260,6 +245,25 @@ def gt_values(queries: jax.Array, gallery: np.ndarray, crops: Optional[np.ndarra
     return out
 
 
+def prepare(queries: np.ndarray, gallery: np.ndarray, crops: Optional[np.ndarray],
+            bank: Optional[np.ndarray], gt: Optional[np.ndarray], chunk: int, **options
+            ) -> tuple[Config, jax.Array, Optional[jax.Array], jax.Array, jax.Array]:
+    """What a search needs before its scan: the Config (`make_config(..., **options)`), the
+    queries and the bank as float32 device arrays, and the ground-truth rows [Q] with their
+    rescored scores (`gt_values`, chunks of `chunk` rows); -1 and +inf without `gt`."""
+    cfg = make_config(queries.shape[0], gallery.shape[0], None if bank is None else bank.shape[0],
+                      **options)
+    q = jnp.asarray(queries, jnp.float32)
+    b = None if bank is None else jnp.asarray(bank, jnp.float32)
+    if gt is None:
+        gt_idx = np.full((q.shape[0],), -1, np.int32)
+        gt_val = np.full((q.shape[0],), np.inf, np.float32)
+    else:
+        gt_idx = np.asarray(gt, np.int32)
+        gt_val = gt_values(q, gallery, crops, b, gt_idx, chunk, cfg)
+    return cfg, q, b, jnp.asarray(gt_idx), jnp.asarray(gt_val)
+
+
 def search(queries: np.ndarray, gallery: np.ndarray, crops: Optional[np.ndarray] = None, *,
            alpha: float = 0.4, pool: str = "max", k: int = 10, rescore: str = "csls",
            bank: Optional[np.ndarray] = None, top: int = 10, chunk: int = 65536,
@@ -272,27 +276,16 @@ def search(queries: np.ndarray, gallery: np.ndarray, crops: Optional[np.ndarray]
     and the memory rule. The next chunk is read and sent to the device while the current one
     computes (JAX dispatch is asynchronous); at most two chunks are alive at a time.
     """
-    n_gallery = gallery.shape[0]
-    cfg = make_config(queries.shape[0], n_gallery, None if bank is None else bank.shape[0],
-                      alpha=alpha, pool=pool, k=k, rescore=rescore, top=top)
-    q = jnp.asarray(queries, jnp.float32)
-    b = None if bank is None else jnp.asarray(bank, jnp.float32)
-    nq = q.shape[0]
-    if gt is None:
-        gt_idx = np.full((nq,), -1, np.int32)
-        gt_val = np.full((nq,), np.inf, np.float32)
-    else:
-        gt_idx = np.asarray(gt, np.int32)
-        gt_val = gt_values(q, gallery, crops, b, gt_idx, chunk, cfg)
-    gt_idx_d, gt_val_d = jnp.asarray(gt_idx), jnp.asarray(gt_val)
-    state = init_state(nq, cfg)
+    cfg, q, b, gt_idx, gt_val = prepare(queries, gallery, crops, bank, gt, chunk, alpha=alpha,
+                                        pool=pool, k=k, rescore=rescore, top=top)
+    state = init_state(q.shape[0], cfg)
     r_i_parts = []
     chunks = _chunks(gallery, crops, chunk)
     nxt = next(chunks)
     while nxt is not None:
         g, c, a, n_valid = nxt
-        state, r_i = _step(state, q, g, c, b, jnp.int32(a), jnp.int32(n_valid), gt_idx_d,
-                           gt_val_d, cfg=cfg)
+        state, r_i = _step(state, q, g, c, b, jnp.int32(a), jnp.int32(n_valid), gt_idx, gt_val,
+                           cfg=cfg)
         nxt = next(chunks, None)          # host read + transfer overlaps the step above
         jax.block_until_ready(state)      # bound memory: one chunk computing, one loaded
         r_i_parts.append(np.asarray(r_i)[:n_valid])
