@@ -12,8 +12,8 @@ import transformers
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from sclaro_jax.models import siglip
-from sclaro_jax.models.clip import patchify
+from sclaro_jax.models import siglip, siglip_inputs
+from sclaro_jax.models.layers import patchify
 from tiny_siglip import save_tiny_siglip
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -300,5 +300,5 @@ def test_sentencepiece_folder_gives_siglip_tokenizer_ids(tmp_path, lower):
 def test_siglip_canonicalisation():
     # SiglipTokenizer.canonicalize_text: lowercase, drop string.punctuation, squeeze whitespace,
     # strip.
-    assert siglip._canonicalize("  A Photo, of a DOG!\n  (2) ", True) == "a photo of a dog 2"
-    assert siglip._canonicalize("Keep CASE.", False) == "Keep CASE"
+    assert siglip_inputs._canonicalize("  A Photo, of a DOG!\n  (2) ", True) == "a photo of a dog 2"
+    assert siglip_inputs._canonicalize("Keep CASE.", False) == "Keep CASE"
