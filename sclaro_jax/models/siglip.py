@@ -347,11 +347,9 @@ class SiglipModel(nnx.Module):
     def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, gradient_forms: str = "auto",
                  rngs: nnx.Rngs):
         self.config = config
-        forms = cpu_gradients.resolve(gradient_forms)
-        self.text_model = TextTransformer(config.text, dtype=dtype, gradient_forms=forms,
-                                          rngs=rngs)
-        self.vision_model = VisionTransformer(config.vision, dtype=dtype, gradient_forms=forms,
-                                              rngs=rngs)
+        towers = dict(dtype=dtype, gradient_forms=cpu_gradients.resolve(gradient_forms), rngs=rngs)
+        self.text_model = TextTransformer(config.text, **towers)
+        self.vision_model = VisionTransformer(config.vision, **towers)
         self.logit_scale = nnx.Param(jnp.zeros((1,), jnp.float32))
         self.logit_bias = nnx.Param(jnp.zeros((1,), jnp.float32))
 
