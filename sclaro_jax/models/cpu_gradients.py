@@ -9,7 +9,7 @@
   stores its gradient once for the weight-gradient and input-gradient matmuls (otherwise the
   MLP's activation derivative is recomputed inside a transposing copy).
 - Column sums as matmuls. Bias and LayerNorm scale/bias gradients sum over every row; XLA:CPU
-  splits such sums into reduce-windows about half as fast as a matmul with a ones vector.
+  splits such sums into reduce-windows, slower than a matmul with a ones vector.
 
 Timings: see bench/README.md ("CPU gradient forms"). Off on GPUs and TPUs, whose fusion differs
 and where a conditional costs a host round trip. A model picks them when it is built, with its
@@ -64,7 +64,7 @@ store_gradient.defvjp(_store_gradient_fwd, _store_gradient_bwd)
 
 def _column_sum(t: Array, dtype) -> Array:
     # A sum over every row as a matmul with a ones vector: XLA:CPU runs such sums as split
-    # reduce-windows, about twice as slow as the GEMV.
+    # reduce-windows, slower than the GEMV.
     rows = t.reshape(-1, t.shape[-1])
     ones = jnp.ones(rows.shape[0], rows.dtype)
     return jnp.dot(ones, rows, preferred_element_type=jnp.float32).astype(dtype)
