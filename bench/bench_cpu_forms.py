@@ -1,7 +1,8 @@
 """What the training step's two CPU-side savings are worth, paired in one process: the same
-jitted ScenarioCLIP step (weights, batch and numbers as bench_train_step.py) compiled with and
-without `clip.CPU_GRADIENT_FORMS` (cotangent barriers + column sums as matmuls) and with and
-without the teacher continuing from the student's frozen text blocks (`share_frozen_text`).
+jitted ScenarioCLIP step (weights, batch and numbers as bench_train_step.py) with the model built
+with `gradient_forms="cpu"` and `"plain"` (`sclaro_jax.models.cpu_gradients`: cotangent barriers
++ column sums as matmuls) and with and without the teacher continuing from the student's frozen
+text blocks (`share_frozen_text`).
 
     python bench/bench_cpu_forms.py --preset ViT-B/32 --batch 8 --rounds 3
     python bench/bench_cpu_forms.py --preset tiny --batch 32 --rounds 10
@@ -24,11 +25,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-VARIANTS = {  # name: (CPU_GRADIENT_FORMS, share_frozen_text)
-    "both on (default)": (True, True),
-    "gradient forms off": (False, True),
-    "text sharing off": (True, False),
-    "both off": (False, False),
+VARIANTS = {  # name: (gradient_forms, share_frozen_text)
+    "both on (default)": ("cpu", True),
+    "gradient forms off": ("plain", True),
+    "text sharing off": ("cpu", False),
+    "both off": ("plain", False),
 }
 
 
@@ -44,7 +45,6 @@ def main():
 
     import bench_train_step as bts
     from timing import paired_timings
-    from sclaro_jax.models import clip
 
     names = [v.strip() for v in args.variants.split(",")]
     unknown = [v for v in names if v not in VARIANTS]
@@ -55,10 +55,9 @@ def main():
     runs, first = [], []
     for name in names:
         forms, share = VARIANTS[name]
-        run, _ = bts.jax_side(folder, args.preset, bts.EMBED, share_frozen_text=share)
-        clip.CPU_GRADIENT_FORMS = forms  # read while tracing, i.e. on the first call
+        run, _ = bts.jax_side(folder, args.preset, bts.EMBED, share_frozen_text=share,
+                              gradient_forms=forms)
         first.append(run(batch))
-        clip.CPU_GRADIENT_FORMS = None
         runs.append(run)
     times = paired_timings([lambda run=run: run(batch) for run in runs], args.rounds, pause=0.1)
     print(f"{args.preset}, batch {args.batch}, {args.rounds} paired rounds, {os.cpu_count()} "

@@ -262,29 +262,47 @@ def test_text_prefix_then_rest_equals_pooled(rng):
         text.pooled_from(*text.prefix(ids, 1), ids, 2)
 
 
-def test_cpu_gradient_forms_change_no_gradient(monkeypatch, rng):
-    """CPU_GRADIENT_FORMS (a conditional with identical branches on each residual gradient; bias
-    and LayerNorm parameter gradients as matmuls) are in the compiled backward pass when on;
-    the forward and every gradient are unchanged."""
-    model = clip.create("tiny", seed=2)
-    graphdef, params = nnx.split(model, nnx.Param)
+def test_cpu_gradient_forms_change_no_gradient(rng):
+    """gradient_forms="cpu" (a conditional with identical branches on each residual gradient;
+    bias and LayerNorm parameter gradients as matmuls) is in the compiled backward pass of a
+    model built with it, and only there; the forward and every gradient equal "plain"'s. The
+    choice is a static attribute of every Linear / LayerNorm / EncoderLayer, "auto" follows the
+    backend, and a bad value is refused."""
+    from sclaro_jax.models import layers
+
+    # The same weights (same seed) built both ways.
+    models = {forms: clip.create("tiny", seed=2, gradient_forms=forms)
+              for forms in ("cpu", "plain")}
+    graphdef, params = nnx.split(models["cpu"], nnx.Param)
     # LayerNorms away from scale 1 / bias 0, so their gradients are not trivially related.
     params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape, np.float32), params)
     pixels, ids = _inputs(rng, 2, 32, length=16)
 
-    def loss(p):
-        m = nnx.merge(graphdef, p)
-        return jnp.sum(m.encode_image(pixels) ** 2) + jnp.sum(m.encode_text(ids) ** 2)
-
     out, hlo = {}, {}
-    for on in (True, False):
-        monkeypatch.setattr(clip, "CPU_GRADIENT_FORMS", on)
+    for forms, model in models.items():
+        graphdef = nnx.graphdef(model)
+
+        def loss(p, graphdef=graphdef):
+            m = nnx.merge(graphdef, p)
+            return jnp.sum(m.encode_image(pixels) ** 2) + jnp.sum(m.encode_text(ids) ** 2)
+
         fn = jax.jit(jax.value_and_grad(loss))
-        out[on] = fn(params)
-        hlo[on] = fn.lower(params).compile().as_text()
-    assert "conditional(" in hlo[True] and "conditional(" not in hlo[False]
-    assert out[True][0] == out[False][0]  # the forward is operation for operation the same
-    for a, b in zip(jax.tree.leaves(out[True][1]), jax.tree.leaves(out[False][1])):
+        out[forms] = fn(params)
+        hlo[forms] = fn.lower(params).compile().as_text()
+        owners = [m for _, m in nnx.iter_modules(model)
+                  if isinstance(m, (layers.Linear, layers.LayerNorm, layers.EncoderLayer))]
+        # 4 blocks of 6 Linears, 2 LayerNorms and the block; pre-, post- and final LayerNorm.
+        assert len(owners) == 4 * 9 + 3
+        assert {m.gradient_forms for m in owners} == {forms}
+    assert "conditional(" in hlo["cpu"] and "conditional(" not in hlo["plain"]
+    assert out["cpu"][0] == out["plain"][0]  # the forward is operation for operation the same
+    for a, b in zip(jax.tree.leaves(out["cpu"][1]), jax.tree.leaves(out["plain"][1])):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
-    monkeypatch.setattr(clip, "CPU_GRADIENT_FORMS", None)
-    assert clip._cpu_forms_on() == (jax.default_backend() == "cpu")
+
+    backend = "cpu" if jax.default_backend() == "cpu" else "plain"
+    auto = nnx.eval_shape(lambda: clip.CLIPModel(clip.config_from_preset("tiny"),
+                                                 rngs=nnx.Rngs(0)))
+    assert auto.text_model.encoder.layers[0].mlp.fc1.gradient_forms == backend
+    assert auto.vision_model.post_layernorm.gradient_forms == backend
+    with pytest.raises(ValueError, match="'auto', 'cpu', 'plain'.*'fast'"):
+        clip.create("tiny", gradient_forms="fast")

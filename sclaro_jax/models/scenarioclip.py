@@ -1,4 +1,4 @@
-"""ScenarioCLIP and PyramidCLIP as Flax NNX modules (DESIGN.md section 2).
+"""ScenarioCLIP and PyramidCLIP as Flax NNX modules (docs/design.md, section 2).
 
 One `CLIPPair` (a CLIP vision tower and text tower, each pooled output followed by a new
 Linear + LayerNorm head to `embed_dim`) is used three times by `ScenarioCLIP` (global, object,
@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sclaro_jax.models import clip
+from sclaro_jax.models import clip, cpu_gradients
 
 log = logging.getLogger(__name__)
 
@@ -124,16 +123,18 @@ MODELS = {"scenarioclip": ScenarioCLIP, "pyramidclip": PyramidCLIP}
 
 
 def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "",
-          dtype=jnp.float32, seed: int = 0, embed_dim: int = 512):
+          dtype=jnp.float32, seed: int = 0, embed_dim: int = 512, gradient_forms: str = "auto"):
     """A ScenarioCLIP / PyramidCLIP model; towers from the Hugging Face CLIP folder `init`
-    (each pair gets its own copy), or randomly initialised from `preset` with a logged notice."""
+    (each pair gets its own copy), or randomly initialised from `preset` with a logged notice.
+    `gradient_forms` ("auto", "cpu", "plain") as in `clip.create`, resolved once here."""
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; known: {sorted(MODELS)}")
+    forms = cpu_gradients.resolve(gradient_forms)
 
     def make_towers(i: int) -> clip.CLIPModel:
         if init:
-            return clip.from_hf(init, dtype=dtype)
-        return clip.create(preset, seed=seed + 1 + i, dtype=dtype)
+            return clip.from_hf(init, dtype=dtype, gradient_forms=forms)
+        return clip.create(preset, seed=seed + 1 + i, dtype=dtype, gradient_forms=forms)
 
     if not init:
         log.warning("model.init is empty: %s towers start from random weights (preset %s), "
@@ -161,26 +162,3 @@ def load_hf_into_level(model, level: str, path: str) -> None:
                 f"{path}: the {name} does not fit the {level} level's towers "
                 f"({'; '.join(mismatch[:5]) or 'different layers'})")
         nnx.update(getattr(pair, name), theirs)
-
-
-_LAYER = re.compile(r"^\d+$")
-
-
-def is_frozen(path: tuple, *, vision_layers: int = 6, text_layers: int = 10,
-              freeze_pre_layernorm: bool = False) -> bool:
-    """Whether a parameter (its NNX path) is frozen: tower embeddings and the first
-    `vision_layers` / `text_layers` encoder blocks. The vision pre-LayerNorm stays trainable by
-    default, as in the reference (so gradients flow back through every vision block);
-    `freeze_pre_layernorm=True` freezes it too, which lets the backward pass stop early."""
-    names = [str(p) for p in path]
-    for tower, count in (("vision_model", vision_layers), ("text_model", text_layers)):
-        if tower not in names:
-            continue
-        rest = names[names.index(tower) + 1:]
-        if rest[:1] == ["embeddings"]:
-            return True
-        if tower == "vision_model" and rest[:1] == ["pre_layrnorm"]:
-            return freeze_pre_layernorm
-        if rest[:2] == ["encoder", "layers"] and _LAYER.match(rest[2]):
-            return int(rest[2]) < count
-    return False

@@ -33,30 +33,30 @@ So400m shapes (`PRESETS`, random init; real configs come from config.json):
   siglip2-so400m-patch16-384: the same towers with patch 16 at 384 (24 x 24 = 576 patches), text
                               vocab 256000 (Gemma tokenizer).
 
-Preprocessing without transformers: `image_config` + `preprocess` (PIL resize to S x S, rescale,
-normalise, as `SiglipImageProcessor`), `load_tokenizer` (`tokenizer.json` through `tokenizers`,
-or SigLIP 1's `spiece.model` through `sentencepiece`; padded to max_length=64 and truncated, as
-the SigLIP processors are called).
+Preprocessing without transformers (`siglip_inputs`, re-exported here): `image_config` +
+`preprocess` (PIL resize to S x S, rescale, normalise, as `SiglipImageProcessor`),
+`load_tokenizer` (`tokenizer.json` through `tokenizers`, or SigLIP 1's `spiece.model` through
+`sentencepiece`; padded to max_length=64 and truncated, as the SigLIP processors are called).
+`gradient_forms` as in `clip` (`cpu_gradients.resolve`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import re
-import string
-from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sclaro_jax.models.clip import (
-    MLP, WEIGHTS_INDEX_NAME, WEIGHTS_NAME, CheckpointError, Encoder, PatchEmbedding,
-    TextEmbeddings, _layer_norm, _read_safetensors, load_hf_state, patchify)
+from sclaro_jax.models import cpu_gradients, hf_weights
+from sclaro_jax.models.hf_weights import CheckpointError
+from sclaro_jax.models.layers import (
+    MLP, Encoder, EncoderConfig, PatchEmbedding, TextEmbeddings, layer_norm, patchify)
+from sclaro_jax.models.siglip_inputs import (  # noqa: F401  (re-exported: siglip.preprocess, ...)
+    ImageConfig, image_config, load_tokenizer, preprocess)
 
 Array = jax.Array
 
@@ -70,21 +70,23 @@ __all__ = ["SiglipVisionConfig", "SiglipTextConfig", "SiglipConfig", "PRESETS", 
 
 
 @dataclasses.dataclass(frozen=True)
-class SiglipVisionConfig:
+class _SiglipEncoderConfig(EncoderConfig):
+    """What both SigLIP towers change in the encoder defaults."""
+
+    hidden_act: str = "gelu_pytorch_tanh"
+    layer_norm_eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class SiglipVisionConfig(_SiglipEncoderConfig):
     """Field names follow transformers' `SiglipVisionConfig` / `Siglip2VisionConfig`.
 
     `num_patches` is set for SigLIP 2 NaFlex (the position table's size); SigLIP uses
     `image_size` and has `(image_size // patch_size) ** 2` positions."""
 
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
     num_channels: int = 3
     image_size: int = 224
     patch_size: int = 16
-    hidden_act: str = "gelu_pytorch_tanh"
-    layer_norm_eps: float = 1e-6
     vision_use_head: bool = True
     num_patches: int | None = None
 
@@ -102,15 +104,9 @@ class SiglipVisionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class SiglipTextConfig:
+class SiglipTextConfig(_SiglipEncoderConfig):
     vocab_size: int = 32000
-    hidden_size: int = 768
-    intermediate_size: int = 3072
-    num_hidden_layers: int = 12
-    num_attention_heads: int = 12
     max_position_embeddings: int = 64
-    hidden_act: str = "gelu_pytorch_tanh"
-    layer_norm_eps: float = 1e-6
     projection_size: int | None = None  # None: hidden_size
 
     @property
@@ -141,11 +137,6 @@ PRESETS: dict[str, SiglipConfig] = {
 }
 
 
-def _pick(cls, sub: Mapping[str, Any]):
-    known = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in sub.items() if k in known and v is not None})
-
-
 def _square(value, name: str, where: str) -> int:
     if isinstance(value, (list, tuple)):
         if len(set(value)) != 1:
@@ -174,8 +165,8 @@ def config_from_hf(raw: Mapping[str, Any], where: str = "config.json") -> Siglip
     else:
         vision.pop("num_patches", None)
         vision["image_size"] = _square(vision.get("image_size", 224), "image_size", where)
-    cfg = SiglipConfig(_pick(SiglipVisionConfig, vision), _pick(SiglipTextConfig,
-                                                                raw["text_config"]), model_type)
+    cfg = SiglipConfig(hf_weights.config_fields(SiglipVisionConfig, vision),
+                       hf_weights.config_fields(SiglipTextConfig, raw["text_config"]), model_type)
     if not cfg.vision.vision_use_head:
         raise CheckpointError(f"{where}: vision_use_head=false (no pooled image feature) is not "
                               "supported")
@@ -183,7 +174,7 @@ def config_from_hf(raw: Mapping[str, Any], where: str = "config.json") -> Siglip
 
 
 # --------------------------------------------------------------------------------------------
-# Layers (attention, MLP, encoder, LayerNorm and text embeddings are clip.py's)
+# Layers (attention, MLP, encoder, LayerNorm and text embeddings are layers.py's)
 # --------------------------------------------------------------------------------------------
 
 
@@ -296,14 +287,14 @@ class MultiheadAttention(nnx.Module):
 class AttentionPoolingHead(nnx.Module):
     """SigLIP's MAP head: a learned probe attends to all tokens, then x + MLP(LayerNorm(x))."""
 
-    def __init__(self, cfg: SiglipVisionConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: SiglipVisionConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs):
         self.dtype = dtype
         self.probe = nnx.Param(jax.random.normal(rngs.params(), (1, 1, cfg.hidden_size)))
         self.attention = MultiheadAttention(cfg.hidden_size, cfg.num_attention_heads,
                                             dtype=dtype, rngs=rngs)
-        self.layernorm = _layer_norm(cfg.hidden_size, cfg.layer_norm_eps, rngs)
+        self.layernorm = layer_norm(cfg, gradient_forms=gradient_forms, rngs=rngs)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype,
-                       rngs=rngs)
+                       gradient_forms=gradient_forms, rngs=rngs)
 
     def __call__(self, x: Array) -> Array:
         probe = jnp.broadcast_to(self.probe[...], (x.shape[0], 1, x.shape[-1]))
@@ -313,12 +304,13 @@ class AttentionPoolingHead(nnx.Module):
 
 
 class VisionTransformer(nnx.Module):
-    def __init__(self, cfg: SiglipVisionConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: SiglipVisionConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs):
         self.dtype = dtype
         self.embeddings = VisionEmbeddings(cfg, dtype=dtype, rngs=rngs)
-        self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs)
-        self.post_layernorm = _layer_norm(cfg.hidden_size, cfg.layer_norm_eps, rngs)
-        self.head = AttentionPoolingHead(cfg, dtype=dtype, rngs=rngs)
+        self.encoder = Encoder(cfg, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs)
+        self.post_layernorm = layer_norm(cfg, gradient_forms=gradient_forms, rngs=rngs)
+        self.head = AttentionPoolingHead(cfg, dtype=dtype, gradient_forms=gradient_forms,
+                                         rngs=rngs)
 
     def __call__(self, pixels: Array) -> tuple[Array, Array]:
         """NHWC normalised pixels -> (post-LayerNorm last hidden state, pooled) in float32."""
@@ -328,11 +320,11 @@ class VisionTransformer(nnx.Module):
 
 
 class TextTransformer(nnx.Module):
-    def __init__(self, cfg: SiglipTextConfig, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: SiglipTextConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs):
         self.dtype = dtype
         self.embeddings = TextEmbeddings(cfg, rngs=rngs)
-        self.encoder = Encoder(cfg, dtype=dtype, rngs=rngs)
-        self.final_layer_norm = _layer_norm(cfg.hidden_size, cfg.layer_norm_eps, rngs)
+        self.encoder = Encoder(cfg, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs)
+        self.final_layer_norm = layer_norm(cfg, gradient_forms=gradient_forms, rngs=rngs)
         self.head = nnx.Linear(cfg.hidden_size, cfg.out_size, dtype=dtype, rngs=rngs)
 
     def __call__(self, input_ids: Array, attention_mask: Array | None = None) -> Array:
@@ -352,10 +344,12 @@ class TextTransformer(nnx.Module):
 class SiglipModel(nnx.Module):
     """SigLIP / SigLIP 2 image and text towers with `logit_scale` and `logit_bias`."""
 
-    def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, config: SiglipConfig, *, dtype=jnp.float32, gradient_forms: str = "auto",
+                 rngs: nnx.Rngs):
         self.config = config
-        self.text_model = TextTransformer(config.text, dtype=dtype, rngs=rngs)
-        self.vision_model = VisionTransformer(config.vision, dtype=dtype, rngs=rngs)
+        towers = dict(dtype=dtype, gradient_forms=cpu_gradients.resolve(gradient_forms), rngs=rngs)
+        self.text_model = TextTransformer(config.text, **towers)
+        self.vision_model = VisionTransformer(config.vision, **towers)
         self.logit_scale = nnx.Param(jnp.zeros((1,), jnp.float32))
         self.logit_bias = nnx.Param(jnp.zeros((1,), jnp.float32))
 
@@ -376,12 +370,14 @@ class SiglipModel(nnx.Module):
         return img @ txt.T * jnp.exp(self.logit_scale[...]) + self.logit_bias[...]
 
 
-def create(config: SiglipConfig | str, *, seed: int = 0, dtype=jnp.float32) -> SiglipModel:
+def create(config: SiglipConfig | str, *, seed: int = 0, dtype=jnp.float32,
+           gradient_forms: str = "auto") -> SiglipModel:
+    """A randomly initialised SigLIP model from a config or a preset name (`PRESETS`)."""
     if isinstance(config, str):
         if config not in PRESETS:
             raise ValueError(f"unknown SigLIP preset {config!r}; known: {sorted(PRESETS)}")
         config = PRESETS[config]
-    return SiglipModel(config, dtype=dtype, rngs=nnx.Rngs(seed))
+    return SiglipModel(config, dtype=dtype, gradient_forms=gradient_forms, rngs=nnx.Rngs(seed))
 
 
 # --------------------------------------------------------------------------------------------
@@ -389,290 +385,14 @@ def create(config: SiglipConfig | str, *, seed: int = 0, dtype=jnp.float32) -> S
 # --------------------------------------------------------------------------------------------
 
 
-def _read_weights(folder: Path) -> dict[str, np.ndarray]:
-    index = folder / WEIGHTS_INDEX_NAME
-    if not (folder / WEIGHTS_NAME).exists() and index.exists():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError) as err:
-            raise CheckpointError(f"{index} is not a safetensors index ({err})") from None
-        missing = [s for s in shards if not (folder / s).exists()]
-        if missing:
-            raise CheckpointError(f"{index} names shard files that are missing: {missing}")
-    try:
-        return _read_safetensors(folder)
-    except CheckpointError:
-        raise
-    except Exception as err:  # a truncated / corrupt file
-        raise CheckpointError(f"{folder}: cannot read the safetensors weights ({err})") from err
-
-
-def from_hf(path: str | os.PathLike, *, dtype=jnp.float32) -> SiglipModel:
+def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto"
+            ) -> SiglipModel:
     """A SigLIP / SigLIP 2 model from a Hugging Face folder (config.json + model.safetensors, or a
     sharded model.safetensors.index.json). Dispatches on config.json's model_type ("siglip",
     "siglip2"). No torch. Raises `CheckpointError` naming the file and any missing / unexpected
     keys or shape mismatches."""
-    folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        raw = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{config_file} is not valid JSON ({err})") from None
-    config = config_from_hf(raw, str(config_file))
-    tensors = _read_weights(folder)
-    model = nnx.eval_shape(lambda: SiglipModel(config, dtype=dtype, rngs=nnx.Rngs(0)))
-    kind = "Siglip2Model" if config.model_type == "siglip2" else "SiglipModel"
-    load_hf_state(model, tensors, where=str(folder), kind=kind)
-    return model
-
-
-# --------------------------------------------------------------------------------------------
-# Preprocessing
-# --------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageConfig:
-    """What `SiglipImageProcessor` does: resize to `size` (H, W) with PIL `resample`, rescale,
-    normalise. No crop."""
-
-    size: tuple[int, int] = (224, 224)
-    resample: int = 3  # PIL.Image.BICUBIC
-    do_resize: bool = True
-    do_rescale: bool = True
-    rescale_factor: float = 1 / 255
-    do_normalize: bool = True
-    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
-
-
-def image_config(path: str | os.PathLike, size: int | None = None) -> ImageConfig:
-    """`ImageConfig` from a folder's preprocessor_config.json.
-
-    SigLIP: `size` {"height", "width"} from the file. SigLIP 2 NaFlex (`max_num_patches`,
-    `patch_size`, no fixed size): square images of `size` pixels, by default the largest square
-    grid within `max_num_patches` (256 patches of 16 -> 256 px), which is what
-    `Siglip2ImageProcessor` gives a square image. `size` overrides either."""
-    file = Path(path) / "preprocessor_config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{Path(path)} has no preprocessor_config.json")
-    raw = json.loads(file.read_text())
-    if size is not None:
-        hw = (int(size), int(size))
-    elif "max_num_patches" in raw:
-        patch = int(raw.get("patch_size", 16))
-        grid = int(np.floor(np.sqrt(raw["max_num_patches"])))
-        hw = (grid * patch, grid * patch)
-    else:
-        s = raw.get("size") or {}
-        if "height" in s and "width" in s:
-            hw = (int(s["height"]), int(s["width"]))
-        elif "shortest_edge" in s:
-            hw = (int(s["shortest_edge"]),) * 2
-        else:
-            raise CheckpointError(f"{file}: no usable 'size' ({s!r})")
-    defaults = ImageConfig()
-    return ImageConfig(
-        size=hw,
-        resample=int(raw.get("resample", defaults.resample)),
-        do_resize=bool(raw.get("do_resize", True)),
-        do_rescale=bool(raw.get("do_rescale", True)),
-        rescale_factor=float(raw.get("rescale_factor", defaults.rescale_factor)),
-        do_normalize=bool(raw.get("do_normalize", True)),
-        image_mean=tuple(float(x) for x in raw.get("image_mean", defaults.image_mean)),
-        image_std=tuple(float(x) for x in raw.get("image_std", defaults.image_std)),
-    )
-
-
-def preprocess(images: Sequence[np.ndarray], cfg: ImageConfig) -> np.ndarray:
-    """uint8 `[H, W, 3]` images -> float32 `[B, S, S, 3]` model input (NHWC)."""
-    from PIL import Image
-
-    out = []
-    for img in images:
-        img = np.asarray(img)
-        if img.ndim == 2:
-            img = np.repeat(img[..., None], 3, axis=-1)
-        if img.dtype != np.uint8 or img.ndim != 3 or img.shape[-1] not in (3, 4):
-            raise ValueError(f"expected uint8 [H, W, 3] images, got {img.dtype} {img.shape}")
-        img = img[..., :3]
-        if cfg.do_resize and img.shape[:2] != cfg.size:
-            img = np.asarray(Image.fromarray(img).resize(cfg.size[::-1], resample=cfg.resample))
-        x = img.astype(np.float32)
-        if cfg.do_rescale:
-            x = x * np.float32(cfg.rescale_factor)
-        if cfg.do_normalize:
-            x = (x - np.asarray(cfg.image_mean, np.float32)) / np.asarray(cfg.image_std,
-                                                                          np.float32)
-        out.append(x)
-    return np.stack(out).astype(np.float32)
-
-
-# --------------------------------------------------------------------------------------------
-# Tokenizer
-# --------------------------------------------------------------------------------------------
-
-
-def _canonicalize(text: str, lower: bool) -> str:
-    """`SiglipTokenizer.canonicalize_text`: lowercase, drop ASCII punctuation, squeeze spaces.
-    The SentencePiece SigLIP tokenizer does this in Python, outside any tokenizer.json."""
-    if lower:
-        text = text.lower()
-    text = text.translate(str.maketrans("", "", string.punctuation))
-    return re.sub(r"\s+", " ", text).strip()
-
-
-def _token_str(value) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value
-
-
-def _text_max_length(folder: Path, max_length: int | None) -> int:
-    """`max_length`, or 64 capped by the text tower's `max_position_embeddings`."""
-    if max_length is None and (folder / "config.json").is_file():
-        raw = json.loads((folder / "config.json").read_text())
-        positions = (raw.get("text_config") or {}).get("max_position_embeddings")
-        if positions:
-            max_length = min(64, int(positions))
-    return max_length or 64
-
-
-def _sentencepiece_tokenizer(folder: Path, max_length: int | None
-                             ) -> Callable[[Sequence[str]], np.ndarray]:
-    """transformers' `SiglipTokenizer` ids from `spiece.model`, with the `sentencepiece` package,
-    step for step as transformers runs it (legacy mode, its default): `"\u2581" + text`; split
-    around the special tokens (eos / unk / pad strings, whitespace beside them dropped); each
-    other piece canonicalised (lowercase unless `do_lower_case` is false, ASCII punctuation
-    removed, whitespace squeezed) and encoded as `unk + piece` with the unk's own pieces cut
-    off; a lone leading "\u2581" before a special token dropped; then cut to `max_length - 1`,
-    `</s>` appended, padded with the pad id to `max_length`."""
-    try:
-        import sentencepiece
-    except ImportError:
-        raise CheckpointError(
-            f"{folder} has a SentencePiece tokenizer (spiece.model) and no tokenizer.json; "
-            "reading it needs the sentencepiece package: pip install 'sclaro-jax[eval]'") from None
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
-    tcfg_file = folder / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
-    names = {key: _token_str(tcfg.get(key)) or default for key, default in
-             (("eos_token", "</s>"), ("unk_token", "<unk>"), ("pad_token", "</s>"))}
-    special = {}
-    for key, token in names.items():
-        i = sp.piece_to_id(token)
-        if sp.id_to_piece(i) != token:
-            raise CheckpointError(f"{folder}/spiece.model has no {key} {token!r}")
-        special[token] = i
-    unk, eos, pad = names["unk_token"], special[names["eos_token"]], special[names["pad_token"]]
-    unk_pieces = len(sp.encode(unk, out_type=str))
-    lower = bool(tcfg.get("do_lower_case", True))
-    split = re.compile(r"\s*(" + "|".join(re.escape(t) for t in sorted(special, key=len,
-                                                                       reverse=True)) + r")\s*")
-    length = _text_max_length(folder, max_length)
-
-    def pieces(text: str) -> list[str]:
-        out: list[str] = []
-        for part in split.split("\u2581" + text.replace("\u2581", " ")):
-            if part in special:
-                out.append(part)
-            elif part:
-                encoded = sp.encode(unk + _canonicalize(part, lower), out_type=str)
-                out.extend(encoded[unk_pieces:] if len(encoded) >= unk_pieces else encoded)
-        if len(out) > 1 and out[0] == "\u2581" and out[1] in special:
-            out = out[1:]
-        return out
-
-    def encode(text: str) -> list[int]:
-        ids = [special.get(p, sp.piece_to_id(p)) for p in pieces(text)][:length - 1] + [eos]
-        return ids + [pad] * (length - len(ids))
-
-    def tokenize(texts: Sequence[str] | str) -> np.ndarray:
-        if isinstance(texts, str):
-            texts = [texts]
-        return np.asarray([encode(t) for t in texts], np.int32).reshape(len(texts), length)
-
-    return tokenize
-
-
-def load_tokenizer(path: str | os.PathLike, max_length: int | None = None
-                   ) -> Callable[[Sequence[str]], np.ndarray]:
-    """`texts -> int32 [N, max_length]`, the ids of the HF tokenizer called with
-    `padding="max_length", max_length=64, truncation=True` (SigLIP's convention).
-
-    A folder with `spiece.model` and no `tokenizer.json` (SigLIP 1) goes through
-    `_sentencepiece_tokenizer`. Otherwise: reads `tokenizer.json` (fast-tokenizer file) with
-    `tokenizers`; its normaliser, pre-tokeniser
-    and post-processor (special tokens) apply as written. On top, from tokenizer_config.json:
-    pad token, padding / truncation side, explicit `add_bos_token` / `add_eos_token` (which
-    transformers turns into the post-processor), and the class-specific text handling
-    transformers adds in Python: `Siglip2Tokenizer` (model_type siglip2) lowercases,
-    `SiglipTokenizer` canonicalises (lowercase, strip punctuation). `max_length` defaults to 64,
-    capped by the text tower's `max_position_embeddings`.
-    """
-    from tokenizers import Tokenizer, normalizers, processors
-
-    folder = Path(path)
-    file = folder / "tokenizer.json"
-    if not file.is_file():
-        if (folder / "spiece.model").is_file():  # SigLIP 1 folders: SentencePiece only
-            return _sentencepiece_tokenizer(folder, max_length)
-        raise CheckpointError(
-            f"{folder} has neither tokenizer.json (a fast-tokenizer file, as SigLIP 2 folders "
-            "ship) nor spiece.model (SigLIP 1's SentencePiece model): copy the model's tokenizer "
-            "files into the folder")
-    tok = Tokenizer.from_file(str(file))
-    tcfg_file = folder / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
-    model_type = None
-    if (folder / "config.json").is_file():
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    max_length = _text_max_length(folder, max_length)
-
-    cls = tcfg.get("tokenizer_class")
-    canonical = cls == "SiglipTokenizer"
-    if cls == "Siglip2Tokenizer" or (model_type == "siglip2" and cls in (None, "GemmaTokenizer",
-                                                                         "GemmaTokenizerFast")):
-        norm = tok.normalizer
-        tok.normalizer = (normalizers.Lowercase() if norm is None
-                          else normalizers.Sequence([normalizers.Lowercase(), norm]))
-
-    def tid(name: str) -> tuple[str, int] | None:
-        token = _token_str(tcfg.get(name))
-        if token is None:
-            return None
-        i = tok.token_to_id(token)
-        if i is None:
-            raise CheckpointError(f"{tcfg_file}: {name} {token!r} is not in tokenizer.json")
-        return token, i
-
-    if "add_bos_token" in tcfg or "add_eos_token" in tcfg:  # as TokenizersBackend rebuilds it
-        bos = tid("bos_token") if tcfg.get("add_bos_token") else None
-        eos = tid("eos_token") if tcfg.get("add_eos_token") else None
-        single = " ".join(([f"{bos[0]}:0"] if bos else []) + ["$A:0"]
-                          + ([f"{eos[0]}:0"] if eos else []))
-        pair = single + " " + " ".join(([f"{bos[0]}:1"] if bos else []) + ["$B:1"]
-                                       + ([f"{eos[0]}:1"] if eos else []))
-        tok.post_processor = processors.TemplateProcessing(
-            single=single, pair=pair, special_tokens=[t for t in (bos, eos) if t])
-
-    pad = tid("pad_token") or tid("eos_token")
-    if pad is None:
-        raise CheckpointError(f"{folder}: no pad_token in tokenizer_config.json")
-    tok.enable_truncation(max_length, direction=tcfg.get("truncation_side", "right"))
-    tok.enable_padding(direction=tcfg.get("padding_side", "right"), pad_id=pad[1],
-                       pad_token=pad[0], length=max_length)
-    lower = bool(tcfg.get("do_lower_case", True))
-
-    def tokenize(texts: Sequence[str] | str) -> np.ndarray:
-        if isinstance(texts, str):
-            texts = [texts]
-        texts = [_canonicalize(t, lower) if canonical else t for t in texts]
-        return np.asarray([e.ids for e in tok.encode_batch(list(texts))], np.int32).reshape(
-            len(texts), max_length)
-
-    tokenize.max_length = max_length  # type: ignore[attr-defined]
-    tokenize.pad_id = pad[1]  # type: ignore[attr-defined]
-    return tokenize
+    forms = cpu_gradients.resolve(gradient_forms)
+    return hf_weights.load(
+        path, config_from_hf,
+        lambda config: SiglipModel(config, dtype=dtype, gradient_forms=forms, rngs=nnx.Rngs(0)),
+        kind=lambda config: "Siglip2Model" if config.model_type == "siglip2" else "SiglipModel")
