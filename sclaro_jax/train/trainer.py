@@ -4,7 +4,8 @@
 - builds the Grain loader over `config.data.dir` (train split) and the model;
 - restores the newest checkpoint in `workdir/checkpoints` (student, EMA teacher, optimiser
   state, step and the Grain iterator state) if there is one, so rerunning the same command
-  resumes exactly where the last checkpoint left off;
+  resumes exactly where the last checkpoint left off (`resume`: checkpoints of the older
+  list-layout optimiser state are converted);
 - runs the jitted step (state donated, one compilation, kept in the persistent compilation
   cache `config.compilation_cache`, by default `workdir/jax_cache`), writes
   `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr, kd_temperature,
@@ -23,7 +24,6 @@ import time
 
 import grain.python as grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
