@@ -40,7 +40,7 @@ def child(args) -> None:
     cfg = core.TrainConfig(total_steps=1000, **{**bts.TRAIN, **bts._frozen(layers)})
     graphdef, state, tx = core.init_state(model, cfg)
     step, state = sharding.jit_step(
-        core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg)), state,
+        core.make_train_step(graphdef, tx, cfg), state,
         None, "none")
     t0 = time.perf_counter()
     state, metrics = step(state, batch)

@@ -106,8 +106,7 @@ def main():
     cfg = core.TrainConfig(total_steps=10_000)
     graphdef, state, tx = core.init_state(model, cfg)
     del model
-    step = jax.jit(core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg)),
-                   donate_argnums=0)
+    step = jax.jit(core.make_train_step(graphdef, tx, cfg), donate_argnums=0)
     lowered = step.lower(state, batch)
     # FLOPs of the step as written (the HLO before backend passes: every dot and convolution at
     # 2*M*N*K). The compiled executable's own cost analysis is no use for MFU on GPU: GEMMs that

@@ -1,5 +1,6 @@
-"""Padding waste of the two static-shape layouts (`PipelineConfig.layout`), measured on the
-object / relation counts of a dataset's records.
+"""Padding waste of two static-shape layouts, measured on the object / relation counts of a
+dataset's records: "caps" (the batches `sclaro_jax.data.pipeline` makes, `sclaro_jax.data.batch`)
+and "packed" (a per-batch crop budget; not built by the library, sized here only).
 
 For batches drawn at random from the split (bootstrap), "caps" pads every image to
 max_objects / max_relations; "packed" gives the batch a budget of crops (a multiple of the mean

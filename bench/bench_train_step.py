@@ -11,7 +11,7 @@ loaded by `clip.from_hf`; our heads copied into the PyTorch heads), so the first
 are printed side by side as a check that both compute the same thing. Each batch has 4 objects
 and 4 relations per image (all valid), texts of 32 tokens on both sides. Peak memory: each side
 alone in a child process (VmHWM after 3 steps; both children import jax, torch and
-transformers, about 2.3 GB of the figure).
+transformers, which is part of the figure; see bench/README.md).
 """
 
 from __future__ import annotations
@@ -48,17 +48,21 @@ def make_batch(preset: str, batch: int, seed: int = 0, n_obj: int = N_OBJ, n_rel
         x[..., 0], x[..., 5], x[..., 6:] = 49406, 49407, 49407
         return x
 
-    return {
-        "image": rng.integers(0, 256, (batch, size, size, 3), dtype=np.uint8),
-        "objects": rng.integers(0, 256, (batch, n_obj, size, size, 3), dtype=np.uint8),
-        "relations": rng.integers(0, 256, (batch, n_rel, size, size, 3), dtype=np.uint8),
-        "action_tokens": ids((batch,)), "object_tokens": ids((batch, n_obj)),
-        "relation_tokens": ids((batch, n_rel)),
-        "object_mask": np.ones((batch, n_obj), bool), "relation_mask": np.ones((batch, n_rel), bool),
-        "object_labels": np.zeros((batch, n_obj), np.int32),
-        "relation_labels": np.zeros((batch, n_rel), np.int32),
-        "valid": np.ones((batch,), bool), "bad_record": np.zeros((batch,), np.int32),
+    from sclaro_jax.data import batch as fields
+    obj, rel = fields.LEVELS["object"], fields.LEVELS["relation"]
+    out = {
+        fields.IMAGE: rng.integers(0, 256, (batch, size, size, 3), dtype=np.uint8),
+        fields.ACTION_TOKENS: ids((batch,)),
+        fields.HAS_ACTION: np.ones((batch,), bool), fields.VALID: np.ones((batch,), bool),
     }
+    for f, n in ((obj, n_obj), (rel, n_rel)):
+        out[f.pixels] = rng.integers(0, 256, (batch, n, size, size, 3), dtype=np.uint8)
+        out[f.tokens] = ids((batch, n))
+        out[f.mask] = np.ones((batch, n), bool)
+        out[f.labels] = np.zeros((batch, n), np.int32)
+    for name in (fields.BAD_RECORD, fields.DROPPED_OBJECTS, fields.DROPPED_RELATIONS):
+        out[name] = np.zeros((batch,), np.int32)
+    return out
 
 
 def hf_folder(preset: str, tmp: str) -> str:
@@ -85,8 +89,7 @@ def jax_side(folder: str, preset: str, embed: int, share_frozen_text: bool = Tru
     cfg = core.TrainConfig(total_steps=1000, **{**TRAIN, **_frozen(layers)})
     graphdef, state, tx = core.init_state(model, cfg)
     step, state = sharding.jit_step(
-        core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg),
-                             share_frozen_text=share_frozen_text),
+        core.make_train_step(graphdef, tx, cfg, share_frozen_text=share_frozen_text),
         state, None, "none")  # what the trainer runs on one device
     holder = {"state": state}
 
@@ -110,6 +113,8 @@ def torch_side(folder: str, jax_model, embed: int, kd_loops: bool = True):
     import torch.nn.functional as F
     import transformers
     from torch import nn
+
+    from sclaro_jax.data import batch as fields
 
     torch.manual_seed(0)
 
@@ -217,7 +222,7 @@ def torch_side(folder: str, jax_model, embed: int, kd_loops: bool = True):
                     + torch.stack(text_terms).mean()
         else:
             for level in ("object", "relation"):
-                mask = torch.from_numpy(batch[f"{level}_mask"]).float()  # [b, n]: crop slots
+                mask = torch.from_numpy(batch[fields.LEVELS[level].mask]).float()  # [b, n]
                 seen = mask.sum(1) > 0
 
                 def kd_rows(student, teacher):  # kd() of each row pair: batchmean of 1-D is / dim

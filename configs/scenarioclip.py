@@ -1,11 +1,15 @@
-"""ScenarioCLIP, the paper recipe (DESIGN.md section 2); `:demo` trains on the bundled demo.
+"""ScenarioCLIP, the paper recipe (docs/design.md, section 2); `:demo` trains on the bundled demo.
 
     python launch/train.py --config configs/scenarioclip.py --workdir DIR \\
         --config.data.dir=/data/sclaro --config.model.init=/models/clip-vit-base-patch32
     python launch/train.py --config configs/scenarioclip.py:demo --workdir /tmp/sclaro_demo
 """
 
+import dataclasses
+
 import ml_collections
+
+from sclaro_jax.train.core import TrainConfig
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -17,6 +21,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.init = ""  # a Hugging Face CLIPModel folder (openai/clip-vit-base-patch32)
     c.model.dtype = "float32"  # compute dtype of the towers' matmuls; "bfloat16" on GPU
     c.model.embed_dim = 512
+    c.model.gradient_forms = "auto"  # scenarioclip.build's gradient_forms
 
     c.data = ml_collections.ConfigDict()
     c.data.dir = ""  # a dataset folder written by `python -m data_prep`
@@ -28,27 +33,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.object_view = "crop"  # crop (the paper) | canvas (the reference code)
     c.data.workers = 8
 
-    c.train = ml_collections.ConfigDict()
-    c.train.epochs = 12
-    c.train.steps = 0  # > 0 overrides epochs
-    c.train.lr = 2e-5
-    c.train.b1 = 0.9
-    c.train.b2 = 0.999
-    c.train.eps = 1e-8
-    c.train.weight_decay = 0.2
-    c.train.warmup_fraction = 0.1
-    c.train.warmup_init_factor = 1e-3
-    c.train.grad_clip = 1.0
-    c.train.kd_lr_factor = 0.1
-    c.train.ema_decay = 0.9995
-    c.train.ema_warmup_steps = 2000
-    c.train.lambda_ca = 1.0
-    c.train.lambda_kd = 1.0
-    c.train.kd_direction = "both"
-    c.train.duplicate_aware = False
-    c.train.frozen_vision_layers = 6
-    c.train.frozen_text_layers = 10
-    c.train.freeze_pre_layernorm = False
+    # The recipe's defaults come from TrainConfig (sclaro_jax.train.core); `steps` > 0
+    # overrides `epochs`. Unknown keys are refused when training starts.
+    c.train = ml_collections.ConfigDict({"epochs": 12, "steps": 0, **{
+        f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "total_steps"}})
 
     c.sharding = "dp"  # none | dp | fsdp over all devices (sclaro_jax.train.sharding)
     c.distributed = False  # multi-host: call jax.distributed.initialize() first

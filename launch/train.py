@@ -12,19 +12,49 @@ import sys
 
 from absl import app, flags
 from absl import logging as absl_logging
+import ml_collections
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-config_flags.DEFINE_config_file("config", None, "config file[:variant], e.g. "
-                                "configs/scenarioclip.py:demo", lock_config=True)
-flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard logs")
-flags.mark_flags_as_required(["config", "workdir"])
+from sclaro_jax.config import load_config  # noqa: E402  (after the path above)
+
+
+def split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the value of --config, i.e. `--config=SPEC` or `--config SPEC`; argv without it). The
+    rest, `--config.x.y=V` overrides included, goes to absl."""
+    rest, spec, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--config="):
+            spec = arg.split("=", 1)[1]
+        elif arg == "--config" and i + 1 < len(argv):
+            spec, i = argv[i + 1], i + 1
+        else:
+            rest.append(arg)
+        i += 1
+    return spec, rest
+
+
+def define_flags(spec: str | None, argv: list[str]) -> None:
+    """--config (loaded by `sclaro_jax.config.load_config`, then `--config.x.y=V` overrides
+    applied by absl's config_flags to `argv`, the command line without --config) and --workdir."""
+    config = ml_collections.ConfigDict() if spec is None else load_config(spec)
+    config_flags.DEFINE_config_dict("config", config, "config file[:variant], e.g. "
+                                    "configs/scenarioclip.py:demo (required)", lock_config=True,
+                                    sys_argv=argv)
+    flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard logs")
+    flags.mark_flags_as_required(["workdir"])
+
+
 FLAGS = flags.FLAGS
 
 
 def main(argv):
     del argv
+    if not list(FLAGS.config.keys()):  # no --config: define_flags's empty placeholder
+        raise app.UsageError("--config is required: a config file[:variant], e.g. "
+                             "--config=configs/scenarioclip.py:demo")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's per-save INFO lines
     logging.getLogger("sclaro_jax").setLevel(logging.INFO)
     config = FLAGS.config
@@ -50,8 +80,11 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    if any(arg in ("-h", "--help", "--helpshort") for arg in sys.argv[1:]):
+    SPEC, ARGV = split_config_spec(sys.argv[1:])
+    ARGV = sys.argv[:1] + ARGV
+    define_flags(SPEC, ARGV)
+    if any(arg in ("-h", "--help", "--helpshort") for arg in ARGV[1:]):
         print(__doc__)  # absl's own --help exits with status 1
         print(FLAGS.main_module_help())
         sys.exit(0)
-    app.run(main)
+    app.run(main, argv=ARGV)

@@ -1,7 +1,11 @@
-"""ScenarioCLIP's losses as pure functions (DESIGN.md section 2, appendix Eq. 8).
+"""ScenarioCLIP's losses as pure functions (docs/design.md, section 2; appendix Eq. 8).
 
-Everything is computed in float32 whatever the embeddings' dtype. Masks select the valid rows /
-entries of the static-shape batches (`sclaro_jax.data.pipeline`); padding never contributes.
+One function per equation: `clip_contrastive` (the per-level InfoNCE), `kd_term` (Eq. 8, one
+teacher / student pair of embeddings), the two KD directions built on it, and
+`scenarioclip_total` (L_total = lambda_CA * sum of the levels' InfoNCE + lambda_KD * L_KD) over
+embeddings the train step has already computed. Everything is computed in float32 whatever the
+embeddings' dtype. Masks select the valid rows / entries of the static-shape batches
+(`sclaro_jax.data.batch`); padding never contributes.
 """
 
 from __future__ import annotations
@@ -9,13 +13,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from sclaro_jax.ops import l2_normalize
+
 MAX_LOGIT_SCALE = 100.0
 TEACHER_TEMPERATURE = 0.07
-
-
-def _l2_normalize(x: jax.Array) -> jax.Array:
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.maximum(jnp.sum(x * x, -1, keepdims=True), 1e-24))
+LEVELS = ("global", "object", "relation")
+CROP_LEVELS = ("object", "relation")
+KD_DIRECTIONS = ("both", "vision", "text")
 
 
 def clip_contrastive(image_emb: jax.Array, text_emb: jax.Array, logit_scale: jax.Array,
@@ -32,7 +36,7 @@ def clip_contrastive(image_emb: jax.Array, text_emb: jax.Array, logit_scale: jax
     n = image_emb.shape[0]
     mask = jnp.ones((n,), bool) if mask is None else mask.astype(bool)
     scale = jnp.minimum(jnp.exp(logit_scale.astype(jnp.float32)), MAX_LOGIT_SCALE)
-    logits = scale * (_l2_normalize(image_emb) @ _l2_normalize(text_emb).T)  # [N, N] i2t
+    logits = scale * (l2_normalize(image_emb) @ l2_normalize(text_emb).T)  # [N, N] i2t
     allowed = mask[:, None] & mask[None, :]
     if labels is not None:
         same = labels[:, None] == labels[None, :]
@@ -51,12 +55,14 @@ def student_temperature(log_scale: jax.Array) -> jax.Array:
     return 1.0 / jnp.clip(jnp.exp(log_scale.astype(jnp.float32)), 1.0, MAX_LOGIT_SCALE)
 
 
-def _kd_terms(teacher: jax.Array, student: jax.Array, log_scale: jax.Array,
-              teacher_temp: float) -> jax.Array:
-    """T_s^2 * KL(softmax(z_t / T_t) || softmax(z_s / T_s)) / D over the last axis.
+def kd_term(teacher: jax.Array, student: jax.Array, log_scale: jax.Array,
+            teacher_temp: float = TEACHER_TEMPERATURE) -> jax.Array:
+    """Appendix Eq. 8: T_s^2 * KL(softmax(z_t / T_t) || softmax(z_s / T_s)) / D over the last
+    axis (broadcasting teacher against student), with T_s = `student_temperature(log_scale)`.
 
     The division by D = the feature size is the reference's `KLDivLoss(reduction='batchmean')`
     applied to one 1-D embedding (batchmean divides by the first dimension, here the features).
+    No gradient reaches the teacher.
     """
     t_s = student_temperature(log_scale)
     teacher = jax.lax.stop_gradient(teacher.astype(jnp.float32))
@@ -81,7 +87,7 @@ def kd_one_teacher_many_students(teacher: jax.Array, students: jax.Array, mask: 
     """Vision KD (global -> object, global -> relation): teacher [B, D] (EMA global image
     embedding), students [B, N, D] (crop / region embeddings), mask [B, N]. No gradient reaches
     the teacher."""
-    terms = _kd_terms(teacher[:, None, :], students, log_scale, teacher_temp)
+    terms = kd_term(teacher[:, None, :], students, log_scale, teacher_temp)
     return _mean_over_groups(terms, mask)
 
 
@@ -91,5 +97,57 @@ def kd_many_teachers_one_student(teachers: jax.Array, mask: jax.Array, student: 
     """Text KD (object -> global, relation -> global): teachers [B, N, D] (EMA object / relation
     text embeddings), mask [B, N], student [B, D] (global action text embedding). No gradient
     reaches the teachers."""
-    terms = _kd_terms(teachers, student[:, None, :], log_scale, teacher_temp)
+    terms = kd_term(teachers, student[:, None, :], log_scale, teacher_temp)
     return _mean_over_groups(terms, mask)
+
+
+def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
+                       lambda_ca: float = 1.0, lambda_kd: float = 1.0,
+                       kd_log_scale: jax.Array | None = None,
+                       teacher_image: jax.Array | None = None,
+                       teacher_texts: dict | None = None, kd_direction: str = "both",
+                       labels: dict | None = None) -> tuple[jax.Array, dict]:
+    """L_total = lambda_CA * (L_global + L_object + L_relation) + lambda_KD * L_KD
+    (docs/design.md, section 2), from embeddings already computed.
+
+    embeddings: level -> (image [B, D] or [B, N, D], text of the same shape); masks: level ->
+    [B] (global: valid images with an action) or [B, N] (valid crops of valid images);
+    logit_scales: level -> the log scale []. `labels` (duplicate-aware, optional): level ->
+    [B, N] int labels for the crop levels. KD (when `kd_log_scale` is given and lambda_kd is
+    not 0): `teacher_image` [B, D] (the EMA global image embedding) distils into the crop
+    image embeddings ("vision", Eq. 8 via `kd_one_teacher_many_students`); `teacher_texts`
+    level -> [B, N, D] (EMA crop text embeddings) distil into the global action text ("text",
+    via `kd_many_teachers_one_student`; images without an action sit these terms out).
+    `kd_direction` picks "both", "vision" or "text". Returns (total, metrics): loss, loss_ca,
+    loss_kd, loss_<level>, logit_scale_<level> and, with KD, kd_temperature.
+    """
+    if kd_direction not in KD_DIRECTIONS:
+        raise ValueError(f"kd_direction {kd_direction!r} is not one of {KD_DIRECTIONS}")
+    metrics = {}
+    l_ca = 0.0
+    for level in LEVELS:
+        img, txt = embeddings[level]
+        d = img.shape[-1]
+        level_labels = None if labels is None or level not in labels else labels[level].reshape(-1)
+        loss = clip_contrastive(img.reshape(-1, d), txt.reshape(-1, d), logit_scales[level],
+                                masks[level].reshape(-1), level_labels)
+        metrics[f"loss_{level}"] = loss
+        metrics[f"logit_scale_{level}"] = jnp.exp(logit_scales[level])
+        l_ca = l_ca + loss
+    l_kd = jnp.zeros((), jnp.float32)
+    if kd_log_scale is not None and lambda_kd:
+        if kd_direction in ("both", "vision"):
+            for level in CROP_LEVELS:
+                l_kd += kd_one_teacher_many_students(teacher_image, embeddings[level][0],
+                                                     masks[level], kd_log_scale)
+        if kd_direction in ("both", "text"):
+            # The student is the action text: images without an action sit these terms out.
+            with_action = masks["global"][:, None]
+            for level in CROP_LEVELS:
+                l_kd += kd_many_teachers_one_student(teacher_texts[level],
+                                                     masks[level] & with_action,
+                                                     embeddings["global"][1], kd_log_scale)
+        metrics["kd_temperature"] = student_temperature(kd_log_scale)
+    total = lambda_ca * l_ca + lambda_kd * l_kd
+    metrics.update(loss=total, loss_ca=l_ca, loss_kd=l_kd)
+    return total, metrics

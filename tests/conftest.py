@@ -8,6 +8,8 @@ import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+ROOT = Path(__file__).resolve().parents[1]
+
 TINY_HF = dict(
     text_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4),
@@ -61,11 +63,21 @@ def demo_dir(tmp_path_factory):
     return str(folder)
 
 
+def demo_config(demo_dir, steps=None):
+    """configs/scenarioclip.py:demo on the demo shards (`steps` overrides train.steps)."""
+    from sclaro_jax.config import load_config
+
+    config = load_config(str(ROOT / "configs" / "scenarioclip.py") + ":demo")
+    config.data.dir = demo_dir
+    if steps is not None:
+        config.train.steps = steps
+    return config
+
+
 def _checkpointed_workdir(workdir, demo_dir):
     """A ScenarioCLIP workdir as the trainer leaves it (config.json + an orbax checkpoint of the
     train state at step 7), written without training; the teacher differs from the student."""
     import dataclasses
-    import importlib.util
 
     import jax
     import orbax.checkpoint as ocp
@@ -73,11 +85,7 @@ def _checkpointed_workdir(workdir, demo_dir):
     from sclaro_jax.checkpoint import build_model
     from sclaro_jax.train import core, trainer
 
-    spec = importlib.util.spec_from_file_location("cfg", Path(__file__).resolve().parents[1] / "configs" / "scenarioclip.py")
-    cfg_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cfg_mod)
-    config = cfg_mod.get_config("demo")
-    config.data.dir = demo_dir
+    config = demo_config(demo_dir)
     workdir.mkdir(parents=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     _, state, _ = core.init_state(build_model(config), trainer.train_config(config, 10))
@@ -95,3 +103,16 @@ def scenario_workdir(tmp_path_factory, demo_dir):
     workdir = tmp_path_factory.mktemp("scenario") / "run"
     _checkpointed_workdir(workdir, demo_dir)
     return workdir
+
+
+def run_script(script: str, timeout: int = 900) -> str:
+    """Run `python -c script` from the repository root (e.g. with 8 host devices set up in the
+    script's first lines); assert it exits 0 and prints OK; return its stdout."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "OK" in result.stdout
+    return result.stdout

@@ -125,3 +125,62 @@ def test_losses_are_float32_for_bf16_inputs():
     c = losses.clip_contrastive(jnp.asarray(single, jnp.bfloat16),
                                 jnp.asarray(single, jnp.bfloat16), jnp.float32(2.0))
     assert c.dtype == jnp.float32
+
+
+def test_kd_term_is_eq8_for_one_pair():
+    rng = np.random.default_rng(4)
+    t, s = rng.normal(size=(2, 24)).astype(np.float32)
+    for log_scale in (np.log(1 / 0.07), 0.5):
+        got = losses.kd_term(t, s, jnp.float32(log_scale))
+        np.testing.assert_allclose(float(got), _torch_kd_pair(t, s, log_scale), rtol=1e-5)
+
+
+def _total_inputs(seed=5, b=4, n=3, d=8):
+    rng = np.random.default_rng(seed)
+    emb = {"global": (rng.normal(size=(b, d)), rng.normal(size=(b, d)))}
+    for level in ("object", "relation"):
+        emb[level] = (rng.normal(size=(b, n, d)), rng.normal(size=(b, n, d)))
+    emb = {k: tuple(jnp.asarray(x, jnp.float32) for x in v) for k, v in emb.items()}
+    masks = {"global": jnp.asarray([True, False, True, True]),
+             "object": jnp.asarray(rng.uniform(size=(b, n)) < 0.7),
+             "relation": jnp.asarray(rng.uniform(size=(b, n)) < 0.7)}
+    scales = {"global": jnp.float32(2.0), "object": jnp.float32(2.5), "relation": jnp.float32(3.0)}
+    teacher_image = jnp.asarray(rng.normal(size=(b, d)), jnp.float32)
+    teacher_texts = {k: jnp.asarray(rng.normal(size=(b, n, d)), jnp.float32)
+                     for k in ("object", "relation")}
+    return emb, masks, scales, teacher_image, teacher_texts
+
+
+@pytest.mark.parametrize("direction", ["both", "vision", "text"])
+def test_scenarioclip_total_combines_the_named_terms(direction):
+    emb, masks, scales, t_img, t_txt = _total_inputs()
+    log_kd = jnp.float32(2.2)
+    total, m = losses.scenarioclip_total(emb, masks, scales, lambda_ca=0.5, lambda_kd=2.0,
+                                         kd_log_scale=log_kd, teacher_image=t_img,
+                                         teacher_texts=t_txt, kd_direction=direction)
+    ca = [losses.clip_contrastive(emb[k][0].reshape(-1, 8), emb[k][1].reshape(-1, 8), scales[k],
+                                  masks[k].reshape(-1)) for k in ("global", "object", "relation")]
+    kd = 0.0
+    for k in ("object", "relation"):
+        if direction != "text":
+            kd += float(losses.kd_one_teacher_many_students(t_img, emb[k][0], masks[k], log_kd))
+        if direction != "vision":  # image 1 has no action: out of the text terms
+            kd += float(losses.kd_many_teachers_one_student(
+                t_txt[k], masks[k] & masks["global"][:, None], emb["global"][1], log_kd))
+    np.testing.assert_allclose(float(m["loss_ca"]), sum(map(float, ca)), rtol=1e-6)
+    np.testing.assert_allclose(float(m["loss_kd"]), kd, rtol=1e-6)
+    np.testing.assert_allclose(float(total), 0.5 * sum(map(float, ca)) + 2.0 * kd, rtol=1e-6)
+    np.testing.assert_allclose(float(m["kd_temperature"]), np.exp(-2.2), rtol=1e-6)
+    np.testing.assert_allclose(float(m["logit_scale_relation"]), np.exp(3.0), rtol=1e-6)
+
+
+def test_scenarioclip_total_without_kd_and_with_labels():
+    emb, masks, scales, _, _ = _total_inputs(seed=6)
+    labels = {k: jnp.zeros((4, 3), jnp.int32) for k in ("object", "relation")}
+    total, m = losses.scenarioclip_total(emb, masks, scales, labels=labels)
+    assert float(m["loss_kd"]) == 0.0 and "kd_temperature" not in m
+    # every crop shares one label: only the positive pair is left in each softmax
+    assert float(m["loss_object"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(total) == pytest.approx(float(m["loss_global"]), rel=1e-6)
+    with pytest.raises(ValueError, match="kd_direction"):
+        losses.scenarioclip_total(emb, masks, scales, kd_direction="sideways")

@@ -15,8 +15,8 @@ import grain.python as grain
 from data_prep import shards
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
-from sclaro_jax.data.pipeline import (PipelineConfig, batch_shapes, make_loader, normalize,
-                                      sample_key)
+from sclaro_jax.data.batch import batch_shapes
+from sclaro_jax.data.pipeline import PipelineConfig, make_loader, normalize, sample_key
 from sclaro_jax.data.tokenizer import ClipTokenizer
 from test_records import make_sample
 
@@ -137,32 +137,6 @@ def test_eval_is_deterministic_and_float32_is_clip_normalised(demo_dir):
         assert not f[key][~mask].any()  # padding is 0.0
 
 
-def test_packed_layout_holds_the_same_crops_as_caps(demo_dir):
-    caps = next(iter(make_loader(demo_dir, "train", 4, config=CFG, seed=5)))
-    packed_cfg = PipelineConfig(max_objects=6, max_relations=4, image_size=64,
-                                layout="packed", object_budget=9, relation_budget=40)
-    packed = next(iter(make_loader(demo_dir, "train", 4, config=packed_cfg, seed=5)))
-    np.testing.assert_array_equal(packed["sample_key"], caps["sample_key"])
-    assert packed["objects"].shape == (9, 64, 64, 3)
-    assert packed["relations"].shape == (40, 64, 64, 3)
-    for level in ("object", "relation"):
-        key = level + "s"
-        m = packed[level + "_mask"]
-        owner, slot = packed[level + "_owner"][m], packed[level + "_slot"][m]
-        np.testing.assert_array_equal(packed[key][m], caps[key][owner, slot])
-        np.testing.assert_array_equal(packed[level + "_tokens"][m],
-                                      caps[level + "_tokens"][owner, slot])
-        np.testing.assert_array_equal(packed[level + "_labels"][m],
-                                      caps[level + "_labels"][owner, slot])
-        assert not packed[key][~m].any()
-        total = caps[level + "_mask"].sum()
-        kept = m.sum()
-        assert kept == min(total, packed[key].shape[0])
-        # what did not fit is counted, per image
-        assert (packed["dropped_" + key].sum() - caps["dropped_" + key].sum()) == total - kept
-    assert packed["dropped_objects"].sum() > caps["dropped_objects"].sum()  # budget 9 overflowed
-
-
 def _write_with_bad_records(folder):
     good = [make_sample(f"good{i}", **({"action": ""} if i == 2 else {})) for i in range(3)]
     with shards.ShardWriter(folder) as w:
@@ -254,25 +228,10 @@ def test_loader_errors_name_the_problem(demo_dir, tmp_path):
     from sclaro_jax.data.dataset import DatasetError
     with pytest.raises(DatasetError, match="no split 'dev'"):
         make_loader(demo_dir, "dev", 2)
-    with pytest.raises(ValueError, match="layout 'ragged'"):
-        PipelineConfig(layout="ragged")
+    with pytest.raises(ValueError, match="object_view 'ragged'"):
+        PipelineConfig(object_view="ragged")
     with pytest.raises(DatasetError, match="not a SCLARO dataset folder"):
         make_loader(str(tmp_path), "train", 2)
-
-
-def test_packed_budgets_default_to_the_manifest_means(demo_dir):
-    info = open_dataset(demo_dir).manifest["splits"]["train"]
-    records = _records(demo_dir, "train").values()
-    assert info["objects"] == sum(len(s.objects) for s in records)
-    assert info["relations"] == sum(len(s.relations) for s in records)
-    cfg = PipelineConfig(max_objects=6, max_relations=4, image_size=32, layout="packed")
-    batch = next(iter(make_loader(demo_dir, "train", 4, config=cfg)))
-    want_o = int(np.ceil(1.2 * info["objects"] / info["records"] * 4))
-    want_r = int(np.ceil(1.2 * info["relations"] / info["records"] * 4))
-    assert batch["objects"].shape[0] == min(want_o, 24)
-    assert batch["relations"].shape[0] == min(want_r, 16)
-    with pytest.raises(ValueError, match="packed layout without budgets"):
-        batch_shapes(4, cfg)
 
 
 def test_text_length_32_gives_the_same_text_embeddings_as_77():

@@ -1,10 +1,6 @@
 """Data-parallel and FSDP steps on 8 host CPU devices give the single-device numbers."""
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import run_script
 
 SCRIPT = r'''
 import os
@@ -23,7 +19,7 @@ out = {}
 for strategy in ("none", "dp", "fsdp"):
     model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)
     graphdef, state, tx = core.init_state(model, CFG)
-    step_fn = core.make_train_step(graphdef, tx, CFG, core.param_labels(state.params, CFG))
+    step_fn = core.make_train_step(graphdef, tx, CFG)
     mesh = sharding.make_mesh(strategy)
     jitted, state = sharding.jit_step(step_fn, state, mesh, strategy)
     losses = []
@@ -51,7 +47,4 @@ print("OK")
 
 
 def test_dp_and_fsdp_match_one_device():
-    result = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, capture_output=True,
-                            text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert "OK" in result.stdout
+    run_script(SCRIPT)

@@ -89,6 +89,63 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted, demo_dir,
+                                                                   tmp_path):
+    """A checkpoint written before the optimiser state was keyed by names (Adam's moments over
+    a list of the trainable leaves) is converted on restore: resuming the uninterrupted run's
+    step 16 from that layout ends at its step-24 parameters."""
+    import jax
+    import grain.python as grain
+    import orbax.checkpoint as ocp
+    from conftest import demo_config
+
+    from sclaro_jax.checkpoint import build_model
+    from sclaro_jax.data.pipeline import make_loader
+    from sclaro_jax.train import core, resume, trainer
+
+    config = demo_config(demo_dir, steps=STEPS)
+    config.train.ema_warmup_steps = 6
+    tcfg = trainer.train_config(config, STEPS)
+    _, state, _ = core.init_state(build_model(config), tcfg)
+    it = iter(make_loader(demo_dir, "train", config.data.batch_size, seed=config.seed,
+                          config=trainer.pipeline_config(config)))
+    source = ocp.CheckpointManager(str(uninterrupted / "checkpoints"))
+    state = source.restore(16, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(state), data=grain.PyGrainCheckpointRestore(it)))["state"]
+    old = jax.tree.unflatten(jax.tree.structure(resume.positional_opt_state(state, tcfg)),
+                             jax.tree.leaves(state.opt_state))
+    assert isinstance(old[1].inner_states["decay"].inner_state[0].mu, list)
+    manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"),
+                                    options=ocp.CheckpointManagerOptions(create=True))
+    manager.save(16, args=ocp.args.Composite(  # as the trainer saved before the change
+        state=ocp.args.StandardSave(state.replace(opt_state=old)),
+        data=grain.PyGrainCheckpointSave(it)))
+    manager.wait_until_finished()
+    assert resume.is_positional(str(tmp_path / "checkpoints" / "16"))
+    cmd = _train_cmd(tmp_path, demo_dir) + [
+        f"--config.compilation_cache={uninterrupted / 'jax_cache'}"]  # its step, compiled
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resumed from" in rerun.stderr
+    want = dict(_flat(_final_params(uninterrupted)))
+    got = dict(_flat(_final_params(tmp_path)))
+    assert want.keys() == got.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_unknown_train_keys_are_refused_with_the_known_ones(demo_dir, tmp_path):
+    from conftest import demo_config
+
+    from sclaro_jax.train import trainer
+    config = demo_config(demo_dir)
+    assert trainer.train_config(config, 5).frozen_text_layers == 1  # the demo's override
+    config.train.lamda_kd = 0.0  # a typo
+    with pytest.raises(ValueError, match=r"unknown keys \['lamda_kd'\]; known: .*'lambda_kd'"):
+        trainer.train(config, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
 def test_export_cli_from_the_demo_run(uninterrupted, tmp_path):
     # the export CLI on the workdir the demo run left: its latest checkpoint, read by PyTorch
     from test_export import _torch_embeddings

@@ -1,4 +1,4 @@
-"""The reference code's image transforms (DESIGN.md section 2), in PIL + numpy.
+"""The reference code's image transforms (docs/design.md, section 2), in PIL + numpy.
 
 Global view: RandomResizedCrop(224, scale=(0.8, 1), ratio=(3/4, 4/3), bicubic),
 ColorJitter(0.2, 0.2, 0.2, 0.05) with p=0.2, GaussianBlur(kernel 9, sigma 0.1-1.5) with p=0.1.
@@ -10,7 +10,7 @@ applies to PIL images (ImageEnhance brightness/contrast/colour, hue shift in PIL
 sample looks as it would in the reference pipeline. Differences, on purpose:
 - one set of random parameters per sample (`SampleParams`) is shared by the three levels: the
   colour jitter that hits the global view hits that sample's object crops and relation regions
-  too (DESIGN.md: "all levels share one per-sample seed");
+  too (docs/design.md, section 2: "all levels share one per-sample seed");
 - Resize + CenterCrop is one bicubic resample of exactly the part of the region that the
   two-step transform keeps (`resize_centre_crop`: the same pixels, no full-size intermediate).
 """
@@ -23,8 +23,11 @@ import math
 import numpy as np
 from PIL import Image, ImageEnhance
 
-CLIP_MEAN = np.array([0.48145466, 0.4578275, 0.40821073], np.float32)
-CLIP_STD = np.array([0.26862954, 0.26130258, 0.27577711], np.float32)
+# Re-exported only while sclaro_jax.eval still imports them from here; new code calls
+# sclaro_jax.ops.normalize (the one pixel normalisation) and reads ops.CLIP_MEAN / CLIP_STD.
+from sclaro_jax.ops import CLIP_MEAN, CLIP_STD  # noqa: F401
+from sclaro_jax.ops import normalize  # noqa: F401
+from sclaro_jax.ops import normalize as normalize_jnp  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,25 +162,3 @@ def canvas_view(img: Image.Image, box, params: SampleParams, size: int) -> np.nd
     box = tuple(int(round(v)) for v in box)
     canvas.paste(img.crop(box), box[:2])
     return region_view(canvas, None, params, size)
-
-
-_SCALE = (1.0 / (255.0 * CLIP_STD)).astype(np.float32)
-_SHIFT = (CLIP_MEAN / CLIP_STD).astype(np.float32)
-
-
-def normalize(pixels: np.ndarray) -> np.ndarray:
-    """uint8 [..., 3] -> CLIP-normalised float32, (x / 255 - mean) / std, in two in-place passes
-    (numpy, on the host; `normalize_jnp`, also `sclaro_jax.data.pipeline.normalize`, does it
-    inside jit)."""
-    out = pixels.astype(np.float32)
-    out *= _SCALE
-    out -= _SHIFT
-    return out
-
-
-def normalize_jnp(pixels):
-    """uint8 [..., 3] -> CLIP-normalised float32 with jnp, for use inside jit on the accelerator
-    (public as `sclaro_jax.data.pipeline.normalize`; here so the train step needs no Grain)."""
-    import jax.numpy as jnp
-    x = jnp.asarray(pixels, jnp.float32) / 255.0
-    return (x - jnp.asarray(CLIP_MEAN)) / jnp.asarray(CLIP_STD)

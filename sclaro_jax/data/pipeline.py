@@ -12,17 +12,14 @@ views = box crops (or the reference's black-canvas paste); relation views = the 
 focused-region images; Resize + CenterCrop to `image_size`; texts tokenised with the CLIP BPE
 (action word, object names, "subject predicate object"), memoised per worker.
 
-Static shapes, two layouts (measured in bench/README.md):
-- "caps" (default): objects [B, max_objects, S, S, 3] and relations [B, max_relations, ...] with
-  boolean masks; objects/relations beyond the caps are dropped and counted.
-- "packed": all objects of the batch in one [object_budget, S, S, 3] array (likewise relations),
-  with `object_owner` (image index in the batch) and `object_slot` (index within its image), so
-  the encoder sees fewer padding crops; scatter the embeddings back to [B, max_objects, D] for
-  the per-image losses. Crops beyond the budget are dropped and counted.
+Static shapes (`sclaro_jax.data.batch`): objects [B, max_objects, S, S, 3] and relations
+[B, max_relations, ...] with boolean masks; objects/relations beyond the caps are dropped and
+counted (`dropped_objects`, `dropped_relations`; the train step logs their batch sums). The
+padding this costs is measured by bench/bench_padding.py.
 
-Pixels come out as uint8 (normalise on the accelerator with `normalize`, a quarter of the
-host-to-device bytes) or, with `pixels="float32"`, CLIP-normalised on the host (padding slots
-are then 0.0).
+Pixels come out as uint8 (normalise on the accelerator with `normalize`, i.e.
+`sclaro_jax.ops.normalize`; a quarter of the host-to-device bytes) or, with
+`pixels="float32"`, CLIP-normalised on the host (padding slots are then 0.0).
 
 An image whose action is "" (the VLM gave none; the appendix keeps such images) has
 `has_action=False`, `action_label=-1` and all-zero action tokens: it still feeds the object and
@@ -41,19 +38,17 @@ import dataclasses
 import functools
 import hashlib
 import logging
-import math
 from typing import Sequence
 
 import grain.python as grain
 import numpy as np
 
-from sclaro_jax.data import augment, schema
+from sclaro_jax import ops
+from sclaro_jax.data import augment, batch as fields, schema
 from sclaro_jax.data.dataset import ShardedDataset, Vocab, open_dataset
 
 log = logging.getLogger(__name__)
 
-LAYOUTS = ("caps", "packed")
-PACKED_HEADROOM = 1.2
 OBJECT_VIEWS = ("crop", "canvas")
 
 
@@ -67,42 +62,16 @@ class PipelineConfig:
     text_length: int = 32
     train: bool = True  # augment (train) or deterministic Resize + CenterCrop (eval)
     object_view: str = "crop"  # "crop" (the paper) or "canvas" (the reference code)
-    layout: str = "caps"
-    # "packed": crops per batch; 0 = PACKED_HEADROOM x the split's mean count x batch size,
-    # from the manifest (bench/README.md: 1.2x dropped nothing on the demo at batch 32 or 128)
-    object_budget: int = 0
-    relation_budget: int = 0
     pixels: str = "uint8"  # "uint8" or "float32" (CLIP-normalised on the host)
     fast_decode: bool = True  # JPEG relation regions decoded at reduced scale (>= image_size)
 
     def __post_init__(self):
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout {self.layout!r} is not one of {LAYOUTS}")
         if self.object_view not in OBJECT_VIEWS:
             raise ValueError(f"object_view {self.object_view!r} is not one of {OBJECT_VIEWS}")
         if self.pixels not in ("uint8", "float32"):
             raise ValueError(f"pixels {self.pixels!r} is not 'uint8' or 'float32'")
         if min(self.max_objects, self.max_relations) < 1 or self.text_length < 3:
             raise ValueError("max_objects, max_relations must be >= 1 and text_length >= 3")
-
-    def budgets(self) -> tuple[int, int]:
-        if not (self.object_budget and self.relation_budget):
-            raise ValueError("packed layout without budgets: pass object_budget and "
-                             "relation_budget, or let make_loader derive them from the manifest")
-        return self.object_budget, self.relation_budget
-
-    def with_budgets_from(self, split_info: dict, batch_size: int) -> "PipelineConfig":
-        """Fill zero budgets with PACKED_HEADROOM x the split's mean counts x batch_size."""
-        if self.layout != "packed":
-            return self
-        records = max(1, split_info["records"])
-        budgets = {}
-        for field, level, cap in (("object_budget", "objects", self.max_objects),
-                                  ("relation_budget", "relations", self.max_relations)):
-            mean = split_info[level] / records
-            budgets[field] = getattr(self, field) or int(min(
-                batch_size * cap, max(1, math.ceil(PACKED_HEADROOM * mean * batch_size))))
-        return dataclasses.replace(self, **budgets)
 
 
 def sample_key(sample_id: str) -> int:
@@ -168,118 +137,80 @@ class SampleTransform(grain.RandomMapTransform):
             region = schema.decode_image(r.region, f"sample {sample.id!r}: relation {k} region",
                                          size=img.size, min_side=size if c.fast_decode else None)
             rel_pixels[k] = augment.region_view(region, None, params, size)
+        objects_field, relations_field = fields.LEVELS["object"], fields.LEVELS["relation"]
         return {
-            "image": augment.global_view(img, params, size),
-            "objects": obj_pixels,
-            "relations": rel_pixels,
-            "action_tokens": self.text([sample.action])[0] if sample.action else
+            fields.IMAGE: augment.global_view(img, params, size),
+            fields.ACTION_TOKENS: self.text([sample.action])[0] if sample.action else
             np.zeros((c.text_length,), np.int32),
-            "object_tokens": self.text([o.name for o in objects]),
-            "relation_tokens": self.text([r.text for r in relations]),
-            "action_label": np.int32(self.vocab.index("actions", sample.action)),  # "": -1
-            "has_action": np.bool_(bool(sample.action)),
-            "object_labels": np.array([self.vocab.index("objects", o.name) for o in objects],
-                                      np.int32),
-            "relation_labels": np.array([self.vocab.index("relations", r.text)
-                                         for r in relations], np.int32),
-            "source": np.int32(self.vocab.index("sources", sample.source)),
-            "sample_key": np.int64(sample_key(sample.id)),
-            "valid": np.bool_(True),
-            "bad_record": np.int32(0),
-            "dropped_objects": np.int32(len(sample.objects) - len(objects)),
-            "dropped_relations": np.int32(len(sample.relations) - len(relations)),
+            fields.ACTION_LABEL: np.int32(self.vocab.index("actions", sample.action)),  # "": -1
+            fields.HAS_ACTION: np.bool_(bool(sample.action)),
+            objects_field.pixels: obj_pixels,
+            objects_field.tokens: self.text([o.name for o in objects]),
+            objects_field.labels: np.array([self.vocab.index("objects", o.name)
+                                            for o in objects], np.int32),
+            relations_field.pixels: rel_pixels,
+            relations_field.tokens: self.text([r.text for r in relations]),
+            relations_field.labels: np.array([self.vocab.index("relations", r.text)
+                                              for r in relations], np.int32),
+            fields.SOURCE: np.int32(self.vocab.index("sources", sample.source)),
+            fields.SAMPLE_KEY: np.int64(sample_key(sample.id)),
+            fields.VALID: np.bool_(True),
+            fields.BAD_RECORD: np.int32(0),
+            fields.DROPPED_OBJECTS: np.int32(len(sample.objects) - len(objects)),
+            fields.DROPPED_RELATIONS: np.int32(len(sample.relations) - len(relations)),
         }
+
 
 def empty_example(config: PipelineConfig) -> dict:
     """The example a bad record becomes: no objects or relations, valid=False, bad_record=1."""
     size, length = config.image_size, config.text_length
-    return {
-        "image": np.zeros((size, size, 3), np.uint8),
-        "objects": np.zeros((0, size, size, 3), np.uint8),
-        "relations": np.zeros((0, size, size, 3), np.uint8),
-        "action_tokens": np.zeros((length,), np.int32),
-        "object_tokens": np.zeros((0, length), np.int32),
-        "relation_tokens": np.zeros((0, length), np.int32),
-        "action_label": np.int32(-1),
-        "has_action": np.bool_(False),
-        "object_labels": np.zeros((0,), np.int32),
-        "relation_labels": np.zeros((0,), np.int32),
-        "source": np.int32(-1),
-        "sample_key": np.int64(-1),
-        "valid": np.bool_(False),
-        "bad_record": np.int32(1),
-        "dropped_objects": np.int32(0),
-        "dropped_relations": np.int32(0),
-    }
-
-
-_PER_IMAGE = ("action_tokens", "action_label", "has_action", "source", "sample_key", "valid",
-              "bad_record", "dropped_objects", "dropped_relations")
+    example = {name: np.zeros((), dtype) for name, dtype in fields.PER_IMAGE}
+    example.update({fields.IMAGE: np.zeros((size, size, 3), np.uint8),
+                    fields.ACTION_TOKENS: np.zeros((length,), np.int32),
+                    fields.ACTION_LABEL: np.int32(-1), fields.SOURCE: np.int32(-1),
+                    fields.SAMPLE_KEY: np.int64(-1), fields.BAD_RECORD: np.int32(1)})
+    for level in fields.CROP_LEVELS:
+        f = fields.LEVELS[level]
+        example[f.pixels] = np.zeros((0, size, size, 3), np.uint8)
+        example[f.tokens] = np.zeros((0, length), np.int32)
+        example[f.labels] = np.zeros((0,), np.int32)
+    return example
 
 
 def _put(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copy uint8 views into the batch; float32 batches get them CLIP-normalised, one view at a
-    time while it is in cache (padding stays 0.0, i.e. the mean colour)."""
+    """Copy uint8 views into the batch; float32 batches get them CLIP-normalised
+    (`ops.normalize`), one view at a time while it is in cache (padding stays 0.0, i.e. the
+    mean colour)."""
     if dst.dtype == np.uint8:
         dst[...] = src
         return
     for d, x in zip(dst.reshape(-1, *dst.shape[-3:]), src.reshape(-1, *src.shape[-3:])):
-        np.multiply(x, augment._SCALE, out=d)
-        d -= augment._SHIFT
+        d[...] = ops.normalize(x)
 
 
 def collate(examples: Sequence[dict], config: PipelineConfig) -> dict:
-    """Examples -> one batch with static shapes in the configured layout."""
+    """Examples -> one batch with the static shapes of `sclaro_jax.data.batch.batch_shapes`."""
     b, size, length = len(examples), config.image_size, config.text_length
-    batch = {k: np.stack([e[k] for e in examples]) for k in _PER_IMAGE}
+    batch = {name: np.stack([e[name] for e in examples]) for name, _ in fields.PER_IMAGE}
+    batch[fields.ACTION_TOKENS] = np.stack([e[fields.ACTION_TOKENS] for e in examples])
     dtype = np.float32 if config.pixels == "float32" else np.uint8
-    batch["image"] = np.empty((b, size, size, 3), dtype)
+    batch[fields.IMAGE] = np.empty((b, size, size, 3), dtype)
     for i, e in enumerate(examples):
-        _put(batch["image"][i], e["image"])
-    for level, cap in (("object", config.max_objects), ("relation", config.max_relations)):
-        key = level + "s"
-        counts = np.array([len(e[key]) for e in examples], np.int32)
-        if config.layout == "caps":
-            shape = (b, cap)
-        else:
-            shape = (config.budgets()[0 if level == "object" else 1],)
-        pixels = np.zeros(shape + (size, size, 3), dtype)
-        tokens = np.zeros(shape + (length,), np.int32)
-        labels = np.full(shape, -1, np.int32)
-        mask = np.zeros(shape, bool)
-        if config.layout == "caps":
-            for i, e in enumerate(examples):
-                n = counts[i]
-                _put(pixels[i, :n], e[key])
-                tokens[i, :n] = e[level + "_tokens"]
-                labels[i, :n] = e[level + "_labels"]
-                mask[i, :n] = True
-        else:
-            owner = np.zeros(shape, np.int32)
-            slot = np.zeros(shape, np.int32)
-            pos = 0
-            for i, e in enumerate(examples):
-                n = min(int(counts[i]), shape[0] - pos)
-                _put(pixels[pos:pos + n], e[key][:n])
-                tokens[pos:pos + n] = e[level + "_tokens"][:n]
-                labels[pos:pos + n] = e[level + "_labels"][:n]
-                mask[pos:pos + n] = True
-                owner[pos:pos + n] = i
-                slot[pos:pos + n] = np.arange(n)
-                batch["dropped_" + key][i] += counts[i] - n
-                pos += n
-            batch[level + "_owner"] = owner
-            batch[level + "_slot"] = slot
-        batch[key] = pixels
-        batch[level + "_tokens"] = tokens
-        batch[level + "_labels"] = labels
-        batch[level + "_mask"] = mask
+        _put(batch[fields.IMAGE][i], e[fields.IMAGE])
+    for level, cap in fields.level_caps(config).items():
+        f = fields.LEVELS[level]
+        pixels = np.zeros((b, cap, size, size, 3), dtype)
+        tokens = np.zeros((b, cap, length), np.int32)
+        labels = np.full((b, cap), -1, np.int32)
+        mask = np.zeros((b, cap), bool)
+        for i, e in enumerate(examples):
+            n = len(e[f.pixels])
+            _put(pixels[i, :n], e[f.pixels])
+            tokens[i, :n] = e[f.tokens]
+            labels[i, :n] = e[f.labels]
+            mask[i, :n] = True
+        batch.update({f.pixels: pixels, f.tokens: tokens, f.labels: labels, f.mask: mask})
     return batch
-
-
-def batch_shapes(batch_size: int, config: PipelineConfig) -> dict[str, tuple]:
-    """The shape of every field of a batch (the same every step); packed needs budgets set."""
-    return {k: v.shape for k, v in collate([empty_example(config)] * batch_size, config).items()}
 
 
 def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
@@ -313,7 +244,6 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
         num_records=len(source), shard_options=shard_options,
         shuffle=(split == "train") if shuffle is None else shuffle,
         num_epochs=num_epochs, seed=seed)
-    config = config.with_budgets_from(dataset.manifest["splits"][split], batch_size)
     operations = [SampleTransform(config, dataset.vocab),
                   grain.Batch(batch_size, drop_remainder=True,
                               batch_fn=functools.partial(collate, config=config))]
@@ -322,4 +252,4 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                             shard_options=shard_options)
 
 
-normalize = augment.normalize_jnp  # uint8 -> CLIP-normalised float32 inside jit
+normalize = ops.normalize  # uint8 -> CLIP-normalised float32, inside jit too (README uses it)

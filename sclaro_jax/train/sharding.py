@@ -65,7 +65,7 @@ def put_batch(batch: dict, mesh: Mesh | None) -> dict:
 
 def jit_step(step_fn, state, mesh: Mesh | None, strategy: str):
     """(jitted step, state placed on the mesh). The state is donated; our per-backend XLA
-    options apply (`sclaro_jax.compile`: 7-10% faster ViT-B/32 training step on CPU)."""
+    options apply (`sclaro_jax.compile`; see bench/README.md)."""
     if mesh is None:
         return compile.jit(step_fn, donate_argnums=0), state
     shardings = state_shardings(state, mesh, strategy)

@@ -4,7 +4,8 @@
 - builds the Grain loader over `config.data.dir` (train split) and the model;
 - restores the newest checkpoint in `workdir/checkpoints` (student, EMA teacher, optimiser
   state, step and the Grain iterator state) if there is one, so rerunning the same command
-  resumes exactly where the last checkpoint left off;
+  resumes exactly where the last checkpoint left off (`resume`: checkpoints of the older
+  list-layout optimiser state are converted);
 - runs the jitted step (state donated, one compilation, kept in the persistent compilation
   cache `config.compilation_cache`, by default `workdir/jax_cache`), writes
   `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr, kd_temperature,
@@ -23,7 +24,6 @@ import time
 
 import grain.python as grain
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -33,7 +33,7 @@ from sclaro_jax.checkpoint import build_model
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
-from sclaro_jax.train import core, sharding
+from sclaro_jax.train import core, resume, sharding
 
 log = logging.getLogger(__name__)
 
@@ -42,9 +42,23 @@ class NonFiniteLossError(FloatingPointError):
     pass
 
 
+SCHEDULE_KEYS = ("epochs", "steps")  # config.train keys that give TrainConfig.total_steps
+
+
+def recipe_keys(config) -> list[str]:
+    """The keys of `config.train` that are TrainConfig fields; any key that is neither one nor
+    epochs / steps is refused (ValueError listing the known keys)."""
+    fields = set(core.TrainConfig.__dataclass_fields__) - {"total_steps"}
+    unknown = sorted(set(config.train.keys()) - fields - set(SCHEDULE_KEYS))
+    if unknown:
+        raise ValueError(f"config.train has unknown keys {unknown}; known: "
+                         f"{sorted(fields | set(SCHEDULE_KEYS))}")
+    return [k for k in config.train.keys() if k in fields]
+
+
 def train_config(config, steps: int) -> core.TrainConfig:
-    fields = {k: v for k, v in config.train.items() if k in core.TrainConfig.__dataclass_fields__}
-    return core.TrainConfig(total_steps=steps, **fields)
+    """`config.train` as a TrainConfig of `steps` steps (unknown keys refused)."""
+    return core.TrainConfig(total_steps=steps, **{k: config.train[k] for k in recipe_keys(config)})
 
 
 def pipeline_config(config) -> PipelineConfig:
@@ -84,6 +98,7 @@ def use_compilation_cache(config, workdir: str) -> str | None:
 
 
 def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
+    recipe_keys(config)  # refuse unknown config.train keys before anything is written
     os.makedirs(workdir, exist_ok=True)
     use_compilation_cache(config, workdir)
     with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
@@ -94,10 +109,9 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     model = build_model(config)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
-    labels = core.param_labels(state.params, tcfg)
     mesh = sharding.make_mesh(config.sharding)
-    step_fn, state = sharding.jit_step(core.make_train_step(graphdef, tx, tcfg, labels), state,
-                                       mesh, config.sharding)
+    step_fn, state = sharding.jit_step(core.make_train_step(graphdef, tx, tcfg), state, mesh,
+                                       config.sharding)
     if config.data.batch_size % jax.process_count():
         raise ValueError(f"batch size {config.data.batch_size} is not divisible by the "
                          f"{jax.process_count()} hosts")
@@ -113,9 +127,7 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     start = 0
     if manager.latest_step() is not None:
         start = manager.latest_step()
-        restored = manager.restore(start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(state), data=grain.PyGrainCheckpointRestore(it)))
-        state = restored["state"]
+        state = resume.restore(manager, start, state, it, tcfg)
         log.info("resumed from %s at step %d", workdir, start)
     if start >= steps:
         log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,

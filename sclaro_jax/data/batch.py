@@ -1,0 +1,74 @@
+"""The batch contract: the field names of a ScenarioCLIP batch and their shapes.
+
+`sclaro_jax.data.pipeline.collate` writes these fields, the train step reads them, and tests and
+benchmarks build batches from `batch_shapes`; every one of them names the fields through this
+module. Per image (leading axis B): `image` [B, S, S, 3] (uint8, or float32 CLIP-normalised),
+`action_tokens` [B, L], `action_label`, `has_action`, `source`, `sample_key`, `valid`,
+`bad_record`, `dropped_objects`, `dropped_relations`. Per crop level (objects, relations; N the
+level's cap): pixels [B, N, S, S, 3], tokens [B, N, L], labels [B, N] (-1 = padding) and a bool
+mask [B, N].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+IMAGE = "image"
+ACTION_TOKENS = "action_tokens"
+ACTION_LABEL = "action_label"
+HAS_ACTION = "has_action"
+SOURCE = "source"
+SAMPLE_KEY = "sample_key"
+VALID = "valid"
+BAD_RECORD = "bad_record"
+DROPPED_OBJECTS = "dropped_objects"
+DROPPED_RELATIONS = "dropped_relations"
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelFields:
+    """The batch fields of one level (`mask` is None for the global level: its rows are the
+    images, masked by `valid` and `has_action`)."""
+    pixels: str
+    tokens: str
+    labels: str
+    mask: str | None = None
+    dropped: str | None = None
+
+
+LEVELS = {
+    "global": LevelFields(IMAGE, ACTION_TOKENS, ACTION_LABEL),
+    "object": LevelFields("objects", "object_tokens", "object_labels", "object_mask",
+                          DROPPED_OBJECTS),
+    "relation": LevelFields("relations", "relation_tokens", "relation_labels", "relation_mask",
+                            DROPPED_RELATIONS),
+}
+CROP_LEVELS = ("object", "relation")
+
+# (field, dtype) of the per-image scalars, in the order collate stacks them.
+PER_IMAGE = ((ACTION_LABEL, np.int32), (HAS_ACTION, np.bool_), (SOURCE, np.int32),
+             (SAMPLE_KEY, np.int64), (VALID, np.bool_), (BAD_RECORD, np.int32),
+             (DROPPED_OBJECTS, np.int32), (DROPPED_RELATIONS, np.int32))
+
+
+def level_caps(config) -> dict[str, int]:
+    """Crop level -> its cap (`max_objects` / `max_relations` of a PipelineConfig)."""
+    return {"object": config.max_objects, "relation": config.max_relations}
+
+
+def batch_shapes(batch_size: int, config) -> dict[str, tuple]:
+    """The shape of every field of a batch (the same every step) for a PipelineConfig
+    (image_size, text_length, max_objects, max_relations)."""
+    b, size, length = batch_size, config.image_size, config.text_length
+    shapes = {name: (b,) for name, _ in PER_IMAGE}
+    shapes[IMAGE] = (b, size, size, 3)
+    shapes[ACTION_TOKENS] = (b, length)
+    for level, cap in level_caps(config).items():
+        f = LEVELS[level]
+        shapes[f.pixels] = (b, cap, size, size, 3)
+        shapes[f.tokens] = (b, cap, length)
+        shapes[f.labels] = (b, cap)
+        shapes[f.mask] = (b, cap)
+    return shapes
