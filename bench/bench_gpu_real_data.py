@@ -65,7 +65,7 @@ def main():
     cfg = core.TrainConfig(total_steps=10_000)
     graphdef, state, tx = core.init_state(model, cfg)
     del model
-    step = jax.jit(core.make_train_step(graphdef, tx, cfg, core.param_labels(state.params, cfg)),
+    step = jax.jit(core.make_train_step(graphdef, tx, cfg),
                    donate_argnums=0)
     first = next(iter(make_loader(data, "train", args.batch, config=pcfg, seed=0)))
     device_batch = jax.device_put(first)

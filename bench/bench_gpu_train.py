@@ -28,7 +28,7 @@ def use_fused_attention(implementation: str | None) -> None:
     import jax
     import jax.numpy as jnp
 
-    from sclaro_jax.models import clip
+    from sclaro_jax.models import layers
 
     def call(self, x, mask, queries=None):
         queries = x if queries is None else queries
@@ -45,7 +45,7 @@ def use_fused_attention(implementation: str | None) -> None:
             implementation=implementation)
         return self.out_proj(out.reshape(b, queries.shape[1], d))
 
-    clip.Attention.__call__ = call
+    layers.Attention.__call__ = call
 
 
 def _flops(cost) -> float:

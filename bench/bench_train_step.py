@@ -81,10 +81,12 @@ def hf_folder(preset: str, tmp: str) -> str:
 TRAIN = dict(lr=2e-5, ema_warmup_steps=0, frozen_vision_layers=6, frozen_text_layers=10)
 
 
-def jax_side(folder: str, preset: str, embed: int, share_frozen_text: bool = True):
+def jax_side(folder: str, preset: str, embed: int, share_frozen_text: bool = True,
+             gradient_forms: str = "auto"):
     from sclaro_jax.models import scenarioclip
     from sclaro_jax.train import core, sharding
-    model = scenarioclip.build("scenarioclip", preset=preset, init=folder, embed_dim=embed)
+    model = scenarioclip.build("scenarioclip", preset=preset, init=folder, embed_dim=embed,
+                               gradient_forms=gradient_forms)
     layers = model.global_pair.config.vision.num_hidden_layers
     cfg = core.TrainConfig(total_steps=1000, **{**TRAIN, **_frozen(layers)})
     graphdef, state, tx = core.init_state(model, cfg)
