@@ -247,19 +247,19 @@ def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(scenario_wo
     teacher = True
     import jax.numpy as jnp
 
-    from sclaro_jax.data import augment
-    from sclaro_jax.train import export
+    from sclaro_jax import ops
+    from sclaro_jax.checkpoint import load_checkpoint
 
     with pytest.raises(encoders.EncoderError, match="choose a level"):
         encoders.load_encoder(str(scenario_workdir))
     enc = encoders.load_encoder(str(scenario_workdir), level="object", teacher=teacher)
     who = "teacher" if teacher else "student"
     assert enc.name == f"scenarioclip:{scenario_workdir.name}:object:{who}@7"
-    pair = export.load_checkpoint(str(scenario_workdir), teacher=teacher)[0].pair("object")
+    pair = load_checkpoint(str(scenario_workdir), teacher=teacher)[0].pair("object")
     image = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     view = enc.view(image)
     assert view.shape == (32, 32, 3)
-    want = np.asarray(pair.encode_image(jnp.asarray(augment.normalize(view))[None]))[0]
+    want = np.asarray(pair.encode_image(jnp.asarray(ops.normalize(view))[None]))[0]
     np.testing.assert_allclose(enc.encode_views(view[None])[0], want / np.linalg.norm(want),
                                atol=1e-5)
     want = np.asarray(pair.encode_text(jnp.asarray(enc.tokenize(["a dog on a mat"]))))[0]

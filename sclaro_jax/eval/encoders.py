@@ -80,9 +80,11 @@ def towers(module: nnx.Module, pixels=CLIP_PIXELS) -> tuple[Callable, Callable]:
 
 
 class Batcher:
-    """Feeds arrays to an embedding function (-> (embeddings, norms)) in fixed-size batches
-    (the last one zero-padded), so it compiles once per shape; `result(dim)` -> (L2-normalised
-    [N, D], norms [N])."""
+    """Feeds arrays to a jitted function in fixed-size batches (the last one zero-padded), so it
+    compiles once per shape. `fn` returns an array or a tuple of arrays with one row per input
+    row (an embedding function: (L2-normalised [B, D], norms [B])); `result(dim)` gives the
+    rows of every input pushed, float32, in that structure (nothing pushed: an embedding
+    function's empty pair, [0, dim] and [0])."""
 
     def __init__(self, fn: Callable, batch_size: int):
         self.fn, self.batch_size = fn, batch_size
@@ -103,19 +105,17 @@ class Batcher:
         if n < self.batch_size:
             batch = np.concatenate([batch, np.zeros((self.batch_size - n,) + batch.shape[1:],
                                                    batch.dtype)])
-        emb, norm = self.fn(batch)
-        self.out.append((emb, norm, n))  # device arrays: the host keeps preparing views
+        self.out.append((self.fn(batch), n))  # device arrays: the host keeps preparing inputs
         self.pending = [rest] if len(rest) else []
         self.count = len(rest)
 
-    def result(self, dim: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    def result(self, dim: int = 0):
         if self.count:
             self._run(self.count)
         if not self.out:
             return np.zeros((0, dim), np.float32), np.zeros((0,), np.float32)
-        emb = np.concatenate([np.asarray(e)[:n] for e, _, n in self.out]).astype(np.float32)
-        norm = np.concatenate([np.asarray(m)[:n] for _, m, n in self.out]).astype(np.float32)
-        return emb, norm
+        parts = [jax.tree.map(lambda a, n=n: np.asarray(a)[:n], out) for out, n in self.out]
+        return jax.tree.map(lambda *xs: np.concatenate(xs).astype(np.float32), *parts)
 
 
 def _folder_fingerprint(folder: Path, extra: str = "") -> str:

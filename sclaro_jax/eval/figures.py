@@ -64,9 +64,7 @@ def cls_similarity(tower, views: np.ndarray) -> np.ndarray:
     hidden = jnp.asarray(hidden, jnp.float32)
     patches = patch_grid(hidden)
     cls = hidden[:, 0][:, None, None, :]
-    num = jnp.sum(patches * cls, axis=-1)
-    den = jnp.linalg.norm(patches, axis=-1) * jnp.linalg.norm(cls, axis=-1)
-    return np.asarray(num / jnp.maximum(den, 1e-12))
+    return np.asarray(jnp.sum(ops.l2_normalize(patches) * ops.l2_normalize(cls), axis=-1))
 
 
 def upsample_map(grid: np.ndarray, size: int) -> np.ndarray:

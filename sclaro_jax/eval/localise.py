@@ -53,6 +53,7 @@ from sclaro_jax import ops
 from sclaro_jax.data import augment, schema
 from sclaro_jax.eval import registry
 from sclaro_jax.eval.embedding import read_samples
+from sclaro_jax.eval.encoders import Batcher
 
 VARIANTS = ("frozen", "trainable")
 MaskFn = Callable[[schema.Sample, int], np.ndarray]
@@ -219,23 +220,12 @@ class Localiser:
         def run(s_t, s_d, x):
             return predict_masks(nnx.merge(g_t, s_t), nnx.merge(g_d, s_d), x)
 
-        return _batched(lambda x: run(s_t, s_d, x), inputs, batch_size)
-
-
-def _batched(fn, inputs: np.ndarray, batch_size: int) -> np.ndarray:
-    """fn over fixed-size batches (the last one padded, so `fn` compiles once)."""
-    n = len(inputs)
-    if n == 0:
-        return np.zeros(inputs.shape[:3], np.float32)
-    bs = min(batch_size, n)
-    out = []
-    for start in range(0, n, bs):
-        chunk = inputs[start:start + bs]
-        pad = bs - len(chunk)
-        if pad:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
-        out.append(np.asarray(fn(ops.normalize(chunk)))[:bs - pad])
-    return np.concatenate(out)
+        if len(inputs) == 0:
+            return np.zeros(inputs.shape[:3], np.float32)
+        batcher = Batcher(lambda x: run(s_t, s_d, ops.normalize(x)),
+                          min(batch_size, len(inputs)))
+        batcher.push(inputs)
+        return batcher.result()
 
 
 def train_localiser(tower: nnx.Module, inputs: np.ndarray, targets: np.ndarray, *,
