@@ -191,6 +191,18 @@ def test_cli_help_and_clear_errors(tmp_path):
     assert code == 2
 
 
+def test_named_encoders_come_from_the_encoder_registry():
+    # synthetic registers itself (encoders imports no encoder module); a name is taken once
+    enc = encoders.load_encoder("planted-colours")
+    assert type(enc) is synthetic.PlantedColourEncoder
+    assert encoders.ENCODERS["planted-colours"] is synthetic.PlantedColourEncoder
+    with pytest.raises(ValueError, match="registered already"):
+        encoders.register_encoder("planted-colours")(synthetic.PlantedColourEncoder)
+    emb = enc.encode_texts(["a red and blue flag", "nothing"])
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-6)
+    assert emb[0, synthetic.NAMES.index("red")] == emb[0, synthetic.NAMES.index("blue")] > 0
+
+
 def test_planted_benchmark_miner_beats_global(tmp_path, capsys):
     json_path = synthetic.make_planted_split(tmp_path / "planted", num_images=56, seed=0)
     out = tmp_path / "out"

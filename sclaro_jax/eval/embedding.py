@@ -94,7 +94,6 @@ def model_fingerprint(model) -> str:
     return h.hexdigest()[:16]
 
 
-
 # --------------------------------------------------------------------------- embeddings
 
 _STR_FIELDS = ("image_ids", "sources", "actions", "object_names", "relation_texts",
@@ -268,7 +267,6 @@ def _cache_key(fingerprint: str, ds: ShardedDataset, split: str, image_size: int
     return hashlib.sha256(what.encode()).hexdigest()[:20]
 
 
-
 def embed_dataset(model, data_dir: str | ShardedDataset, split: str, *, image_size: int,
                   batch_size: int = 32, cache_dir: str | None = None, progress: bool = True,
                   object_view: str = "crop", fast_decode: bool = True, workers: int = 4,
@@ -344,7 +342,6 @@ def embed_dataset(model, data_dir: str | ShardedDataset, split: str, *, image_si
         os.makedirs(cache_dir, exist_ok=True)
         emb.save(path)
     return emb
-
 
 
 # --------------------------------------------------------------------------- evaluator base

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -124,7 +124,7 @@ def relation_input(image: np.ndarray, sample: schema.Sample, index: int) -> np.n
 _EVAL = augment.SampleParams(None, None, None)
 
 
-def relation_examples(samples: Sequence[schema.Sample], image_size: int, *,
+def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
                       mask_fn: MaskFn | None = None, max_relations: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(inputs uint8 [N, S, S, 3], targets float32 {0, 1} [N, S, S]) for every relation of
@@ -343,8 +343,8 @@ def evaluate_localisation(model, data_dir: str, *, variant: str = "frozen", epoc
             raise LocaliseError("pass image_size: the model has no CLIP config to read it from")
         image_size = cfg.vision.image_size
     kw = dict(mask_fn=mask_fn, max_relations=max_relations)
-    x_train, y_train = relation_examples(list(read_samples(data_dir, train_split)), image_size, **kw)
-    x_test, y_test = relation_examples(list(read_samples(data_dir, test_split)), image_size, **kw)
+    x_train, y_train = relation_examples(read_samples(data_dir, train_split), image_size, **kw)
+    x_test, y_test = relation_examples(read_samples(data_dir, test_split), image_size, **kw)
     if len(x_test) == 0:
         raise LocaliseError(f"{data_dir}: split {test_split!r} has no relations to score")
     loc = train_localiser(tower, x_train, y_train, variant=variant, epochs=epochs,

@@ -108,7 +108,6 @@ def probe_tasks(train: SplitEmbeddings, test: SplitEmbeddings, *, features: str 
     return out
 
 
-
 @registry.register("linear_probe")
 class LinearProbe(ScenarioEvaluator):
     """`probe_tasks` trained on `train_split`, tested on the evaluator's split. Options:

@@ -123,7 +123,6 @@ def sgcls(model, emb: SplitEmbeddings, object_vocab: Sequence[str], *, min_insta
                              extra_hit=correct[subj] & correct[obj])}
 
 
-
 class _PredicateEvaluator(ScenarioEvaluator):
     """Option: `min_instances`, the test instances a predicate needs to be in P."""
 

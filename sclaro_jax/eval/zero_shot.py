@@ -87,7 +87,6 @@ def zero_shot(model, emb: SplitEmbeddings, vocab: Vocab, *, root: str = "",
     return out
 
 
-
 @registry.register("zero_shot")
 class ZeroShot(ScenarioEvaluator):
     """`zero_shot` on the evaluator's split; yields ("action" | "object" | "relation", ...)."""
