@@ -130,7 +130,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
     """Evaluate each named workdir; write OUT/eval.json, OUT/eval.md, OUT/figures/*.png and
     return the JSON record."""
     from sclaro_jax.checkpoint import load_checkpoint
-    from sclaro_jax.eval import cost, embedding, figures, registry, report, scenario
+    from sclaro_jax.eval import cost, embedding, figures, metrics, registry, report, scenario
 
     unknown = [t for t in settings.tasks if t not in TASKS]
     if unknown:
@@ -161,7 +161,13 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         if any(t in scenario.TASKS for t in settings.tasks):
             result.update(scenario.header(
                 os.path.abspath(data_dir), embed(settings.split, progress=settings.progress),
-                settings.train_split, {"image_size": image_sizes[name],
+                settings.train_split, {"image_size": image_sizes[name], "object_view": "crop",
+                                       "ks": list(metrics.DEFAULT_KS),
+                                       "text_length": embedding.DEFAULT_TEXT_LENGTH,
+                                       "min_predicate_instances":
+                                           settings.min_predicate_instances,
+                                       "probe_epochs": settings.probe_epochs,
+                                       "probe_lr": settings.probe_lr,
                                        "model": type(model).__name__}))
         for ev in registry.evaluators(cfg):
             result[ev.name] = dict(ev.run(model))
@@ -174,9 +180,9 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         tables.append(title + body)
         if settings.figures:
             curves = out_dir / "figures" / f"training_curves_{_slug(name)}.png"
-            metrics = os.path.join(workdir, "metrics.jsonl")
-            if os.path.exists(metrics):
-                figures.training_curves(metrics, str(curves))
+            metrics_file = os.path.join(workdir, "metrics.jsonl")
+            if os.path.exists(metrics_file):
+                figures.training_curves(metrics_file, str(curves))
                 record["figures"][f"training_curves/{name}"] = str(curves)
             emb = embed(settings.split, progress=False)
             n = min(len(emb.object_names), settings.tsne_max_objects)
