@@ -2,7 +2,8 @@
 
 Below both `train` (which writes runs) and `eval` (which reads them), so neither imports the
 other. A run folder holds `config.json` (the full `ml_collections` config the run was started
-with) and `checkpoints/<step>/` (orbax).
+with) and `checkpoints/<step>/` (orbax: the training state `state`, with `params`, `teacher`,
+`opt_state` and `step`, and the input pipeline's position `data`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import ml_collections
+import orbax.checkpoint as ocp
 from flax import nnx
 
 from sclaro_jax.models import scenarioclip
@@ -35,3 +38,36 @@ def build_model(config, *, abstract: bool = False):
                                   dtype=jnp.dtype(config.model.dtype), seed=config.seed,
                                   embed_dim=config.model.embed_dim)
     return nnx.eval_shape(make) if abstract else make()
+
+
+def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False,
+                    config=None):
+    """(model, step): the student's weights (or the EMA teacher's with `teacher`) of a
+    checkpoint of WORKDIR (the newest by default), in the model that WORKDIR/config.json (or
+    `config`, the `ml_collections` config that built the run) describes.
+
+    Only `state.params` / `state.teacher` are read (an orbax partial restore), never the
+    optimiser state, so any layout of `opt_state` loads."""
+    if config is None:
+        config = run_config(workdir)
+    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no checkpoint in {folder}")
+    manager = ocp.CheckpointManager(folder)
+    try:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {folder}")
+        if step not in manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {folder}; it has steps "
+                                    f"{sorted(manager.all_steps())}")
+        graphdef, params = nnx.split(build_model(config, abstract=True), nnx.Param)
+        which = "teacher" if teacher else "params"
+        item = {which: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    nnx.to_pure_dict(params))}
+        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True)))["state"]
+    finally:
+        manager.close()
+    return nnx.merge(graphdef, restored[which]), int(step)

@@ -1,4 +1,5 @@
-"""sclaro_jax.eval.scenario on the bundled demo dataset with a tiny random ScenarioCLIP: each
+"""The ScenarioCLIP evaluators (eval.embedding, zero_shot, probe, scene_graph, scenario, report)
+on the bundled demo dataset with a tiny random ScenarioCLIP: each
 number is recomputed here with plain loops from the embeddings (or from the views directly)."""
 
 import json
@@ -13,7 +14,7 @@ from flax import nnx
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.tokenizer import ClipTokenizer
-from sclaro_jax.eval import scenario
+from sclaro_jax.eval import embedding, probe, report, scenario, scene_graph, zero_shot
 
 SIZE, BATCH, TEXT_BATCH = 32, 16, 64
 
@@ -31,7 +32,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def test_emb(model, demo_dir, cache_dir):
-    return scenario.embed_dataset(model, demo_dir, "test", image_size=SIZE, batch_size=BATCH,
+    return embedding.embed_dataset(model, demo_dir, "test", image_size=SIZE, batch_size=BATCH,
                                   cache_dir=cache_dir, progress=False, fingerprint="tiny-0")
 
 
@@ -59,7 +60,7 @@ _encode_image = nnx.jit(lambda pair, pixels: pair.encode_image(augment.normalize
 
 
 def direct_texts(model, level, texts):
-    ids = ClipTokenizer()(list(texts), length=scenario.DEFAULT_TEXT_LENGTH)
+    ids = ClipTokenizer()(list(texts), length=embedding.DEFAULT_TEXT_LENGTH)
     return l2(_encode_text(model.pair(level), jnp.asarray(ids)))
 
 
@@ -122,27 +123,27 @@ def test_embeddings_equal_direct_encoding(model, test_emb, demo_dir):
 def test_cache_round_trip(model, test_emb, demo_dir, cache_dir):
     files = [f for f in os.listdir(cache_dir) if f.startswith("scenario-test-")]
     assert len(files) == 1 and test_emb.key in files[0]
-    again = scenario.embed_dataset(model, demo_dir, "test", image_size=SIZE, batch_size=BATCH,
+    again = embedding.embed_dataset(model, demo_dir, "test", image_size=SIZE, batch_size=BATCH,
                                    cache_dir=cache_dir, progress=False, fingerprint="tiny-0")
     for name in ("global_emb", "object_emb", "union_emb", "relation_norm", "object_names",
                  "relation_subject"):
         np.testing.assert_array_equal(getattr(again, name), getattr(test_emb, name))
     assert again.split == "test" and again.image_size == SIZE
     # another model fingerprint (e.g. the EMA teacher) is another cache entry
-    other = scenario._cache_key("teacher", open_dataset(demo_dir), "test", SIZE, "crop", True)
+    other = embedding._cache_key("teacher", open_dataset(demo_dir), "test", SIZE, "crop", True)
     assert other != test_emb.key
 
 
 def test_text_encoding_equals_direct(model):
     texts = ["person", "motorcycle in front of shelf", "a"]
     for level in ("object", "relation"):
-        np.testing.assert_allclose(scenario.encode_texts(model, level, texts, batch_size=2),
+        np.testing.assert_allclose(embedding.encode_texts(model, level, texts, batch_size=2),
                                    direct_texts(model, level, texts), atol=1e-5)
 
 
 def test_zero_shot_equals_plain(model, test_emb, demo_dir):
     vocab = open_dataset(demo_dir).vocab
-    out = scenario.zero_shot(model, test_emb, vocab, text_batch_size=TEXT_BATCH)
+    out = zero_shot.zero_shot(model, test_emb, vocab, text_batch_size=TEXT_BATCH)
     e = test_emb
     for task, level, classes, queries, names, image in (
             ("action", "global", vocab.actions, e.global_emb, e.actions, np.arange(3)),
@@ -150,7 +151,7 @@ def test_zero_shot_equals_plain(model, test_emb, demo_dir):
             ("relation", "relation", vocab.relations, e.relation_emb, e.relation_texts,
              e.relation_image)):
         # (encode_texts == direct encoding: test_text_encoding_equals_direct)
-        text = scenario.encode_texts(model, level, classes, batch_size=TEXT_BATCH)
+        text = embedding.encode_texts(model, level, classes, batch_size=TEXT_BATCH)
         assert out[task]["classes"] == len(classes)
         strict = {k: [] for k in (1, 5, 10)}
         lenient = {k: [] for k in (1, 5, 10)}
@@ -182,17 +183,17 @@ def test_images_without_action_leave_only_the_action_task(model, test_emb, demo_
     actions = test_emb.actions.copy()
     actions[0] = ""
     blank = dataclasses.replace(test_emb, actions=actions)
-    got = scenario.zero_shot(model, blank, vocab, text_batch_size=TEXT_BATCH)
-    full = scenario.zero_shot(model, test_emb, vocab, text_batch_size=TEXT_BATCH)
-    text = scenario.encode_texts(model, "global", vocab.actions, batch_size=TEXT_BATCH)
+    got = zero_shot.zero_shot(model, blank, vocab, text_batch_size=TEXT_BATCH)
+    full = zero_shot.zero_shot(model, test_emb, vocab, text_batch_size=TEXT_BATCH)
+    text = embedding.encode_texts(model, "global", vocab.actions, batch_size=TEXT_BATCH)
     hits = [vocab.actions.index(a) in plain_order([float(q @ t) for t in text])[:1]
             for q, a in zip(test_emb.global_emb[1:], test_emb.actions[1:])]
     assert got["action"]["strict"]["all"]["n"] == len(actions) - 1
     assert got["action"]["strict"]["all"]["top1"] == pytest.approx(100 * np.mean(hits))
     assert got["object"] == full["object"] and got["relation"] == full["relation"]
-    probe = scenario.probe_tasks(blank, blank, epochs=1)
-    assert probe["action"]["n_train"] == probe["action"]["n"] == len(actions) - 1
-    assert probe["object"]["n"] == len(test_emb.object_names)
+    probed = probe.probe_tasks(blank, blank, epochs=1)
+    assert probed["action"]["n_train"] == probed["action"]["n"] == len(actions) - 1
+    assert probed["object"]["n"] == len(test_emb.object_names)
 
 
 def _plain_predicate_mr(model, e, subj, obj, min_instances, extra=None):
@@ -204,7 +205,7 @@ def _plain_predicate_mr(model, e, subj, obj, min_instances, extra=None):
     kept = [j for j in range(len(e.relation_predicates)) if e.relation_predicates[j] in preds]
     # every relation's prompts, one relation after another, encoded in one go
     prompts = [f"{subj[j]} {p} {obj[j]}" for j in kept for p in preds]
-    texts = scenario.encode_texts(model, "relation", prompts, batch_size=TEXT_BATCH)
+    texts = embedding.encode_texts(model, "relation", prompts, batch_size=TEXT_BATCH)
     for n, j in enumerate(kept):
         text = texts[n * len(preds):(n + 1) * len(preds)]
         order = plain_order([float(e.union_emb[j] @ t) for t in text])
@@ -219,7 +220,7 @@ def _plain_predicate_mr(model, e, subj, obj, min_instances, extra=None):
 @pytest.mark.parametrize("min_instances", [2, 5])
 def test_predcls_equals_plain(model, test_emb, min_instances):
     e = test_emb
-    out = scenario.predcls(model, e, min_instances=min_instances, text_batch_size=TEXT_BATCH)
+    out = scene_graph.predcls(model, e, min_instances=min_instances, text_batch_size=TEXT_BATCH)
     preds, mr = _plain_predicate_mr(model, e, e.relation_subject_names,
                                     e.relation_object_names, min_instances)
     assert out["predicates"] == len(preds) and out["relations_total"] == 16
@@ -232,9 +233,9 @@ def test_sgcls_equals_plain(model, test_emb, demo_dir):
     e = test_emb
     train_names = [o.name for s in samples(demo_dir, "train") for o in s.objects]
     vocab = sorted(set(train_names))
-    assert scenario.split_labels(demo_dir, "train")["objects"] == train_names
-    out = scenario.sgcls(model, e, train_names, min_instances=2, text_batch_size=TEXT_BATCH)
-    text = scenario.encode_texts(model, "object", vocab, batch_size=TEXT_BATCH)
+    assert embedding.split_labels(demo_dir, "train")["objects"] == train_names
+    out = scene_graph.sgcls(model, e, train_names, min_instances=2, text_batch_size=TEXT_BATCH)
+    text = embedding.encode_texts(model, "object", vocab, batch_size=TEXT_BATCH)
     pred = [vocab[plain_order([float(q @ t) for t in text])[0]] for q in e.object_emb]
     assert out["object_classes"] == len(vocab)
     assert out["object_top1"] == pytest.approx(
@@ -255,12 +256,12 @@ def test_linear_probe_separable_toy(rng):
     y = rng.integers(0, 4, size=400)
     x = centres[y] + rng.normal(size=(400, 16)) * 0.3
     names = np.array(["cat", "dog", "car", "sky"])[y]
-    out = scenario.linear_probe(x[:300], names[:300], x[300:], names[300:], epochs=30, lr=1e-2,
+    out = probe.linear_probe(x[:300], names[:300], x[300:], names[300:], epochs=30, lr=1e-2,
                                 batch_size=32, ks=(1, 2))
     assert out["classes"] == 4 and out["n"] == 100 and out["unseen_test"] == 0
     assert out["top1"] >= 95 and out["top2"] >= out["top1"]
     # a test label never seen in training counts as a miss
-    out = scenario.linear_probe(x[:300], names[:300], x[300:302], ["cat", "zebra"], epochs=1,
+    out = probe.linear_probe(x[:300], names[:300], x[300:302], ["cat", "zebra"], epochs=1,
                                 ks=(1, 4))
     assert out["unseen_test"] == 1 and out["top4"] == 50.0
 
@@ -276,11 +277,38 @@ def test_evaluate_scenario_end_to_end(model, demo_dir, cache_dir, test_emb):
         for k in (1, 5, 10):
             assert 0 <= r[f"top{k}"] <= 100
     assert result["linear_probe"]["object"]["classes"] == len(
-        set(scenario.split_labels(demo_dir, "train")["objects"]))
+        set(embedding.split_labels(demo_dir, "train")["objects"]))
     assert result["predcls"]["predicates"] == 5
     assert result["zero_shot"]["object"]["strict"]["all"]["n"] == 23
-    text = scenario.markdown_tables(result)
+    text = report.markdown_tables(result)
     for heading in ("Zero-shot retrieval", "Table A2", "Linear probe", "PredCls / SGCls"):
         assert heading in text
     with pytest.raises(ValueError, match="unknown tasks"):
         scenario.evaluate_scenario(model, demo_dir, tasks=("detection",))
+
+
+def test_registry_evaluators_from_config_equal_the_functions(model, test_emb, demo_dir,
+                                                             cache_dir):
+    # config.evals -> registered evaluators (the trainer's and the suite's way): each yields
+    # what its function gives on the same embeddings (read from the cache the fixture filled)
+    import ml_collections
+
+    from sclaro_jax.eval import registry
+
+    scen = dict(every=0, split="test", batch_size=BATCH, text_batch_size=TEXT_BATCH,
+                cache_dir=cache_dir, fingerprint="tiny-0")
+    config = ml_collections.ConfigDict({"data": {"dir": demo_dir, "image_size": SIZE},
+                                        "evals": {"zero_shot": scen,
+                                                  "mr": dict(scen, type="predcls",
+                                                             min_instances=2)}})
+    evs = {ev.name: ev for ev in registry.evaluators(config)}
+    zs, mr = evs["zero_shot"], evs["mr"]
+    assert (zs.kind, mr.kind, len(evs)) == ("zero_shot", "predcls", 2)
+    vocab = open_dataset(demo_dir).vocab
+    assert dict(zs.run(model)) == zero_shot.zero_shot(model, test_emb, vocab,
+                                                      text_batch_size=TEXT_BATCH)
+    assert dict(mr.run(model)) == scene_graph.predcls(model, test_emb, min_instances=2,
+                                                      text_batch_size=TEXT_BATCH)
+    with pytest.raises(TypeError, match="no options"):
+        registry.evaluators(ml_collections.ConfigDict(
+            {"data": {"dir": demo_dir, "image_size": SIZE}, "evals": {"sgcls": {"epochs": 1}}}))

@@ -77,3 +77,39 @@ def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):
     other = scenarioclip.build("scenarioclip", preset="ViT-B/32", embed_dim=24, seed=0)
     with pytest.raises(clip.CheckpointError, match="does not fit the global level"):
         scenarioclip.load_hf_into_level(other, "global", str(tiny_hf[0]))
+
+
+def test_load_checkpoint_reads_params_and_teacher_whatever_the_optimiser_state(
+        scenario_workdir, tmp_path):
+    # only state.params / state.teacher are restored: a checkpoint whose opt_state has another
+    # layout (here keyed by names, unlike the conftest's positional list) loads the same way
+    import shutil
+
+    import jax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from sclaro_jax.checkpoint import build_model, load_checkpoint, run_config
+
+    shutil.copy(scenario_workdir / "config.json", tmp_path / "config.json")
+    params = nnx.to_pure_dict(nnx.state(build_model(run_config(str(tmp_path))), nnx.Param))
+    teacher = jax.tree.map(lambda x: x * 0.5 + 1.0, params)
+    state = {"step": jnp.int32(3), "params": params, "teacher": teacher,
+             "opt_state": {"adam": {"mu": {"vision.kernel": jnp.ones((5, 2))}},
+                           "count": jnp.zeros((), jnp.int32)}}
+    manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"))
+    manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(state)))
+    manager.wait_until_finished()
+    manager.close()
+    for is_teacher, want in ((False, params), (True, teacher)):
+        model, step = load_checkpoint(str(tmp_path), teacher=is_teacher)
+        got = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        assert step == 3
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the trainer's own checkpoint (conftest) loads too, by step; a missing step is named
+    assert load_checkpoint(str(scenario_workdir), 7)[1] == 7
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 4"):
+        load_checkpoint(str(tmp_path), 4)
+    assert export.load_checkpoint is load_checkpoint  # old callers' import keeps working

@@ -191,6 +191,18 @@ def test_cli_help_and_clear_errors(tmp_path):
     assert code == 2
 
 
+def test_named_encoders_come_from_the_encoder_registry():
+    # synthetic registers itself (encoders imports no encoder module); a name is taken once
+    enc = encoders.load_encoder("planted-colours")
+    assert type(enc) is synthetic.PlantedColourEncoder
+    assert encoders.ENCODERS["planted-colours"] is synthetic.PlantedColourEncoder
+    with pytest.raises(ValueError, match="registered already"):
+        encoders.register_encoder("planted-colours")(synthetic.PlantedColourEncoder)
+    emb = enc.encode_texts(["a red and blue flag", "nothing"])
+    np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-6)
+    assert emb[0, synthetic.NAMES.index("red")] == emb[0, synthetic.NAMES.index("blue")] > 0
+
+
 def test_planted_benchmark_miner_beats_global(tmp_path, capsys):
     json_path = synthetic.make_planted_split(tmp_path / "planted", num_images=56, seed=0)
     out = tmp_path / "out"
@@ -247,19 +259,19 @@ def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(scenario_wo
     teacher = True
     import jax.numpy as jnp
 
-    from sclaro_jax.data import augment
-    from sclaro_jax.train import export
+    from sclaro_jax import ops
+    from sclaro_jax.checkpoint import load_checkpoint
 
     with pytest.raises(encoders.EncoderError, match="choose a level"):
         encoders.load_encoder(str(scenario_workdir))
     enc = encoders.load_encoder(str(scenario_workdir), level="object", teacher=teacher)
     who = "teacher" if teacher else "student"
     assert enc.name == f"scenarioclip:{scenario_workdir.name}:object:{who}@7"
-    pair = export.load_checkpoint(str(scenario_workdir), teacher=teacher)[0].pair("object")
+    pair = load_checkpoint(str(scenario_workdir), teacher=teacher)[0].pair("object")
     image = np.random.default_rng(0).integers(0, 255, (50, 70, 3), dtype=np.uint8)
     view = enc.view(image)
     assert view.shape == (32, 32, 3)
-    want = np.asarray(pair.encode_image(jnp.asarray(augment.normalize(view))[None]))[0]
+    want = np.asarray(pair.encode_image(jnp.asarray(ops.normalize(view))[None]))[0]
     np.testing.assert_allclose(enc.encode_views(view[None])[0], want / np.linalg.norm(want),
                                atol=1e-5)
     want = np.asarray(pair.encode_text(jnp.asarray(enc.tokenize(["a dog on a mat"]))))[0]

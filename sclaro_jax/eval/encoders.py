@@ -6,17 +6,27 @@ float32 embeddings (`encode_views`, jitted, normalisation inside), and captions 
 L2-normalised float32 embeddings (`encode_texts`). Batches are padded to a fixed size so each
 tower compiles once.
 
+The encoding stack is written once here and shared with the ScenarioCLIP evaluators
+(`sclaro_jax.eval.embedding`): `towers(module, ...)` gives the jitted image and text functions
+of any module with `encode_image` / `encode_text` (pixels normalised by `ops.normalize`, output
+L2-normalised by `ops.l2_normalize`, with its norm before normalising), and `Batcher` feeds
+them fixed-size batches.
+
 `load_encoder(spec)` builds one from:
 - a Hugging Face `CLIPModel` folder (model_type "clip"),
 - a `SiglipModel` / `Siglip2Model` folder (model_type "siglip" / "siglip2"),
 - a ScenarioCLIP training workdir (`config.json` + `checkpoints/`) with `level` = global /
   object / relation (student weights, or the EMA teacher with `teacher=True`),
-- `planted-colours`: the transparent synthetic encoder of `sclaro_jax.eval.synthetic`.
+- a name registered with `register_encoder` (`planted-colours`: the transparent synthetic
+  encoder of `sclaro_jax.eval.synthetic`, which registers itself; `ENCODER_MODULES` says which
+  module to import for a built-in name, so this module imports none of them).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import importlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +38,7 @@ import numpy as np
 from flax import nnx
 from PIL import Image
 
+from sclaro_jax import ops
 from sclaro_jax.data import augment
 
 
@@ -35,9 +46,76 @@ class EncoderError(ValueError):
     """An encoder that cannot be built from what was given; the message says what to pass."""
 
 
-def _l2(x: jax.Array) -> jax.Array:
-    x = x.astype(jnp.float32)
-    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+def l2_with_norm(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(`ops.l2_normalize(x)`, the L2 norm of x along the last axis), both float32."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    return ops.l2_normalize(x), jnp.linalg.norm(x, axis=-1)
+
+
+# Pixel statistics as hashable (mean, std, max_value) triples: a static argument of the jit.
+CLIP_PIXELS = (tuple(ops.CLIP_MEAN.tolist()), tuple(ops.CLIP_STD.tolist()), 255.0)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _image_embed(graphdef, state, views, pixels):
+    mean, std, max_value = pixels
+    module = nnx.merge(graphdef, state)
+    return l2_with_norm(module.encode_image(ops.normalize(
+        views, np.asarray(mean, np.float32), np.asarray(std, np.float32), max_value)))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _text_embed(graphdef, state, ids):
+    return l2_with_norm(nnx.merge(graphdef, state).encode_text(ids))
+
+
+def towers(module: nnx.Module, pixels=CLIP_PIXELS) -> tuple[Callable, Callable]:
+    """(image_fn, text_fn) of a module with `encode_image` / `encode_text` (a CLIP or SigLIP
+    model, a ScenarioCLIP pair): views uint8 [B, S, S, 3] / token ids [B, L] -> (L2-normalised
+    float32 [B, D], norms [B]). `pixels` = (mean, std, max_value) of `ops.normalize`. Jitted
+    once per module structure and shape (the weights are an argument, not constants)."""
+    graphdef, state = nnx.split(module)
+    return (lambda v: _image_embed(graphdef, state, v, pixels),
+            lambda ids: _text_embed(graphdef, state, ids))
+
+
+class Batcher:
+    """Feeds arrays to a jitted function in fixed-size batches (the last one zero-padded), so it
+    compiles once per shape. `fn` returns an array or a tuple of arrays with one row per input
+    row (an embedding function: (L2-normalised [B, D], norms [B])); `result(dim)` gives the
+    rows of every input pushed, float32, in that structure (nothing pushed: an embedding
+    function's empty pair, [0, dim] and [0])."""
+
+    def __init__(self, fn: Callable, batch_size: int):
+        self.fn, self.batch_size = fn, batch_size
+        self.pending: list[np.ndarray] = []
+        self.count = 0
+        self.out: list[tuple] = []
+
+    def push(self, x: np.ndarray) -> None:
+        if len(x):
+            self.pending.append(x)
+            self.count += len(x)
+        while self.count >= self.batch_size:
+            self._run(self.batch_size)
+
+    def _run(self, n: int) -> None:
+        x = np.concatenate(self.pending)
+        batch, rest = x[:n], x[n:]
+        if n < self.batch_size:
+            batch = np.concatenate([batch, np.zeros((self.batch_size - n,) + batch.shape[1:],
+                                                   batch.dtype)])
+        self.out.append((self.fn(batch), n))  # device arrays: the host keeps preparing inputs
+        self.pending = [rest] if len(rest) else []
+        self.count = len(rest)
+
+    def result(self, dim: int = 0):
+        if self.count:
+            self._run(self.count)
+        if not self.out:
+            return np.zeros((0, dim), np.float32), np.zeros((0,), np.float32)
+        parts = [jax.tree.map(lambda a, n=n: np.asarray(a)[:n], out) for out, n in self.out]
+        return jax.tree.map(lambda *xs: np.concatenate(xs).astype(np.float32), *parts)
 
 
 def _folder_fingerprint(folder: Path, extra: str = "") -> str:
@@ -52,7 +130,8 @@ def _folder_fingerprint(folder: Path, extra: str = "") -> str:
 
 class Encoder:
     """Base: subclasses set `name`, `fingerprint`, `image_size`, `view`, and the two jitted
-    functions `_image_fn(views uint8 [B,S,S,3]) -> [B,D]` and `_text_fn(ids [B,L]) -> [B,D]`."""
+    functions `_image_fn(views uint8 [B,S,S,3])` and `_text_fn(ids [B,L])`, each returning
+    (L2-normalised [B,D], norms [B]) as `towers` does."""
 
     name: str = "encoder"
     fingerprint: str = ""
@@ -77,28 +156,9 @@ class Encoder:
         return self._batched(self._text_fn, self.tokenize(list(texts)))
 
     def _batched(self, fn, x: np.ndarray) -> np.ndarray:
-        n, b = len(x), self.batch_size
-        out = []
-        for start in range(0, n, b):
-            chunk = x[start:start + b]
-            if len(chunk) < b:
-                pad = np.zeros((b - len(chunk),) + chunk.shape[1:], chunk.dtype)
-                chunk = np.concatenate([chunk, pad])
-            out.append(np.asarray(fn(chunk))[:min(b, n - start)])
-        if not out:
-            return np.zeros((0, 0), np.float32)
-        return np.concatenate(out).astype(np.float32)
-
-
-def _jit_module_fn(module: nnx.Module, method: Callable) -> Callable:
-    """jax.jit of `method(module, x)` with the module's state as an argument (no retracing)."""
-    graphdef, state = nnx.split(module)
-
-    @jax.jit
-    def fn(state, x):
-        return method(nnx.merge(graphdef, state), x)
-
-    return lambda x: fn(state, x)
+        batcher = Batcher(fn, self.batch_size)
+        batcher.push(x)
+        return batcher.result()[0]
 
 
 class ClipEncoder(Encoder):
@@ -126,10 +186,7 @@ class ClipEncoder(Encoder):
         self.text_length = config.text.max_position_embeddings
         self.batch_size = batch_size
         self._tok = ClipTokenizer()
-        mean, std = jnp.asarray(augment.CLIP_MEAN), jnp.asarray(augment.CLIP_STD)
-        self._image_fn = _jit_module_fn(
-            module, lambda m, v: _l2(m.encode_image((v.astype(jnp.float32) / 255 - mean) / std)))
-        self._text_fn = _jit_module_fn(module, lambda m, ids: _l2(m.encode_text(ids)))
+        self._image_fn, self._text_fn = towers(module)
 
     def view(self, image: np.ndarray) -> np.ndarray:
         return np.asarray(augment.resize_centre_crop(Image.fromarray(image), self.image_size))
@@ -144,8 +201,8 @@ class ScenarioClipEncoder(ClipEncoder):
 
     def __init__(self, workdir: str | os.PathLike, level: str, *, teacher: bool = False,
                  step: int | None = None, batch_size: int = 64):
+        from sclaro_jax.checkpoint import load_checkpoint
         from sclaro_jax.models.scenarioclip import LEVELS
-        from sclaro_jax.train.export import load_checkpoint
 
         if level not in LEVELS:
             raise EncoderError(f"level must be one of {LEVELS}, got {level!r}")
@@ -177,11 +234,9 @@ class SiglipEncoder(Encoder):
         self.image_size = int(cfg.size[0])
         self.batch_size = batch_size
         scale = float(cfg.rescale_factor) if cfg.do_rescale else 1.0
-        mean = jnp.asarray(cfg.image_mean if cfg.do_normalize else (0.0,) * 3, jnp.float32)
-        std = jnp.asarray(cfg.image_std if cfg.do_normalize else (1.0,) * 3, jnp.float32)
-        self._image_fn = _jit_module_fn(
-            model, lambda m, v: _l2(m.encode_image((v.astype(jnp.float32) * scale - mean) / std)))
-        self._text_fn = _jit_module_fn(model, lambda m, ids: _l2(m.encode_text(ids)))
+        mean = tuple(map(float, cfg.image_mean)) if cfg.do_normalize else (0.0,) * 3
+        std = tuple(map(float, cfg.image_std)) if cfg.do_normalize else (1.0,) * 3
+        self._image_fn, self._text_fn = towers(model, (mean, std, 1.0 / scale))
 
     def view(self, image: np.ndarray) -> np.ndarray:
         """`siglip.preprocess`'s resize, kept as uint8 (rescale and normalise run in jit)."""
@@ -195,6 +250,23 @@ class SiglipEncoder(Encoder):
         return self._tok(texts)
 
 
+# Encoders by name: `register_encoder(name)` on a factory with no arguments. A built-in name is
+# imported by module name when asked for (as `registry.BUILTIN`), so this module imports none of
+# them and they can all import it.
+ENCODERS: dict[str, Callable[[], Encoder]] = {}
+ENCODER_MODULES = {"planted-colours": "sclaro_jax.eval.synthetic"}
+
+
+def register_encoder(name: str) -> Callable:
+    """Decorator: make a no-argument `Encoder` factory (e.g. the class) loadable by `name`."""
+    def wrap(factory):
+        if name in ENCODERS:
+            raise ValueError(f"an encoder named {name!r} is registered already")
+        ENCODERS[name] = factory
+        return factory
+    return wrap
+
+
 def model_type(folder: Path) -> str:
     config = folder / "config.json"
     try:
@@ -205,17 +277,18 @@ def model_type(folder: Path) -> str:
 
 def load_encoder(spec: str, *, level: str | None = None, teacher: bool = False,
                  batch_size: int | None = None, dtype=jnp.float32) -> Encoder:
-    """An `Encoder` from a model folder, a ScenarioCLIP workdir (+ `level`), or
-    `planted-colours`."""
-    if spec == "planted-colours":
-        from sclaro_jax.eval.synthetic import PlantedColourEncoder
-        return PlantedColourEncoder()
+    """An `Encoder` from a registered name (`planted-colours`), a model folder, or a
+    ScenarioCLIP workdir (+ `level`)."""
+    if spec in ENCODER_MODULES and spec not in ENCODERS:
+        importlib.import_module(ENCODER_MODULES[spec])
+    if spec in ENCODERS:
+        return ENCODERS[spec]()
     folder = Path(spec)
     if not folder.is_dir():
         raise EncoderError(
             f"model not found: {spec}. Pass a Hugging Face CLIPModel / SiglipModel / "
             "Siglip2Model folder (config.json + model.safetensors; no hub download is made), "
-            "a ScenarioCLIP training workdir with --level, or 'planted-colours'")
+            f"a ScenarioCLIP training workdir with --level, or one of {sorted(ENCODER_MODULES)}")
     kw = {} if batch_size is None else {"batch_size": batch_size}
     if (folder / "checkpoints").is_dir():
         if level is None:

@@ -36,6 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
+from sclaro_jax import ops  # noqa: E402
 from sclaro_jax.data import augment  # noqa: E402
 from sclaro_jax.eval.localise import patch_grid, vision_tower  # noqa: E402
 
@@ -59,13 +60,11 @@ def eval_view(image: np.ndarray, image_size: int) -> np.ndarray:
 def cls_similarity(tower, views: np.ndarray) -> np.ndarray:
     """uint8 views [B, S, S, 3] -> cosine similarity of each patch token to the CLS token of the
     tower's last hidden state, float32 [B, h, w] (row-major patch grid)."""
-    hidden, _ = tower(jnp.asarray(augment.normalize(np.asarray(views))))
+    hidden, _ = tower(jnp.asarray(ops.normalize(np.asarray(views))))
     hidden = jnp.asarray(hidden, jnp.float32)
     patches = patch_grid(hidden)
     cls = hidden[:, 0][:, None, None, :]
-    num = jnp.sum(patches * cls, axis=-1)
-    den = jnp.linalg.norm(patches, axis=-1) * jnp.linalg.norm(cls, axis=-1)
-    return np.asarray(num / jnp.maximum(den, 1e-12))
+    return np.asarray(jnp.sum(ops.l2_normalize(patches) * ops.l2_normalize(cls), axis=-1))
 
 
 def upsample_map(grid: np.ndarray, size: int) -> np.ndarray:

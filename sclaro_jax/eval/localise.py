@@ -1,4 +1,5 @@
-"""Relation localisation (ScenarioCLIP appendix, "relation localisation"; DESIGN.md section 3).
+"""Relation localisation (ScenarioCLIP appendix, "relation localisation"; docs/design.md,
+section 3).
 
 For every annotated relation (subject, predicate, object) of a record:
 
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,11 @@ import optax
 from flax import nnx
 from PIL import Image
 
+from sclaro_jax import ops
 from sclaro_jax.data import augment, schema
-from sclaro_jax.data.dataset import open_dataset
+from sclaro_jax.eval import registry
+from sclaro_jax.eval.embedding import read_samples
+from sclaro_jax.eval.encoders import Batcher
 
 VARIANTS = ("frozen", "trainable")
 MaskFn = Callable[[schema.Sample, int], np.ndarray]
@@ -120,7 +124,7 @@ def relation_input(image: np.ndarray, sample: schema.Sample, index: int) -> np.n
 _EVAL = augment.SampleParams(None, None, None)
 
 
-def relation_examples(samples: Sequence[schema.Sample], image_size: int, *,
+def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
                       mask_fn: MaskFn | None = None, max_relations: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(inputs uint8 [N, S, S, 3], targets float32 {0, 1} [N, S, S]) for every relation of
@@ -145,25 +149,6 @@ def relation_examples(samples: Sequence[schema.Sample], image_size: int, *,
         return (np.zeros((0, image_size, image_size, 3), np.uint8),
                 np.zeros((0, image_size, image_size), np.float32))
     return np.stack(inputs), np.stack(targets)
-
-
-def read_split(data_dir: str, split: str) -> list[schema.Sample]:
-    """Every record of one split of a SCLARO dataset folder, decoded."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
-    ds = open_dataset(data_dir)
-    out = []
-    for path in ds.paths(split):
-        reader = ArrayRecordReader(path)
-        try:
-            for i, rec in enumerate(reader.read_all()):
-                try:
-                    out.append(schema.decode(rec))
-                except schema.RecordError as e:
-                    raise schema.RecordError(f"{path} record {i}: {e}") from None
-        finally:
-            reader.close()
-    return out
 
 
 # --------------------------------------------------------------------------- model
@@ -235,23 +220,12 @@ class Localiser:
         def run(s_t, s_d, x):
             return predict_masks(nnx.merge(g_t, s_t), nnx.merge(g_d, s_d), x)
 
-        return _batched(lambda x: run(s_t, s_d, x), inputs, batch_size)
-
-
-def _batched(fn, inputs: np.ndarray, batch_size: int) -> np.ndarray:
-    """fn over fixed-size batches (the last one padded, so `fn` compiles once)."""
-    n = len(inputs)
-    if n == 0:
-        return np.zeros(inputs.shape[:3], np.float32)
-    bs = min(batch_size, n)
-    out = []
-    for start in range(0, n, bs):
-        chunk = inputs[start:start + bs]
-        pad = bs - len(chunk)
-        if pad:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], pad, axis=0)])
-        out.append(np.asarray(fn(augment.normalize(chunk)))[:bs - pad])
-    return np.concatenate(out)
+        if len(inputs) == 0:
+            return np.zeros(inputs.shape[:3], np.float32)
+        batcher = Batcher(lambda x: run(s_t, s_d, ops.normalize(x)),
+                          min(batch_size, len(inputs)))
+        batcher.push(inputs)
+        return batcher.result()
 
 
 def train_localiser(tower: nnx.Module, inputs: np.ndarray, targets: np.ndarray, *,
@@ -305,7 +279,7 @@ def train_localiser(tower: nnx.Module, inputs: np.ndarray, targets: np.ndarray, 
             order = np.concatenate([perm, perm[:per_epoch * bs - n]])
         idx = order[(k % per_epoch) * bs:(k % per_epoch + 1) * bs]
         params, opt_state, loss = step(params, opt_state, p_t,
-                                       augment.normalize(inputs[idx]), targets[idx])
+                                       ops.normalize(inputs[idx]), targets[idx])
         losses.append(float(loss))
     if trainable:
         p_t, p_d = params
@@ -369,8 +343,8 @@ def evaluate_localisation(model, data_dir: str, *, variant: str = "frozen", epoc
             raise LocaliseError("pass image_size: the model has no CLIP config to read it from")
         image_size = cfg.vision.image_size
     kw = dict(mask_fn=mask_fn, max_relations=max_relations)
-    x_train, y_train = relation_examples(read_split(data_dir, train_split), image_size, **kw)
-    x_test, y_test = relation_examples(read_split(data_dir, test_split), image_size, **kw)
+    x_train, y_train = relation_examples(read_samples(data_dir, train_split), image_size, **kw)
+    x_test, y_test = relation_examples(read_samples(data_dir, test_split), image_size, **kw)
     if len(x_test) == 0:
         raise LocaliseError(f"{data_dir}: split {test_split!r} has no relations to score")
     loc = train_localiser(tower, x_train, y_train, variant=variant, epochs=epochs,
@@ -382,3 +356,30 @@ def evaluate_localisation(model, data_dir: str, *, variant: str = "frozen", epoc
             "test_empty_targets": int((y_test.reshape(len(y_test), -1).max(1) == 0).sum()),
             "steps": len(loc.losses), "first_loss": loc.losses[0], "last_loss": loc.losses[-1],
             "image_size": int(image_size)}
+
+
+@registry.register("localisation")
+class Localisation(registry.Evaluator):
+    """`evaluate_localisation` of each of `variants`, trained on `train_split`, scored on the
+    evaluator's split; yields (variant, result). Options: `variants`, `epochs`,
+    `max_relations`, `train_split`, `level`, `batch_size`, `learning_rate`, `seed`."""
+
+    def __init__(self, *, variants: Sequence[str] = VARIANTS, epochs: int = 1,
+                 max_relations: int | None = None, train_split: str = "train",
+                 level: str = "relation", batch_size: int = 16, learning_rate: float = 1e-4,
+                 seed: int = 0, **common):
+        super().__init__(**common)
+        unknown = [v for v in variants if v not in VARIANTS]
+        if unknown:
+            raise ValueError(f"evaluator {self.name!r}: unknown variants {unknown}; known: "
+                             f"{VARIANTS}")
+        self.variants = tuple(variants)
+        self.options = dict(epochs=epochs, max_relations=max_relations, level=level,
+                            train_split=train_split, batch_size=batch_size,
+                            learning_rate=learning_rate, seed=seed)
+
+    def run(self, model):
+        for variant in self.variants:
+            yield variant, evaluate_localisation(
+                model, self.data_dir, variant=variant, image_size=self.image_size or None,
+                test_split=self.split, **self.options)

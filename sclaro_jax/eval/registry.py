@@ -64,8 +64,9 @@ def evaluators(config) -> list[Evaluator]:
 
 # Where the built-in evaluators live: imported by name when a config asks for one (as big_vision
 # does), so this module imports none of them and they can all import it.
-BUILTIN = {"zero_shot": "sclaro_jax.eval.scenario", "linear_probe": "sclaro_jax.eval.scenario",
-           "predcls": "sclaro_jax.eval.scenario", "sgcls": "sclaro_jax.eval.scenario"}
+BUILTIN = {"zero_shot": "sclaro_jax.eval.zero_shot", "linear_probe": "sclaro_jax.eval.probe",
+           "predcls": "sclaro_jax.eval.scene_graph", "sgcls": "sclaro_jax.eval.scene_graph",
+           "localisation": "sclaro_jax.eval.localise"}
 
 
 def _load(kind: str) -> None:

@@ -1,4 +1,4 @@
-"""MINER / ROCS text-to-image retrieval evaluation.
+"""MINER / ROCS text-to-image retrieval evaluation (docs/design.md, section 4).
 
     python -m sclaro_jax.eval.rocs --model MODEL_DIR --split rocs_coco=ROCS_DIR:coco \
         --split coco5k=dataset_coco.json --image_root COCO_DIR --out results/

@@ -9,21 +9,25 @@ or `--step`; the student, or the EMA teacher with `--teacher`) on `--split` of t
 (`--data`, default the run's `config.data.dir`):
 
 - zero-shot retrieval of actions, objects and relations, strict and lenient, by source
-  (`sclaro_jax.eval.scenario`), the linear probe, PredCls and SGCls;
+  (`sclaro_jax.eval.zero_shot`), the linear probe (`eval.probe`), PredCls and SGCls
+  (`eval.scene_graph`);
 - relation localisation, frozen and trainable decoders (`sclaro_jax.eval.localise`);
 - figures (`sclaro_jax.eval.figures`): patch-to-CLS attention overlays of the first test images,
   every model side by side; a t-SNE of the object embeddings per model; training curves per run;
 - the parameter / FLOPs table (`sclaro_jax.eval.cost`, appendix Table A1).
 
 Writes OUT/eval.json (every number and setting), OUT/eval.md (the tables) and OUT/figures/*.png
-(OUT defaults to the first workdir's `eval/`). The same evaluators are callable from Python
-(`evaluate_workdirs`) and run periodically during training with `config.evals` (`sclaro_jax.eval.registry`).
+(OUT defaults to the first workdir's `eval/`). The protocols are the registered evaluators
+(`sclaro_jax.eval.registry`), built from a `config.evals` this module writes from its settings,
+the same list training runs periodically from the run's own `config.evals`. Callable from
+Python too (`evaluate_workdirs`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -59,6 +63,8 @@ class Settings:
     progress: bool = True
 
 
+# TODO(lead, at the merge): delete this copy and import `sclaro_jax.config.load_config` (the
+# train engineer's sclaro_jax/config.py), here and in notebooks/quickstart.ipynb.
 def load_config(spec: str):
     """`path/to/config.py[:variant]` -> the `get_config(variant)` ConfigDict."""
     path, _, variant = spec.partition(":")
@@ -95,27 +101,43 @@ def _run_config(workdir: str, config_spec: str | None):
 def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
     from PIL import Image
 
-    from sclaro_jax.eval.localise import read_split
+    from sclaro_jax.eval.embedding import read_samples
 
     out = []
-    for sample in read_split(data_dir, split)[:count]:
+    for sample, _ in zip(read_samples(data_dir, split), range(count)):
         with Image.open(io.BytesIO(sample.image)) as img:
             out.append(np.asarray(img.convert("RGB")))
     return out
+
+
+def suite_evals(settings: "Settings", cache_dir: str, fingerprint: str) -> dict:
+    """The `config.evals` entries of the settings' tasks (every=0: run when asked)."""
+    shared = dict(every=0, split=settings.split, train_split=settings.train_split)
+    scen = dict(shared, batch_size=settings.batch_size, cache_dir=cache_dir,
+                fingerprint=fingerprint, progress=settings.progress)
+    entries = {"zero_shot": scen, "linear_probe": dict(scen, epochs=settings.probe_epochs,
+                                                        lr=settings.probe_lr),
+               "predcls": dict(scen, min_instances=settings.min_predicate_instances),
+               "sgcls": dict(scen, min_instances=settings.min_predicate_instances),
+               "localisation": dict(shared, variants=settings.localisation_variants,
+                                    epochs=settings.localisation_epochs,
+                                    max_relations=settings.localisation_max_relations)}
+    return {task: entries[task] for task in settings.tasks}
 
 
 def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = Settings(), *,
                       data: str | None = None, config: str | None = None) -> dict:
     """Evaluate each named workdir; write OUT/eval.json, OUT/eval.md, OUT/figures/*.png and
     return the JSON record."""
-    from sclaro_jax.eval import cost, figures, localise, scenario
-    from sclaro_jax.train.export import load_checkpoint
+    from sclaro_jax.checkpoint import load_checkpoint
+    from sclaro_jax.eval import cost, embedding, figures, metrics, registry, report, scenario
 
     unknown = [t for t in settings.tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; known: {TASKS}")
     out_dir = Path(out)
     (out_dir / "figures").mkdir(parents=True, exist_ok=True)
+    cache = str(out_dir / "cache")
     record: dict = {"settings": dataclasses.asdict(settings), "models": {}, "figures": {}}
     tables: list[str] = []
     models, data_dirs, image_sizes = {}, {}, {}
@@ -127,42 +149,42 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
                                       config=cfg)
         models[name], data_dirs[name] = model, data_dir
         t0 = time.perf_counter()
-        scen_tasks = tuple(t for t in settings.tasks if t in scenario.TASKS)
+        fingerprint = embedding.model_fingerprint(model)
+        cfg = cfg.copy_and_resolve_references()
+        cfg.data.dir = data_dir
+        cfg.evals = suite_evals(settings, cache, fingerprint)
+        embed = functools.partial(embedding.embed_dataset, model, data_dir,
+                                  image_size=image_sizes[name], batch_size=settings.batch_size,
+                                  cache_dir=cache, fingerprint=fingerprint)
         result = {"workdir": os.path.abspath(workdir), "step": step,
                   "weights": "teacher" if settings.teacher else "student"}
-        if scen_tasks:
-            result.update(scenario.evaluate_scenario(
-                model, data_dir, split=settings.split, train_split=settings.train_split,
-                tasks=scen_tasks, image_size=image_sizes[name],
-                batch_size=settings.batch_size, probe_epochs=settings.probe_epochs,
-                probe_lr=settings.probe_lr,
-                min_predicate_instances=settings.min_predicate_instances,
-                cache_dir=str(out_dir / "cache"), progress=settings.progress))
-        if "localisation" in settings.tasks:
-            result["localisation"] = {
-                variant: localise.evaluate_localisation(
-                    model, data_dir, variant=variant, epochs=settings.localisation_epochs,
-                    image_size=image_sizes[name], train_split=settings.train_split,
-                    test_split=settings.split,
-                    max_relations=settings.localisation_max_relations)
-                for variant in settings.localisation_variants}
+        if any(t in scenario.TASKS for t in settings.tasks):
+            result.update(scenario.header(
+                os.path.abspath(data_dir), embed(settings.split, progress=settings.progress),
+                settings.train_split, {"image_size": image_sizes[name], "object_view": "crop",
+                                       "ks": list(metrics.DEFAULT_KS),
+                                       "text_length": embedding.DEFAULT_TEXT_LENGTH,
+                                       "min_predicate_instances":
+                                           settings.min_predicate_instances,
+                                       "probe_epochs": settings.probe_epochs,
+                                       "probe_lr": settings.probe_lr,
+                                       "model": type(model).__name__}))
+        for ev in registry.evaluators(cfg):
+            result[ev.name] = dict(ev.run(model))
         result["seconds"] = round(time.perf_counter() - t0, 2)
         record["models"][name] = result
         title = f"## {name} ({result['weights']}, step {step})\n\n"
-        body = scenario.markdown_tables(result) if scen_tasks else ""
+        body = report.markdown_tables(result) if "settings" in result else ""
         if "localisation" in result:
-            body += "\n" + _localisation_table(result["localisation"])
+            body += "\n" + report.localisation_table(result["localisation"])
         tables.append(title + body)
         if settings.figures:
             curves = out_dir / "figures" / f"training_curves_{_slug(name)}.png"
-            metrics = os.path.join(workdir, "metrics.jsonl")
-            if os.path.exists(metrics):
-                figures.training_curves(metrics, str(curves))
+            metrics_file = os.path.join(workdir, "metrics.jsonl")
+            if os.path.exists(metrics_file):
+                figures.training_curves(metrics_file, str(curves))
                 record["figures"][f"training_curves/{name}"] = str(curves)
-            emb = scenario.embed_dataset(model, data_dir, settings.split,
-                                         image_size=image_sizes[name],
-                                         batch_size=settings.batch_size,
-                                         cache_dir=str(out_dir / "cache"), progress=False)
+            emb = embed(settings.split, progress=False)
             n = min(len(emb.object_names), settings.tsne_max_objects)
             if n >= 3:
                 tsne = out_dir / "figures" / f"tsne_objects_{_slug(name)}.png"
@@ -201,14 +223,6 @@ def _jsonable(x):
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
-
-
-def _localisation_table(res: dict) -> str:
-    lines = ["| localisation | Dice | IoU | MAE | train / test relations |", "|---|---:|---:|---:|---|"]
-    for variant, r in res.items():
-        lines.append(f"| {variant} | {r['dice']:.4f} | {r['iou']:.4f} | {r['mae']:.4f} | "
-                     f"{r['num_train']} / {r['num_test']} |")
-    return "\n".join(lines) + "\n"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
-from sclaro_jax.eval.encoders import Encoder
+from sclaro_jax.eval.encoders import Encoder, l2_with_norm, register_encoder
 from sclaro_jax.miner import crop_boxes
 
 CLUTTER = {"grey": (128, 128, 128), "olive": (128, 128, 0), "navy": (0, 0, 128),
@@ -50,6 +50,7 @@ THRESHOLD = 0.015  # area fraction at which a colour counts as fully present
 CONSTANT = 0.1  # the shared channel that keeps every embedding non-zero
 
 
+@register_encoder("planted-colours")
 class PlantedColourEncoder(Encoder):
     """The synthetic benchmark's encoder (see the module docstring)."""
 
@@ -67,11 +68,11 @@ class PlantedColourEncoder(Encoder):
             nearest = jnp.argmin(jnp.sum((x - palette) ** 2, -1), -1)  # [B, P]
             frac = jax.nn.one_hot(nearest, len(NAMES)).mean(1)
             present = jnp.clip(frac / THRESHOLD, 0.0, 1.0)
-            emb = jnp.concatenate([present, jnp.full((len(frac), 1), CONSTANT)], -1)
-            return emb / jnp.linalg.norm(emb, axis=-1, keepdims=True)
+            return l2_with_norm(jnp.concatenate([present, jnp.full((len(frac), 1), CONSTANT)],
+                                                -1))
 
         self._image_fn = image_fn
-        self._text_fn = lambda e: e / np.maximum(np.linalg.norm(e, axis=-1, keepdims=True), 1e-12)
+        self._text_fn = jax.jit(l2_with_norm)
 
     def view(self, image: np.ndarray) -> np.ndarray:
         img = Image.fromarray(image).resize((self.image_size, self.image_size), Image.NEAREST)

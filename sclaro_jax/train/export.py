@@ -20,48 +20,24 @@ embeddings in PyTorch with (README has the same):
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
-from sclaro_jax.checkpoint import build_model, run_config
+# load_checkpoint / run_config live in sclaro_jax.checkpoint (below train and eval); re-exported
+# here for callers of the old place.
+from sclaro_jax.checkpoint import load_checkpoint, run_config  # noqa: F401
 from sclaro_jax.models import clip
 from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
 
 HEADS_FILE = "scenarioclip_heads.safetensors"
 
 
-def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False,
-                    config=None):
-    """(model, step) from WORKDIR's config.json (or `config`, an `ml_collections` config that
-    built the run) and a checkpoint (the newest by default)."""
-    from sclaro_jax.train import core
-    from sclaro_jax.train.trainer import train_config
-
-    if config is None:
-        config = run_config(workdir)
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
-    step = manager.latest_step() if step is None else step
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {workdir}/checkpoints")
-    model = build_model(config, abstract=True)
-    graphdef, _ = nnx.split(model, nnx.Param)
-    tcfg = train_config(config, steps=1)
-    abstract = jax.eval_shape(lambda: core.init_state(build_model(config), tcfg)[1])
-    state = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract)))["state"]
-    manager.close()
-    return nnx.merge(graphdef, state.teacher if teacher else state.params), step
-
-
 def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
+    """A pair's Linear+LayerNorm heads and `logit_scale` in torch `nn.Sequential` key names."""
     out = {}
     for name, head in (("vision_head", pair.vision_head), ("text_head", pair.text_head)):
         out[f"{name}.0.weight"] = np.asarray(head.linear.kernel[...]).T
