@@ -36,7 +36,8 @@ def build_model(config, *, abstract: bool = False):
         return scenarioclip.build(config.model.kind, preset=config.model.preset,
                                   init="" if abstract else config.model.init,
                                   dtype=jnp.dtype(config.model.dtype), seed=config.seed,
-                                  embed_dim=config.model.embed_dim)
+                                  embed_dim=config.model.embed_dim,
+                                  gradient_forms=config.model.get("gradient_forms", "auto"))
     return nnx.eval_shape(make) if abstract else make()
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sclaro_jax import ops
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.tokenizer import ClipTokenizer
@@ -56,7 +57,7 @@ def samples(demo_dir, split):
 
 # The pair's own methods under a plain nnx.jit (eager calls of the towers are slow on a CPU).
 _encode_text = nnx.jit(lambda pair, ids: pair.encode_text(ids))
-_encode_image = nnx.jit(lambda pair, pixels: pair.encode_image(augment.normalize_jnp(pixels)))
+_encode_image = nnx.jit(lambda pair, pixels: pair.encode_image(ops.normalize(pixels)))
 
 
 def direct_texts(model, level, texts):

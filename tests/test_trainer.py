@@ -191,7 +191,7 @@ def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
     else:
         assert not (tmp_path / "eval.jsonl").exists()
     assert all(r["loss_kd"] == 0.0 and r["loss"] == r["loss_ca"] for r in rows)
-    from sclaro_jax.train.export import load_checkpoint
+    from sclaro_jax.checkpoint import load_checkpoint
     model, _ = load_checkpoint(str(tmp_path))
     assert type(model).__name__ == kind
     if kind == "PyramidCLIP":  # one pair serves every level

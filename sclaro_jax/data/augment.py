@@ -23,12 +23,6 @@ import math
 import numpy as np
 from PIL import Image, ImageEnhance
 
-# Re-exported only while sclaro_jax.eval still imports them from here; new code calls
-# sclaro_jax.ops.normalize (the one pixel normalisation) and reads ops.CLIP_MEAN / CLIP_STD.
-from sclaro_jax.ops import CLIP_MEAN, CLIP_STD  # noqa: F401
-from sclaro_jax.ops import normalize  # noqa: F401
-from sclaro_jax.ops import normalize as normalize_jnp  # noqa: F401
-
 
 @dataclasses.dataclass(frozen=True)
 class SampleParams:

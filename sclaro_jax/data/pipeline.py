@@ -103,6 +103,34 @@ class _TextTable:
         return np.stack([self._cache[t] for t in texts])
 
 
+def sample_views(sample: schema.Sample, config: PipelineConfig,
+                 rng: np.random.Generator | None = None):
+    """A decoded record -> (image, params, {"image": global view [S, S, 3], "objects":
+    [O, S, S, 3], "relations": [R, S, S, 3]}), uint8 views at `config.image_size` of the first
+    `max_objects` objects and `max_relations` relation regions, augmented with `rng` when
+    `config.train`; the image (PIL) and the `augment.SampleParams` come back too, for callers
+    that make more views of the same image (the evaluators' union boxes). Raises
+    `schema.RecordError` for an undecodable image."""
+    img = schema.decode_image(sample.image, f"sample {sample.id!r}: image",
+                              size=(sample.width, sample.height))
+    params = augment.sample_params(rng, *img.size, train=config.train)
+    size = config.image_size
+    objects = sample.objects[:config.max_objects]
+    relations = sample.relations[:config.max_relations]
+    view = augment.region_view if config.object_view == "crop" else augment.canvas_view
+    obj_pixels = np.zeros((len(objects), size, size, 3), np.uint8)
+    for k, o in enumerate(objects):
+        obj_pixels[k] = view(img, o.box, params, size)
+    rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
+    for k, r in enumerate(relations):
+        region = schema.decode_image(r.region, f"sample {sample.id!r}: relation {k} region",
+                                     size=img.size,
+                                     min_side=size if config.fast_decode else None)
+        rel_pixels[k] = augment.region_view(region, None, params, size)
+    return img, params, {"image": augment.global_view(img, params, size),
+                         "objects": obj_pixels, "relations": rel_pixels}
+
+
 class SampleTransform(grain.RandomMapTransform):
     """Record bytes -> one example with variable-length object/relation arrays."""
 
@@ -122,33 +150,21 @@ class SampleTransform(grain.RandomMapTransform):
         c = self.config
         sample = schema.decode(record)
         schema.validate(sample, decode_images=False)
-        img = schema.decode_image(sample.image, f"sample {sample.id!r}: image",
-                                  size=(sample.width, sample.height))
-        params = augment.sample_params(rng, *img.size, train=c.train)
-        size = c.image_size
+        _, _, views = sample_views(sample, c, rng)
         objects = sample.objects[:c.max_objects]
         relations = sample.relations[:c.max_relations]
-        view = augment.region_view if c.object_view == "crop" else augment.canvas_view
-        obj_pixels = np.zeros((len(objects), size, size, 3), np.uint8)
-        for k, o in enumerate(objects):
-            obj_pixels[k] = view(img, o.box, params, size)
-        rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
-        for k, r in enumerate(relations):
-            region = schema.decode_image(r.region, f"sample {sample.id!r}: relation {k} region",
-                                         size=img.size, min_side=size if c.fast_decode else None)
-            rel_pixels[k] = augment.region_view(region, None, params, size)
         objects_field, relations_field = fields.LEVELS["object"], fields.LEVELS["relation"]
         return {
-            fields.IMAGE: augment.global_view(img, params, size),
+            fields.IMAGE: views["image"],
             fields.ACTION_TOKENS: self.text([sample.action])[0] if sample.action else
             np.zeros((c.text_length,), np.int32),
             fields.ACTION_LABEL: np.int32(self.vocab.index("actions", sample.action)),  # "": -1
             fields.HAS_ACTION: np.bool_(bool(sample.action)),
-            objects_field.pixels: obj_pixels,
+            objects_field.pixels: views["objects"],
             objects_field.tokens: self.text([o.name for o in objects]),
             objects_field.labels: np.array([self.vocab.index("objects", o.name)
                                             for o in objects], np.int32),
-            relations_field.pixels: rel_pixels,
+            relations_field.pixels: views["relations"],
             relations_field.tokens: self.text([r.text for r in relations]),
             relations_field.labels: np.array([self.vocab.index("relations", r.text)
                                               for r in relations], np.int32),

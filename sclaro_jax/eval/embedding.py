@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import DatasetError, ShardedDataset, open_dataset
-from sclaro_jax.data.pipeline import OBJECT_VIEWS, PipelineConfig
+from sclaro_jax.data.pipeline import OBJECT_VIEWS, PipelineConfig, sample_views
 from sclaro_jax.eval import metrics, registry
 from sclaro_jax.eval.encoders import Batcher, towers
 
@@ -173,35 +173,6 @@ class SplitEmbeddings:
 
 def _union_box(a, b) -> tuple[float, float, float, float]:
     return (min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))
-
-
-# TODO(lead, at the merge): this is the view making of `pipeline.SampleTransform._example`,
-# written as the public `sclaro_jax.data.pipeline.sample_views` the eval engineer's report
-# proposes; once pipeline.py has it (and `_example` calls it), delete this copy and import it.
-def sample_views(sample: schema.Sample, config: PipelineConfig,
-                 rng: np.random.Generator | None = None):
-    """A decoded record -> (image, params, {"image": global view [S, S, 3], "objects":
-    [O, S, S, 3], "relations": [R, S, S, 3]}), uint8 views at `config.image_size` of the first
-    `max_objects` objects and `max_relations` relation regions, augmented with `rng` when
-    `config.train`. Raises `schema.RecordError` for an undecodable image."""
-    img = schema.decode_image(sample.image, f"sample {sample.id!r}: image",
-                              size=(sample.width, sample.height))
-    params = augment.sample_params(rng, *img.size, train=config.train)
-    size = config.image_size
-    objects = sample.objects[:config.max_objects]
-    relations = sample.relations[:config.max_relations]
-    view = augment.region_view if config.object_view == "crop" else augment.canvas_view
-    obj_pixels = np.zeros((len(objects), size, size, 3), np.uint8)
-    for k, o in enumerate(objects):
-        obj_pixels[k] = view(img, o.box, params, size)
-    rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
-    for k, r in enumerate(relations):
-        region = schema.decode_image(r.region, f"sample {sample.id!r}: relation {k} region",
-                                     size=img.size,
-                                     min_side=size if config.fast_decode else None)
-        rel_pixels[k] = augment.region_view(region, None, params, size)
-    return img, params, {"image": augment.global_view(img, params, size),
-                         "objects": obj_pixels, "relations": rel_pixels}
 
 
 def _record_views(record: bytes, where: str, config: PipelineConfig

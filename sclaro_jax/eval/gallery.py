@@ -58,8 +58,8 @@ def _views(encoder: Encoder, image: np.ndarray, crops: CropSpec | None, index: i
     views = [encoder.view(image)]
     if crops is not None:
         h, w = image.shape[:2]
-        for x0, y0, x1, y1 in crops.boxes(w, h, index):
-            views.append(encoder.view(np.ascontiguousarray(image[y0:y1, x0:x1])))
+        for crop in miner.crop_images(image, crops.boxes(w, h, index)):
+            views.append(encoder.view(np.ascontiguousarray(crop)))
     return np.stack(views)
 
 

@@ -127,16 +127,6 @@ def evaluate(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings
     return results
 
 
-def hubness_from_topk(indices: np.ndarray, num_images: int) -> dict:
-    """Hubness statistics from each query's top-k gallery indices [Q, k] (the same definitions
-    as `miner.hubness`: k-occurrence N_k over all images, zeros counted)."""
-    counts = np.bincount(np.asarray(indices).ravel(), minlength=num_images).astype(np.float64)
-    sd = counts.std()
-    skew = float(((counts - counts.mean()) ** 3).mean() / sd ** 3) if sd > 0 else 0.0
-    return {"skewness": skew, "never_retrieved": float(np.mean(counts == 0)),
-            "worst_hub": int(counts.argmax()), "worst_hub_count": int(counts.max())}
-
-
 def evaluate_streaming(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings(),
                        bank: np.ndarray | None = None, chunk: int = 65536) -> dict[str, dict]:
     """`evaluate` for galleries whose [Q, G] matrix should not be formed: the same four rows
@@ -166,8 +156,9 @@ def evaluate_streaming(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings 
                             alpha=settings.alpha, pool=settings.pool, k=k, rescore=rescore,
                             bank=bank if (rescore == "csls" and settings.rescore == "csls-bank")
                             else None, top=min(top, n_images), chunk=chunk, gt=gt)
-        out = {f"R@{kk}": float(100.0 * np.mean(res.gt_rank < kk)) for kk in settings.ks}
-        out.update(hubness_from_topk(res.indices[:, :k], n_images))
+        recall = miner.recall_from_ranks(res.gt_rank, settings.ks)
+        out = {f"R@{kk}": v for kk, v in recall.items()}
+        out.update(miner.hubness_from_topk(res.indices[:, :k], n_images))
         results[name] = out
     return results
 

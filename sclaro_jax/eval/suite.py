@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import io
 import json
 import os
@@ -38,6 +37,8 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from sclaro_jax.config import load_config
 
 TASKS = ("zero_shot", "linear_probe", "predcls", "sgcls", "localisation")
 
@@ -61,23 +62,6 @@ class Settings:
     cost: bool = True
     batch_size: int = 32
     progress: bool = True
-
-
-# TODO(lead, at the merge): delete this copy and import `sclaro_jax.config.load_config` (the
-# train engineer's sclaro_jax/config.py), here and in notebooks/quickstart.ipynb.
-def load_config(spec: str):
-    """`path/to/config.py[:variant]` -> the `get_config(variant)` ConfigDict."""
-    path, _, variant = spec.partition(":")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file not found: {path}")
-    root = str(Path(path).resolve().parent.parent)
-    if root not in sys.path:  # configs import each other as `configs.x`
-        sys.path.insert(0, root)
-    module_spec = importlib.util.spec_from_file_location(f"_sclaro_config_{Path(path).stem}",
-                                                         path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.get_config(variant or None)
 
 
 def _data_dir(config, workdir: str, data: str | None) -> str:
