@@ -24,16 +24,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_gpu_train import add_step_arguments  # noqa: E402
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="ViT-B/32")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--objects", type=int, default=8)
-    parser.add_argument("--relations", type=int, default=8)
+    add_step_arguments(parser)
     parser.add_argument("--samples", type=int, default=1024, help="records to write")
     parser.add_argument("--data", default="", help="shard folder (written if empty)")
-    parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--workers", type=int, action="append",
                         help="Grain worker processes (repeatable; default: cores - 1)")
     parser.add_argument("--buffer", type=int, default=2, help="per-worker buffer (batches)")

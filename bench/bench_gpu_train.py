@@ -66,14 +66,19 @@ def _timed(fn, repeats: int, steps: int) -> list[float]:
     return out
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_step_arguments(parser: argparse.ArgumentParser) -> None:
+    """The paper config's step: preset, batch, crops per image, compute dtype."""
     parser.add_argument("--preset", default="ViT-B/32")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--objects", type=int, default=8)
     parser.add_argument("--relations", type=int, default=8)
-    parser.add_argument("--text-length", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_step_arguments(parser)
+    parser.add_argument("--text-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10, help="steps per timed repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
