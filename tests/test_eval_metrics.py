@@ -55,7 +55,7 @@ def test_topk_matches_plain_with_many_ties(rng):
     for k in (1, 5, 10, 20):
         got = metrics.topk_hits(scores, labels, ks=(k,))[k]
         np.testing.assert_array_equal(got, plain_topk(scores, labels, k))
-    acc = metrics.topk_accuracy(scores, labels)
+    acc = metrics.summarise(metrics.topk_hits(scores, labels))
     assert acc["n"] == 200
     for k in (1, 5, 10):
         assert acc[f"top{k}"] == pytest.approx(100 * np.mean(plain_topk(scores, labels, k)))

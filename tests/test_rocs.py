@@ -1,6 +1,7 @@
 """ROCS / MINER evaluation: split loaders, the embedding cache, encoders and the CLI end to end."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,24 @@ def _pngs(folder, n, size=(40, 30)):
         Image.fromarray(a).save(folder / f"im{i}.png")
         arrays.append(a)
     return arrays
+
+
+def write_hf_split(out, images, captions, ids=None, split=None) -> Path:
+    """Save test images + captions as a Hugging Face dataset folder in ROCS's layout (one row per
+    image: `image`, `image_id`, `captions`), with `save_to_disk` (a `DatasetDict` when `split`
+    names the split). Needs the `datasets` package."""
+    import datasets
+
+    ids = [f"{i:06d}" for i in range(len(images))] if ids is None else list(ids)
+    ds = datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(np.asarray(im)) for im in images], "image_id": ids,
+         "captions": [list(c) for c in captions]},
+        features=datasets.Features({"image": datasets.Image(), "image_id": datasets.Value("string"),
+                                    "captions": datasets.Sequence(datasets.Value("string"))}))
+    if split is not None:
+        ds = datasets.DatasetDict({split: ds})
+    ds.save_to_disk(os.fspath(out))
+    return Path(out)
 
 
 def test_coco_captions_file_gives_one_query_per_caption(tmp_path):
@@ -62,8 +81,8 @@ def test_karpathy_file_reads_the_test_split(tmp_path):
 
 def test_hf_folder_in_rocs_layout_and_its_errors(tmp_path):
     images = [np.full((20, 24, 3), 40 * i, np.uint8) for i in range(3)]
-    synthetic.write_hf_split(tmp_path / "rocs", images, [["a dog"], ["a cup", "a mug"], []],
-                             split="coco")
+    write_hf_split(tmp_path / "rocs", images, [["a dog"], ["a cup", "a mug"], []],
+                   split="coco")
     split = data_lib.load_split(f"rocs_coco={tmp_path / 'rocs'}:coco")
     assert split.name == "rocs_coco" and split.num_images == 3
     assert split.queries == ["a dog", "a cup", "a mug"] and split.gt.tolist() == [0, 1, 1]
@@ -229,8 +248,8 @@ def _demo_rocs_folder(tmp_path):
             images.append(np.asarray(img.convert("RGB")))
         names = sorted({o["name"] for o in entry["objects"]})[:2]
         captions.append([entry["caption"]] + [f"a photo with a {n}" for n in names])
-    return synthetic.write_hf_split(tmp_path / "rocs", images, captions,
-                                    ids=[e["id"] for e in load_annotations()], split="coco")
+    return write_hf_split(tmp_path / "rocs", images, captions,
+                          ids=[e["id"] for e in load_annotations()], split="coco")
 
 
 def test_cli_end_to_end_on_a_rocs_folder_with_a_tiny_clip(tmp_path, tiny_hf):

@@ -134,17 +134,6 @@ def summarise(hits: Mapping[int, np.ndarray]) -> dict:
     return {"n": int(n or 0), **out}
 
 
-def topk_accuracy(scores, labels, ks: Sequence[int] = DEFAULT_KS) -> dict:
-    """Strict top-k accuracy: {"n": N, "top1": %, ...}."""
-    return summarise(topk_hits(scores, labels, ks))
-
-
-def lenient_topk_accuracy(scores, allowed: Sequence[Iterable[int]],
-                          ks: Sequence[int] = DEFAULT_KS) -> dict:
-    """Lenient top-k accuracy: {"n": N, "top1": %, ...}; see `lenient_topk_hits`."""
-    return summarise(lenient_topk_hits(scores, allowed, ks))
-
-
 def summarise_by_group(hits: Mapping[int, np.ndarray], groups: Sequence[Hashable]) -> dict:
     """Per-group breakdown (e.g. by source dataset): {group: summarise(hits of that group)},
     groups in sorted order (as strings for JSON); every query belongs to exactly one group."""

@@ -152,26 +152,6 @@ def make_planted_split(out: str | os.PathLike, *, num_images: int = 56, width: i
     return path
 
 
-def write_hf_split(out: str | os.PathLike, images: Sequence[np.ndarray],
-                   captions: Sequence[Sequence[str]], ids: Sequence[str] | None = None,
-                   split: str | None = None) -> Path:
-    """Save images + captions as a Hugging Face dataset folder in ROCS's layout (one row per
-    image: `image`, `image_id`, `captions`), with `save_to_disk` (a `DatasetDict` when `split`
-    names the split). Needs the `datasets` package."""
-    import datasets
-
-    ids = [f"{i:06d}" for i in range(len(images))] if ids is None else list(ids)
-    ds = datasets.Dataset.from_dict(
-        {"image": [Image.fromarray(np.asarray(im)) for im in images], "image_id": ids,
-         "captions": [list(c) for c in captions]},
-        features=datasets.Features({"image": datasets.Image(), "image_id": datasets.Value("string"),
-                                    "captions": datasets.Sequence(datasets.Value("string"))}))
-    if split is not None:
-        ds = datasets.DatasetDict({split: ds})
-    ds.save_to_disk(os.fspath(out))
-    return Path(out)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sclaro_jax.eval.synthetic",
