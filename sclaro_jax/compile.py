@@ -1,7 +1,7 @@
 """XLA compile options for sclaro_jax's own jitted functions, per backend.
 
 On CPU, jaxlib 0.10's XLA sends float32 matmuls to YNNPACK fusions by default; XLA's own
-(Eigen) dot path ran the ViT-B/32 forward 7-12% faster, paired in one process (bench/README.md).
+(Eigen) dot path runs the ViT-B/32 forward faster (measured in bench/README.md).
 Options apply per compilation, so they change nothing else in the process; on other backends
 there are none.
 """
