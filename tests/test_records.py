@@ -141,8 +141,8 @@ def test_writer_refuses_unknown_schema_version_and_foreign_bytes(tmp_path):
     record = schema.encode(make_sample())
     future = schema.MAGIC + (schema.SCHEMA_VERSION + 1).to_bytes(2, "little") + record[8:]
     writer = shards.ShardWriter(str(tmp_path))
-    with pytest.raises(schema.SchemaVersionError, match="schema version 2; this code reads "
-                                                        "version 1"):
+    with pytest.raises(schema.SchemaVersionError, match=r"schema version 3; this code reads "
+                                                        r"versions \(1, 2\)"):
         writer.add(future)
     with pytest.raises(schema.RecordError, match="not a SCLARO record"):
         writer.add(b"hello")

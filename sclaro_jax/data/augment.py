@@ -23,6 +23,8 @@ import math
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from sclaro_jax.data import batch as fields
+
 
 @dataclasses.dataclass(frozen=True)
 class SampleParams:
@@ -72,6 +74,20 @@ def sample_params(rng: np.random.Generator, width: int, height: int, *, train: b
         ops = tuple((int(k), float(factors[k])) for k in order)
     sigma = float(rng.uniform(*blur_sigma)) if rng.uniform() < blur_p else None
     return SampleParams(crop, ops, sigma)
+
+
+def photometric_fields(params: SampleParams) -> dict:
+    """A sample's jitter and blur parameters as the batch fields of
+    `sclaro_jax.data.batch.PHOTOMETRIC` (applied on the accelerator)."""
+    out = {k: np.array(v) for k, v in fields.IDENTITY_PHOTOMETRIC.items()}
+    if params.jitter:
+        out[fields.JITTER] = np.bool_(True)
+        out[fields.JITTER_ORDER] = np.array([op for op, _ in params.jitter], np.int32)
+        for op, factor in params.jitter:
+            out[fields.JITTER_FACTORS][op] = factor
+    if params.blur_sigma is not None:
+        out[fields.BLUR_SIGMA] = np.float32(params.blur_sigma)
+    return out
 
 
 def resize_centre_crop(img: Image.Image, size: int) -> Image.Image:

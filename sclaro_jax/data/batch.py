@@ -4,7 +4,12 @@
 benchmarks build batches from `batch_shapes`; every one of them names the fields through this
 module. Per image (leading axis B): `image` [B, S, S, 3] (uint8, or float32 CLIP-normalised),
 `action_tokens` [B, L], `action_label`, `has_action`, `source`, `sample_key`, `valid`,
-`bad_record`, `dropped_objects`, `dropped_relations`. Per crop level (objects, relations; N the
+`bad_record`, `dropped_objects`, `dropped_relations`, and the photometric augmentation's
+parameters, drawn on the host and applied on the accelerator (`PHOTOMETRIC`): `jitter` [B]
+(apply ColorJitter), `jitter_order` [B, 4] (op indices in application order: 0 brightness,
+1 contrast, 2 saturation, 3 hue), `jitter_factors` [B, 4] (factor per op index; hue is a shift
+in [-0.5, 0.5]), `blur_sigma` [B] (GaussianBlur sigma of the global view; 0 = none).
+Per crop level (objects, relations; N the
 level's cap): pixels [B, N, S, S, 3], tokens [B, N, L], labels [B, N] (-1 = padding) and a bool
 mask [B, N].
 """
@@ -25,6 +30,10 @@ VALID = "valid"
 BAD_RECORD = "bad_record"
 DROPPED_OBJECTS = "dropped_objects"
 DROPPED_RELATIONS = "dropped_relations"
+JITTER = "jitter"
+JITTER_ORDER = "jitter_order"
+JITTER_FACTORS = "jitter_factors"
+BLUR_SIGMA = "blur_sigma"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +61,14 @@ PER_IMAGE = ((ACTION_LABEL, np.int32), (HAS_ACTION, np.bool_), (SOURCE, np.int32
              (SAMPLE_KEY, np.int64), (VALID, np.bool_), (BAD_RECORD, np.int32),
              (DROPPED_OBJECTS, np.int32), (DROPPED_RELATIONS, np.int32))
 
+# (field, dtype, shape after B) of the photometric augmentation parameters; an example without
+# augmentation has jitter=False, the identity order, factors (1, 1, 1, 0) and blur_sigma=0.
+PHOTOMETRIC = ((JITTER, np.bool_, ()), (JITTER_ORDER, np.int32, (4,)),
+               (JITTER_FACTORS, np.float32, (4,)), (BLUR_SIGMA, np.float32, ()))
+IDENTITY_PHOTOMETRIC = {JITTER: np.bool_(False), JITTER_ORDER: np.arange(4, dtype=np.int32),
+                        JITTER_FACTORS: np.array([1, 1, 1, 0], np.float32),
+                        BLUR_SIGMA: np.float32(0)}
+
 
 def level_caps(config) -> dict[str, int]:
     """Crop level -> its cap (`max_objects` / `max_relations` of a PipelineConfig)."""
@@ -65,6 +82,8 @@ def batch_shapes(batch_size: int, config) -> dict[str, tuple]:
     shapes = {name: (b,) for name, _ in PER_IMAGE}
     shapes[IMAGE] = (b, size, size, 3)
     shapes[ACTION_TOKENS] = (b, length)
+    for name, _, tail in PHOTOMETRIC:
+        shapes[name] = (b, *tail)
     for level, cap in level_caps(config).items():
         f = LEVELS[level]
         shapes[f.pixels] = (b, cap, size, size, 3)

@@ -3,21 +3,41 @@
 A record is the bytes ``MAGIC + version (uint16, little-endian) + msgpack(payload)``. The payload
 holds one annotated image:
 
-    id, source, split, image (encoded bytes, JPEG or PNG), width, height, action, caption,
+    id, source, split, width, height (of the original photograph), action, caption,
     (action "" = the VLM gave none: such images are kept, appendix "label curation", and take
     no part in the global contrastive loss or the text distillation terms),
     mask_kind ("sam" or "box": what made the relation regions' masks),
-    objects:   [{name, box: (x0, y0, x1, y1) pixels, x1/y1 exclusive}, ...]
-    relations: [{subject, predicate, object, text, region}, ...]
+    objects:   [{name, box: (x0, y0, x1, y1) original pixels, x1/y1 exclusive, view}, ...]
+    relations: [{subject, predicate, object, text, region, view}, ...]
                subject/object index into `objects`; `text` is the canonical triplet
                "subject predicate object"; `region` is the encoded focused-region image
-               (appendix Eqs. 4-7, same size as the image).
+               (appendix Eqs. 4-7, same size as the photograph).
+
+Schema version 2 (written today) stores the *training views*: what the reference transforms
+derive deterministically, computed once at write time at a view size S (`view_size`, 224 by
+default, also in the manifest):
+
+- `objects[k].view`: Resize(S) + CenterCrop(S) of the object's box crop (the reference's
+  object transform before its colour jitter), a JPEG;
+- `relations[k].view`: Resize(S) + CenterCrop(S) of the focused region, a JPEG;
+- `train_image`: the photograph downscaled (bicubic, antialiased) so that its shorter side is
+  `global_short_side(S)` = ceil(S / sqrt(0.6)), 290 px for S = 224 (photographs already that
+  small are stored as they are). RandomResizedCrop(S, scale 0.8-1, ratio 3/4-4/3) never
+  upsamples from it: an accepted crop is at least sqrt(0.8 * 3/4 * area) >= sqrt(0.6) * short
+  side >= S on either side, and the fallback crop keeps the whole shorter side.
+- `image` (the original photograph) and `relations[k].region` only when the writer was told to
+  keep the originals (`--keep-originals`); otherwise they are None and evaluations that need
+  full resolution (localisation, MINER crops) say so.
+
+Version 1 records (originals only, no views) stay readable: the pipeline makes their views on
+the host, at the reference's 224 px.
 
 Beside the shards a dataset folder holds vocabulary files (`actions.txt`, `objects.txt`,
 `relations.txt`, `predicates.txt`, `sources.txt`: one label per line, sorted) and
-`manifest.json` (schema version, shards with record counts and sha256, counts per split and
-source, the split rule). `SCHEMA_VERSION` changes whenever the payload changes meaning; reading
-a record or a manifest of another version fails with `SchemaVersionError` saying what to do.
+`manifest.json` (schema version, view size, whether originals are kept, shards with record
+counts and sha256, counts per split and source, the split rule). `SCHEMA_VERSION` changes
+whenever the payload changes meaning; reading a record or a manifest of a version this code
+does not know fails with `SchemaVersionError` saying what to do.
 
 This module never imports torch; only numpy, PIL and msgpack.
 """
@@ -27,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import math
 import struct
 from typing import Iterable, Sequence
 
@@ -35,7 +56,11 @@ import numpy as np
 from PIL import Image
 
 MAGIC = b"SCLARO"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # what the writer writes
+READABLE_VERSIONS = (1, 2)
+LEGACY_VIEW_SIZE = 224  # the view size version-1 datasets are read at (the reference's)
+DEFAULT_VIEW_SIZE = 224
+VIEW_QUALITY = 95  # JPEG quality of stored views (4:4:4): mean |diff| < 1 grey level
 _HEADER = struct.Struct("<H")
 SPLITS = ("train", "val", "test")
 MASK_KINDS = ("sam", "box")
@@ -62,6 +87,7 @@ class SchemaVersionError(RecordError):
 class Object:
     name: str
     box: tuple[float, float, float, float]  # x0, y0, x1, y1 in pixels; x1, y1 exclusive
+    view: bytes | None = None  # v2: JPEG of Resize(S) + CenterCrop(S) of the box crop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +96,8 @@ class Relation:
     predicate: str
     object: int
     text: str  # canonical triplet text: "subject predicate object"
-    region: bytes  # encoded focused-region image, same size as the sample's image
+    region: bytes | None  # encoded focused-region image, the photograph's size (None: not kept)
+    view: bytes | None = None  # v2: JPEG of Resize(S) + CenterCrop(S) of the region
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +113,53 @@ class Sample:
     objects: tuple[Object, ...] = ()
     relations: tuple[Relation, ...] = ()
     mask_kind: str = "sam"
+    view_size: int | None = None  # v2: S of the stored views; None: originals only (v1)
+    train_image: bytes | None = None  # v2: the photograph at global_short_side(S)
+
+    @property
+    def has_views(self) -> bool:
+        """Whether the record carries training views (schema version 2)."""
+        return self.view_size is not None
+
+    @property
+    def has_originals(self) -> bool:
+        """Whether the full-size photograph and relation regions are in the record."""
+        return self.image is not None and all(r.region is not None for r in self.relations)
+
+
+class MissingOriginalsError(RecordError):
+    """A full-resolution image or region was asked of a record written without originals."""
+
+
+def global_short_side(view_size: int) -> int:
+    """The shorter side the stored global image is downscaled to for views of `view_size`:
+    ceil(S / sqrt(0.8 * 3/4)), the smallest from which RandomResizedCrop(S, scale 0.8-1,
+    ratio 3/4-4/3) never upsamples whatever the aspect ratio (290 for 224, 434 for 336)."""
+    return int(math.ceil(view_size / math.sqrt(0.8 * 0.75) - 1e-9))
+
+
+def train_image_size(width: int, height: int, view_size: int) -> tuple[int, int]:
+    """(width, height) of the stored global image of a `width` x `height` photograph:
+    shorter side `global_short_side(view_size)` (rounded aspect), or the photograph's own
+    size when it is already no larger."""
+    short, target = min(width, height), global_short_side(view_size)
+    if short <= target:
+        return int(width), int(height)
+    if width <= height:
+        return target, max(target, int(round(height * target / width)))
+    return max(target, int(round(width * target / height))), target
+
+
+def original_image(sample: Sample) -> bytes:
+    """The full-size photograph's bytes; MissingOriginalsError naming the sample and the fix
+    when the record was written without originals."""
+    if sample.image is None:
+        raise MissingOriginalsError(
+            f"sample {sample.id!r} holds training views only (schema version 2 written without "
+            f"--keep-originals); this needs the full-resolution photograph: use the dataset it "
+            f"was converted from, or convert that one with `python -m data_prep reshard --in "
+            f"SRC --out DIR --keep-originals`")
+    return sample.image
 
 
 def triplet_text(subject: str, predicate: str, obj: str) -> str:
@@ -96,15 +170,23 @@ def triplet_text(subject: str, predicate: str, obj: str) -> str:
 # --------------------------------------------------------------------------- encode / decode
 
 def encode(sample: Sample) -> bytes:
-    """Sample -> record bytes. Does not validate: call `validate` first (the writer does)."""
+    """Sample -> record bytes: version 2 for a sample with views, version 1 (originals only,
+    the legacy layout) for one without. Does not validate: call `validate` first (the writer
+    does)."""
     payload = {
         "id": sample.id, "source": sample.source, "split": sample.split,
         "image": sample.image, "width": int(sample.width), "height": int(sample.height),
         "action": sample.action, "caption": sample.caption, "mask_kind": sample.mask_kind,
-        "objects": [[o.name, [float(v) for v in o.box]] for o in sample.objects],
-        "relations": [[r.subject, r.predicate, r.object, r.text, r.region]
-                      for r in sample.relations],
     }
+    if not sample.has_views:
+        payload["objects"] = [[o.name, [float(v) for v in o.box]] for o in sample.objects]
+        payload["relations"] = [[r.subject, r.predicate, r.object, r.text, r.region]
+                                for r in sample.relations]
+        return MAGIC + _HEADER.pack(1) + msgpack.packb(payload, use_bin_type=True)
+    payload.update(view_size=int(sample.view_size), train_image=sample.train_image)
+    payload["objects"] = [[o.name, [float(v) for v in o.box], o.view] for o in sample.objects]
+    payload["relations"] = [[r.subject, r.predicate, r.object, r.text, r.region, r.view]
+                            for r in sample.relations]
     return MAGIC + _HEADER.pack(SCHEMA_VERSION) + msgpack.packb(payload, use_bin_type=True)
 
 
@@ -118,25 +200,36 @@ def record_version(record: bytes) -> int:
 
 
 def decode(record: bytes) -> Sample:
-    """Record bytes -> Sample. Raises SchemaVersionError or RecordError naming the problem."""
+    """Record bytes (version 1 or 2) -> Sample. Raises SchemaVersionError or RecordError naming
+    the problem."""
     version = record_version(record)
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise SchemaVersionError(
-            f"record written with SCLARO schema version {version}; this code reads version "
-            f"{SCHEMA_VERSION}. Rewrite the shards with this version of `python -m data_prep`.")
+            f"record written with SCLARO schema version {version}; this code reads versions "
+            f"{READABLE_VERSIONS}. Rewrite the shards with this version of `python -m data_prep`"
+            f" (`reshard` converts a dataset).")
     try:
         p = msgpack.unpackb(bytes(record[len(MAGIC) + _HEADER.size:]), raw=False)
-        return Sample(
+        common = dict(
             id=p["id"], source=p["source"], split=p["split"], image=p["image"],
             width=p["width"], height=p["height"], action=p["action"], caption=p["caption"],
-            mask_kind=p["mask_kind"],
-            objects=tuple(Object(name, tuple(box)) for name, box in p["objects"]),
-            relations=tuple(Relation(s, pred, o, text, region)
-                            for s, pred, o, text, region in p["relations"]))
+            mask_kind=p["mask_kind"])
+        if version == 1:
+            return Sample(
+                **common,
+                objects=tuple(Object(name, tuple(box)) for name, box in p["objects"]),
+                relations=tuple(Relation(s, pred, o, text, region)
+                                for s, pred, o, text, region in p["relations"]))
+        return Sample(
+            **common, view_size=int(p["view_size"]), train_image=p["train_image"],
+            objects=tuple(Object(name, tuple(box), view) for name, box, view in p["objects"]),
+            relations=tuple(Relation(s, pred, o, text, region, view)
+                            for s, pred, o, text, region, view in p["relations"]))
     except RecordError:
         raise
     except Exception as e:  # msgpack errors, missing keys, wrong arity
-        raise RecordError(f"corrupt SCLARO record payload: {type(e).__name__}: {e}") from None
+        raise RecordError(f"corrupt SCLARO record payload (version {version}): "
+                          f"{type(e).__name__}: {e}") from None
 
 
 # --------------------------------------------------------------------------- validation
@@ -189,9 +282,27 @@ def validate(sample: Sample, *, decode_images: bool = True) -> None:
     w, h = int(sample.width), int(sample.height)
     if w <= 0 or h <= 0:
         fail(f"image size {w}x{h} is empty")
+    v = sample.view_size
+    if v is None:
+        if sample.image is None or any(r.region is None for r in sample.relations):
+            fail("a record without training views (schema version 1) must hold the original "
+                 "image and every relation region")
+    elif not isinstance(v, (int, np.integer)) or v < 1:
+        fail(f"view_size {v!r} is not a positive integer")
+    elif sample.train_image is None or any(o.view is None for o in sample.objects) or any(
+            r.view is None for r in sample.relations):
+        fail(f"view_size {v} but the train_image or an object / relation view is missing")
     if decode_images:
         try:
-            decode_image(sample.image, size=(w, h))
+            if sample.image is not None:
+                decode_image(sample.image, size=(w, h))
+            if v is not None:
+                decode_image(sample.train_image, "train_image",
+                             size=train_image_size(w, h, v))
+                for i, obj in enumerate(sample.objects):
+                    decode_image(obj.view, f"object {i} ({obj.name!r}) view", size=(v, v))
+                for j, rel in enumerate(sample.relations):
+                    decode_image(rel.view, f"relation {j} ({rel.text!r}) view", size=(v, v))
         except RecordError as e:
             fail(str(e))
     for i, obj in enumerate(sample.objects):
@@ -217,7 +328,7 @@ def validate(sample: Sample, *, decode_images: bool = True) -> None:
                                 sample.objects[rel.object].name)
         if rel.text != expected:
             fail(f"relation {j} text {rel.text!r} is not the canonical triplet {expected!r}")
-        if decode_images:
+        if decode_images and rel.region is not None:
             try:
                 decode_image(rel.region, f"relation {j} ({rel.text!r}) region", size=(w, h))
             except RecordError as e:
