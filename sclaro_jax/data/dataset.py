@@ -13,6 +13,10 @@ class DatasetError(ValueError):
     """A dataset folder that cannot be read; the message names the folder or file."""
 
 
+class ViewSizeError(DatasetError):
+    """A dataset whose stored views are of another size than the model's input."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Vocab:
     """Label lists from the vocabulary files; `index(kind, label)` is -1 for unknown labels."""
@@ -48,6 +52,35 @@ class ShardedDataset:
     def num_records(self, split: str) -> int:
         return self.manifest["splits"][split]["records"]
 
+    @property
+    def schema_version(self) -> int:
+        return int(self.manifest["schema_version"])
+
+    @property
+    def view_size(self) -> int:
+        """The size of the stored training views (version 1: the reference's 224, made from
+        the originals on the host)."""
+        return int(self.manifest.get("view_size") or schema.LEGACY_VIEW_SIZE)
+
+    @property
+    def has_originals(self) -> bool:
+        """Whether the records hold the full-size photographs and relation regions."""
+        return self.schema_version == 1 or bool(self.manifest.get("originals"))
+
+    def check_view_size(self, image_size: int) -> None:
+        """ViewSizeError naming the reshard command unless the dataset's views are
+        `image_size` px."""
+        if int(image_size) == self.view_size:
+            return
+        kind = (f"schema version 1 (read at {self.view_size} px)" if self.schema_version == 1
+                else f"{self.view_size} px training views")
+        raise ViewSizeError(
+            f"{self.root} holds {kind}; the model takes {image_size} px images. Convert it: "
+            f"python -m data_prep reshard --in {self.root} --out {self.root}-{image_size} "
+            f"--image-size {image_size}" + (
+                "" if self.has_originals else
+                f" (from the dataset it was made from: this one has no originals)"))
+
     def verify(self) -> None:
         """Check every shard and vocabulary file against the manifest's sha256."""
         entries = [s for sp in self.manifest["splits"].values() for s in sp["shards"]]
@@ -76,10 +109,10 @@ def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
         raise DatasetError(f"{path}: format {manifest.get('format')!r} is not "
                            f"{schema.MANIFEST_FORMAT!r}")
     version = manifest.get("schema_version")
-    if version != schema.SCHEMA_VERSION:
+    if version not in schema.READABLE_VERSIONS:
         raise schema.SchemaVersionError(
             f"{path}: shards written with SCLARO schema version {version}; this code reads "
-            f"version {schema.SCHEMA_VERSION}. Rewrite them with this version of "
+            f"versions {schema.READABLE_VERSIONS}. Rewrite them with this version of "
             f"`python -m data_prep`.")
     labels = {}
     for key, filename in schema.VOCAB_FILES.items():
