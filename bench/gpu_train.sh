@@ -3,10 +3,24 @@
 # with 8 objects + 8 relations per image), bf16 compute (fp32 params and losses) and fp32.
 # Run from the repository root on a machine with jax[cuda] installed:
 #   pip install -c constraints.txt -e ".[cuda]" && bash bench/gpu_train.sh
+#
+#   bash bench/gpu_train.sh --real-data [bench_gpu_real_data.py options]
+# trains the same bf16 step from real Grain batches (version-2 records written by the bench,
+# photometric augmentation in the step) with Grain worker processes on all of the machine's
+# cores (one fewer, and all), and reports examples/s against the device-batch rate and
+# data_wait_fraction (target: >= 90% of the device-batch rate).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null || true
+if [[ "${1:-}" == "--real-data" ]]; then
+    shift
+    cores=$(nproc)
+    python3 bench/bench_gpu_real_data.py --preset ViT-B/32 --batch 128 --objects 8 \
+        --relations 8 --dtype bfloat16 --workers $((cores > 1 ? cores - 1 : 1)) \
+        --workers "$cores" "$@"
+    exit 0
+fi
 python3 bench/bench_gpu_train.py --preset ViT-B/32 --batch 128 --objects 8 --relations 8 \
     --dtype bfloat16 --breakdown "$@"
 python3 bench/bench_gpu_train.py --preset ViT-B/32 --batch 128 --objects 8 --relations 8 \

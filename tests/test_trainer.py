@@ -46,8 +46,9 @@ def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
     rows = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1, 4))
     for field in ("step", "loss", "loss_ca", "loss_kd", "lr", "kd_temperature",
-                  "examples_per_sec"):
+                  "examples_per_sec", "data_wait_fraction"):
         assert all(np.isfinite(r[field]) for r in rows), field
+    assert all(0 <= r["data_wait_fraction"] <= 1 for r in rows)
     assert np.mean([r["loss"] for r in rows[-2:]]) < np.mean([r["loss"] for r in rows[:2]])
     assert rows[-1]["kd_temperature"] != rows[0]["kd_temperature"]
     for level in ("global", "object", "relation"):
@@ -132,6 +133,32 @@ def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted
     assert want.keys() == got.keys()
     for k in want:
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def test_data_wait_fraction_and_its_one_warning(caplog):
+    """The fraction is the interval's waiting time over its wall time; past 10% it warns once
+    (not on the first interval, which holds the workers' start-up), naming worker_count."""
+    import logging
+
+    from sclaro_jax.train.trainer import DataWait
+
+    wait = DataWait(workers=3)
+    with caplog.at_level(logging.WARNING, logger="sclaro_jax.train.trainer"):
+        wait.add(0.5)
+        assert wait.fraction(1.0, step=4) == 0.5  # first interval: no warning
+        assert not caplog.records
+        wait.add(0.02)
+        wait.add(0.03)
+        assert wait.fraction(1.0, step=8) == pytest.approx(0.05)
+        assert not caplog.records
+        wait.add(0.25)
+        assert wait.fraction(1.0, step=12) == pytest.approx(0.25)
+        wait.add(0.9)
+        assert wait.fraction(1.0, step=16) == pytest.approx(0.9)
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "data_wait_fraction 0.25" in msg and "step 12" in msg
+    assert "config.data.workers (worker_count) is 3" in msg
 
 
 def test_unknown_train_keys_are_refused_with_the_known_ones(demo_dir, tmp_path):

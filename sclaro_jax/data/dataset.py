@@ -79,7 +79,7 @@ class ShardedDataset:
             f"python -m data_prep reshard --in {self.root} --out {self.root}-{image_size} "
             f"--image-size {image_size}" + (
                 "" if self.has_originals else
-                f" (from the dataset it was made from: this one has no originals)"))
+                " (from the dataset it was made from: this one has no originals)"))
 
     def verify(self) -> None:
         """Check every shard and vocabulary file against the manifest's sha256."""

@@ -9,7 +9,9 @@
 - runs the jitted step (state donated, one compilation, kept in the persistent compilation
   cache `config.compilation_cache`, by default `workdir/jax_cache`), writes
   `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr, kd_temperature,
-  examples_per_sec, ...) and TensorBoard scalars, shows a progress bar;
+  examples_per_sec, data_wait_fraction, ...) and TensorBoard scalars, shows a progress bar;
+  warns once when more than 10% of the time goes waiting for the input pipeline
+  (`data_wait_fraction`), naming `config.data.workers`;
 - saves every `config.checkpoint_every` steps and at the end; orbax writes each checkpoint to a
   temporary folder and renames it when complete, so a killed run keeps its last good one;
 - stops with `NonFiniteLossError` on a NaN/inf loss, before saving anything from that step.
@@ -146,9 +148,13 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     bar = tqdm(total=steps, initial=start, desc="train", unit="step",
                disable=not (progress and config.progress_bar))
     t_last, n_last = time.perf_counter(), 0
+    wait = DataWait(config.data.workers)
     with open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") as metrics_file:
         for step in range(start, steps):
-            state, metrics = step_fn(state, sharding.put_batch(next(it), mesh))
+            t_wait = time.perf_counter()
+            batch = next(it)
+            wait.add(time.perf_counter() - t_wait)
+            state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
             n_last += config.data.batch_size
             done = step + 1
             log_now = done % config.log_every == 0 or done == steps
@@ -163,7 +169,8 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
                         f"intact; lower train.lr or check the data.")
             if log_now:
                 now = time.perf_counter()
-                metrics.update(step=done, examples_per_sec=n_last / (now - t_last))
+                metrics.update(step=done, examples_per_sec=n_last / (now - t_last),
+                               data_wait_fraction=wait.fraction(now - t_last, done))
                 t_last, n_last = now, 0
                 metrics_file.write(json.dumps(metrics) + "\n")
                 metrics_file.flush()
@@ -182,6 +189,37 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     if writer is not None:
         writer.close()
     return state
+
+
+class DataWait:
+    """`data_wait_fraction`: the share of a logging interval's wall time that the loop spent
+    waiting for the next batch from the input pipeline. Warns once when it passes
+    `WARN_ABOVE` after the first interval (which holds the workers' start-up)."""
+
+    WARN_ABOVE = 0.10
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.waited = 0.0
+        self.intervals = 0
+        self.warned = False
+
+    def add(self, seconds: float) -> None:
+        self.waited += seconds
+
+    def fraction(self, wall: float, step: int) -> float:
+        """The interval's fraction (and a new interval starts)."""
+        fraction = min(1.0, self.waited / wall) if wall > 0 else 0.0
+        self.waited = 0.0
+        self.intervals += 1
+        if self.intervals > 1 and fraction > self.WARN_ABOVE and not self.warned:
+            self.warned = True
+            log.warning(
+                "the input pipeline is holding training back: %.0f%% of the time up to step "
+                "%d went waiting for batches (data_wait_fraction %.2f). Give it more worker "
+                "processes: config.data.workers (worker_count) is %d and this machine has %d "
+                "cores.", 100 * fraction, step, fraction, self.workers, os.cpu_count() or 1)
+        return fraction
 
 
 def _periodic_eval(evals, graphdef, state, step: int, workdir: str) -> None:
