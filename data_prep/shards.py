@@ -18,9 +18,11 @@ folder and moved into place with `os.replace` only when every sample has been ac
 manifest goes last, so an interrupted or refused write leaves no dataset behind. A writer that
 was killed (SIGKILL, power loss) leaves only its hidden folder; the next writer into the same
 output folder removes it once its process is gone (pid in the name, host and start time in
-`owner.json`; a live writer's folder is left alone). A sample that fails `schema.validate`
-(corrupt image, box outside the image, relation index out of range, unknown schema version) is
-refused with a `RecordError` naming it.
+`owner.json`; a live writer's folder is left alone). On publishing, shard files in the output
+folder that the new dataset does not have (`train-00003-of-00005.array_record` of an overwritten
+dataset, or of a publish that was killed part-way) are removed. A sample that fails
+`schema.validate` (corrupt image, box outside the image, relation index out of range, unknown
+schema version) is refused with a `RecordError` naming it.
 """
 
 from __future__ import annotations

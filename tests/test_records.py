@@ -367,6 +367,8 @@ def test_stale_writer_folders_go_live_ones_stay(tmp_path):
         f".writing-{dead}-g": ({"pid": dead, "host": "another-host", "start": "1"}, False),
         ".writing-abc123": (None, False),  # no pid in the name: left alone
     }
+    (out / "train-00004-of-00005.array_record").write_bytes(b"left by a killed publish")
+    (out / "notes.txt").write_text("not ours")
     for name, (owner, _) in folders.items():
         (out / name).mkdir()
         (out / name / "train-00000.array_record").write_bytes(b"partial")
@@ -378,11 +380,14 @@ def test_stale_writer_folders_go_live_ones_stay(tmp_path):
         assert mine.startswith(f".writing-{me}-")
         owner = json.loads((out / mine / shards.OWNER).read_text())
         assert owner == {"pid": me, "host": host, "start": shards._process_start(me)}
+        kept = [n for n, (_, gone) in folders.items() if not gone]
         assert sorted(os.listdir(out)) == sorted(
-            [n for n, (_, gone) in folders.items() if not gone] + [mine])
+            kept + [mine, "train-00004-of-00005.array_record", "notes.txt"])
         w.add(make_sample("x"))
         w.close()
-        assert not os.path.exists(out / mine) and (out / "manifest.json").exists()
+        assert sorted(os.listdir(out)) == sorted(  # the stray shard went, nothing else
+            kept + ["notes.txt", "manifest.json", "train-00000-of-00001.array_record"]
+            + list(schema.VOCAB_FILES.values()))
     finally:
         live.stdin.close()
         live.wait()
