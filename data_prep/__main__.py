@@ -8,10 +8,31 @@ import sys
 def _demo(args) -> int:
     from data_prep.demo import build_demo
     manifest = build_demo(args.out, overwrite=args.overwrite, split_seed=args.split_seed,
-                          records_per_shard=args.records_per_shard)
+                          records_per_shard=args.records_per_shard, image_size=args.image_size,
+                          keep_originals=args.keep_originals)
     splits = ", ".join(f"{k} {v['records']}" for k, v in manifest["splits"].items())
-    print(f"wrote {manifest['records']} records to {args.out} ({splits}); "
-          f"relation regions from box masks standing in for SAM masks")
+    print(f"wrote {manifest['records']} records ({_describe(manifest)}) to {args.out} "
+          f"({splits}); relation regions from box masks standing in for SAM masks")
+    return 0
+
+
+def _describe(manifest: dict) -> str:
+    """'schema version 2, 224 px views, originals kept' and the like."""
+    if manifest["schema_version"] == 1:
+        return "schema version 1, originals only"
+    return (f"schema version {manifest['schema_version']}, {manifest['view_size']} px views, "
+            f"originals {'kept' if manifest['originals'] else 'dropped'}")
+
+
+def _reshard(args) -> int:
+    from data_prep.reshard import reshard
+    manifest = reshard(args.src, args.out, image_size=args.image_size,
+                       keep_originals=args.keep_originals, overwrite=args.overwrite,
+                       progress=not args.no_progress)
+    old = manifest["converted_from"]
+    print(f"wrote {manifest['records']} records ({_describe(manifest)}) to {args.out} from "
+          f"{args.src} (schema version {old['schema_version']}"
+          + (f", {old['view_size']} px views)" if old["view_size"] else ")"))
     return 0
 
 
@@ -36,7 +57,8 @@ def _annotate(args) -> int:
         batch_size=args.batch_size, box_threshold=args.box_threshold,
         text_threshold=args.text_threshold, nms_iou=args.nms_iou, limit=args.limit,
         split_seed=args.split_seed, records_per_shard=args.records_per_shard,
-        overwrite=args.overwrite, progress=not args.no_progress)
+        overwrite=args.overwrite, progress=not args.no_progress, image_size=args.image_size,
+        keep_originals=args.keep_originals)
     summary = annotate(cfg)
     print(format_summary(summary))
     print(f"wrote {summary['records']} records to {args.out}; caches and summary.json in "
@@ -77,6 +99,23 @@ def _command(sub, name: str, func, help: str, description: str) -> argparse.Argu
     return parser
 
 
+def _view_flags(parser: argparse.ArgumentParser, keep_default: bool) -> None:
+    """--image-size and the originals flag of a command that writes records."""
+    parser.add_argument("--image-size", type=int, default=224, metavar="S",
+                        help="size of the stored training views (schema version 2): the "
+                             "model's input size (default 224)")
+    if keep_default:
+        parser.add_argument("--keep-originals", action=argparse.BooleanOptionalAction,
+                            default=True,
+                            help="also store the full-size photographs and relation regions, "
+                                 "which localisation and MINER crops need (default: keep)")
+    else:
+        parser.add_argument("--keep-originals", action="store_true",
+                            help="also store the full-size photographs and relation regions, "
+                                 "which localisation and MINER crops need (default: views "
+                                 "only)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
@@ -95,6 +134,7 @@ def main(argv=None) -> int:
                       help="seed of the deterministic 70/10/20 split (default 42)")
     demo.add_argument("--records-per-shard", type=int, default=4,
                       help="records per ArrayRecord shard (default 4, so the demo has several)")
+    _view_flags(demo, keep_default=True)
 
     ann = _command(
         sub, "annotate", _annotate,
@@ -133,6 +173,7 @@ def main(argv=None) -> int:
     ann.add_argument("--limit", type=int, default=0, help="only the first N images (0 = all)")
     ann.add_argument("--split-seed", type=int, default=42)
     ann.add_argument("--records-per-shard", type=int, default=1000)
+    _view_flags(ann, keep_default=False)
     ann.add_argument("--overwrite", action="store_true",
                      help="replace a dataset already in --out")
     ann.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -174,6 +215,25 @@ def main(argv=None) -> int:
                           "data_prep.curate.ACTION_SIMILARITY, 0.7)")
     cur.add_argument("--overwrite", action="store_true")
     cur.add_argument("--no-progress", action="store_true")
+
+    res = _command(
+        sub, "reshard", _reshard,
+        "convert a dataset (schema version 1 or 2) to version 2 with training views of one "
+        "size",
+        "Stream every record of --in into a new dataset in --out with object, relation and "
+        "global training views at --image-size (views of another size are made from the "
+        "originals, so a version-2 dataset written without them converts only to its own "
+        "size). Splits, records per shard and the manifest's creation time are the input's: "
+        "the same command writes the same bytes. A killed run leaves only a hidden .writing-* "
+        "folder; rerun the same command.")
+    res.add_argument("--in", dest="src", required=True, metavar="DIR",
+                     help="the dataset folder to read")
+    res.add_argument("--out", required=True, metavar="DIR",
+                     help="the dataset folder to write (not --in)")
+    _view_flags(res, keep_default=False)
+    res.add_argument("--overwrite", action="store_true",
+                     help="replace a dataset already in --out")
+    res.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

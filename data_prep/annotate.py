@@ -16,8 +16,10 @@ finished records to `records.log` (length + CRC32 framed) and every decision to 
 A run that is killed loses at most the chunk in flight; rerunning the same command reads the
 caches, skips every stage result already written (no image is sent to a model twice once its
 result is on disk) and carries on. A torn last line or record is detected and cut off. When all
-images are done the records are written as shards with `data_prep.shards.write_dataset`, and
-`summary.json` counts kept / excluded / failed images by reason.
+images are done the records are written as shards with `data_prep.shards.write_dataset` (schema
+version 2 with `image_size` px training views; the originals only with `keep_originals`, while
+the work folder's records.log always holds them, so a rerun with another `--image-size` only
+rewrites the shards), and `summary.json` counts kept / excluded / failed images by reason.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class AnnotateConfig:
     limit: int = 0  # annotate only the first N images of the source (0 = all)
     split_seed: int = 42
     records_per_shard: int = 1000
+    image_size: int | None = schema.DEFAULT_VIEW_SIZE  # view size of the shards (None: v1)
+    keep_originals: bool = False  # also store the full-size photographs and regions
     overwrite: bool = False
     progress: bool = True
 
@@ -391,7 +395,9 @@ class Annotator:
             manifest = write_dataset((schema.decode(self.records.read(where[i])) for i in ids),
                                      self.cfg.out, ids=ids, split_seed=self.cfg.split_seed,
                                      records_per_shard=self.cfg.records_per_shard,
-                                     overwrite=self.cfg.overwrite, progress=self.cfg.progress)
+                                     overwrite=self.cfg.overwrite, progress=self.cfg.progress,
+                                     view_size=self.cfg.image_size,
+                                     keep_originals=self.cfg.keep_originals)
         summary = self.summary.as_dict()
         summary["records"] = manifest["records"] if manifest else 0
         with open(os.path.join(self.cfg.work_dir, "summary.json"), "w", encoding="utf-8") as f:

@@ -15,7 +15,9 @@ are shared by all sources.
 Two passes: the first run writes `clusters.json` (and `action_candidates.tsv`) and stops so the
 clusters can be labelled; the second applies them. Every decision (raw -> standardised ->
 label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
-the form of appendix Table A3 to `OUT/statistics.json`.
+the form of appendix Table A3 to `OUT/statistics.json`. Only labels change: the output has the
+input's schema version, view size and originals policy, and every record's images and views
+pass through unchanged.
 """
 
 from __future__ import annotations
@@ -50,22 +52,17 @@ class NeedsLabels(Exception):
 
 def iter_samples(data_dir: str, progress: bool = True) -> Iterator[schema.Sample]:
     """Every record of a dataset folder (all splits, in shard order), one at a time."""
-    from array_record.python.array_record_module import ArrayRecordReader
-
+    from data_prep.shards import iter_records
     from sclaro_jax.data.dataset import open_dataset
     ds = open_dataset(data_dir)
     for split in sorted(ds.manifest["splits"]):
         for path in tqdm(ds.paths(split), desc=f"reading {split}", unit="shard",
                          disable=not progress):
-            reader = ArrayRecordReader(path)
-            try:
-                for i, rec in enumerate(reader.read_all()):
-                    try:
-                        yield schema.decode(rec)
-                    except schema.RecordError as e:
-                        raise schema.RecordError(f"{path} record {i}: {e}") from None
-            finally:
-                reader.close()
+            for i, rec in iter_records(path):
+                try:
+                    yield schema.decode(rec)
+                except schema.RecordError as e:
+                    raise schema.RecordError(f"{path} record {i}: {e}") from None
 
 
 def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Sample], dict]:
@@ -188,10 +185,14 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                       rules.load_action_map(action_map) if action_map else {})
     # pass B: rewrite and stream into the writer
     rule = manifest.get("split_rule", {})
+    v1 = manifest["schema_version"] == 1  # the output keeps the input's version and views
     write_dataset((curator(s) for s in iter_samples(data_dir, progress=False)), out_dir,
                   ids=ids, split_seed=int(rule.get("seed", 42)),
                   fractions=tuple(rule.get("fractions", (0.7, 0.1, 0.2))),
-                  overwrite=overwrite, progress=progress)
+                  overwrite=overwrite, progress=progress,
+                  view_size=None if v1 else manifest["view_size"],
+                  keep_originals=v1 or bool(manifest.get("originals")),
+                  view_quality=manifest.get("view_quality", schema.VIEW_QUALITY))
     log = curator.log()
     log["inputs"] = {"data": os.path.abspath(data_dir), "clusters": os.path.abspath(clusters),
                      "action_map": os.path.abspath(action_map) if action_map else "",

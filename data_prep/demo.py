@@ -3,9 +3,11 @@
 `data_prep/demo/annotations.json` lists photographs that scikit-image, scikit-learn and
 matplotlib ship inside their wheels, each with a hand-written action word, caption, objects with
 boxes and relation triplets. `build_demo(out_dir)` turns them into SCLARO shards with the same
-writer as the full pipeline. Relation regions use focused_region (appendix Eqs. 4-7) with *box
-masks standing in for SAM masks* (recorded as `mask_kind="box"` in every record and in the
-manifest), since SAM weights cannot be downloaded here.
+writer as the full pipeline: schema version 2 with 224 px training views by default, and, unlike
+`annotate`, the originals kept (the evaluation suite's localisation runs on the demo). Relation
+regions use focused_region (appendix Eqs. 4-7) with *box masks standing in for SAM masks*
+(recorded as `mask_kind="box"` in every record and in the manifest), since SAM weights cannot
+be downloaded here.
 """
 
 from __future__ import annotations
@@ -93,10 +95,16 @@ def make_sample(entry: dict) -> schema.Sample:
 
 def build_demo(out_dir: str, *, overwrite: bool = False, split_seed: int = 42,
                records_per_shard: int = 4, progress: bool = True,
-               annotations: str = ANNOTATIONS) -> dict:
-    """Write the demo shards to `out_dir`; returns the manifest."""
+               annotations: str = ANNOTATIONS,
+               image_size: int | None = schema.DEFAULT_VIEW_SIZE,
+               keep_originals: bool = True) -> dict:
+    """Write the demo shards to `out_dir`; returns the manifest.
+
+    Schema version 2 with `image_size` px training views (None: the legacy version 1), and
+    the originals kept by default: the evaluation suite's localisation needs the full-size
+    photographs and regions."""
     entries = load_annotations(annotations)
     return write_dataset((make_sample(e) for e in entries), out_dir,
                          ids=[e["id"] for e in entries], split_seed=split_seed,
                          records_per_shard=records_per_shard, overwrite=overwrite,
-                         progress=progress)
+                         progress=progress, view_size=image_size, keep_originals=keep_originals)

@@ -66,7 +66,8 @@ def with_views(sample: schema.Sample, view_size: int = schema.DEFAULT_VIEW_SIZE,
         for o in sample.objects)
     relations = []
     for k, r in enumerate(sample.relations):
-        region = schema.decode_image(r.region, f"{where}: relation {k} region", size=photo.size)
+        region = schema.decode_image(r.region, f"{where}: relation {k} ({r.text!r}) region",
+                                     size=photo.size)
         relations.append(dataclasses.replace(
             r, view=encode_view(augment.resize_centre_crop(region, view_size), quality)))
     out = dataclasses.replace(
@@ -80,3 +81,11 @@ def drop_originals(sample: schema.Sample) -> schema.Sample:
     return dataclasses.replace(
         sample, image=None,
         relations=tuple(dataclasses.replace(r, region=None) for r in sample.relations))
+
+
+def drop_views(sample: schema.Sample) -> schema.Sample:
+    """A version-1 sample (originals only) from a version-2 one that kept its originals."""
+    return dataclasses.replace(
+        sample, view_size=None, train_image=None,
+        objects=tuple(dataclasses.replace(o, view=None) for o in sample.objects),
+        relations=tuple(dataclasses.replace(r, view=None) for r in sample.relations))

@@ -2,6 +2,7 @@
 (transformers), a tiny random SAM (segment-anything modules), scripted VLM replies; exclusion
 rules; SIGKILL part-way and rerun gives the same records."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from data_prep import views
 from data_prep.testing import SCENES, photograph, scripted_reply
 from sclaro_jax.data import schema
 
@@ -100,8 +102,14 @@ def test_records_come_out_and_exclusions_are_counted(full_run):
     actions = (full_run["out"] / "actions.txt").read_text().splitlines()
     assert "" not in actions and PHOTOS[NO_ACTION][0] not in actions
     assert "kept" in full_run["stdout"] and "excluded" in full_run["stdout"]
+    # schema version 2 at the default 224 px, without originals; the work folder keeps them
+    assert (manifest["schema_version"], manifest["view_size"], manifest["originals"]) == (
+        2, 224, False)
+    logged = _logged_samples(full_run["work"])
     for image_id, rec in recs.items():
-        sample = schema.decode(rec)
+        written = schema.decode(rec)
+        sample = dataclasses.replace(logged[image_id], split=written.split)
+        assert written == views.with_views(sample, 224)
         name = image_id.split("/", 1)[1].rsplit(".", 1)[0]
         action, objects, relations = PHOTOS[name]
         assert sample.action == ("" if name == NO_ACTION else action)
@@ -116,6 +124,37 @@ def test_records_come_out_and_exclusions_are_counted(full_run):
             region = np.asarray(Image.open(__import__("io").BytesIO(rel.region)))
             assert region.shape == (sample.height, sample.width, 3)
         schema.validate(sample)
+        schema.validate(schema.decode(rec))
+
+
+def _logged_samples(work) -> dict:
+    """The records stage 3 left in the work folder (version 1, originals; split not yet
+    assigned), by id."""
+    from data_prep.durable_logs import RecordLog
+    log = RecordLog(str(work / "records.log"))
+    samples = {s.id: s for s in map(schema.decode, log.records)}
+    log.close()
+    return samples
+
+
+def test_rerun_with_another_image_size_only_rewrites_the_shards(setup, full_run, tmp_path):
+    out = tmp_path / "out64"
+    vlm_lines = (full_run["work"] / "vlm.jsonl").read_text()
+    proc = subprocess.run(_cli(setup, out, full_run["work"], "--image-size", "64",
+                               "--keep-originals"), cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (full_run["work"] / "vlm.jsonl").read_text() == vlm_lines  # every stage cached
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert (manifest["schema_version"], manifest["view_size"], manifest["originals"]) == (
+        2, 64, True)
+    logged = _logged_samples(full_run["work"])
+    recs = _records(out)
+    assert sorted(recs) == sorted(_records(full_run["out"]))
+    for image_id, rec in recs.items():
+        written = schema.decode(rec)
+        assert written == views.with_views(
+            dataclasses.replace(logged[image_id], split=written.split), 64, keep_originals=True)
 
 
 def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from data_prep import curate_rules, shards
+from data_prep import curate_rules, shards, views
 from data_prep.__main__ import main
 from data_prep.curate import NeedsLabels, curate, read_samples
 from sclaro_jax.data import schema
@@ -22,9 +22,9 @@ def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
     # The demo with one image whose VLM reply named no action: curation keeps it as it is.
     demo, _ = read_samples(str(demo_dir), progress=False)
     blank = demo[1].id
-    src = tmp_path / "raw"
-    shards.write_dataset([dataclasses.replace(s, action="") if s.id == blank else s
-                          for s in demo], str(src), ids=[s.id for s in demo], progress=False)
+    raw = [dataclasses.replace(s, action="") if s.id == blank else s for s in demo]
+    src = tmp_path / "raw"  # version 2, 224 px views, no originals (the writer's default)
+    shards.write_dataset(raw, str(src), ids=[s.id for s in demo], progress=False)
     out, clusters = tmp_path / "curated", tmp_path / "clusters.json"
     with pytest.raises(NeedsLabels, match="label"):
         curate(str(src), str(out), clusters=str(clusters), tagger=fake_tagger,
@@ -52,6 +52,9 @@ def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
         new = by_id[old.id]
         assert new.split == old.split  # same split rule and seed
         assert new.image == old.image and len(new.objects) == len(old.objects)
+        assert new.train_image == old.train_image and new.view_size == old.view_size == 224
+        assert [o.view for o in new.objects] == [o.view for o in old.objects]
+        assert [r.view for r in new.relations] == [r.view for r in old.relations]
         for o_old, o_new in zip(old.objects, new.objects):
             entry = log["objects"][o_old.name]
             assert entry["standardised"] == curate_rules.standardise_object_name(
@@ -74,6 +77,20 @@ def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
     assert sum(v["no_action"] for v in manifest["splits"].values()) == 1
     assert "" not in schema.read_vocab(out / "actions.txt")
     assert log["vocabulary"]["actions"] == len({s.action for s in before} - {""})
+    # the output keeps the input's version, view size and originals policy ...
+    assert (manifest["schema_version"], manifest["view_size"], manifest["originals"]) == (
+        2, 224, False)
+    # ... and a version-1 input gives a version-1 output with the same labels
+    src1, out1 = tmp_path / "raw_v1", tmp_path / "curated_v1"
+    shards.write_dataset(raw, str(src1), ids=[s.id for s in demo], progress=False,
+                         view_size=None)
+    curate(str(src1), str(out1), clusters=str(clusters), action_map=str(amap),
+           tagger=fake_tagger, progress=False)
+    after1, manifest1 = read_samples(str(out1), progress=False)
+    assert manifest1["schema_version"] == 1 and "view_size" not in manifest1
+    for s in after1:
+        assert s.view_size is None and s.has_originals
+        assert views.with_views(s, 224) == by_id[s.id]
 
 
 def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_path, capsys,

@@ -10,7 +10,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 from PIL import Image
 
-from data_prep import demo, shards
+from data_prep import demo, shards, views
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import DatasetError, open_dataset
 
@@ -76,6 +76,14 @@ def test_demo_round_trip_every_field(demo_dir):
                         ("sources", {s.source for s in seen.values()})):
         assert list(getattr(ds.vocab, key)) == sorted(labels)
     assert ds.manifest["mask_kinds"] == {"box": len(seen)}
+    # schema version 2 with 224 px views, originals kept (the evaluation suite needs them)
+    assert (ds.schema_version, ds.view_size, ds.has_originals) == (2, 224, True)
+    assert {k: ds.manifest[k] for k in ("view_size", "originals", "view_quality",
+                                        "global_short_side")} == {
+        "view_size": 224, "originals": True, "view_quality": schema.VIEW_QUALITY,
+        "global_short_side": 290}
+    for s in seen.values():
+        assert s == views.with_views(views.drop_views(s), 224, keep_originals=True)
 
 
 def test_demo_relation_region_is_focused_region_of_box_masks(demo_dir):
@@ -98,11 +106,18 @@ def test_cli_demo_writes_and_refuses_to_clobber(tmp_path, capsys):
     assert "wrote 14 records" in capsys.readouterr().out
     assert main(["demo", "--out", out]) == 1
     assert "already holds a dataset" in capsys.readouterr().err
-    assert main(["demo", "--out", out, "--overwrite"]) == 0
+    assert main(["demo", "--out", out, "--overwrite", "--image-size", "64",
+                 "--no-keep-originals"]) == 0
+    assert "schema version 2, 64 px views, originals dropped" in capsys.readouterr().out
     assert sorted(f for f in os.listdir(out) if f.endswith(".array_record")) == [
         "test-00000-of-00001.array_record", "train-00000-of-00003.array_record",
         "train-00001-of-00003.array_record", "train-00002-of-00003.array_record",
         "val-00000-of-00001.array_record"]
+    ds = open_dataset(out, verify=True)
+    assert (ds.schema_version, ds.view_size, ds.has_originals) == (2, 64, False)
+    sample = schema.decode(_read_all(ds.paths("train")[0])[0])
+    assert sample.image is None and sample.objects[0].view is not None
+    assert Image.open(io.BytesIO(sample.objects[0].view)).size == (64, 64)
 
 
 def test_encode_decode_round_trip():
@@ -194,8 +209,8 @@ def test_manifest_counts_checksums_and_versions(tmp_path):
     m = json.load(open(os.path.join(out, "manifest.json")))
     m["schema_version"] = 0
     json.dump(m, open(os.path.join(out, "manifest.json"), "w"))
-    with pytest.raises(schema.SchemaVersionError, match="version 0; this code reads version 1.*"
-                                                        "data_prep"):
+    with pytest.raises(schema.SchemaVersionError, match=r"version 0; this code reads versions "
+                                                        r"\(1, 2\).*data_prep"):
         open_dataset(out)
 
 
@@ -209,3 +224,171 @@ def test_assign_splits_deterministic_exact_and_order_free():
     assert 0.2 < np.mean([a[i] != b[i] for i in ids]) < 0.7
     with pytest.raises(schema.RecordError, match="duplicate sample ids"):
         schema.assign_splits(["x", "x"])
+
+
+# --------------------------------------------------------------------------- schema version 2
+
+
+def _v2(sample=None, size=32, keep=False):
+    return views.with_views(sample or make_sample(), size, keep_originals=keep)
+
+
+def _png_of(w, h):
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), (10, 20, 30)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_v2_round_trip(keep):
+    s = _v2(keep=keep)
+    schema.validate(s)
+    record = schema.encode(s)
+    assert schema.record_version(record) == 2 and schema.decode(record) == s
+    assert (s.image is not None) == keep == s.has_originals
+    assert schema.record_version(schema.encode(make_sample())) == 1
+    for o in s.objects:
+        assert Image.open(io.BytesIO(o.view)).size == (32, 32)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: dataclasses.replace(s, objects=(dataclasses.replace(s.objects[0], view=None),
+                                               s.objects[1])),
+     "view_size 32 but the train_image or an object / relation view is missing"),
+    (lambda s: dataclasses.replace(s, train_image=None), "train_image or an object"),
+    (lambda s: dataclasses.replace(s, relations=(dataclasses.replace(s.relations[0], view=None),)),
+     "relation view is missing"),
+    (lambda s: dataclasses.replace(s, objects=(dataclasses.replace(s.objects[0],
+                                                                   view=_png_of(30, 30)),
+                                               s.objects[1])),
+     r"object 0 \('cat'\) view decodes to 30x30, record says 32x32"),
+    (lambda s: dataclasses.replace(s, relations=(dataclasses.replace(s.relations[0],
+                                                                     view=_png_of(32, 31)),)),
+     r"relation 0 \('cat sitting on mat'\) view decodes to 32x31, record says 32x32"),
+    (lambda s: dataclasses.replace(s, train_image=_png_of(10, 10)),
+     "train_image decodes to 10x10, record says 56x42"),  # 42 = ceil(32 / sqrt(0.6))
+    (lambda s: dataclasses.replace(s, view_size=0), "view_size 0 is not a positive integer"),
+    (lambda s: views.drop_originals(views.drop_views(s)),
+     r"without training views \(schema version 1\) must hold the original image"),
+    (lambda s: dataclasses.replace(views.drop_views(s), relations=(
+        dataclasses.replace(s.relations[0], region=None, view=None),)),
+     "must hold the original image and every relation region"),
+])
+def test_validate_refuses_broken_v2_and_v1_without_originals(change, message):
+    with pytest.raises(schema.RecordError, match=f"sample 's0': .*{message}"):
+        schema.validate(change(_v2(keep=True)))
+
+
+def _only_record(folder):
+    ds = open_dataset(str(folder), verify=True)
+    return [r for split in schema.SPLITS for p in ds.paths(split) for r in _read_all(p)], ds
+
+
+def test_writer_versions_and_conversions(tmp_path):
+    a = make_sample("a")
+    # default: version 2 at 224 px without originals, views made by views.with_views
+    m = _write(tmp_path / "d", [a, schema.encode(make_sample("b"))])
+    assert {k: m[k] for k in ("schema_version", "view_size", "originals", "view_quality",
+                              "global_short_side")} == {
+        "schema_version": 2, "view_size": 224, "originals": False,
+        "view_quality": schema.VIEW_QUALITY, "global_short_side": 290}
+    records, ds = _only_record(tmp_path / "d")
+    assert schema.decode(records[0]) == views.with_views(a, 224)
+    assert (ds.schema_version, ds.view_size, ds.has_originals) == (2, 224, False)
+    # view_size=None: the legacy version 1, records as given
+    m = _write(tmp_path / "v1", [a], view_size=None)
+    assert m["schema_version"] == 1 and "view_size" not in m and "originals" not in m
+    assert _only_record(tmp_path / "v1")[0] == [schema.encode(a)]
+    # a record with views of the writer's size passes through byte for byte ...
+    c = schema.encode(_v2(make_sample("c")))
+    _write(tmp_path / "same", [c], view_size=32)
+    assert _only_record(tmp_path / "same")[0] == [c]
+    # ... its originals dropped unless kept
+    ck = _v2(make_sample("c"), keep=True)
+    _write(tmp_path / "drop", [ck], view_size=32)
+    assert _only_record(tmp_path / "drop")[0] == [c]
+    _write(tmp_path / "keep", [ck], view_size=32, keep_originals=True)
+    assert _only_record(tmp_path / "keep")[0] == [schema.encode(ck)]
+    # views of another size are made from the originals (the same as from the v1 sample)
+    _write(tmp_path / "other", [ck], view_size=48)
+    assert _only_record(tmp_path / "other")[0] == [schema.encode(views.with_views(
+        make_sample("c"), 48))]
+    # version 2 with originals -> version 1: the views go
+    _write(tmp_path / "back", [ck], view_size=None)
+    assert _only_record(tmp_path / "back")[0] == [schema.encode(make_sample("c"))]
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(view_size=48), "sample 'c' holds 32 px views and no originals: views at 48 px need "
+                         "the full-resolution photograph"),
+    (dict(view_size=32, keep_originals=True),
+     r"sample 'c' holds 32 px views without the original photograph and regions, and this "
+     r"dataset is written with originals \(--keep-originals\)"),
+    (dict(view_size=None), "sample 'c' holds 32 px views and no originals; a version-1 dataset "
+                           "needs the full-size photograph"),
+])
+def test_writer_refuses_what_needs_missing_originals(tmp_path, kw, message):
+    w = shards.ShardWriter(str(tmp_path / "o"), **kw)
+    with pytest.raises(schema.MissingOriginalsError, match=message):
+        w.add(schema.encode(_v2(make_sample("c"))))
+    w.abort()
+    assert os.listdir(tmp_path / "o") == []
+
+
+def _write(folder, samples, **kw):
+    with shards.ShardWriter(str(folder), **kw) as w:
+        for s in samples:
+            w.add(s)
+    return w.manifest
+
+
+def test_stale_writer_folders_go_live_ones_stay(tmp_path):
+    import socket
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    out.mkdir()
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True)
+    dead = int(ended.stdout)
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    os.waitid(os.P_PID, zombie.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+    me, host = os.getpid(), socket.gethostname()
+    folders = {  # name: (owner.json or None, removed?)
+        f".writing-{dead}-a": (None, True),
+        f".writing-{dead}-b": ({"pid": dead, "host": host, "start": "1"}, True),
+        f".writing-{zombie.pid}-c": (None, True),
+        f".writing-{me}-d": ({"pid": me, "host": host, "start": "1"}, True),  # pid reused
+        f".writing-{me}-e": ({"pid": me, "host": host,
+                              "start": shards._process_start(me)}, False),
+        f".writing-{live.pid}-f": (None, False),
+        f".writing-{dead}-g": ({"pid": dead, "host": "another-host", "start": "1"}, False),
+        ".writing-abc123": (None, False),  # no pid in the name: left alone
+    }
+    (out / "train-00004-of-00005.array_record").write_bytes(b"left by a killed publish")
+    (out / "notes.txt").write_text("not ours")
+    for name, (owner, _) in folders.items():
+        (out / name).mkdir()
+        (out / name / "train-00000.array_record").write_bytes(b"partial")
+        if owner:
+            (out / name / shards.OWNER).write_text(json.dumps(owner))
+    try:
+        w = shards.ShardWriter(str(out))
+        mine = os.path.basename(w._tmp)
+        assert mine.startswith(f".writing-{me}-")
+        owner = json.loads((out / mine / shards.OWNER).read_text())
+        assert owner == {"pid": me, "host": host, "start": shards._process_start(me)}
+        kept = [n for n, (_, gone) in folders.items() if not gone]
+        assert sorted(os.listdir(out)) == sorted(
+            kept + [mine, "train-00004-of-00005.array_record", "notes.txt"])
+        w.add(make_sample("x"))
+        w.close()
+        assert sorted(os.listdir(out)) == sorted(  # the stray shard went, nothing else
+            kept + ["notes.txt", "manifest.json", "train-00000-of-00001.array_record"]
+            + list(schema.VOCAB_FILES.values()))
+    finally:
+        live.stdin.close()
+        live.wait()
+        zombie.wait()

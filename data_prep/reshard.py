@@ -1,0 +1,81 @@
+"""`python -m data_prep reshard`: convert a dataset to training views of one size.
+
+    python -m data_prep reshard --in /data/sclaro --out /data/sclaro-224              # v1 -> v2
+    python -m data_prep reshard --in /data/sclaro --out /data/sclaro-336 --image-size 336
+
+Reads a dataset of schema version 1 (originals only) or 2 (training views, with or without the
+originals) and writes it as version 2 at `--image-size` (`data_prep.views.with_views`), keeping
+the originals with `--keep-originals`. Views of another size are made from the originals: a
+version-2 dataset written without them converts only to its own view size (then it is copied,
+views passing through), and the error says so.
+
+The records stream through (one shard read in small chunks at a time, never the dataset in
+memory), split by split in shard order; every record keeps its split, and the output has the
+input's records per shard (its largest shard), so shard boundaries match. The output is the same
+bytes on every run: the manifest's `created` is the input's, and `converted_from` records the
+input's `schema_version`, `view_size` and the sha256 of its manifest. Writing goes through
+`data_prep.shards.ShardWriter`: an interrupted reshard leaves only a hidden `.writing-*` folder
+(no manifest, so no dataset), which the rerun of the same command removes before it writes the
+same output an uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tqdm import tqdm
+
+from data_prep.shards import ShardWriter, iter_records
+from sclaro_jax.data import schema
+from sclaro_jax.data.dataset import open_dataset
+
+
+def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,
+            keep_originals: bool = False, overwrite: bool = False,
+            progress: bool = True) -> dict:
+    """Write dataset `src` as schema version 2 with `image_size` px views into `out`; returns
+    the new manifest. ValueError when `out` is `src`; `schema.MissingOriginalsError` when the
+    views asked for need originals that `src` does not hold."""
+    if os.path.realpath(src) == os.path.realpath(out):
+        raise ValueError(f"--in and --out are both {os.path.realpath(src)}: reshard writes a new "
+                         f"dataset beside the old one; give another --out")
+    ds = open_dataset(src)
+    m = ds.manifest
+    if ds.schema_version != 1 and not ds.has_originals and (
+            image_size != ds.view_size or keep_originals):
+        want = (f"views of {image_size} px are made from them" if image_size != ds.view_size
+                else "--keep-originals asks for them")
+        raise schema.MissingOriginalsError(
+            f"{ds.root} holds {ds.view_size} px training views without the original photographs "
+            f"and regions (written without --keep-originals), and {want}. Reshard the dataset "
+            f"it was made from (a version-1 dataset, or one written with --keep-originals) "
+            f"instead")
+    shard_sizes = [s["records"] for sp in m["splits"].values() for s in sp["shards"]]
+    same_views = ds.schema_version != 1 and ds.view_size == image_size
+    writer = ShardWriter(
+        out, records_per_shard=max(shard_sizes, default=0) or 1000, overwrite=overwrite,
+        split_rule=m.get("split_rule", {}), view_size=image_size, keep_originals=keep_originals,
+        view_quality=m.get("view_quality", schema.VIEW_QUALITY) if same_views
+        else schema.VIEW_QUALITY,
+        created=m.get("created"),
+        manifest_extra={"converted_from": {
+            "schema_version": ds.schema_version, "view_size": m.get("view_size"),
+            "manifest_sha256": schema.file_sha256(os.path.join(ds.root, schema.MANIFEST))}})
+    with writer, tqdm(total=m.get("records"), desc="resharding", unit="record",
+                      disable=not progress) as bar:
+        for split in schema.SPLITS:
+            if split not in m["splits"]:
+                continue
+            for path in ds.paths(split):
+                for i, record in iter_records(path):
+                    try:
+                        sample = schema.decode(record)
+                        if sample.split != split:
+                            raise schema.RecordError(
+                                f"sample {sample.id!r} says split {sample.split!r} but lies in "
+                                f"a {split!r} shard")
+                        writer.add(sample)
+                    except schema.RecordError as e:
+                        raise type(e)(f"{path} record {i}: {e}") from None
+                    bar.update(1)
+    return writer.manifest
