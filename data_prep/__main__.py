@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -28,7 +29,7 @@ def _reshard(args) -> int:
     from data_prep.reshard import reshard
     manifest = reshard(args.src, args.out, image_size=args.image_size,
                        keep_originals=args.keep_originals, overwrite=args.overwrite,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress, workers=args.workers)
     old = manifest["converted_from"]
     print(f"wrote {manifest['records']} records ({_describe(manifest)}) to {args.out} from "
           f"{args.src} (schema version {old['schema_version']}"
@@ -233,6 +234,9 @@ def main(argv=None) -> int:
     _view_flags(res, keep_default=False)
     res.add_argument("--overwrite", action="store_true",
                      help="replace a dataset already in --out")
+    res.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                     help="processes making the views (default: all %(default)s cores); the "
+                          "output does not depend on it")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command is None:

@@ -21,21 +21,52 @@ same output an uninterrupted run would.
 
 from __future__ import annotations
 
+import functools
+import itertools
+import multiprocessing
 import os
 
 from tqdm import tqdm
 
-from data_prep.shards import ShardWriter, iter_records
+from data_prep.shards import ShardWriter, convert_sample, iter_records
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
 
 
+def _convert(item: tuple[str, str, bytes], *, view_size: int, keep_originals: bool,
+             view_quality: int) -> bytes:
+    """One input record -> the output record's bytes (run in the worker processes)."""
+    where, split, record = item
+    try:
+        sample = schema.decode(record)
+        if sample.split != split:
+            raise schema.RecordError(f"sample {sample.id!r} says split {sample.split!r} but "
+                                     f"lies in a {split!r} shard")
+        sample, out = convert_sample(sample, record, view_size=view_size,
+                                     keep_originals=keep_originals, view_quality=view_quality)
+        return out if out is not None else schema.encode(sample)
+    except schema.RecordError as e:
+        raise type(e)(f"{where}: {e}") from None
+
+
+def _records(ds, splits):
+    for split in splits:
+        for path in ds.paths(split):
+            for i, record in iter_records(path):
+                yield f"{path} record {i}", split, record
+
+
 def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,
             keep_originals: bool = False, overwrite: bool = False,
-            progress: bool = True) -> dict:
+            progress: bool = True, workers: int = 1) -> dict:
     """Write dataset `src` as schema version 2 with `image_size` px views into `out`; returns
     the new manifest. ValueError when `out` is `src`; `schema.MissingOriginalsError` when the
-    views asked for need originals that `src` does not hold."""
+    views asked for need originals that `src` does not hold.
+
+    `workers` > 1 makes the views in that many processes, a bounded window of records at a
+    time, and writes them in input order: the output bytes do not depend on `workers`."""
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
     if os.path.realpath(src) == os.path.realpath(out):
         raise ValueError(f"--in and --out are both {os.path.realpath(src)}: reshard writes a new "
                          f"dataset beside the old one; give another --out")
@@ -56,26 +87,27 @@ def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,
         out, records_per_shard=max(shard_sizes, default=0) or 1000, overwrite=overwrite,
         split_rule=m.get("split_rule", {}), view_size=image_size, keep_originals=keep_originals,
         view_quality=m.get("view_quality", schema.VIEW_QUALITY) if same_views
-        else schema.VIEW_QUALITY,
+        else schema.VIEW_QUALITY, validate_images=False,
         created=m.get("created"),
         manifest_extra={"converted_from": {
             "schema_version": ds.schema_version, "view_size": m.get("view_size"),
             "manifest_sha256": schema.file_sha256(os.path.join(ds.root, schema.MANIFEST))}})
-    with writer, tqdm(total=m.get("records"), desc="resharding", unit="record",
-                      disable=not progress) as bar:
-        for split in schema.SPLITS:
-            if split not in m["splits"]:
-                continue
-            for path in ds.paths(split):
-                for i, record in iter_records(path):
-                    try:
-                        sample = schema.decode(record)
-                        if sample.split != split:
-                            raise schema.RecordError(
-                                f"sample {sample.id!r} says split {sample.split!r} but lies in "
-                                f"a {split!r} shard")
-                        writer.add(sample)
-                    except schema.RecordError as e:
-                        raise type(e)(f"{path} record {i}: {e}") from None
+    quality = (m.get("view_quality", schema.VIEW_QUALITY) if same_views
+               else schema.VIEW_QUALITY)
+    convert = functools.partial(_convert, view_size=image_size, keep_originals=keep_originals,
+                                view_quality=quality)
+    items = _records(ds, [split for split in schema.SPLITS if split in m["splits"]])
+    pool = multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
+    try:
+        with writer, tqdm(total=m.get("records"), desc="resharding", unit="record",
+                          disable=not progress) as bar:
+            while window := list(itertools.islice(items, 16 * workers)):
+                converted = (pool.map(convert, window, chunksize=4) if pool
+                             else map(convert, window))
+                for record in converted:
+                    writer.add(record)  # validated by `convert`; counted and written here
                     bar.update(1)
+    finally:
+        if pool is not None:
+            pool.terminate()
     return writer.manifest

@@ -121,6 +121,41 @@ def iter_records(path: str, chunk: int = 32) -> Iterator[tuple[int, bytes]]:
         reader.close()
 
 
+def convert_sample(sample: schema.Sample, record: bytes | None, *, view_size: int | None,
+                   keep_originals: bool, view_quality: int, validate_images: bool = True
+                   ) -> tuple[schema.Sample, bytes | None]:
+    """`sample` validated and in the version / view size / originals policy asked for (a
+    `ShardWriter`'s); `record` stays only when nothing changed."""
+    size, name = view_size, f"sample {sample.id!r}"
+    if sample.view_size == size:  # same version and view size: passes through
+        if size is not None and keep_originals and not sample.has_originals:
+            raise schema.MissingOriginalsError(
+                f"{name} holds {size} px views without the original photograph and "
+                f"regions, and this dataset is written with originals (--keep-originals): "
+                f"write it without, or convert the dataset the record came from")
+        schema.validate(sample, decode_images=validate_images)
+        if not keep_originals and (sample.image is not None or any(
+                r.region is not None for r in sample.relations)):
+            return views.drop_originals(sample), None
+        return sample, record
+    if size is None:  # version 2 -> version 1: the originals alone
+        if not sample.has_originals:
+            raise schema.MissingOriginalsError(
+                f"{name} holds {sample.view_size} px views and no originals; a version-1 "
+                f"dataset needs the full-size photograph and regions: convert the dataset "
+                f"it came from, or one written with --keep-originals")
+        sample = views.drop_views(sample)
+        schema.validate(sample, decode_images=validate_images)
+        return sample, None
+    # views to make: validate the structure here; with_views decodes every original with
+    # its size checked (and refuses a sample without originals, naming it)
+    schema.validate(sample, decode_images=False)
+    sample = views.with_views(sample, size, keep_originals=keep_originals,
+                              quality=view_quality)
+    schema.validate(sample, decode_images=False)
+    return sample, None
+
+
 class ShardWriter:
     """Accepts samples (or already-encoded records) one at a time; `close()` publishes them.
 
@@ -180,36 +215,10 @@ class ShardWriter:
     # ------------------------------------------------------------------ adding
     def _convert(self, sample: schema.Sample, record: bytes | None
                  ) -> tuple[schema.Sample, bytes | None]:
-        """`sample` validated and in this writer's version / view size / originals policy;
-        `record` stays only when nothing changed."""
-        size, name = self.view_size, f"sample {sample.id!r}"
-        if sample.view_size == size:  # same version and view size: passes through
-            if size is not None and self.keep_originals and not sample.has_originals:
-                raise schema.MissingOriginalsError(
-                    f"{name} holds {size} px views without the original photograph and "
-                    f"regions, and this dataset is written with originals (--keep-originals): "
-                    f"write it without, or convert the dataset the record came from")
-            schema.validate(sample, decode_images=self.validate_images)
-            if not self.keep_originals and (sample.image is not None or any(
-                    r.region is not None for r in sample.relations)):
-                return views.drop_originals(sample), None
-            return sample, record
-        if size is None:  # version 2 -> version 1: the originals alone
-            if not sample.has_originals:
-                raise schema.MissingOriginalsError(
-                    f"{name} holds {sample.view_size} px views and no originals; a version-1 "
-                    f"dataset needs the full-size photograph and regions: convert the dataset "
-                    f"it came from, or one written with --keep-originals")
-            sample = views.drop_views(sample)
-            schema.validate(sample, decode_images=self.validate_images)
-            return sample, None
-        # views to make: validate the structure here; with_views decodes every original with
-        # its size checked (and refuses a sample without originals, naming it)
-        schema.validate(sample, decode_images=False)
-        sample = views.with_views(sample, size, keep_originals=self.keep_originals,
-                                  quality=self.view_quality)
-        schema.validate(sample, decode_images=False)
-        return sample, None
+        return convert_sample(sample, record, view_size=self.view_size,
+                              keep_originals=self.keep_originals,
+                              view_quality=self.view_quality,
+                              validate_images=self.validate_images)
 
     def add(self, sample: schema.Sample | bytes) -> None:
         """Validate, convert and append one sample (a `schema.Sample` or encoded record

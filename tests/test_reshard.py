@@ -197,7 +197,7 @@ def test_cli(data, tmp_path):
     helped = subprocess.run(run + ["--help"], cwd=REPO, capture_output=True, text=True)
     assert helped.returncode == 0
     for flag in ("--in", "--out", "--image-size", "--keep-originals", "--overwrite",
-                 "--no-progress"):
+                 "--workers", "--no-progress"):
         assert flag in helped.stdout
     refused = subprocess.run(run + ["--in", data["r224"], "--out", str(tmp_path / "x"),
                                     "--image-size", "336", "--no-progress"],
@@ -216,10 +216,10 @@ def test_sigkill_part_way_then_rerun_gives_the_same_bytes(data, tmp_path):
             for s in samples:
                 w.add(dataclasses.replace(s, id=f"{s.id}#{k}"))
     reference = str(tmp_path / "reference")
-    reshard(big, reference, progress=False)
+    reshard(big, reference, progress=False)  # one process; the command below uses two
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "data_prep", "reshard", "--in", big, "--out", str(out),
-           "--no-progress"]
+           "--no-progress", "--workers", "2"]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:  # until a shard is complete
