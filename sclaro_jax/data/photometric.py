@@ -15,33 +15,37 @@ which quantises to uint8 after every op:
   clipped; degenerate = black, the grey level `int(mean(L) + 0.5)`, and the luma image L
   (ITU-R 601-2 in integers, Convert.c `L24 >> 16`) respectively;
 - hue: PIL's 8-bit HSV (Convert.c rgb2hsv / hsv2rgb), `int(factor * 255) % 256` added to H.
-Each op equals torchvision bit for bit on the CPU backend (tests/test_photometric.py: the HSV
-conversions over all 2^24 inputs, the blends over all pixel pairs, the ops on photographs).
+On the CPU backend each op equals torchvision bit for bit (tests/test_photometric.py: the HSV
+conversions over all 2^24 inputs, Blend.c over all pixel pairs, each op, the chain and the blur
+on photographs); other backends are not yet checked against it.
 
 Which ops come from dm-pix (0.4.5) and which are jnp, and why:
 - GaussianBlur: `dm_pix.gaussian_blur(reflect-padded image, sigma, 9, padding="VALID")`. Its
-  kernel is torchvision's: exp(-x^2 / (2 sigma^2)) over x = -4..4, normalised (the same
-  numbers up to float32 rounding); torchvision's reflect padding is `jnp.pad(mode="reflect")`;
-  it convolves separably where torchvision uses the 2-D outer product, so a value can round to
-  the other side of .5 (at most 1 grey level, rarely). Rounded half-to-even like torch.round.
+  kernel is torchvision's, exp(-x^2 / (2 sigma^2)) over x = -4..4 normalised (equal within
+  1e-8); torchvision's reflect padding is `jnp.pad(mode="reflect")`. It convolves separably
+  where torchvision uses the 2-D outer product, so a sum may round to the other side of .5
+  (at most 1 grey level); rounded half to even like torch.round.
 - brightness: jnp. `dm_pix.adjust_brightness` adds a delta; torchvision multiplies (a blend
   with black).
-- contrast: jnp. `dm_pix.adjust_contrast` blends each channel towards that channel's own mean
-  in float; torchvision blends all channels towards one integer grey level, the rounded mean of
-  PIL's integer luma.
+- contrast: jnp. `dm_pix.adjust_contrast` pulls each channel towards its own float mean;
+  torchvision pulls all three towards one integer grey level, the rounded mean of PIL's
+  integer luma (5-12 grey levels apart on the test photographs at factor 1.2).
 - saturation: jnp. `dm_pix.adjust_saturation` scales S in float HSV (clipped at 1);
-  torchvision blends with the luma image (no HSV, channels clip at 0 and 255).
-- hue: jnp. `dm_pix.adjust_hue` rotates hue in float HSV; PIL quantises H, S and V to 8 bits,
-  so torchvision's result differs from it by several grey levels on saturated pixels.
-- Every op rounds to uint8 after itself, as PIL does; dm-pix keeps floats.
+  torchvision blends with the luma image, channels clipped at 0 and 255 (13-22 apart).
+- hue: jnp. `dm_pix.adjust_hue` rotates the hue in float HSV; PIL quantises H, S and V to 8
+  bits (4-8 apart). torchvision's uint8 tensor path also works in float HSV and is as far
+  from its PIL path, which is why the PIL path is the target.
+- Every op rounds to uint8 after itself, as PIL does; dm-pix's ops stay in float.
 
-Exactness on XLA: the parts of Pillow's C code that compute in double (hue and saturation of
-rgb2hsv, the remainders of hsv2rgb) are host-built tables from the same arithmetic in numpy
-(`_hsv_tables`): XLA turns a division by a constant into a multiplication, which changes the
-last bit that the hue's truncation can see. The blends keep their product a separately
-rounded float32 (`_unfused`), since XLA fuses `a + b * c` into an FMA (one rounding where
-Blend.c has two). Only torchvision's tensor path is a different target (section "hue" in
-tests/test_photometric.py shows it differs by many grey levels).
+Exactness under XLA: the steps of Pillow's C code that compute in double (H and S of rgb2hsv,
+hsv2rgb's remainder and S / 255) are tables built on the host with the C code's float32 and
+double arithmetic in numpy (`_hsv_tables`), so rgb_to_hsv is integer-only: a float32
+transcription misses H by one on 72,036 of the 2^24 colours, and XLA compiles a division by a
+constant as a multiplication, which moves the last bit the truncation sees. The blends keep
+their product a separately rounded float32 (`_unfused`): XLA contracts `d + f * (x - d)` into
+an FMA (one rounding where Blend.c has two; then 2,151 of 2.6e8 (pixel pair, factor) cases
+land one grey level off).
+The jitter's `order` must be a permutation of 0..3, as the host draws it.
 """
 
 from __future__ import annotations
@@ -122,23 +126,25 @@ def _blend(degenerate: jax.Array, image: jax.Array, factor) -> jax.Array:
     return jnp.clip(jnp.floor(out), 0, 255).astype(jnp.uint8)
 
 
-def _grey_mean(image: jax.Array) -> jax.Array:
-    """ImageEnhance.Contrast's grey level int(mean(L) + 0.5), as exact integers."""
-    lum = luma(image)
+def _grey_level(lum: jax.Array) -> jax.Array:
+    """ImageEnhance.Contrast's grey level int(mean(L) + 0.5) of luma images [..., H, W], in
+    exact integers (int32: images up to 2^22 pixels)."""
     n = lum.shape[-1] * lum.shape[-2]
-    total = jnp.sum(lum, axis=(-2, -1))
-    return (2 * total + n) // (2 * n)
+    return (2 * jnp.sum(lum, axis=(-2, -1)) + n) // (2 * n)
 
 
 def adjust_brightness(image: jax.Array, factor) -> jax.Array:
+    """torchvision's PIL adjust_brightness (a blend with black) on uint8 [..., H, W, 3]."""
     return _blend(jnp.zeros((), jnp.int32), image, factor)
 
 
 def adjust_contrast(image: jax.Array, factor) -> jax.Array:
-    return _blend(_grey_mean(image)[..., None, None, None], image, factor)
+    """torchvision's PIL adjust_contrast (a blend with the image's grey level)."""
+    return _blend(_grey_level(luma(image))[..., None, None, None], image, factor)
 
 
 def adjust_saturation(image: jax.Array, factor) -> jax.Array:
+    """torchvision's PIL adjust_saturation (a blend with the luma image)."""
     return _blend(luma(image)[..., None], image, factor)
 
 
@@ -198,12 +204,10 @@ def adjust_hue(image: jax.Array, factor) -> jax.Array:
 
 
 def _blend_op(image: jax.Array, op, factor) -> jax.Array:
-    """Brightness, contrast or saturation by op index (a traced scalar): the three are one
-    blend with another degenerate image."""
+    """Brightness, contrast or saturation of one image by op index (a traced scalar): the
+    three are one blend with another degenerate image."""
     lum = luma(image)
-    n = lum.shape[-1] * lum.shape[-2]
-    mean = (2 * jnp.sum(lum) + n) // (2 * n)
-    degenerate = jnp.where(op == BRIGHTNESS, 0, jnp.where(op == CONTRAST, mean, lum))
+    degenerate = jnp.where(op == BRIGHTNESS, 0, jnp.where(op == CONTRAST, _grey_level(lum), lum))
     return _blend(degenerate[..., None], image, factor)
 
 
