@@ -67,7 +67,6 @@ def main(argv=None) -> None:
     import jax
 
     from bench_train_step import make_batch
-    from sclaro_jax.data import batch as fields
     from sclaro_jax.data import photometric
     from sclaro_jax.models import scenarioclip
     from sclaro_jax.train import core
