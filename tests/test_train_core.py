@@ -16,12 +16,16 @@ from sclaro_jax.train import core
 B, N = 4, 3
 
 
-def _batch(seed=0, batch_size=B):
+def _batch(seed=0, batch_size=B, augment=False):
+    """A random uint8 batch. Its photometric fields are the identity, or with `augment` a
+    drawn mix (jitter on for some samples, blur for some) from a separate stream."""
     cfg = PipelineConfig(image_size=32, max_objects=N, max_relations=N, text_length=8)
     rng = np.random.default_rng(seed)
     out = {}
     for k, shape in batch_shapes(batch_size, cfg).items():
-        if k in [f.pixels for f in fields.LEVELS.values()]:
+        if k in fields.IDENTITY_PHOTOMETRIC:
+            out[k] = np.broadcast_to(fields.IDENTITY_PHOTOMETRIC[k], shape).copy()
+        elif k in [f.pixels for f in fields.LEVELS.values()]:
             out[k] = rng.integers(0, 256, shape, dtype=np.uint8)
         elif k.endswith("tokens"):
             ids = rng.integers(1, 400, shape).astype(np.int32)
@@ -36,6 +40,16 @@ def _batch(seed=0, batch_size=B):
             out[k] = np.ones(shape, bool)
         else:
             out[k] = np.zeros(shape, np.int32)
+    if augment:
+        draw = np.random.default_rng(1000 + seed)
+        out[fields.JITTER] = draw.uniform(size=batch_size) < 0.5
+        out[fields.JITTER_ORDER] = np.stack([draw.permutation(4) for _ in range(batch_size)]
+                                            ).astype(np.int32)
+        out[fields.JITTER_FACTORS] = np.concatenate(
+            [draw.uniform(0.8, 1.2, (batch_size, 3)), draw.uniform(-0.05, 0.05, (batch_size, 1))],
+            axis=1).astype(np.float32)
+        out[fields.BLUR_SIGMA] = np.where(draw.uniform(size=batch_size) < 0.5,
+                                          draw.uniform(0.1, 1.5, batch_size), 0).astype(np.float32)
     return out
 
 
@@ -53,8 +67,8 @@ def run():
     flat = lambda tree: {core.param_name(k): np.asarray(v)
                          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
     history = [(flat(state.params), flat(state.teacher), None)]
-    for i in range(6):
-        state, metrics = step(state, _batch(i))
+    for i in range(6):  # other photometric parameters every step
+        state, metrics = step(state, _batch(i, augment=True))
         history.append((flat(state.params), flat(state.teacher),
                         {k: float(v) for k, v in metrics.items()}))
     names = {core.param_name(k): v for k, v in jax.tree_util.tree_flatten_with_path(labels)[0]}
@@ -62,7 +76,32 @@ def run():
 
 
 def test_one_compilation_for_every_step(run):
+    """Six steps, each batch with other photometric parameters (applied in the step): one
+    compilation."""
     assert run["step"]._cache_size() == 1
+    draws = [_batch(i, augment=True) for i in range(2)]
+    assert any(not np.array_equal(draws[0][k], draws[1][k]) for k in fields.IDENTITY_PHOTOMETRIC)
+
+
+def test_level_inputs_augment_uint8_pixels_then_normalise():
+    from sclaro_jax import ops
+    from sclaro_jax.data import photometric
+    batch = _batch(0, augment=True)
+    batch[fields.JITTER][:2] = [True, False]
+    batch[fields.BLUR_SIGMA][:2] = [0.0, 0.0]
+    inputs = jax.jit(core.level_inputs)(batch)
+    augmented = photometric.augment_batch(batch)
+    for level, f in fields.LEVELS.items():
+        np.testing.assert_allclose(inputs[level][0], ops.normalize(augmented[f.pixels]),
+                                   atol=1e-6)  # XLA divides by 255 as a multiplication
+        # sample 0 is jittered, sample 1 keeps its pixels
+        assert not np.array_equal(augmented[f.pixels][0], batch[f.pixels][0])
+        np.testing.assert_array_equal(augmented[f.pixels][1], batch[f.pixels][1])
+    # float32 pixels were normalised on the host: no augmentation, no second normalisation
+    host = dict(batch, **{f.pixels: ops.normalize(batch[f.pixels])
+                          for f in fields.LEVELS.values()})
+    for level, f in fields.LEVELS.items():
+        np.testing.assert_array_equal(core.level_inputs(host)[level][0], host[f.pixels])
 
 
 def test_parameter_groups(run):
@@ -156,7 +195,7 @@ def test_bf16_compute_keeps_fp32_params_and_losses(run):
     graphdef, state, tx = core.init_state(model, CFG)
     assert {x.dtype for x in jax.tree.leaves(state.params)} == {jnp.dtype("float32")}
     step = jax.jit(core.make_train_step(graphdef, tx, CFG))
-    new, metrics = step(state, _batch(0))
+    new, metrics = step(state, _batch(0, augment=True))
     assert metrics["loss"].dtype == jnp.float32 and np.isfinite(float(metrics["loss"]))
     assert {x.dtype for x in jax.tree.leaves(new.params)} == {jnp.dtype("float32")}
     # bf16 matmuls land near the fp32 loss of the same weights (seed 0) on the same batch:

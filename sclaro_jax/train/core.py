@@ -2,7 +2,8 @@
 
 Everything here is a pure function of pytrees, so the step jits once (static batch shapes from
 `sclaro_jax.data.batch`) and the train state checkpoints as it is. The step runs
-batch -> `encode` (the model's towers) -> `losses.scenarioclip_total`.
+batch -> `level_inputs` (photometric augmentation of uint8 pixels, `ops.normalize`) ->
+`encode` (the model's towers) -> `losses.scenarioclip_total`.
 
 Recipe (docs/design.md, section 2): AdamW (lr 2e-5, betas 0.9/0.999, eps 1e-8, weight decay 0.2
 on matrices only: biases, norm parameters, embeddings' 1-D vectors and logit scales get none),
@@ -28,6 +29,7 @@ from flax import nnx, struct
 
 from sclaro_jax import losses, ops
 from sclaro_jax.data import batch as fields
+from sclaro_jax.data import photometric
 
 PyTree = Any
 FROZEN = "frozen"
@@ -183,7 +185,13 @@ def ema_update(teacher: PyTree, params: PyTree, step: jax.Array, cfg: TrainConfi
 def level_inputs(batch: dict) -> dict:
     """Level -> (CLIP-normalised pixels, tokens, mask): the global level's mask marks valid
     images with an action text (batches without `has_action` count every valid image), a crop
-    level's its valid crops of valid images."""
+    level's its valid crops of valid images.
+
+    uint8 pixels get the batch's ColorJitter / GaussianBlur (`data.photometric.augment_batch`,
+    when the batch carries the photometric fields), then `ops.normalize`. float32 pixels were
+    CLIP-normalised on the host (`PipelineConfig(pixels="float32")`) and are used as they are."""
+    if batch[fields.IMAGE].dtype == jnp.uint8 and photometric.has_fields(batch):
+        batch = photometric.augment_batch(batch)
     valid = batch[fields.VALID]
     has = batch.get(fields.HAS_ACTION)
     out = {}
@@ -192,7 +200,9 @@ def level_inputs(batch: dict) -> dict:
             mask = valid if has is None else valid & has
         else:
             mask = batch[f.mask] & valid[:, None]
-        out[level] = ops.normalize(batch[f.pixels]), batch[f.tokens], mask
+        pixels = batch[f.pixels]
+        pixels = ops.normalize(pixels) if pixels.dtype == jnp.uint8 else pixels
+        out[level] = pixels, batch[f.tokens], mask
     return out
 
 
