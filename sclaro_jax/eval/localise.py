@@ -121,9 +121,6 @@ def relation_input(image: np.ndarray, sample: schema.Sample, index: int) -> np.n
     return np.where(relation_box_union(sample, index)[..., None], image, 0).astype(np.uint8)
 
 
-_EVAL = augment.SampleParams(None, None, None)
-
-
 def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
                       mask_fn: MaskFn | None = None, max_relations: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
@@ -143,7 +140,7 @@ def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
                 break
             mask = relation_mask(sample, j, mask_fn)
             view = augment.region_view(Image.fromarray(relation_input(image, sample, j)), None,
-                                       _EVAL, image_size)
+                                       image_size)
             m = augment.resize_centre_crop(Image.fromarray(mask.astype(np.uint8) * 255, "L"),
                                            image_size)
             inputs.append(view)
