@@ -158,66 +158,115 @@ def pin(cores) -> None:
     os.sched_setaffinity(0, set(cores))
 
 
-def _best(fn, repeats: int = 5) -> float:
-    """Median seconds of `repeats` calls of fn (after one warm-up call)."""
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process (all threads; `time.process_time`) and its live
+    children (Grain's worker processes; psutil, in clock ticks of 10 ms)."""
+    import psutil
+
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one call."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
     fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def paired(fns, rounds: int, pause: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """(wall, CPU) seconds [rounds, len(fns)]: two warm-up calls each, then one call of each
+    per round, the order flipping every round (drift in the machine's load hits all alike)."""
+    for fn in fns:
+        fn(), fn()
+    wall, cpu = np.zeros((rounds, len(fns))), np.zeros((rounds, len(fns)))
+    for r in range(rounds):
+        for i in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+            time.sleep(pause)
+            wall[r, i], cpu[r, i] = timed(fns[i])
+    return wall, cpu
+
+
+def _cpu_ms(fn, per: int, repeats: int = 5) -> float:
+    """Median CPU milliseconds of fn() / per, over `repeats` calls after one warm-up."""
+    fn()
+    return 1e3 * float(np.median([timed(fn)[1] for _ in range(repeats)])) / per
+
+
+def _jpeg(pixels: np.ndarray, quality: int, subsampling: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=quality, subsampling=subsampling)
+    return buf.getvalue()
 
 
 def decoder_table(ds) -> None:
-    """ms per decode of the stored views and train images: PIL, simplejpeg, PyTurboJPEG."""
+    """CPU ms per decode of the stored views and train images: PIL (with and without draft
+    mode), simplejpeg, PyTurboJPEG; then simplejpeg on the same views in other JPEG settings."""
     import grain.python as grain
 
     from sclaro_jax.data import decode, schema
 
     source = grain.ArrayRecordDataSource(ds.paths("train"))
     samples = [schema.decode(source[i]) for i in range(min(14, len(source)))]
-    kinds = {"stored 224 px view": [r.view for s in samples for r in s.relations]
-             + [o.view for s in samples for o in s.objects],
-             "train_image (387x290)": [s.train_image for s in samples]}
+    stored = [r.view for s in samples for r in s.relations] + [o.view for s in samples
+                                                               for o in s.objects]
+    kinds = {"stored 224 px view (4:4:4, q95)": stored,
+             "train_image (387x290, 4:4:4, q95)": [s.train_image for s in samples]}
 
     def pil(d):
         img = Image.open(io.BytesIO(d))
         img.load()
         return np.asarray(img)
 
-    def pil_draft(d):  # draft mode: only a reduced-scale DCT when the image is >= 2x the size
+    def pil_draft(d):  # draft picks a reduced DCT scale only for images >= 2x the request
         img = Image.open(io.BytesIO(d))
         img.draft("RGB", (224, 224))
         img.load()
         return np.asarray(img)
 
-    decoders = {"PIL Image.open().load() + np.asarray": pil,
-                "PIL with draft((224, 224))": pil_draft}
+    decoders = {"PIL `Image.open().load()` + `np.asarray`": pil,
+                "PIL with `draft('RGB', (224, 224))`": pil_draft}
     if decode.simplejpeg is not None:
-        decoders["simplejpeg.decode_jpeg"] = lambda d: decode.simplejpeg.decode_jpeg(d, "RGB")
+        decoders["simplejpeg `decode_jpeg`"] = lambda d: decode.simplejpeg.decode_jpeg(d)
     try:
         import turbojpeg
         tj = turbojpeg.TurboJPEG()
         decoders["PyTurboJPEG"] = lambda d: tj.decode(d, pixel_format=turbojpeg.TJPF_RGB)
     except Exception as e:  # PyTurboJPEG needs the system libturbojpeg
-        print(f"PyTurboJPEG not measured: {type(e).__name__}: {e}")
+        print(f"PyTurboJPEG not measured: {type(e).__name__}: {str(e).splitlines()[0]}")
     print("| decoder | " + " | ".join(f"{k}, ms" for k in kinds) + " |")
     print("|---|" + "---|" * len(kinds))
     for name, fn in decoders.items():
-        cells = []
-        for data in kinds.values():
-            sec = _best(lambda: [fn(d) for d in data], 7)
-            cells.append(f"{1e3 * sec / len(data):.3f}")
+        cells = [f"{_cpu_ms(lambda: [fn(d) for d in data], len(data), 7):.3f}"
+                 for data in kinds.values()]
         print(f"| {name} | " + " | ".join(cells) + " |")
     worst = max(int(np.abs(pil(d).astype(int) - decode.decode_array(d)).max())
                 for data in kinds.values() for d in data)
     print(f"max |PIL - decode.decode_array| over these images: {worst} grey levels "
           f"(decode.decode_array uses {decode.backend_name()})")
+    if decode.simplejpeg is None:
+        return
+    pixels = [pil(d) for d in stored]
+    print("\nthe same 224 px views in other JPEG settings, simplejpeg:")
+    print("| quality, chroma | bytes per view | ms per view | mean abs diff to the pixels |")
+    print("|---|---|---|---|")
+    for quality, sub, label in ((95, 0, "4:4:4"), (90, 0, "4:4:4"), (95, 2, "4:2:0"),
+                                (90, 2, "4:2:0")):
+        data = [_jpeg(x, quality, sub) for x in pixels]
+        ms = _cpu_ms(lambda: [decode.simplejpeg.decode_jpeg(d) for d in data], len(data), 7)
+        diff = np.mean([np.abs(decode.simplejpeg.decode_jpeg(d).astype(int) - x).mean()
+                        for d, x in zip(data, pixels)])
+        print(f"| {quality}, {label} | {np.mean([len(d) for d in data]):.0f} | {ms:.3f} | "
+              f"{diff:.2f} |")
 
 
-def stage_profile(ds, batch: int, batches: int, seconds_per_sample: float) -> None:
-    """Each stage of the v2 path alone over the same records (ms per sample)."""
+def stage_profile(ds, batch: int, batches: int, ms_per_sample: float) -> None:
+    """CPU ms per sample of each stage of the v2 path alone, over the same records."""
     import grain.python as grain
 
     from sclaro_jax.data import augment, decode, schema
@@ -231,27 +280,8 @@ def stage_profile(ds, batch: int, batches: int, seconds_per_sample: float) -> No
     records = [source[i] for i in range(n)]
     samples = [schema.decode(r) for r in records]
     size = cfg.image_size
-
-    def read():
-        for i in range(n):
-            source[i]
-
-    def unpack():
-        for r in records:
-            schema.validate(schema.decode(r), decode_images=False)
-
-    def global_decode():
-        for s in samples:
-            decode.decode_image(s.train_image, size=schema.train_image_size(
-                s.width, s.height, s.view_size))
-
     images = [decode.decode_image(s.train_image) for s in samples]
     params = [augment.sample_params(rng, *img.size, train=True) for img in images]
-
-    def global_resample():
-        for img, p in zip(images, params):
-            augment.global_view(img, p, size)
-
     out = np.empty((16, size, size, 3), np.uint8)  # reused: the decodes alone
 
     def view_decodes():
@@ -266,37 +296,38 @@ def stage_profile(ds, batch: int, batches: int, seconds_per_sample: float) -> No
             transform.text([r.text for r in s.relations])
 
     examples = [transform.random_map(r, rng) for r in records]
-
-    def whole_example():
-        for r in records:
-            transform.random_map(r, rng)
-
-    def collate_batches():
-        for b in range(0, n - batch + 1, batch):
-            collate(examples[b:b + batch], cfg)
-
-    stages = {"record read (ArrayRecord)": read, "msgpack decode + validate": unpack,
-              "global view: decode train_image": global_decode,
-              "global view: RandomResizedCrop resample": global_resample,
-              "tokens (memoised)": tokens}
-    ms = {name: 1e3 * _best(fn) / n for name, fn in stages.items()}
-    example = 1e3 * _best(whole_example) / n
+    stages = {
+        "record read (ArrayRecord)": lambda: [source[i] for i in range(n)],
+        "msgpack decode + `schema.validate`": lambda: [
+            schema.validate(schema.decode(r), decode_images=False) for r in records],
+        "global view: decode train_image": lambda: [decode.decode_image(
+            s.train_image, size=schema.train_image_size(s.width, s.height, s.view_size))
+            for s in samples],
+        "global view: RandomResizedCrop resample (PIL bicubic)": lambda: [
+            augment.global_view(img, p, size) for img, p in zip(images, params)],
+        "tokens (memoised)": tokens}
+    ms = {name: _cpu_ms(fn, n) for name, fn in stages.items()}
+    example = _cpu_ms(lambda: [transform.random_map(r, rng) for r in records], n)
     ms["rest of SampleTransform (params, labels, photometric fields)"] = example - sum(
         v for k, v in ms.items() if k != "record read (ArrayRecord)")
-    views = 1e3 * _best(view_decodes) / n
-    ms["16 view decodes (collate, into the batch)"] = views
-    ms["rest of collate"] = 1e3 * _best(collate_batches) / (n // batch * batch) - views
-    total = 1e3 * seconds_per_sample
-    ms["Grain overhead (the timed loop minus the stages)"] = total - sum(ms.values())
-    print(f"| stage (v2, one core) | ms per sample | share of the loop's {total:.2f} ms |")
+    ms["16 view decodes (in collate, into the batch)"] = _cpu_ms(view_decodes, n)
+    whole = _cpu_ms(lambda: [collate(examples[b:b + batch], cfg)
+                             for b in range(0, n - batch + 1, batch)], n // batch * batch)
+    ms["rest of collate (batch arrays, tokens, labels)"] = (
+        whole - ms["16 view decodes (in collate, into the batch)"])
+    ms["Grain overhead (the loop minus the stages)"] = ms_per_sample - sum(ms.values())
+    print(f"| stage (v2, one core) | CPU ms per sample | share of the loop's "
+          f"{ms_per_sample:.2f} ms |")
     print("|---|---|---|")
     for name, v in ms.items():
-        print(f"| {name} | {v:.2f} | {100 * v / total:.0f}% |")
+        print(f"| {name} | {v:.2f} | {100 * v / ms_per_sample:.0f}% |")
 
 
-def grain_rate(ds, batch: int, batches: int, cores, **kw) -> float:
-    """Samples/s of our pipeline (v2 train config), the process pinned to `cores`; worker
-    processes inherit the pinning. The first 2 (or 2 per worker) batches are not timed."""
+def grain_rates(ds, batch: int, batches: int, cores, repeats: int = 3,
+                **kw) -> tuple[float, float]:
+    """(wall samples/s, samples per CPU-second) of our pipeline (v2 train config), the process
+    pinned to `cores` (worker processes inherit it): medians over `repeats` stretches of
+    `batches` batches, after 2 (or 2 per worker) untimed ones."""
     from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 
     pin(cores)
@@ -304,12 +335,11 @@ def grain_rate(ds, batch: int, batches: int, cores, **kw) -> float:
     it = iter(make_loader(ds, "train", batch, config=cfg, seed=0, **kw))
     for _ in range(2 * max(1, kw.get("worker_count", 0))):
         next(it)
-    t0 = time.perf_counter()
-    for _ in range(batches):
-        next(it)
-    rate = batches * batch / (time.perf_counter() - t0)
-    del it
-    return rate
+    wall, cpu = zip(*[timed(lambda: [next(it) for _ in range(batches)])
+                      for _ in range(repeats)])
+    if hasattr(it, "close"):
+        it.close()
+    return batches * batch / float(np.median(wall)), batches * batch / float(np.median(cpu))
 
 
 def main():
@@ -323,7 +353,7 @@ def main():
                         help="also time Grain with this many worker processes on as many cores "
                              "against 1 worker process on 1 core")
     parser.add_argument("--tune", action="store_true",
-                        help="sweep read_threads / read_buffer / worker_buffer_size")
+                        help="sweep read_threads / read_buffer (and worker_buffer_size)")
     args = parser.parse_args()
 
     import torch
@@ -333,7 +363,6 @@ def main():
     from sclaro_jax.data.dataset import open_dataset
     from sclaro_jax.data.pipeline import PipelineConfig, make_loader
     from sclaro_jax.data.tokenizer import ClipTokenizer
-    from timing import paired_timings
 
     allowed = sorted(os.sched_getaffinity(0))
     core = allowed[-1] if args.core is None else args.core
@@ -343,7 +372,8 @@ def main():
     build_shards(os.path.join(tmp, "v1"), args.samples)
     build_shards(os.path.join(tmp, "v2"), args.samples, view_size=224)
     print(f"wrote {args.samples} records twice (v1, v2) in {time.perf_counter() - t0:.1f} s; "
-          f"JPEG decoder: {decode.backend_name()}; pinned to core {core} of {allowed}")
+          f"JPEG decoder: {decode.backend_name()}; pinned to core {core} of {allowed}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     pin([core])
     v1, v2 = open_dataset(os.path.join(tmp, "v1")), open_dataset(os.path.join(tmp, "v2"))
     ClipTokenizer().save_pretrained(os.path.join(tmp, "tok"))
@@ -359,50 +389,51 @@ def main():
     print("ours:", {k: v.shape for k, v in b.items() if k in ("image", "objects", "relations")})
     print("reference:", [tuple(x.shape) for x in next(ref)[:3]])
     fns = [lambda: next(ours_v2), lambda: next(ours_v1), lambda: next(ref)]
-    times = paired_timings(fns, args.rounds, pause=0.1)
-    med = np.median(times, axis=0)
-    rate = args.batch / med
+    wall, cpu = paired(fns, args.rounds)
     print(f"\n{args.rounds} rounds of one batch of {args.batch}, 8 objects + 8 relations, "
           f"224 px, one core")
-    print("| pipeline | s per batch, median (min) | samples/s per core | vs PyTorch |")
-    print("|---|---|---|---|")
+    print("| pipeline | s per batch, median (min) | samples/s | samples per CPU-second, "
+          "median (best) | vs PyTorch (CPU) |")
+    print("|---|---|---|---|---|")
     labels = ["sclaro_jax Grain, v2 records (stored views), uint8",
-              "sclaro_jax Grain, v1 records (originals), uint8",
+              "sclaro_jax Grain, v1 records (originals; today's path), uint8",
               "reference PyTorch DataLoader (v1 records)"]
     for i, label in enumerate(labels):
-        vs = np.median(times[:, 2] / times[:, i])
-        print(f"| {label} | {med[i]:.3f} ({times[:, i].min():.3f}) | {rate[i]:.1f} | "
-              f"{vs:.2f}x |")
+        vs = np.median(cpu[:, 2] / cpu[:, i])
+        print(f"| {label} | {np.median(wall[:, i]):.3f} ({wall[:, i].min():.3f}) | "
+              f"{args.batch / np.median(wall[:, i]):.1f} | "
+              f"{args.batch / np.median(cpu[:, i]):.1f} ({args.batch / cpu[:, i].min():.1f}) "
+              f"| {vs:.2f}x |")
     del ours_v1, ref
 
-    print("\nJPEG decoders (one core):")
+    print("\nJPEG decoders (CPU ms per image, one core):")
     decoder_table(v2)
     print("\nper-stage profile of the v2 path (one core):")
-    stage_profile(v2, args.batch, 4, med[0] / args.batch)
+    stage_profile(v2, args.batch, 4, 1e3 * np.median(cpu[:, 0]) / args.batch)
 
+    n = 3 * args.rounds // 2
     if args.tune:
-        print("\nGrain read options, worker_count=0, one core (samples/s):")
-        print("| read_threads | read_buffer | samples/s |")
-        print("|---|---|---|")
-        for threads, buffer in ((1, 16), (2, 32), (4, 64), (16, 500), (16, 64)):
-            r = grain_rate(v2, args.batch, 3 * args.rounds, [core], read_threads=threads,
-                           read_buffer=buffer)
-            print(f"| {threads} | {buffer} | {r:.1f} |")
+        print(f"\nGrain read options, worker_count=0, one core ({n} batches x 3, medians):")
+        print("| read_threads | read_buffer | samples/s | samples per CPU-second |")
+        print("|---|---|---|---|")
+        for threads, buffer in ((0, 0), (1, 16), (2, 16), (16, 64), (16, 500)):
+            w, c = grain_rates(v2, args.batch, n, [core], read_threads=threads,
+                               read_buffer=buffer)
+            print(f"| {threads} | {buffer} | {w:.1f} | {c:.1f} |")
     if args.workers:
         cores = allowed[-args.workers:] if len(allowed) >= args.workers else allowed
-        n = 4 * args.rounds
-        print(f"\nGrain worker processes ({n} batches after warm-up; samples/s):")
-        print("| worker processes | cores | worker_buffer_size | samples/s | vs 1 worker |")
-        print("|---|---|---|---|---|")
-        buffers = (1, 2, 4) if args.tune else (2,)
-        for buffer in buffers:
-            one = grain_rate(v2, args.batch, n, [core], worker_count=1,
-                             worker_buffer_size=buffer)
-            many = grain_rate(v2, args.batch, n, cores, worker_count=args.workers,
+        print(f"\nGrain worker processes ({n} batches x 3 after warm-up, medians):")
+        print("| worker processes | cores | worker_buffer_size | samples/s | vs 1 worker | "
+              "samples per CPU-second (all processes) |")
+        print("|---|---|---|---|---|---|")
+        for buffer in ((1, 2) if args.tune else (1,)):
+            one = grain_rates(v2, args.batch, n, [core], worker_count=1,
                               worker_buffer_size=buffer)
-            print(f"| 1 | 1 | {buffer} | {one:.1f} | 1.00x |")
-            print(f"| {args.workers} | {len(cores)} | {buffer} | {many:.1f} | "
-                  f"{many / one:.2f}x |")
+            many = grain_rates(v2, args.batch, n, cores, worker_count=args.workers,
+                               worker_buffer_size=buffer)
+            print(f"| 1 | 1 | {buffer} | {one[0]:.1f} | 1.00x | {one[1]:.1f} |")
+            print(f"| {args.workers} | {len(cores)} | {buffer} | {many[0]:.1f} | "
+                  f"{many[0] / one[0]:.2f}x | {many[1]:.1f} |")
 
 
 if __name__ == "__main__":
