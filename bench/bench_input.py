@@ -19,10 +19,14 @@ torch.set_num_threads(1)), so samples/s is per core; Grain's record-reading thre
   Resize/CenterCrop/ColorJitter (objects, relations), ToTensor + Normalize, and a collate that
   tokenises the 17 texts with transformers' CLIPTokenizer (max_length 77).
 
-Rounds alternate the order of the pipelines; each times one batch of each. Then a per-stage
-profile of the v2 path (each stage timed alone over the same records, one core), the JPEG
-decoders on the stored views, and with `--workers N` Grain with N worker processes on N cores
-against 1 worker process on 1 core. `--tune` sweeps Grain's read options and worker buffer.
+Rounds alternate the order of the pipelines; each times one batch of each, in wall-clock
+seconds and in CPU seconds of this process and its children (`samples per CPU-second` is what
+one core does for the pipeline when nothing else runs on it; on a shared machine the wall
+figure also counts other programs' time on that core). Then the JPEG decoders on the stored
+views (and simplejpeg on the same views in other JPEG settings), a per-stage profile of the v2
+path (each stage alone over the same records, CPU time), and with `--workers N` Grain with N
+worker processes on N cores against 1 worker process on 1 core (the main process shares those
+cores). `--tune` sweeps Grain's read options and the worker buffer.
 
     python bench/bench_input.py --rounds 12
     python bench/bench_input.py --rounds 6 --workers 2 --tune
@@ -193,9 +197,10 @@ def paired(fns, rounds: int, pause: float = 0.1) -> tuple[np.ndarray, np.ndarray
 
 
 def _cpu_ms(fn, per: int, repeats: int = 5) -> float:
-    """Median CPU milliseconds of fn() / per, over `repeats` calls after one warm-up."""
+    """Least CPU milliseconds of fn() / per over `repeats` calls after one warm-up (the least
+    is the figure least disturbed by other programs on a shared machine)."""
     fn()
-    return 1e3 * float(np.median([timed(fn)[1] for _ in range(repeats)])) / per
+    return 1e3 * min(timed(fn)[1] for _ in range(repeats)) / per
 
 
 def _jpeg(pixels: np.ndarray, quality: int, subsampling: int) -> bytes:
@@ -205,7 +210,7 @@ def _jpeg(pixels: np.ndarray, quality: int, subsampling: int) -> bytes:
 
 
 def decoder_table(ds) -> None:
-    """CPU ms per decode of the stored views and train images: PIL (with and without draft
+    """Least CPU ms per decode of the stored views and train images: PIL (with and without draft
     mode), simplejpeg, PyTurboJPEG; then simplejpeg on the same views in other JPEG settings."""
     import grain.python as grain
 
@@ -408,8 +413,9 @@ def main():
 
     print("\nJPEG decoders (CPU ms per image, one core):")
     decoder_table(v2)
-    print("\nper-stage profile of the v2 path (one core):")
-    stage_profile(v2, args.batch, 4, 1e3 * np.median(cpu[:, 0]) / args.batch)
+    print("\nper-stage profile of the v2 path (one core; least CPU time of 5 repeats, the "
+          "loop's least batch):")
+    stage_profile(v2, args.batch, 4, 1e3 * cpu[:, 0].min() / args.batch)
 
     n = 3 * args.rounds // 2
     if args.tune:

@@ -2,13 +2,13 @@
 
 JPEGs go through simplejpeg (`simplejpeg.decode_jpeg`, which bundles libjpeg-turbo: the same
 library Pillow's wheels bundle, same IDCT, same upsampling) when it is importable, straight
-into a caller's array (`out=`, e.g. the example's slot for that view, no copy); everything else
+into a caller's array (`out=`: `pipeline.collate` passes the batch's row for that view, no copy); everything else
 (PNG, CMYK JPEGs, simplejpeg missing, a JPEG simplejpeg refuses) goes through PIL
-(`schema.decode_image`). Measured on the stored views (bench/bench_input.py --decoders): a
-224 px view (4:4:4, quality 95) decodes in about 0.4 ms with simplejpeg against 0.6-0.75 ms with
-PIL (`Image.open(...).load()` + `np.asarray`); the pixels are equal
-(`tests/test_pipeline.py` holds them within 1 grey level). PyTurboJPEG was not measured: it
-needs the system libturbojpeg, which the machines this was written on lack.
+(`schema.decode_image`). simplejpeg decodes the stored views in about two thirds of PIL's
+time (`Image.open(...).load()` + `np.asarray`; bench/bench_input.py and bench/README.md give
+the figures), to the same pixels (`tests/test_pipeline.py` holds them within 1 grey level).
+PyTurboJPEG was not measured: it needs the system libturbojpeg, which the machine this was
+written on lacks.
 
 Errors are `schema.RecordError` naming `what` (the sample and field), like `schema.decode_image`.
 """

@@ -224,7 +224,9 @@ def _original_views(sample: schema.Sample, config: PipelineConfig, rng):
 
 
 class SampleTransform(grain.RandomMapTransform):
-    """Record bytes -> one example with variable-length object/relation arrays."""
+    """Record bytes -> one example with variable-length object/relation views (arrays, or a
+    version-2 record's `StoredViews`, which `collate` decodes into the batch) and the sample's
+    photometric draw (`augment.photometric_fields`)."""
 
     def __init__(self, config: PipelineConfig, vocab: Vocab):
         self.config = config
