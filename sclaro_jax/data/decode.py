@@ -4,10 +4,9 @@ JPEGs go through simplejpeg (`simplejpeg.decode_jpeg`, which bundles libjpeg-tur
 library Pillow's wheels bundle, same IDCT, same upsampling) when it is importable, straight
 into a caller's array (`out=`: `pipeline.collate` passes the batch's row for the view, no
 copy); everything else (PNG, CMYK JPEGs, simplejpeg missing, a JPEG simplejpeg refuses) goes
-through PIL
-(`schema.decode_image`). simplejpeg decodes the stored views in about two thirds of PIL's
-time (`Image.open(...).load()` + `np.asarray`; bench/bench_input.py and bench/README.md give
-the figures), to the same pixels (`tests/test_pipeline.py` holds them within 1 grey level).
+through PIL (`schema.decode_image`). simplejpeg decodes the stored views in about two thirds of
+PIL's time (`Image.open(...).load()` + `np.asarray`; bench/bench_input.py and bench/README.md
+give the figures), to the same pixels (`tests/test_pipeline.py` holds them within 1 grey level).
 PyTurboJPEG was not measured: it needs the system libturbojpeg, which the machine this was
 written on lacks.
 
