@@ -432,7 +432,7 @@ def main():
         print("| worker processes | cores | worker_buffer_size | samples/s | vs 1 worker | "
               "samples per CPU-second (all processes) |")
         print("|---|---|---|---|---|---|")
-        for buffer in ((1, 2) if args.tune else (1,)):
+        for buffer in ((1, 2) if args.tune else (2,)):
             one = grain_rates(v2, args.batch, n, [core], worker_count=1,
                               worker_buffer_size=buffer)
             many = grain_rates(v2, args.batch, n, cores, worker_count=args.workers,

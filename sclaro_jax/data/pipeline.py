@@ -377,7 +377,7 @@ class Collate:
 def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                 config: PipelineConfig = PipelineConfig(), seed: int = 0,
                 shuffle: bool | None = None, num_epochs: int | None = None,
-                worker_count: int = 0, worker_buffer_size: int = 1, read_threads: int = 1,
+                worker_count: int = 0, worker_buffer_size: int = 2, read_threads: int = 1,
                 read_buffer: int = 16,
                 shard_options: grain.ShardOptions | None = None) -> grain.DataLoader:
     """A Grain DataLoader over one split; iterate it for batches, checkpoint its iterator.
@@ -390,7 +390,7 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
 
     `worker_count` processes make the batches (0: this process), each keeping
     `worker_buffer_size` batches ready (in shared memory: a batch of 128 with 8 + 8 views at
-    224 px is 330 MB); in each, `read_threads` threads read records ahead, at most
+    224 px is 330 MB, so 15 workers hold up to 10 GB); in each, `read_threads` threads read records ahead, at most
     `read_buffer` of them (`grain.ReadOptions`; Grain's own default of 16 threads and 500
     records costs CPU per batch, the prefetch queue being scanned for every record, and
     memory: 500 records of 8 + 8 views are ~230 MB per worker). bench/bench_input.py --tune
