@@ -38,6 +38,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -362,6 +363,19 @@ def main():
     args = parser.parse_args()
 
     import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[-1] if args.core is None else args.core
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="bench_input_")
+    try:
+        run(args, tmp, allowed, core)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args, tmp: str, allowed, core: int) -> None:
+    import torch
     import transformers
 
     from sclaro_jax.data import decode
@@ -369,10 +383,6 @@ def main():
     from sclaro_jax.data.pipeline import PipelineConfig, make_loader
     from sclaro_jax.data.tokenizer import ClipTokenizer
 
-    allowed = sorted(os.sched_getaffinity(0))
-    core = allowed[-1] if args.core is None else args.core
-    torch.set_num_threads(1)
-    tmp = tempfile.mkdtemp(prefix="bench_input_")
     t0 = time.perf_counter()
     build_shards(os.path.join(tmp, "v1"), args.samples)
     build_shards(os.path.join(tmp, "v2"), args.samples, view_size=224)
@@ -409,7 +419,6 @@ def main():
               f"{args.batch / np.median(wall[:, i]):.1f} | "
               f"{args.batch / np.median(cpu[:, i]):.1f} ({args.batch / cpu[:, i].min():.1f}) "
               f"| {vs:.2f}x |")
-    del ours_v1, ref
 
     print("\nJPEG decoders (CPU ms per image, one core):")
     decoder_table(v2)
