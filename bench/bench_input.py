@@ -1,29 +1,44 @@
-"""Input pipeline throughput: sclaro_jax's Grain pipeline vs the reference's PyTorch DataLoader.
+"""Input pipeline throughput: sclaro_jax's Grain pipeline on stored training views (schema
+version 2) and on originals (version 1), vs the reference's PyTorch DataLoader.
 
-Both read the same ArrayRecord shards (samples with 8 objects and 8 relations, 640x480 JPEG
-photographs and focused-region images, 224 px outputs), each in one process on one core
-(`worker_count=0` / `num_workers=0`, torch.set_num_threads(1)), so samples/s is per worker.
+The same samples (8 objects + 8 relations each, 640x480 JPEG photographs, focused-region JPEGs
+made with `data_prep.focus`, batch 16, 224 px outputs) are written twice: as version-1 records
+(originals only) and as version-2 records (`data_prep.views.with_views`: stored 224 px object and
+relation views, the photograph at 290 px on its shorter side, no originals). Each pipeline runs
+in this process pinned to one core (`os.sched_setaffinity`; `worker_count=0`, `num_workers=0`,
+torch.set_num_threads(1)), so samples/s is per core; Grain's record-reading threads share it.
 
-- ours: `sclaro_jax.data.pipeline.make_loader` (decode once, one parameter draw per sample,
-  one-resample Resize+CenterCrop, reduced-scale JPEG decode of relation regions, memoised
-  tokens), uint8 output (normalised on the accelerator) and, separately, float32 output
-  normalised on the host as the reference does.
-- reference: a torch `Dataset` doing what the reference code does per sample: PIL decode of the
-  image and of every relation region, `image.crop(box)` per object, torchvision
-  RandomResizedCrop/ColorJitter/GaussianBlur (global) and Resize/CenterCrop/ColorJitter
-  (objects, relations), ToTensor + Normalize, and a collate that tokenises the 17 texts with
-  transformers' CLIPTokenizer (max_length 77).
+- ours, v2: `make_loader` on the version-2 records: decode the stored views (simplejpeg when
+  installed, `sclaro_jax.data.decode`), RandomResizedCrop of the stored global image, memoised
+  tokens, photometric parameters as batch fields (applied on the accelerator), uint8 out.
+- ours, v1: the same pipeline on the version-1 records (views made from the originals on the
+  host: full decode, box crops, Resize + CenterCrop, reduced-scale JPEG decode of the regions).
+- reference: a torch `Dataset` doing what the reference code does per sample on the version-1
+  records: PIL decode of the image and of every relation region, `image.crop(box)` per object,
+  torchvision RandomResizedCrop/ColorJitter/GaussianBlur (global) and
+  Resize/CenterCrop/ColorJitter (objects, relations), ToTensor + Normalize, and a collate that
+  tokenises the 17 texts with transformers' CLIPTokenizer (max_length 77).
 
-Rounds alternate the order of the pipelines; each times one batch of each.
+Rounds alternate the order of the pipelines; each times one batch of each, in wall-clock
+seconds and in CPU seconds of this process and its children (`samples per CPU-second` is what
+one core does for the pipeline when nothing else runs on it; on a shared machine the wall
+figure also counts other programs' time on that core). Then the JPEG decoders on the stored
+views (and simplejpeg on the same views in other JPEG settings), a per-stage profile of the v2
+path (each stage alone over the same records, CPU time), and with `--workers N` Grain with N
+worker processes on N cores against 1 worker process on 1 core (the main process shares those
+cores). `--tune` sweeps Grain's read options and the worker buffer.
 
     python bench/bench_input.py --rounds 12
+    python bench/bench_input.py --rounds 6 --workers 2 --tune
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -37,9 +52,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 NAMES = ["person", "dog", "ball", "chair", "table", "cup", "tree", "car"]
 
 
-def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8) -> None:
-    """Samples with n_obj objects / n_rel relations on 640x480 JPEGs of the demo photographs."""
-    from data_prep import demo, focus
+def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
+                 view_size: int | None = None) -> None:
+    """Samples with n_obj objects / n_rel relations on 640x480 JPEGs of the demo photographs;
+    version-1 records, or with `view_size` version-2 records (views at that size, no
+    originals) made by `data_prep.views.with_views`."""
+    from data_prep import demo, focus, views
     from data_prep.shards import ShardWriter
     from sclaro_jax.data import schema
 
@@ -72,10 +90,18 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8) -> No
                 schema.Relation(a, "next to", b, schema.triplet_text(
                     objects[a].name, "next to", objects[b].name), region)
                 for a, b, region in regions)
-            w.add(schema.Sample(id=f"bench{i:05d}", source="bench", split="train", image=data,
-                                width=640, height=480, action=["playing", "sitting"][i % 2],
-                                caption="", objects=objects, relations=relations,
-                                mask_kind="box"))
+            sample = schema.Sample(id=f"bench{i:05d}", source="bench", split="train",
+                                   image=data, width=640, height=480,
+                                   action=["playing", "sitting"][i % 2], caption="",
+                                   objects=objects, relations=relations, mask_kind="box")
+            w.add(views.with_views(sample, view_size) if view_size else sample)
+    if view_size:  # the manifest fields (for a ShardWriter that does not write them yet)
+        path = os.path.join(out, schema.MANIFEST)
+        with open(path) as f:
+            manifest = json.load(f)
+        manifest.update(schema_version=2, view_size=view_size, originals=False)
+        with open(path, "w") as f:
+            json.dump(manifest, f, indent=2)
 
 
 class ReferenceDataset:
@@ -132,71 +158,297 @@ def forever(make_iter):
         yield from make_iter()
 
 
+def pin(cores) -> None:
+    """Pin this process (and the threads and processes it starts afterwards) to `cores`."""
+    os.sched_setaffinity(0, set(cores))
+
+
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process (all threads; `time.process_time`) and its live
+    children (Grain's worker processes; psutil, in clock ticks of 10 ms)."""
+    import psutil
+
+    total = time.process_time()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += sum(child.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+def timed(fn) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) of one call."""
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    fn()
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
+def paired(fns, rounds: int, pause: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """(wall, CPU) seconds [rounds, len(fns)]: two warm-up calls each, then one call of each
+    per round, the order flipping every round (drift in the machine's load hits all alike)."""
+    for fn in fns:
+        fn(), fn()
+    wall, cpu = np.zeros((rounds, len(fns))), np.zeros((rounds, len(fns)))
+    for r in range(rounds):
+        for i in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+            time.sleep(pause)
+            wall[r, i], cpu[r, i] = timed(fns[i])
+    return wall, cpu
+
+
+def _cpu_ms(fn, per: int, repeats: int = 5) -> float:
+    """Least CPU milliseconds of fn() / per over `repeats` calls after one warm-up (the least
+    is the figure least disturbed by other programs on a shared machine)."""
+    fn()
+    return 1e3 * min(timed(fn)[1] for _ in range(repeats)) / per
+
+
+def _jpeg(pixels: np.ndarray, quality: int, subsampling: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "JPEG", quality=quality, subsampling=subsampling)
+    return buf.getvalue()
+
+
+def decoder_table(ds) -> None:
+    """Least CPU ms per decode of the stored views and train images: PIL (with and without draft
+    mode), simplejpeg, PyTurboJPEG; then simplejpeg on the same views in other JPEG settings."""
+    import grain.python as grain
+
+    from sclaro_jax.data import decode, schema
+
+    source = grain.ArrayRecordDataSource(ds.paths("train"))
+    samples = [schema.decode(source[i]) for i in range(min(14, len(source)))]
+    stored = [r.view for s in samples for r in s.relations] + [o.view for s in samples
+                                                               for o in s.objects]
+    kinds = {"stored 224 px view (4:4:4, q95)": stored,
+             "train_image (387x290, 4:4:4, q95)": [s.train_image for s in samples]}
+
+    def pil(d):
+        img = Image.open(io.BytesIO(d))
+        img.load()
+        return np.asarray(img)
+
+    def pil_draft(d):  # draft picks a reduced DCT scale only for images >= 2x the request
+        img = Image.open(io.BytesIO(d))
+        img.draft("RGB", (224, 224))
+        img.load()
+        return np.asarray(img)
+
+    decoders = {"PIL `Image.open().load()` + `np.asarray`": pil,
+                "PIL with `draft('RGB', (224, 224))`": pil_draft}
+    if decode.simplejpeg is not None:
+        decoders["simplejpeg `decode_jpeg`"] = lambda d: decode.simplejpeg.decode_jpeg(d)
+    try:
+        import turbojpeg
+        tj = turbojpeg.TurboJPEG()
+        decoders["PyTurboJPEG"] = lambda d: tj.decode(d, pixel_format=turbojpeg.TJPF_RGB)
+    except Exception as e:  # PyTurboJPEG needs the system libturbojpeg
+        print(f"PyTurboJPEG not measured: {type(e).__name__}: {str(e).splitlines()[0]}")
+    print("| decoder | " + " | ".join(f"{k}, ms" for k in kinds) + " |")
+    print("|---|" + "---|" * len(kinds))
+    for name, fn in decoders.items():
+        cells = [f"{_cpu_ms(lambda: [fn(d) for d in data], len(data), 7):.3f}"
+                 for data in kinds.values()]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    worst = max(int(np.abs(pil(d).astype(int) - decode.decode_array(d)).max())
+                for data in kinds.values() for d in data)
+    print(f"max |PIL - decode.decode_array| over these images: {worst} grey levels "
+          f"(decode.decode_array uses {decode.backend_name()})")
+    if decode.simplejpeg is None:
+        return
+    pixels = [pil(d) for d in stored]
+    print("\nthe same 224 px views in other JPEG settings, simplejpeg:")
+    print("| quality, chroma | bytes per view | ms per view | mean abs diff to the pixels |")
+    print("|---|---|---|---|")
+    for quality, sub, label in ((95, 0, "4:4:4"), (90, 0, "4:4:4"), (95, 2, "4:2:0"),
+                                (90, 2, "4:2:0")):
+        data = [_jpeg(x, quality, sub) for x in pixels]
+        ms = _cpu_ms(lambda: [decode.simplejpeg.decode_jpeg(d) for d in data], len(data), 7)
+        diff = np.mean([np.abs(decode.simplejpeg.decode_jpeg(d).astype(int) - x).mean()
+                        for d, x in zip(data, pixels)])
+        print(f"| {quality}, {label} | {np.mean([len(d) for d in data]):.0f} | {ms:.3f} | "
+              f"{diff:.2f} |")
+
+
+def stage_profile(ds, batch: int, batches: int, ms_per_sample: float) -> None:
+    """CPU ms per sample of each stage of the v2 path alone, over the same records."""
+    import grain.python as grain
+
+    from sclaro_jax.data import augment, decode, schema
+    from sclaro_jax.data.pipeline import PipelineConfig, SampleTransform, collate
+
+    cfg = PipelineConfig(max_objects=8, max_relations=8)
+    source = grain.ArrayRecordDataSource(ds.paths("train"))
+    n = min(len(source), batch * batches)
+    rng = np.random.default_rng(0)
+    transform = SampleTransform(cfg, ds.vocab)
+    records = [source[i] for i in range(n)]
+    samples = [schema.decode(r) for r in records]
+    size = cfg.image_size
+    images = [decode.decode_image(s.train_image) for s in samples]
+    params = [augment.sample_params(rng, *img.size, train=True) for img in images]
+    out = np.empty((16, size, size, 3), np.uint8)  # reused: the decodes alone
+
+    def view_decodes():
+        for s in samples:
+            for k, v in enumerate([o.view for o in s.objects] + [r.view for r in s.relations]):
+                decode.decode_array(v, out=out[k])
+
+    def tokens():
+        for s in samples:
+            transform.text([s.action])
+            transform.text([o.name for o in s.objects])
+            transform.text([r.text for r in s.relations])
+
+    examples = [transform.random_map(r, rng) for r in records]
+    stages = {
+        "record read (ArrayRecord)": lambda: [source[i] for i in range(n)],
+        "msgpack decode + `schema.validate`": lambda: [
+            schema.validate(schema.decode(r), decode_images=False) for r in records],
+        "global view: decode train_image": lambda: [decode.decode_image(
+            s.train_image, size=schema.train_image_size(s.width, s.height, s.view_size))
+            for s in samples],
+        "global view: RandomResizedCrop resample (PIL bicubic)": lambda: [
+            augment.global_view(img, p, size) for img, p in zip(images, params)],
+        "tokens (memoised)": tokens}
+    ms = {name: _cpu_ms(fn, n) for name, fn in stages.items()}
+    example = _cpu_ms(lambda: [transform.random_map(r, rng) for r in records], n)
+    ms["rest of SampleTransform (params, labels, photometric fields)"] = example - sum(
+        v for k, v in ms.items() if k != "record read (ArrayRecord)")
+    ms["16 view decodes (in collate, into the batch)"] = _cpu_ms(view_decodes, n)
+    whole = _cpu_ms(lambda: [collate(examples[b:b + batch], cfg)
+                             for b in range(0, n - batch + 1, batch)], n // batch * batch)
+    ms["rest of collate (batch arrays, tokens, labels)"] = (
+        whole - ms["16 view decodes (in collate, into the batch)"])
+    ms["Grain overhead (the loop minus the stages)"] = ms_per_sample - sum(ms.values())
+    print(f"| stage (v2, one core) | CPU ms per sample | share of the loop's "
+          f"{ms_per_sample:.2f} ms |")
+    print("|---|---|---|")
+    for name, v in ms.items():
+        print(f"| {name} | {v:.2f} | {100 * v / ms_per_sample:.0f}% |")
+
+
+def grain_rates(ds, batch: int, batches: int, cores, repeats: int = 3,
+                **kw) -> tuple[float, float]:
+    """(wall samples/s, samples per CPU-second) of our pipeline (v2 train config), the process
+    pinned to `cores` (worker processes inherit it): medians over `repeats` stretches of
+    `batches` batches, after 2 (or 2 per worker) untimed ones."""
+    from sclaro_jax.data.pipeline import PipelineConfig, make_loader
+
+    pin(cores)
+    cfg = PipelineConfig(max_objects=8, max_relations=8)
+    it = iter(make_loader(ds, "train", batch, config=cfg, seed=0, **kw))
+    for _ in range(2 * max(1, kw.get("worker_count", 0))):
+        next(it)
+    wall, cpu = zip(*[timed(lambda: [next(it) for _ in range(batches)])
+                      for _ in range(repeats)])
+    if hasattr(it, "close"):
+        it.close()
+    return batches * batch / float(np.median(wall)), batches * batch / float(np.median(cpu))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=96, help="distinct records written")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--core", type=int, default=None,
+                        help="the core to pin to (default: the last one this process may use)")
     parser.add_argument("--workers", type=int, default=0,
-                        help="also time our pipeline alone with this many worker processes")
+                        help="also time Grain with this many worker processes on as many cores "
+                             "against 1 worker process on 1 core")
+    parser.add_argument("--tune", action="store_true",
+                        help="sweep read_threads / read_buffer (and worker_buffer_size)")
     args = parser.parse_args()
 
     import torch
+
+    allowed = sorted(os.sched_getaffinity(0))
+    core = allowed[-1] if args.core is None else args.core
+    torch.set_num_threads(1)
+    tmp = tempfile.mkdtemp(prefix="bench_input_")
+    try:
+        run(args, tmp, allowed, core)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(args, tmp: str, allowed, core: int) -> None:
+    import torch
     import transformers
 
+    from sclaro_jax.data import decode
     from sclaro_jax.data.dataset import open_dataset
     from sclaro_jax.data.pipeline import PipelineConfig, make_loader
     from sclaro_jax.data.tokenizer import ClipTokenizer
-    from timing import paired_timings
 
-    torch.set_num_threads(1)
-    tmp = tempfile.mkdtemp(prefix="bench_input_")
-    out = os.path.join(tmp, "shards")
     t0 = time.perf_counter()
-    build_shards(out, args.samples)
-    print(f"wrote {args.samples} records in {time.perf_counter() - t0:.1f} s")
-    ds = open_dataset(out)
+    build_shards(os.path.join(tmp, "v1"), args.samples)
+    build_shards(os.path.join(tmp, "v2"), args.samples, view_size=224)
+    print(f"wrote {args.samples} records twice (v1, v2) in {time.perf_counter() - t0:.1f} s; "
+          f"JPEG decoder: {decode.backend_name()}; pinned to core {core} of {allowed}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    pin([core])
+    v1, v2 = open_dataset(os.path.join(tmp, "v1")), open_dataset(os.path.join(tmp, "v2"))
     ClipTokenizer().save_pretrained(os.path.join(tmp, "tok"))
     hf_tok = transformers.CLIPTokenizer.from_pretrained(os.path.join(tmp, "tok"))
 
-    def ours(pixels):
-        cfg = PipelineConfig(max_objects=8, max_relations=8, pixels=pixels)
-        return iter(make_loader(ds, "train", args.batch, config=cfg, seed=0))
-
-    ours_u8, ours_f32 = ours("uint8"), ours("float32")
+    cfg = PipelineConfig(max_objects=8, max_relations=8)
+    ours_v2 = iter(make_loader(v2, "train", args.batch, config=cfg, seed=0))
+    ours_v1 = iter(make_loader(v1, "train", args.batch, config=cfg, seed=0))
     ref = forever(lambda: iter(torch.utils.data.DataLoader(
-        ReferenceDataset(ds.paths("train")), batch_size=args.batch, shuffle=True,
+        ReferenceDataset(v1.paths("train")), batch_size=args.batch, shuffle=True,
         num_workers=0, collate_fn=reference_collate(hf_tok), drop_last=True)))
-    b = next(ours_u8)
-    r = next(ref)
+    b = next(ours_v2)
     print("ours:", {k: v.shape for k, v in b.items() if k in ("image", "objects", "relations")})
-    print("reference:", [tuple(x.shape) for x in r[:3]])
-    fns = [lambda: next(ours_u8), lambda: next(ours_f32), lambda: next(ref)]
-    times = paired_timings(fns, args.rounds, pause=0.1)
-    med = np.median(times, axis=0)
-    rate = args.batch / med
-    ratio = np.median(times[:, 2:3] / times[:, :2], axis=0)
-    print(f"{args.rounds} rounds of one batch of {args.batch}, 8 objects + 8 relations, 224 px")
-    print("| pipeline | s per batch, median (min) | samples/s per worker | vs PyTorch |")
-    print("|---|---|---|---|")
-    labels = ["sclaro_jax Grain, uint8 out", "sclaro_jax Grain, float32 normalised",
-              "reference PyTorch DataLoader"]
+    print("reference:", [tuple(x.shape) for x in next(ref)[:3]])
+    fns = [lambda: next(ours_v2), lambda: next(ours_v1), lambda: next(ref)]
+    wall, cpu = paired(fns, args.rounds)
+    print(f"\n{args.rounds} rounds of one batch of {args.batch}, 8 objects + 8 relations, "
+          f"224 px, one core")
+    print("| pipeline | s per batch, median (min) | samples/s | samples per CPU-second, "
+          "median (best) | vs PyTorch (CPU) |")
+    print("|---|---|---|---|---|")
+    labels = ["sclaro_jax Grain, v2 records (stored views), uint8",
+              "sclaro_jax Grain, v1 records (originals; today's path), uint8",
+              "reference PyTorch DataLoader (v1 records)"]
     for i, label in enumerate(labels):
-        vs = f"{ratio[i]:.2f}x" if i < 2 else "1.00x"
-        print(f"| {label} | {med[i]:.3f} ({times[:, i].min():.3f}) | {rate[i]:.1f} | {vs} |")
+        vs = np.median(cpu[:, 2] / cpu[:, i])
+        print(f"| {label} | {np.median(wall[:, i]):.3f} ({wall[:, i].min():.3f}) | "
+              f"{args.batch / np.median(wall[:, i]):.1f} | "
+              f"{args.batch / np.median(cpu[:, i]):.1f} ({args.batch / cpu[:, i].min():.1f}) "
+              f"| {vs:.2f}x |")
+
+    print("\nJPEG decoders (CPU ms per image, one core):")
+    decoder_table(v2)
+    print("\nper-stage profile of the v2 path (one core; least CPU time of 5 repeats, the "
+          "loop's least batch):")
+    stage_profile(v2, args.batch, 4, 1e3 * cpu[:, 0].min() / args.batch)
+
+    n = 3 * args.rounds // 2
+    if args.tune:
+        print(f"\nGrain read options, worker_count=0, one core ({n} batches x 3, medians):")
+        print("| read_threads | read_buffer | samples/s | samples per CPU-second |")
+        print("|---|---|---|---|")
+        for threads, buffer in ((0, 0), (1, 16), (2, 16), (16, 64), (16, 500)):
+            w, c = grain_rates(v2, args.batch, n, [core], read_threads=threads,
+                               read_buffer=buffer)
+            print(f"| {threads} | {buffer} | {w:.1f} | {c:.1f} |")
     if args.workers:
-        cfg = PipelineConfig(max_objects=8, max_relations=8)
-        it = iter(make_loader(ds, "train", args.batch, config=cfg, seed=0,
-                              worker_count=args.workers))
-        for _ in range(2 * args.workers):
-            next(it)
-        t0 = time.perf_counter()
-        n = 4 * args.rounds
-        for _ in range(n):
-            next(it)
-        dt = time.perf_counter() - t0
-        print(f"ours, uint8, {args.workers} worker processes: {n * args.batch / dt:.1f} "
-              f"samples/s over {n} batches ({os.cpu_count()} cores)")
+        cores = allowed[-args.workers:] if len(allowed) >= args.workers else allowed
+        print(f"\nGrain worker processes ({n} batches x 3 after warm-up, medians):")
+        print("| worker processes | cores | worker_buffer_size | samples/s | vs 1 worker | "
+              "samples per CPU-second (all processes) |")
+        print("|---|---|---|---|---|---|")
+        for buffer in ((1, 2) if args.tune else (2,)):
+            one = grain_rates(v2, args.batch, n, [core], worker_count=1,
+                              worker_buffer_size=buffer)
+            many = grain_rates(v2, args.batch, n, cores, worker_count=args.workers,
+                               worker_buffer_size=buffer)
+            print(f"| 1 | 1 | {buffer} | {one[0]:.1f} | 1.00x | {one[1]:.1f} |")
+            print(f"| {args.workers} | {len(cores)} | {buffer} | {many[0]:.1f} | "
+                  f"{many[0] / one[0]:.2f}x | {many[1]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.tokenizer import ClipTokenizer
 from sclaro_jax.eval import embedding, probe, report, scenario, scene_graph, zero_shot
+from test_pipeline import write_v2_dataset
 
 SIZE, BATCH, TEXT_BATCH = 32, 16, 64
 
@@ -92,7 +93,6 @@ def test_embeddings_shapes_and_metadata(test_emb, demo_dir):
 def test_embeddings_equal_direct_encoding(model, test_emb, demo_dir):
     s = samples(demo_dir, "test")[1]
     img = schema.decode_image(s.image)
-    params = augment.sample_params(None, *img.size, train=False)
     first = int(np.flatnonzero(test_emb.object_image == 1)[0])
     rel0 = int(np.flatnonzero(test_emb.relation_image == 1)[0])
 
@@ -100,7 +100,7 @@ def test_embeddings_equal_direct_encoding(model, test_emb, demo_dir):
         return l2(_encode_image(model.pair(level), view[None]))[0]
 
     for k, o in enumerate(s.objects):
-        crop = augment.region_view(img, o.box, params, SIZE)
+        crop = augment.region_view(img, o.box, SIZE)
         np.testing.assert_allclose(test_emb.object_emb[first + k], enc("object", crop),
                                    atol=1e-5)
     np.testing.assert_allclose(test_emb.global_emb[1],
@@ -109,14 +109,14 @@ def test_embeddings_equal_direct_encoding(model, test_emb, demo_dir):
     a, b = s.objects[r.subject].box, s.objects[r.object].box
     union = (min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))
     np.testing.assert_allclose(test_emb.union_emb[rel0],
-                               enc("relation", augment.region_view(img, union, params, SIZE)),
+                               enc("relation", augment.region_view(img, union, SIZE)),
                                atol=1e-5)
     region = schema.decode_image(r.region, min_side=SIZE)
     np.testing.assert_allclose(test_emb.relation_emb[rel0],
-                               enc("relation", augment.region_view(region, None, params, SIZE)),
+                               enc("relation", augment.region_view(region, None, SIZE)),
                                atol=1e-5)
     head = _encode_image(model.pair("object"),
-                         augment.region_view(img, s.objects[0].box, params, SIZE)[None])
+                         augment.region_view(img, s.objects[0].box, SIZE)[None])
     np.testing.assert_allclose(test_emb.raw("object")[first], np.asarray(head)[0],
                                rtol=1e-4, atol=1e-4)
 
@@ -313,3 +313,83 @@ def test_registry_evaluators_from_config_equal_the_functions(model, test_emb, de
     with pytest.raises(TypeError, match="no options"):
         registry.evaluators(ml_collections.ConfigDict(
             {"data": {"dir": demo_dir, "image_size": SIZE}, "evals": {"sgcls": {"epochs": 1}}}))
+
+
+# --------------------------------------------------------------------------- version-2 data
+
+@pytest.fixture(scope="module")
+def v2_dirs(demo_dir, tmp_path_factory):
+    """The demo with 32 px stored views: without originals, and with them."""
+    root = tmp_path_factory.mktemp("v2_eval")
+    return {keep: write_v2_dataset(demo_dir, str(root / f"keep{int(keep)}"), SIZE,
+                                   keep_originals=keep) for keep in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def v2_emb(model, v2_dirs):
+    return {keep: embedding.embed_dataset(model, d, "test", image_size=SIZE, batch_size=BATCH,
+                                          progress=False) for keep, d in v2_dirs.items()}
+
+
+def test_v2_embeddings_come_from_the_stored_views_and_train_image(model, v2_dirs, v2_emb,
+                                                                  test_emb):
+    """Objects and relations: the stored views; global: Resize + CenterCrop of the stored
+    train_image (the photograph's crop box, scaled); union boxes: the originals when kept (then
+    equal to version 1's), else the train_image with the boxes scaled to it."""
+    def enc(level, view):
+        return l2(_encode_image(model.pair(level), view[None]))[0]
+
+    e = v2_emb[False]
+    s = samples(v2_dirs[False], "test")[1]
+    assert s.image is None and s.train_image is not None
+    first = int(np.flatnonzero(e.object_image == 1)[0])
+    rel0 = int(np.flatnonzero(e.relation_image == 1)[0])
+    for k, o in enumerate(s.objects):
+        np.testing.assert_allclose(e.object_emb[first + k],
+                                   enc("object", np.asarray(schema.decode_image(o.view))),
+                                   atol=1e-5)
+    np.testing.assert_allclose(e.relation_emb[rel0], enc("relation", np.asarray(
+        schema.decode_image(s.relations[0].view))), atol=1e-5)
+    train = schema.decode_image(s.train_image)
+    np.testing.assert_allclose(e.global_emb[1], enc("global", np.asarray(
+        augment.resize_centre_crop(train, SIZE, (s.width, s.height)))), atol=1e-5)
+    r = s.relations[0]
+    a, b = s.objects[r.subject].box, s.objects[r.object].box
+    sx, sy = train.size[0] / s.width, train.size[1] / s.height
+    union = (min(a[0], b[0]) * sx, min(a[1], b[1]) * sy, max(a[2], b[2]) * sx,
+             max(a[3], b[3]) * sy)
+    np.testing.assert_allclose(e.union_emb[rel0],
+                               enc("relation", augment.region_view(train, union, SIZE)),
+                               atol=1e-5)
+    np.testing.assert_allclose(v2_emb[True].union_emb, test_emb.union_emb, atol=1e-5)
+    assert e.object_names.tolist() == test_emb.object_names.tolist()
+    # the stored views are JPEGs of version 1's views: embeddings agree closely
+    assert np.mean(np.sum(e.object_emb * test_emb.object_emb, axis=1)) > 0.99
+
+
+def test_v2_without_originals_names_what_needs_them(model, v2_dirs, tmp_path):
+    from sclaro_jax.eval import localise, suite
+
+    bare = v2_dirs[False]
+    with pytest.raises(schema.MissingOriginalsError,
+                       match=f"{bare}: relation localisation needs the full-size photographs"
+                             r".*--keep-originals"):
+        localise.evaluate_localisation(model, bare, max_steps=1, image_size=SIZE)
+    with pytest.raises(schema.MissingOriginalsError,
+                       match=f"{bare}: the attention-overlay figures need the full-size "
+                             r"photographs \(or pass --no_figures\).*--keep-originals"):
+        suite._test_images(bare, "test", 2)
+    # with the originals kept, both read the photographs as version 1 does
+    kept = v2_dirs[True]
+    inputs, targets = localise.relation_examples(samples(kept, "test"), SIZE)
+    assert len(inputs) == sum(len(s.relations) for s in samples(kept, "test"))
+    assert [x.shape for x in suite._test_images(kept, "test", 2)] == [
+        (s.height, s.width, 3) for s in samples(kept, "test")[:2]]
+
+
+def test_v2_views_of_another_size_are_refused(model, v2_dirs):
+    from sclaro_jax.data.dataset import DatasetError
+
+    with pytest.raises(DatasetError, match="record 0: sample .* its stored views are 32 px "
+                                           "and the pipeline's image_size is 48"):
+        embedding.embed_dataset(model, v2_dirs[False], "test", image_size=48, progress=False)

@@ -1,13 +1,16 @@
-"""The reference code's image transforms (docs/design.md, section 2), in PIL + numpy.
+"""The reference code's image transforms (docs/design.md, section 2): the geometry, on the host.
 
-Global view: RandomResizedCrop(224, scale=(0.8, 1), ratio=(3/4, 4/3), bicubic),
-ColorJitter(0.2, 0.2, 0.2, 0.05) with p=0.2, GaussianBlur(kernel 9, sigma 0.1-1.5) with p=0.1.
-Object crops and relation regions: Resize(224) + CenterCrop(224), ColorJitter with p=0.2.
+Global view: RandomResizedCrop(224, scale=(0.8, 1), ratio=(3/4, 4/3), bicubic) for training,
+Resize(224) + CenterCrop(224) for evaluation. Object crops and relation regions: Resize(224) +
+CenterCrop(224). The reference's photometric transforms (ColorJitter(0.2, 0.2, 0.2, 0.05) with
+p=0.2 on every view, GaussianBlur(kernel 9, sigma 0.1-1.5) with p=0.1 on the global view) are
+*drawn* here, with the geometry (`sample_params`), and *applied on the accelerator* to the
+uint8 batch (`sclaro_jax.data.photometric`): the host only crops and resamples, and passes each
+sample's draw on as batch fields (`photometric_fields`, `sclaro_jax.data.batch.PHOTOMETRIC`).
 
 Random parameters follow torchvision's algorithms (`RandomResizedCrop.get_params`,
-`ColorJitter.get_params`, `GaussianBlur`) and the jitter operations are the ones torchvision
-applies to PIL images (ImageEnhance brightness/contrast/colour, hue shift in PIL's HSV), so a
-sample looks as it would in the reference pipeline. Differences, on purpose:
+`ColorJitter.get_params`, `GaussianBlur`), in the order the reference draws them (crop, jitter,
+blur), so a sample looks as it would in the reference pipeline. Differences, on purpose:
 - one set of random parameters per sample (`SampleParams`) is shared by the three levels: the
   colour jitter that hits the global view hits that sample's object crops and relation regions
   too (docs/design.md, section 2: "all levels share one per-sample seed");
@@ -21,7 +24,7 @@ import dataclasses
 import math
 
 import numpy as np
-from PIL import Image, ImageEnhance
+from PIL import Image
 
 from sclaro_jax.data import batch as fields
 
@@ -90,85 +93,51 @@ def photometric_fields(params: SampleParams) -> dict:
     return out
 
 
-def resize_centre_crop(img: Image.Image, size: int) -> Image.Image:
+def resize_centre_crop(img: Image.Image, size: int,
+                       photo_size: tuple[int, int] | None = None) -> Image.Image:
     """torchvision's Resize(size, bicubic) + CenterCrop(size), as one resample.
 
     The box handed to PIL is exactly the part of the image that the resized-then-cropped
     output covers (torchvision's output size `int(size * long / short)` and crop offset
     `int(round((new - size) / 2))`), and PIL's filter scale is the same, so the pixels equal
     the two-step result without building the full-size intermediate image.
+
+    `photo_size`: the (width, height) of the photograph `img` is a downscaled copy of (a
+    stored `train_image`): the box is the one the transform takes from the photograph, scaled
+    to `img`, so the view covers the same part of the scene as the photograph's own (the
+    rounded size of the copy would otherwise shift it by up to a pixel of the output).
     """
-    w, h = img.size
+    w, h = photo_size or img.size
     if w <= h:
         new_w, new_h = size, int(size * h / w)
     else:
         new_w, new_h = int(size * w / h), size
     top, left = int(round((new_h - size) / 2.0)), int(round((new_w - size) / 2.0))
-    sx, sy = w / new_w, h / new_h
+    sx, sy = img.size[0] / new_w, img.size[1] / new_h
     box = (left * sx, top * sy, (left + size) * sx, (top + size) * sy)
     return img.resize((size, size), Image.BICUBIC, box=box)
 
 
-def adjust_hue(img: Image.Image, factor: float) -> Image.Image:
-    """torchvision's PIL hue shift: add int(factor*255) (mod 256) to PIL's HSV hue channel."""
-    if factor == 0:
-        return img
-    h, s, v = img.convert("HSV").split()
-    np_h = np.asarray(h, dtype=np.uint8) + np.uint8(int(factor * 255) % 256)
-    return Image.merge("HSV", (Image.fromarray(np_h, "L"), s, v)).convert("RGB")
-
-
-def color_jitter(img: Image.Image, ops) -> Image.Image:
-    if not ops:
-        return img
-    for op, factor in ops:
-        if op == 0:
-            img = ImageEnhance.Brightness(img).enhance(factor)
-        elif op == 1:
-            img = ImageEnhance.Contrast(img).enhance(factor)
-        elif op == 2:
-            img = ImageEnhance.Color(img).enhance(factor)
-        else:
-            img = adjust_hue(img, factor)
-    return img
-
-
-def gaussian_blur(x: np.ndarray, sigma: float, kernel_size: int = 9) -> np.ndarray:
-    """torchvision GaussianBlur on a uint8 HWC array: separable kernel, reflect padding."""
-    half = (kernel_size - 1) * 0.5
-    t = np.linspace(-half, half, kernel_size)
-    k = np.exp(-0.5 * (t / sigma) ** 2)
-    k = (k / k.sum()).astype(np.float32)
-    r = kernel_size // 2
-    f = np.pad(x.astype(np.float32), ((r, r), (r, r), (0, 0)), mode="reflect")
-    h, w = x.shape[:2]
-    rows = sum(k[i] * f[i:i + h] for i in range(kernel_size))
-    out = sum(k[i] * rows[:, i:i + w] for i in range(kernel_size))
-    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
-
-
-def global_view(img: Image.Image, params: SampleParams, size: int) -> np.ndarray:
-    """Global level: RandomResizedCrop (train) or Resize + CenterCrop (eval), then jitter, blur."""
+def global_view(img: Image.Image, params: SampleParams, size: int,
+                photo_size: tuple[int, int] | None = None) -> np.ndarray:
+    """Global level: RandomResizedCrop of `params.crop` (train; crop, then resize, as
+    torchvision does) or Resize + CenterCrop (eval; `photo_size` as in `resize_centre_crop`)."""
     if params.crop is not None:
-        view = img.crop(params.crop).resize((size, size), Image.BICUBIC)
-    else:
-        view = resize_centre_crop(img, size)
-    view = np.asarray(color_jitter(view, params.jitter))
-    if params.blur_sigma is not None:
-        view = gaussian_blur(view, params.blur_sigma)
-    return view
+        return np.asarray(img.crop(params.crop).resize((size, size), Image.BICUBIC))
+    return np.asarray(resize_centre_crop(img, size, photo_size))
 
 
-def region_view(img: Image.Image, box, params: SampleParams, size: int) -> np.ndarray:
+def region_view(img: Image.Image, box, size: int) -> np.ndarray:
     """Object crop / relation region: crop `box` (PIL rounds it; None = the whole image), then
-    Resize(size) + CenterCrop(size), then the sample's colour jitter."""
-    view = resize_centre_crop(img if box is None else img.crop(box), size)
-    return np.asarray(color_jitter(view, params.jitter))
+    Resize(size) + CenterCrop(size)."""
+    return np.asarray(resize_centre_crop(img if box is None else img.crop(box), size))
 
 
-def canvas_view(img: Image.Image, box, params: SampleParams, size: int) -> np.ndarray:
-    """The reference code's object view: the crop pasted on a black canvas the image's size."""
+def canvas_view(img: Image.Image, box, size: int,
+                photo_size: tuple[int, int] | None = None) -> np.ndarray:
+    """The reference code's object view: the crop pasted on a black canvas the image's size,
+    then Resize + CenterCrop (`photo_size` as in `resize_centre_crop`)."""
     canvas = Image.new("RGB", img.size)
     box = tuple(int(round(v)) for v in box)
     canvas.paste(img.crop(box), box[:2])
-    return region_view(canvas, None, params, size)
+    return np.asarray(resize_centre_crop(canvas, size, photo_size))

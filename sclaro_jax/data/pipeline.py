@@ -6,10 +6,16 @@
     batch = next(it)             # dict of numpy arrays, the same shapes every step
     state = it.get_state()       # bytes; `it.set_state(state)` resumes exactly there
 
-Per sample (one record): decode the image once; draw one set of augmentation parameters that
-the three levels share (`augment.sample_params`); global view = RandomResizedCrop etc.; object
-views = box crops (or the reference's black-canvas paste); relation views = the stored
-focused-region images; Resize + CenterCrop to `image_size`; texts tokenised with the CLIP BPE
+Per sample (one record), on the host: geometry only. One set of augmentation parameters per
+sample, shared by its three levels (`augment.sample_params`, drawn with Grain's per-record rng
+from the seed and the record's position). Version-2 records (stored views): the global view is
+RandomResizedCrop (train) or Resize + CenterCrop (eval) of the stored `train_image`; the object
+and relation views are the stored S x S JPEGs, decoded by `collate` straight into the batch
+(`sclaro_jax.data.decode`: simplejpeg when installed, else PIL). Version-1 records (originals):
+every view made from the photograph and the focused regions (box crops or the reference's
+black-canvas paste, Resize + CenterCrop), as before views were stored. The photometric part
+(ColorJitter, GaussianBlur) is applied on the accelerator: each example carries its draw as the
+`batch.PHOTOMETRIC` fields (identity when not training). Texts are tokenised with the CLIP BPE
 (action word, object names, "subject predicate object"), memoised per worker.
 
 Static shapes (`sclaro_jax.data.batch`): objects [B, max_objects, S, S, 3] and relations
@@ -18,7 +24,8 @@ counted (`dropped_objects`, `dropped_relations`; the train step logs their batch
 padding this costs is measured by bench/bench_padding.py.
 
 Pixels come out as uint8 (normalise on the accelerator with `normalize`, i.e.
-`sclaro_jax.ops.normalize`; a quarter of the host-to-device bytes) or, with
+`sclaro_jax.ops.normalize`; a quarter of the host-to-device bytes) or, for evaluation and
+benchmarks (`train=False` only: the photometric augmentation needs uint8), with
 `pixels="float32"`, CLIP-normalised on the host (padding slots are then 0.0).
 
 An image whose action is "" (the VLM gave none; the appendix keeps such images) has
@@ -26,8 +33,9 @@ An image whose action is "" (the VLM gave none; the appendix keeps such images) 
 relation levels and the vision distillation terms, but not the global contrastive loss or the
 text distillation terms, whose student is the action text.
 
-Bad records never stop a run: a record that does not decode, is of another schema version, or
-has a box outside its image or a relation index out of range becomes an example with
+Bad records never stop a run: a record that does not decode (a stored view included), is of
+another schema version, has views of another size, or has a box outside its image or a
+relation index out of range becomes an example with
 `valid=False` and `bad_record=1` (masked out of every loss and summed into the metrics), and the
 worker logs a warning naming the record.
 """
@@ -35,7 +43,6 @@ worker logs a warning naming the record.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 from typing import Sequence
@@ -44,7 +51,7 @@ import grain.python as grain
 import numpy as np
 
 from sclaro_jax import ops
-from sclaro_jax.data import augment, batch as fields, schema
+from sclaro_jax.data import augment, batch as fields, decode, schema
 from sclaro_jax.data.dataset import ShardedDataset, Vocab, open_dataset
 
 log = logging.getLogger(__name__)
@@ -60,18 +67,26 @@ class PipelineConfig:
     # Text length: CLIP's text tower is causal and pools at the EOT token, so padding length
     # does not change any embedding; 32 tokens hold every label we have seen (77 = CLIP's max).
     text_length: int = 32
-    train: bool = True  # augment (train) or deterministic Resize + CenterCrop (eval)
+    train: bool = True  # RandomResizedCrop (train) or deterministic Resize + CenterCrop (eval)
     object_view: str = "crop"  # "crop" (the paper) or "canvas" (the reference code)
-    pixels: str = "uint8"  # "uint8" or "float32" (CLIP-normalised on the host)
-    fast_decode: bool = True  # JPEG relation regions decoded at reduced scale (>= image_size)
+    pixels: str = "uint8"  # "uint8" or, with train=False only, "float32" (CLIP-normalised)
+    fast_decode: bool = True  # v1: JPEG relation regions decoded at reduced scale (>= size)
+    decoder: str = "auto"  # JPEG decoder (`decode.BACKENDS`): simplejpeg when installed
 
     def __post_init__(self):
         if self.object_view not in OBJECT_VIEWS:
             raise ValueError(f"object_view {self.object_view!r} is not one of {OBJECT_VIEWS}")
         if self.pixels not in ("uint8", "float32"):
             raise ValueError(f"pixels {self.pixels!r} is not 'uint8' or 'float32'")
+        if self.pixels == "float32" and self.train:
+            raise ValueError(
+                "pixels='float32' with train=True: photometric augmentation runs on the "
+                "accelerator on uint8 pixels (sclaro_jax.data.photometric), so training "
+                "batches are uint8 (normalise inside the step with `normalize`); float32 "
+                "host normalisation is for evaluation (train=False)")
         if min(self.max_objects, self.max_relations) < 1 or self.text_length < 3:
             raise ValueError("max_objects, max_relations must be >= 1 and text_length >= 3")
+        decode.backend_name(self.decoder)  # ValueError naming an unknown / missing decoder
 
 
 def sample_key(sample_id: str) -> int:
@@ -103,15 +118,92 @@ class _TextTable:
         return np.stack([self._cache[t] for t in texts])
 
 
+def _scaled_box(box, sx: float, sy: float):
+    return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+
+class StoredViews:
+    """One crop level's stored S x S views of a version-2 sample, still encoded: `decode_into`
+    decodes them straight into an array's first len(self) rows (`collate` passes the batch's
+    own rows, so the pixels are written once)."""
+
+    __slots__ = ("data", "whats", "backend")
+
+    def __init__(self, data: Sequence[bytes], whats: Sequence[str], backend: str):
+        self.data, self.whats, self.backend = data, whats, backend
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def decode_into(self, out: np.ndarray) -> np.ndarray:
+        for k, (data, what) in enumerate(zip(self.data, self.whats)):
+            decode.decode_array(data, what, out=out[k], backend=self.backend)
+        return out
+
+    def decode(self, size: int) -> np.ndarray:
+        """uint8 [len(self), size, size, 3]."""
+        return self.decode_into(np.empty((len(self), size, size, 3), np.uint8))
+
+
 def sample_views(sample: schema.Sample, config: PipelineConfig,
                  rng: np.random.Generator | None = None):
     """A decoded record -> (image, params, {"image": global view [S, S, 3], "objects":
-    [O, S, S, 3], "relations": [R, S, S, 3]}), uint8 views at `config.image_size` of the first
-    `max_objects` objects and `max_relations` relation regions, augmented with `rng` when
-    `config.train`; the image (PIL) and the `augment.SampleParams` come back too, for callers
-    that make more views of the same image (the evaluators' union boxes). Raises
-    `schema.RecordError` for an undecodable image."""
-    img = schema.decode_image(sample.image, f"sample {sample.id!r}: image",
+    [O, S, S, 3], "relations": [R, S, S, 3]}): uint8 views at `config.image_size` of the first
+    `max_objects` objects and `max_relations` relations, the global view randomly cropped with
+    `rng` when `config.train`. Geometry only: the photometric part of `params` is applied on the
+    accelerator (`augment.photometric_fields`).
+
+    Version-2 records: object and relation views are the stored ones (decoded, already S x S);
+    the global view is RandomResizedCrop (train) or Resize + CenterCrop (eval) of the stored
+    `train_image`; with ``object_view="canvas"`` the reference's black-canvas object views are
+    made from the `train_image` with the boxes scaled to it (its shorter side is >= S, so this
+    still only downsamples). Version-1 records: every view made from the originals (the
+    photograph, the relation regions), as before views were stored.
+
+    `image` is the PIL image the global view was made from (v2: the `train_image`, v1: the
+    photograph) and `params` the `augment.SampleParams` (crop drawn on that image's size), for
+    callers that make more views of the same image (the evaluators' union boxes). Raises
+    `schema.RecordError` for an undecodable image or views of another size than S."""
+    if not sample.has_views:
+        return _original_views(sample, config, rng)
+    img, params, views = _stored_views(sample, config, rng)
+    return img, params, {k: v.decode(config.image_size) if isinstance(v, StoredViews) else v
+                         for k, v in views.items()}
+
+
+def _stored_views(sample: schema.Sample, config: PipelineConfig, rng):
+    """`sample_views` of a version-2 record, with the stored views left as `StoredViews`."""
+    size, where, backend = config.image_size, f"sample {sample.id!r}", config.decoder
+    if sample.view_size != size:
+        raise schema.RecordError(
+            f"{where}: its stored views are {sample.view_size} px and the pipeline's image_size "
+            f"is {size}: convert the dataset with `python -m data_prep reshard --image-size "
+            f"{size}` (dataset.check_view_size names the command)")
+    width, height = schema.train_image_size(sample.width, sample.height, sample.view_size)
+    params = augment.sample_params(rng, width, height, train=config.train)
+    img = decode.decode_image(sample.train_image, f"{where}: train_image", size=(width, height),
+                              backend=backend)
+    objects = sample.objects[:config.max_objects]
+    relations = sample.relations[:config.max_relations]
+    photo = (sample.width, sample.height)
+    if config.object_view == "crop":
+        obj_views = StoredViews([o.view for o in objects],
+                                [f"{where}: object {k} ({o.name!r}) view"
+                                 for k, o in enumerate(objects)], backend)
+    else:
+        sx, sy = width / sample.width, height / sample.height
+        obj_views = np.empty((len(objects), size, size, 3), np.uint8)
+        for k, o in enumerate(objects):
+            obj_views[k] = augment.canvas_view(img, _scaled_box(o.box, sx, sy), size, photo)
+    rel_views = StoredViews([r.view for r in relations],
+                            [f"{where}: relation {k} ({r.text!r}) view"
+                             for k, r in enumerate(relations)], backend)
+    return img, params, {"image": augment.global_view(img, params, size, photo),
+                         "objects": obj_views, "relations": rel_views}
+
+
+def _original_views(sample: schema.Sample, config: PipelineConfig, rng):
+    img = schema.decode_image(schema.original_image(sample), f"sample {sample.id!r}: image",
                               size=(sample.width, sample.height))
     params = augment.sample_params(rng, *img.size, train=config.train)
     size = config.image_size
@@ -120,19 +212,21 @@ def sample_views(sample: schema.Sample, config: PipelineConfig,
     view = augment.region_view if config.object_view == "crop" else augment.canvas_view
     obj_pixels = np.zeros((len(objects), size, size, 3), np.uint8)
     for k, o in enumerate(objects):
-        obj_pixels[k] = view(img, o.box, params, size)
+        obj_pixels[k] = view(img, o.box, size)
     rel_pixels = np.zeros((len(relations), size, size, 3), np.uint8)
     for k, r in enumerate(relations):
         region = schema.decode_image(r.region, f"sample {sample.id!r}: relation {k} region",
                                      size=img.size,
                                      min_side=size if config.fast_decode else None)
-        rel_pixels[k] = augment.region_view(region, None, params, size)
+        rel_pixels[k] = augment.region_view(region, None, size)
     return img, params, {"image": augment.global_view(img, params, size),
                          "objects": obj_pixels, "relations": rel_pixels}
 
 
 class SampleTransform(grain.RandomMapTransform):
-    """Record bytes -> one example with variable-length object/relation arrays."""
+    """Record bytes -> one example with variable-length object/relation views (arrays, or a
+    version-2 record's `StoredViews`, which `collate` decodes into the batch) and the sample's
+    photometric draw (`augment.photometric_fields`)."""
 
     def __init__(self, config: PipelineConfig, vocab: Vocab):
         self.config = config
@@ -150,7 +244,10 @@ class SampleTransform(grain.RandomMapTransform):
         c = self.config
         sample = schema.decode(record)
         schema.validate(sample, decode_images=False)
-        _, _, views = sample_views(sample, c, rng)
+        if sample.has_views:  # stored views stay encoded until collate decodes them
+            _, params, views = _stored_views(sample, c, rng)
+        else:
+            _, params, views = _original_views(sample, c, rng)
         objects = sample.objects[:c.max_objects]
         relations = sample.relations[:c.max_relations]
         objects_field, relations_field = fields.LEVELS["object"], fields.LEVELS["relation"]
@@ -174,6 +271,7 @@ class SampleTransform(grain.RandomMapTransform):
             fields.BAD_RECORD: np.int32(0),
             fields.DROPPED_OBJECTS: np.int32(len(sample.objects) - len(objects)),
             fields.DROPPED_RELATIONS: np.int32(len(sample.relations) - len(relations)),
+            **augment.photometric_fields(params),
         }
 
 
@@ -185,6 +283,7 @@ def empty_example(config: PipelineConfig) -> dict:
                     fields.ACTION_TOKENS: np.zeros((length,), np.int32),
                     fields.ACTION_LABEL: np.int32(-1), fields.SOURCE: np.int32(-1),
                     fields.SAMPLE_KEY: np.int64(-1), fields.BAD_RECORD: np.int32(1)})
+    example.update({k: np.array(v) for k, v in fields.IDENTITY_PHOTOMETRIC.items()})
     for level in fields.CROP_LEVELS:
         f = fields.LEVELS[level]
         example[f.pixels] = np.zeros((0, size, size, 3), np.uint8)
@@ -193,46 +292,93 @@ def empty_example(config: PipelineConfig) -> dict:
     return example
 
 
-def _put(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copy uint8 views into the batch; float32 batches get them CLIP-normalised
-    (`ops.normalize`), one view at a time while it is in cache (padding stays 0.0, i.e. the
-    mean colour)."""
+def _put(dst: np.ndarray, src) -> None:
+    """Write views (an array, or `StoredViews` decoded in place) into the batch's rows; float32
+    batches get them CLIP-normalised (`ops.normalize`), one view at a time while it is in cache
+    (padding stays 0.0, i.e. the mean colour)."""
     if dst.dtype == np.uint8:
-        dst[...] = src
+        if isinstance(src, StoredViews):
+            src.decode_into(dst)
+        else:
+            dst[...] = src
         return
+    if isinstance(src, StoredViews):
+        src = src.decode(dst.shape[-2])
     for d, x in zip(dst.reshape(-1, *dst.shape[-3:]), src.reshape(-1, *src.shape[-3:])):
         d[...] = ops.normalize(x)
 
 
-def collate(examples: Sequence[dict], config: PipelineConfig) -> dict:
-    """Examples -> one batch with the static shapes of `sclaro_jax.data.batch.batch_shapes`."""
-    b, size, length = len(examples), config.image_size, config.text_length
-    batch = {name: np.stack([e[name] for e in examples]) for name, _ in fields.PER_IMAGE}
-    batch[fields.ACTION_TOKENS] = np.stack([e[fields.ACTION_TOKENS] for e in examples])
-    dtype = np.float32 if config.pixels == "float32" else np.uint8
-    batch[fields.IMAGE] = np.empty((b, size, size, 3), dtype)
-    for i, e in enumerate(examples):
-        _put(batch[fields.IMAGE][i], e[fields.IMAGE])
-    for level, cap in fields.level_caps(config).items():
+def _put_pixels(batch: dict, i: int, example: dict) -> None:
+    _put(batch[fields.IMAGE][i], example[fields.IMAGE])
+    for level in fields.CROP_LEVELS:
         f = fields.LEVELS[level]
-        pixels = np.zeros((b, cap, size, size, 3), dtype)
+        _put(batch[f.pixels][i, :len(example[f.pixels])], example[f.pixels])
+
+
+def collate(examples: Sequence[dict], config: PipelineConfig, *,
+            allocate=np.zeros) -> dict:
+    """Examples -> one batch with the static shapes of `sclaro_jax.data.batch.batch_shapes`.
+
+    Stored views (`StoredViews`) are decoded straight into the batch; an example whose view
+    does not decode becomes `empty_example` (valid=False, bad_record=1; a warning names it).
+    `allocate(shape, dtype)` makes the zero-filled pixel arrays (`Collate` passes Grain's
+    shared memory in worker processes)."""
+    b, size, length = len(examples), config.image_size, config.text_length
+    dtype = np.float32 if config.pixels == "float32" else np.uint8
+    caps = fields.level_caps(config)
+    batch = {fields.IMAGE: allocate((b, size, size, 3), dtype)}
+    for level, cap in caps.items():
+        batch[fields.LEVELS[level].pixels] = allocate((b, cap, size, size, 3), dtype)
+    examples = list(examples)
+    for i, e in enumerate(examples):
+        try:
+            _put_pixels(batch, i, e)
+        except schema.RecordError as err:
+            log.warning("skipping a bad record: %s", err)
+            examples[i] = empty_example(config)
+            for level in caps:
+                batch[fields.LEVELS[level].pixels][i] = 0
+            _put_pixels(batch, i, examples[i])
+    batch.update({name: np.stack([e[name] for e in examples]) for name, _ in fields.PER_IMAGE})
+    batch[fields.ACTION_TOKENS] = np.stack([e[fields.ACTION_TOKENS] for e in examples])
+    for name, dtype, _ in fields.PHOTOMETRIC:
+        batch[name] = np.stack([e[name] for e in examples]).astype(dtype, copy=False)
+    for level, cap in caps.items():
+        f = fields.LEVELS[level]
         tokens = np.zeros((b, cap, length), np.int32)
         labels = np.full((b, cap), -1, np.int32)
         mask = np.zeros((b, cap), bool)
         for i, e in enumerate(examples):
-            n = len(e[f.pixels])
-            _put(pixels[i, :n], e[f.pixels])
+            n = len(e[f.labels])
             tokens[i, :n] = e[f.tokens]
             labels[i, :n] = e[f.labels]
             mask[i, :n] = True
-        batch.update({f.pixels: pixels, f.tokens: tokens, f.labels: labels, f.mask: mask})
+        batch.update({f.tokens: tokens, f.labels: labels, f.mask: mask})
     return batch
+
+
+class Collate:
+    """`collate` as Grain's batch function. In Grain's worker processes Grain asks it
+    (`enable_shared_memory_output`) to allocate the pixel arrays in shared memory, so a batch
+    reaches the training process without being copied again."""
+
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.shared = False
+
+    def enable_shared_memory_output(self) -> None:
+        self.shared = True
+
+    def __call__(self, examples: Sequence[dict]) -> dict:
+        return collate(examples, self.config,
+                       allocate=grain.SharedMemoryArray if self.shared else np.zeros)
 
 
 def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                 config: PipelineConfig = PipelineConfig(), seed: int = 0,
                 shuffle: bool | None = None, num_epochs: int | None = None,
-                worker_count: int = 0, worker_buffer_size: int = 2,
+                worker_count: int = 0, worker_buffer_size: int = 2, read_threads: int = 1,
+                read_buffer: int = 16,
                 shard_options: grain.ShardOptions | None = None) -> grain.DataLoader:
     """A Grain DataLoader over one split; iterate it for batches, checkpoint its iterator.
 
@@ -241,11 +387,22 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
     `shuffle` defaults to True for "train". `num_epochs=None` repeats forever. Augmentation
     randomness is derived from `seed` and the record's position, so it is reproducible and
     restored with the iterator state.
+
+    `worker_count` processes make the batches (0: this process), each keeping
+    `worker_buffer_size` batches ready (in shared memory: a batch of 128 with 8 + 8 views at
+    224 px is 330 MB, so 15 workers hold up to 10 GB); in each, `read_threads` threads read records ahead, at most
+    `read_buffer` of them (`grain.ReadOptions`; Grain's own default of 16 threads and 500
+    records costs CPU per batch, the prefetch queue being scanned for every record, and
+    memory: 500 records of 8 + 8 views are ~230 MB per worker). bench/bench_input.py --tune
+    measures these. The dataset's views must be `config.image_size` px
+    (`ShardedDataset.check_view_size`: a `ViewSizeError` naming the reshard command
+    otherwise).
     """
     if isinstance(dataset, str):
         dataset = open_dataset(dataset)
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
+    dataset.check_view_size(config.image_size)
     source = grain.ArrayRecordDataSource(dataset.paths(split))
     if shard_options is None:
         shard_options = grain.ShardByJaxProcess(drop_remainder=True)
@@ -261,11 +418,13 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
         shuffle=(split == "train") if shuffle is None else shuffle,
         num_epochs=num_epochs, seed=seed)
     operations = [SampleTransform(config, dataset.vocab),
-                  grain.Batch(batch_size, drop_remainder=True,
-                              batch_fn=functools.partial(collate, config=config))]
-    return grain.DataLoader(data_source=source, sampler=sampler, operations=operations,
-                            worker_count=worker_count, worker_buffer_size=worker_buffer_size,
-                            shard_options=shard_options)
+                  grain.Batch(batch_size, drop_remainder=True, batch_fn=Collate(config))]
+    return grain.DataLoader(
+        data_source=source, sampler=sampler, operations=operations,
+        worker_count=worker_count, worker_buffer_size=worker_buffer_size,
+        shard_options=shard_options,
+        read_options=grain.ReadOptions(num_threads=read_threads,
+                                       prefetch_buffer_size=read_buffer))
 
 
 normalize = ops.normalize  # uint8 -> CLIP-normalised float32, inside jit too (README uses it)

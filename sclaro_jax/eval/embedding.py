@@ -2,11 +2,18 @@
 
     emb = embed_dataset(model, "/data/sclaro", "test", image_size=224, cache_dir="/tmp/emb")
 
-Views are training's eval-mode views (`sclaro_jax.data.pipeline` with `train=False`):
-global = Resize + CenterCrop of the image; object = the box crop (`augment.region_view`, or the
-reference's black canvas with ``object_view="canvas"``) + Resize + CenterCrop; relation = the
-stored focused-region image, Resize + CenterCrop; all uint8, CLIP-normalised inside jit
-(`ops.normalize`, as the train step does). Texts are CLIP-BPE tokenised, 32 tokens by default
+Views are training's eval-mode views (`sclaro_jax.data.pipeline.sample_views` with
+`train=False`). Version-2 records (stored views): global = Resize + CenterCrop of the stored
+`train_image`; object and relation = the stored S x S views (with ``object_view="canvas"``
+the reference's black-canvas object views, made from the `train_image`); union boxes (PredCls /
+SGCls) = Resize + CenterCrop of the union of the subject's and object's boxes cut from the
+full-size photograph when the records keep the originals, else from the `train_image` with the
+boxes scaled to it. Version-1 records: global = Resize + CenterCrop of the photograph; object =
+the box crop (`augment.region_view`, or the black canvas) + Resize + CenterCrop; relation = the
+focused-region image, Resize + CenterCrop; union boxes cut from the photograph. All uint8,
+CLIP-normalised inside jit (`ops.normalize`, as the train step does). The stored views must be
+of the requested `image_size` (a `DatasetError` naming the record and the reshard command
+otherwise). Texts are CLIP-BPE tokenised, 32 tokens by default
 as in training (the text tower is causal and pools at EOT, so padding length does not change an
 embedding; only texts longer than 30 BPE tokens are cut). Unlike training, no cap on objects /
 relations per image: every one is evaluated. Every embedding is the level's Linear + LayerNorm
@@ -182,16 +189,29 @@ def _record_views(record: bytes, where: str, config: PipelineConfig
     try:
         sample = schema.decode(record)
         schema.validate(sample, decode_images=False)
-        img, params, views = sample_views(sample, config)
+        img, _, views = sample_views(sample, config)
+        unions = _union_views(sample, img, config.image_size)
     except schema.RecordError as e:
         raise DatasetError(f"{where}: {e}") from None
-    size = config.image_size
-    unions = np.zeros((len(sample.relations), size, size, 3), np.uint8)
-    for k, r in enumerate(sample.relations):
-        box = _union_box(sample.objects[r.subject].box, sample.objects[r.object].box)
-        unions[k] = augment.region_view(img, box, params, size)
     return sample, {"global": views["image"][None], "object": views["objects"],
                     "relation": views["relations"], "union": unions}
+
+
+def _union_views(sample: schema.Sample, img, size: int) -> np.ndarray:
+    """uint8 [R, S, S, 3]: Resize + CenterCrop of the union of each relation's subject and
+    object boxes, cut from the full-size photograph when the record holds it (version 1, or
+    version 2 written with originals), else from the stored `train_image` (`img`, the image
+    `sample_views` made the global view from) with the boxes scaled to it; a small union box
+    is then upsampled from fewer pixels than the photograph had."""
+    if img.size != (sample.width, sample.height) and sample.image is not None:
+        img = schema.decode_image(sample.image, f"sample {sample.id!r}: image",
+                                  size=(sample.width, sample.height))
+    sx, sy = img.size[0] / sample.width, img.size[1] / sample.height
+    unions = np.zeros((len(sample.relations), size, size, 3), np.uint8)
+    for k, r in enumerate(sample.relations):
+        x0, y0, x1, y1 = _union_box(sample.objects[r.subject].box, sample.objects[r.object].box)
+        unions[k] = augment.region_view(img, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), size)
+    return unions
 
 
 def _read_records(ds: ShardedDataset, split: str):

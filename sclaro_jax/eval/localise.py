@@ -121,26 +121,26 @@ def relation_input(image: np.ndarray, sample: schema.Sample, index: int) -> np.n
     return np.where(relation_box_union(sample, index)[..., None], image, 0).astype(np.uint8)
 
 
-_EVAL = augment.SampleParams(None, None, None)
-
-
 def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
                       mask_fn: MaskFn | None = None, max_relations: int | None = None
                       ) -> tuple[np.ndarray, np.ndarray]:
     """(inputs uint8 [N, S, S, 3], targets float32 {0, 1} [N, S, S]) for every relation of
     `samples` (in order, at most `max_relations`), at the encoder's input size S (Resize +
-    CenterCrop evaluation view; the mask resampled the same way and thresholded at 1/2)."""
+    CenterCrop evaluation view; the mask resampled the same way and thresholded at 1/2).
+    Needs the full-size photographs: `schema.MissingOriginalsError` for a version-2 record
+    written without them."""
     inputs, targets = [], []
     for sample in samples:
         if max_relations is not None and len(inputs) >= max_relations:
             break
-        image = np.asarray(schema.decode_image(sample.image, f"sample {sample.id!r} image"))
+        image = np.asarray(schema.decode_image(schema.original_image(sample),
+                                               f"sample {sample.id!r} image"))
         for j in range(len(sample.relations)):
             if max_relations is not None and len(inputs) >= max_relations:
                 break
             mask = relation_mask(sample, j, mask_fn)
             view = augment.region_view(Image.fromarray(relation_input(image, sample, j)), None,
-                                       _EVAL, image_size)
+                                       image_size)
             m = augment.resize_centre_crop(Image.fromarray(mask.astype(np.uint8) * 255, "L"),
                                            image_size)
             inputs.append(view)
@@ -330,7 +330,9 @@ def evaluate_localisation(model, data_dir: str, *, variant: str = "frozen", epoc
                           test_split: str = "test", max_relations: int | None = None,
                           mask_fn: MaskFn | None = None, seed: int = 0) -> dict:
     """Train the relation-localisation decoder on `train_split` of the SCLARO dataset at
-    `data_dir` and score it on `test_split`.
+    `data_dir` and score it on `test_split`. The records must hold the full-size photographs
+    (version 1, or version 2 written with --keep-originals): `schema.MissingOriginalsError`
+    naming the dataset, the sample and the fix otherwise.
 
     `model`: ScenarioCLIP / PyramidCLIP (its `level` pair's vision tower is used), a CLIPPair
     or a vision tower. `image_size` defaults to the tower's configured input size. Returns
@@ -343,8 +345,14 @@ def evaluate_localisation(model, data_dir: str, *, variant: str = "frozen", epoc
             raise LocaliseError("pass image_size: the model has no CLIP config to read it from")
         image_size = cfg.vision.image_size
     kw = dict(mask_fn=mask_fn, max_relations=max_relations)
-    x_train, y_train = relation_examples(read_samples(data_dir, train_split), image_size, **kw)
-    x_test, y_test = relation_examples(read_samples(data_dir, test_split), image_size, **kw)
+    try:
+        x_train, y_train = relation_examples(read_samples(data_dir, train_split), image_size,
+                                             **kw)
+        x_test, y_test = relation_examples(read_samples(data_dir, test_split), image_size, **kw)
+    except schema.MissingOriginalsError as e:
+        raise schema.MissingOriginalsError(
+            f"{data_dir}: relation localisation needs the full-size photographs, which this "
+            f"dataset does not keep: {e}") from None
     if len(x_test) == 0:
         raise LocaliseError(f"{data_dir}: split {test_split!r} has no relations to score")
     loc = train_localiser(tower, x_train, y_train, variant=variant, epochs=epochs,

@@ -83,13 +83,22 @@ def _run_config(workdir: str, config_spec: str | None):
 
 
 def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
+    """The first `count` full-size photographs of a split (the attention overlays);
+    `schema.MissingOriginalsError` naming the dataset when its records do not keep them."""
     from PIL import Image
 
+    from sclaro_jax.data import schema
     from sclaro_jax.eval.embedding import read_samples
 
     out = []
     for sample, _ in zip(read_samples(data_dir, split), range(count)):
-        with Image.open(io.BytesIO(sample.image)) as img:
+        try:
+            data = schema.original_image(sample)
+        except schema.MissingOriginalsError as e:
+            raise schema.MissingOriginalsError(
+                f"{data_dir}: the attention-overlay figures need the full-size photographs "
+                f"(or pass --no_figures): {e}") from None
+        with Image.open(io.BytesIO(data)) as img:
             out.append(np.asarray(img.convert("RGB")))
     return out
 
