@@ -4,9 +4,10 @@ examples/s against the same step on a batch already on the device, and `data_wai
 
     python bench/bench_gpu_real_data.py --workers 15 [--workers 8 ...]
 
-Records: 640x480 JPEG photographs with 8 objects and 8 focused-region JPEGs each (the shards
-`bench_input.py` measures, written to --data if it holds none), 224 px views, texts of 32
-tokens (views at the preset's image size: 224 for ViT-B/32). One process compiles the step once, times it on a fixed device batch, then on
+Records: schema version 2 (stored training views at the preset's image size, 224 px for
+ViT-B/32) of 640x480 JPEG photographs with 8 objects and 8 focused-region JPEGs each (the
+shards `bench_input.py` measures, written to --data if it holds none), texts of 32 tokens;
+the step applies the photometric augmentation the batches carry. One process compiles the step once, times it on a fixed device batch, then on
 batches from `make_loader` for each --workers value (uint8 batches, normalised in the step).
 Run it under `if __name__ == "__main__"` (Grain's workers start with spawn).
 """
@@ -49,13 +50,14 @@ def main():
     from sclaro_jax.models import clip, scenarioclip
     from sclaro_jax.train import core
 
+    size = clip.config_from_preset(args.preset).vision.image_size
     data = args.data or os.path.join(tempfile.mkdtemp(), "shards")
     if not os.path.exists(os.path.join(data, "manifest.json")):
         t0 = time.perf_counter()
-        build_shards(data, args.samples, n_obj=args.objects, n_rel=args.relations)
+        build_shards(data, args.samples, n_obj=args.objects, n_rel=args.relations,
+                     view_size=size)
         print(f"wrote {args.samples} records to {data} in {time.perf_counter() - t0:.1f} s",
               flush=True)
-    size = clip.config_from_preset(args.preset).vision.image_size
     pcfg = PipelineConfig(image_size=size, max_objects=args.objects,
                           max_relations=args.relations, text_length=32)
 

@@ -48,6 +48,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 NAMES = ["person", "dog", "ball", "chair", "table", "cup", "tree", "car"]
 
@@ -56,8 +57,8 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
                  view_size: int | None = None) -> None:
     """Samples with n_obj objects / n_rel relations on 640x480 JPEGs of the demo photographs;
     version-1 records, or with `view_size` version-2 records (views at that size, no
-    originals) made by `data_prep.views.with_views`."""
-    from data_prep import demo, focus, views
+    originals) made by the writer (`data_prep.views.with_views`)."""
+    from data_prep import demo, focus
     from data_prep.shards import ShardWriter
     from sclaro_jax.data import schema
 
@@ -81,7 +82,7 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
                                           demo.box_mask(boxes[b], 640, 480))
             regions.append((a, b, demo.encode_jpeg(region, 90)))
         photos.append((buf.getvalue(), boxes, regions))
-    with ShardWriter(out, records_per_shard=64) as w:
+    with ShardWriter(out, records_per_shard=64, view_size=view_size) as w:
         for i in range(n_samples):
             data, boxes, regions = photos[i % len(photos)]
             objects = tuple(schema.Object(NAMES[(i + k) % len(NAMES)], box)
@@ -94,14 +95,7 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
                                    image=data, width=640, height=480,
                                    action=["playing", "sitting"][i % 2], caption="",
                                    objects=objects, relations=relations, mask_kind="box")
-            w.add(views.with_views(sample, view_size) if view_size else sample)
-    if view_size:  # the manifest fields (for a ShardWriter that does not write them yet)
-        path = os.path.join(out, schema.MANIFEST)
-        with open(path) as f:
-            manifest = json.load(f)
-        manifest.update(schema_version=2, view_size=view_size, originals=False)
-        with open(path, "w") as f:
-            json.dump(manifest, f, indent=2)
+            w.add(sample)  # the writer makes the views (`data_prep.views.with_views`)
 
 
 class ReferenceDataset:

@@ -7,6 +7,7 @@ Rerunning the same command resumes from the newest checkpoint in DIR. With an em
 """
 
 import logging
+import json
 import os
 import sys
 
@@ -69,8 +70,14 @@ def main(argv):
                                  "configs/scenarioclip.py:demo for the bundled demo")
         from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
         data = os.path.join(workdir, "demo_data")
-        if not os.path.exists(os.path.join(data, "manifest.json")):
-            build_demo(data, progress=False)
+        size = config.data.image_size  # the demo's training views are made at the model's size
+        manifest = os.path.join(data, "manifest.json")
+        if not os.path.exists(manifest):
+            build_demo(data, image_size=size, progress=False)
+        else:
+            with open(manifest, encoding="utf-8") as f:
+                if json.load(f).get("view_size") != size:  # written for another image size
+                    build_demo(data, image_size=size, overwrite=True, progress=False)
         with config.unlocked():
             config.data.dir = data
     from sclaro_jax.train.trainer import train

@@ -53,13 +53,17 @@ def rng():
     return np.random.default_rng(0)
 
 
+DEMO_IMAGE_SIZE = 32  # configs/scenarioclip.py:demo's data.image_size
+
+
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory):
-    """The bundled demo dataset written by `data_prep.demo.build_demo` (14 records, 10/1/3)."""
+    """The bundled demo dataset written by `data_prep.demo.build_demo` (14 records, 10/1/3):
+    schema version 2 with originals, training views at the demo config's 32 px."""
     from data_prep.demo import build_demo
 
     folder = tmp_path_factory.mktemp("demo") / "shards"
-    build_demo(str(folder), progress=False)
+    build_demo(str(folder), image_size=DEMO_IMAGE_SIZE, progress=False)
     return str(folder)
 
 

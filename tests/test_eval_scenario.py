@@ -91,7 +91,11 @@ def test_embeddings_shapes_and_metadata(test_emb, demo_dir):
 
 
 def test_embeddings_equal_direct_encoding(model, test_emb, demo_dir):
+    """The demo is schema version 2 with originals: object and relation embeddings are of the
+    stored views, the global one of the train_image's Resize + CenterCrop, the union ones of
+    the photograph's union-box crops."""
     s = samples(demo_dir, "test")[1]
+    assert s.has_views and s.view_size == SIZE and s.has_originals
     img = schema.decode_image(s.image)
     first = int(np.flatnonzero(test_emb.object_image == 1)[0])
     rel0 = int(np.flatnonzero(test_emb.relation_image == 1)[0])
@@ -99,24 +103,24 @@ def test_embeddings_equal_direct_encoding(model, test_emb, demo_dir):
     def enc(level, view):
         return l2(_encode_image(model.pair(level), view[None]))[0]
 
+    def stored(view):
+        return np.asarray(schema.decode_image(view))
+
     for k, o in enumerate(s.objects):
-        crop = augment.region_view(img, o.box, SIZE)
-        np.testing.assert_allclose(test_emb.object_emb[first + k], enc("object", crop),
+        np.testing.assert_allclose(test_emb.object_emb[first + k], enc("object", stored(o.view)),
                                    atol=1e-5)
-    np.testing.assert_allclose(test_emb.global_emb[1],
-                               enc("global", np.asarray(augment.resize_centre_crop(img, SIZE))), atol=1e-5)
+    train_image = schema.decode_image(s.train_image)
+    np.testing.assert_allclose(test_emb.global_emb[1], enc("global", np.asarray(
+        augment.resize_centre_crop(train_image, SIZE, (s.width, s.height)))), atol=1e-5)
     r = s.relations[0]
     a, b = s.objects[r.subject].box, s.objects[r.object].box
     union = (min(a[0], b[0]), min(a[1], b[1]), max(a[2], b[2]), max(a[3], b[3]))
     np.testing.assert_allclose(test_emb.union_emb[rel0],
                                enc("relation", augment.region_view(img, union, SIZE)),
                                atol=1e-5)
-    region = schema.decode_image(r.region, min_side=SIZE)
-    np.testing.assert_allclose(test_emb.relation_emb[rel0],
-                               enc("relation", augment.region_view(region, None, SIZE)),
+    np.testing.assert_allclose(test_emb.relation_emb[rel0], enc("relation", stored(r.view)),
                                atol=1e-5)
-    head = _encode_image(model.pair("object"),
-                         augment.region_view(img, s.objects[0].box, SIZE)[None])
+    head = _encode_image(model.pair("object"), stored(s.objects[0].view)[None])
     np.testing.assert_allclose(test_emb.raw("object")[first], np.asarray(head)[0],
                                rtol=1e-4, atol=1e-4)
 

@@ -35,37 +35,35 @@ def _read(path):
 
 
 def write_v2_dataset(src_dir, out_dir, view_size, *, keep_originals=False):
-    """The records of the version-1 dataset `src_dir` with training views
-    (`data_prep.views.with_views`), written with `ShardWriter`; the manifest's view fields are
-    set here for a ShardWriter that does not write them yet."""
-    with shards.ShardWriter(out_dir) as w:
+    """The records of dataset `src_dir` (with originals) written with `view_size` px training
+    views by `ShardWriter` (which makes them with `data_prep.views.with_views`)."""
+    with shards.ShardWriter(out_dir, view_size=view_size, keep_originals=keep_originals) as w:
         for split in schema.SPLITS:
             for path in open_dataset(src_dir).paths(split):
                 for r in _read(path):
-                    w.add(views.with_views(schema.decode(r), view_size,
-                                           keep_originals=keep_originals))
-    mark_views(out_dir, view_size, keep_originals)
+                    w.add(schema.decode(r))
     return out_dir
 
 
-def mark_views(out_dir, view_size, originals):
-    path = os.path.join(out_dir, schema.MANIFEST)
-    with open(path) as f:
-        manifest = json.load(f)
-    manifest.update(schema_version=2, view_size=view_size, originals=originals)
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+@pytest.fixture(scope="module")
+def v1_dir(tmp_path_factory):
+    """The demo as schema version 1 (originals only; read at 224 px)."""
+    from data_prep.demo import build_demo
+
+    folder = str(tmp_path_factory.mktemp("v1") / "shards")
+    build_demo(folder, image_size=None, progress=False)
+    return folder
 
 
 @pytest.fixture(scope="module")
-def v2_dir(demo_dir, tmp_path_factory):
+def v2_dir(v1_dir, tmp_path_factory):
     """The demo at 64 px stored views, without originals."""
-    return write_v2_dataset(demo_dir, str(tmp_path_factory.mktemp("v2") / "shards"), V2_SIZE)
+    return write_v2_dataset(v1_dir, str(tmp_path_factory.mktemp("v2") / "shards"), V2_SIZE)
 
 
-def _records(demo_dir, split):
+def _records(v1_dir, split):
     out = {}
-    for path in open_dataset(demo_dir).paths(split):
+    for path in open_dataset(v1_dir).paths(split):
         for r in _read(path):
             s = schema.decode(r)
             out[sample_key(s.id)] = s
@@ -81,8 +79,8 @@ def _take(it, n):
 
 
 @pytest.mark.parametrize("which", ["v1", "v2"])
-def test_batches_static_shapes_and_every_field(demo_dir, v2_dir, which):
-    data = demo_dir if which == "v1" else v2_dir
+def test_batches_static_shapes_and_every_field(v1_dir, v2_dir, which):
+    data = v1_dir if which == "v1" else v2_dir
     cfg = CFG if which == "v1" else dataclasses.replace(CFG, image_size=V2_SIZE)
     records = _records(data, "train")
     vocab = open_dataset(data).vocab
@@ -171,10 +169,10 @@ def _assert_close_to_reference(got, ref, what):
 
 
 @pytest.mark.parametrize("size", [96, 224])
-def test_v1_eval_views_equal_torchvision_resize_and_centre_crop(demo_dir, size):
+def test_v1_eval_views_equal_torchvision_resize_and_centre_crop(v1_dir, size):
     cfg = PipelineConfig(max_objects=10, max_relations=8, image_size=size, train=False,
                          fast_decode=False)
-    for s in list(_records(demo_dir, "test").values()):
+    for s in list(_records(v1_dir, "test").values()):
         _, params, v = sample_views(s, cfg)
         assert params == augment.SampleParams(None, None, None)
         img = Image.open(io.BytesIO(s.image)).convert("RGB")
@@ -188,11 +186,11 @@ def test_v1_eval_views_equal_torchvision_resize_and_centre_crop(demo_dir, size):
                                        (s.id, r.text))
 
 
-def test_v2_eval_views_are_close_to_v1_eval_views(demo_dir, v2_dir):
+def test_v2_eval_views_are_close_to_v1_eval_views(v1_dir, v2_dir):
     """Eval views from the stored train_image and views (v2) against the same records' views
     made from the originals (v1), both at 64 px: a few grey levels apart at most (the JPEG
     coding of the stored images, and the global view's resample from the 83 px train_image)."""
-    v1 = _records(demo_dir, "test")
+    v1 = _records(v1_dir, "test")
     for view in ("crop", "canvas"):
         cfg = PipelineConfig(max_objects=10, max_relations=8, image_size=V2_SIZE, train=False,
                              object_view=view)
@@ -211,11 +209,11 @@ def test_v2_eval_views_are_close_to_v1_eval_views(demo_dir, v2_dir):
                 assert diff.mean() < 3.0, (view, s.id, key, diff.mean())
 
 
-def test_fast_jpeg_decode_stays_close_to_full_decode(demo_dir):
+def test_fast_jpeg_decode_stays_close_to_full_decode(v1_dir):
     cfg = PipelineConfig(max_objects=1, max_relations=8, image_size=96, train=False)
     full_cfg = dataclasses.replace(cfg, fast_decode=False)
     n = 0
-    for s in _records(demo_dir, "test").values():
+    for s in _records(v1_dir, "test").values():
         _, _, fast = sample_views(s, cfg)
         _, _, full = sample_views(s, full_cfg)
         n += len(fast["relations"])
@@ -351,9 +349,9 @@ def test_bad_records_are_skipped_and_counted(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("which, worker_count", [("v2", 0), ("v2", 2), ("v1", 0)])
-def test_restored_iterator_yields_exactly_the_same_batches(demo_dir, v2_dir, which,
+def test_restored_iterator_yields_exactly_the_same_batches(v1_dir, v2_dir, which,
                                                            worker_count):
-    data, size = (v2_dir, V2_SIZE) if which == "v2" else (demo_dir, V1_SIZE)
+    data, size = (v2_dir, V2_SIZE) if which == "v2" else (v1_dir, V1_SIZE)
     cfg = PipelineConfig(max_objects=3, max_relations=2, image_size=size)
 
     def loader():
@@ -388,10 +386,10 @@ def test_hosts_read_disjoint_records(v2_dir):
     assert keys[0] | keys[1] == set(_records(v2_dir, "train"))
 
 
-def test_loader_errors_name_the_problem(demo_dir, v2_dir, tmp_path):
+def test_loader_errors_name_the_problem(v1_dir, v2_dir, tmp_path):
     from sclaro_jax.data.dataset import DatasetError
     with pytest.raises(DatasetError, match="no split 'dev'"):
-        make_loader(demo_dir, "dev", 2)
+        make_loader(v1_dir, "dev", 2)
     with pytest.raises(ValueError, match="object_view 'ragged'"):
         PipelineConfig(object_view="ragged")
     with pytest.raises(DatasetError, match="not a SCLARO dataset folder"):
@@ -399,7 +397,7 @@ def test_loader_errors_name_the_problem(demo_dir, v2_dir, tmp_path):
     # views of another size than the model's input: the reshard command, before any batch
     with pytest.raises(ViewSizeError, match=r"takes 336 px images. Convert it: python -m "
                                             r"data_prep reshard .* --image-size 336"):
-        make_loader(demo_dir, "train", 2, config=PipelineConfig(image_size=336))
+        make_loader(v1_dir, "train", 2, config=PipelineConfig(image_size=336))
     with pytest.raises(ViewSizeError, match="64 px training views; the model takes 32 px"):
         make_loader(v2_dir, "train", 2, config=PipelineConfig(image_size=32))
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 
 from sclaro_jax.data import schema
+
+log = logging.getLogger(__name__)
 
 
 class DatasetError(ValueError):
@@ -58,8 +61,8 @@ class ShardedDataset:
 
     @property
     def view_size(self) -> int:
-        """The size of the stored training views (version 1: the reference's 224, made from
-        the originals on the host)."""
+        """The size of the stored training views (version 1: the reference's 224, the largest
+        size its originals are read at on the host)."""
         return int(self.manifest.get("view_size") or schema.LEGACY_VIEW_SIZE)
 
     @property
@@ -68,28 +71,26 @@ class ShardedDataset:
         return self.schema_version == 1 or bool(self.manifest.get("originals"))
 
     def check_view_size(self, image_size: int) -> None:
-        """ViewSizeError naming the reshard command unless the dataset's views are
-        `image_size` px."""
-        if int(image_size) == self.view_size:
+        """ViewSizeError naming the reshard command unless the dataset serves `image_size` px
+        views: a version-2 dataset its stored size; a version-1 dataset (views made from the
+        originals on the host, every epoch) sizes up to the reference's 224 px, at which its
+        records were made and checked; larger sizes convert to stored views first."""
+        image_size = int(image_size)
+        if self.schema_version == 1 and image_size <= self.view_size:
+            log.info("%s is schema version 1: its views are made from the originals on the "
+                     "host; `python -m data_prep reshard` stores them once (faster input)",
+                     self.root)
             return
-        kind = (f"schema version 1 (read at {self.view_size} px)" if self.schema_version == 1
-                else f"{self.view_size} px training views")
+        if image_size == self.view_size:
+            return
+        kind = (f"schema version 1 (originals, read at up to {self.view_size} px)"
+                if self.schema_version == 1 else f"{self.view_size} px training views")
         raise ViewSizeError(
             f"{self.root} holds {kind}; the model takes {image_size} px images. Convert it: "
             f"python -m data_prep reshard --in {self.root} --out {self.root}-{image_size} "
             f"--image-size {image_size}" + (
                 "" if self.has_originals else
                 " (from the dataset it was made from: this one has no originals)"))
-
-    def verify(self) -> None:
-        """Check every shard and vocabulary file against the manifest's sha256."""
-        entries = [s for sp in self.manifest["splits"].values() for s in sp["shards"]]
-        entries += list(self.manifest["vocab"].values())
-        for entry in entries:
-            path = os.path.join(self.root, entry["file"])
-            if schema.file_sha256(path) != entry["sha256"]:
-                raise DatasetError(f"{path}: sha256 does not match {schema.MANIFEST}; the file "
-                                   f"changed after it was written")
 
 
 def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
