@@ -43,7 +43,6 @@ def main():
 
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from bench_input import build_shards
     from sclaro_jax.data.pipeline import PipelineConfig, make_loader

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import shutil
 import sys

@@ -8,7 +8,7 @@ full-size focused regions) into one that also carries, at view size S:
 - each relation's view: Resize(S) + CenterCrop(S) of its focused region;
 - `train_image`: the photograph downscaled to `schema.global_short_side(S)` on its shorter side
   (290 px for 224), from which RandomResizedCrop at S never upsamples.
-Views are JPEGs at `schema.VIEW_QUALITY` without chroma subsampling; the originals are dropped
+Views are JPEGs at `schema.VIEW_QUALITY` with 4:2:0 chroma; the originals are dropped
 unless `keep_originals`. Encoding is deterministic, so the same input gives the same bytes.
 """
 
@@ -24,11 +24,12 @@ from sclaro_jax.data import augment, schema
 
 
 def encode_view(img: Image.Image | np.ndarray, quality: int = schema.VIEW_QUALITY) -> bytes:
-    """A view as JPEG bytes (4:4:4, no optimisation passes: the same bytes every time)."""
+    """A view as JPEG bytes (4:2:0 chroma, `schema.VIEW_SUBSAMPLING`; no optimisation passes:
+    the same bytes every time)."""
     if isinstance(img, np.ndarray):
         img = Image.fromarray(img)
     buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=quality, subsampling=0)
+    img.save(buf, format="JPEG", quality=quality, subsampling=schema.VIEW_SUBSAMPLING)
     return buf.getvalue()
 
 

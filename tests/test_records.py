@@ -76,14 +76,15 @@ def test_demo_round_trip_every_field(demo_dir):
                         ("sources", {s.source for s in seen.values()})):
         assert list(getattr(ds.vocab, key)) == sorted(labels)
     assert ds.manifest["mask_kinds"] == {"box": len(seen)}
-    # schema version 2 with 224 px views, originals kept (the evaluation suite needs them)
-    assert (ds.schema_version, ds.view_size, ds.has_originals) == (2, 224, True)
+    # schema version 2 with the demo config's 32 px views (conftest), originals kept (the
+    # evaluation suite needs them)
+    assert (ds.schema_version, ds.view_size, ds.has_originals) == (2, 32, True)
     assert {k: ds.manifest[k] for k in ("view_size", "originals", "view_quality",
                                         "global_short_side")} == {
-        "view_size": 224, "originals": True, "view_quality": schema.VIEW_QUALITY,
-        "global_short_side": 290}
+        "view_size": 32, "originals": True, "view_quality": schema.VIEW_QUALITY,
+        "global_short_side": 42}
     for s in seen.values():
-        assert s == views.with_views(views.drop_views(s), 224, keep_originals=True)
+        assert s == views.with_views(views.drop_views(s), 32, keep_originals=True)
 
 
 def test_demo_relation_region_is_focused_region_of_box_masks(demo_dir):

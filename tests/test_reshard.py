@@ -133,7 +133,7 @@ def test_views_are_the_host_paths_pixels(data, capsys):
                          f"{max(d.max() for d, _ in items):.0f}")
             if "min_side" not in key:
                 assert mean <= 1.0, lines[-1]
-                assert worst <= 3.0, lines[-1]  # JPEG q95 on a detailed view
+                assert worst <= 3.5, lines[-1]  # 4:2:0 chroma on a detailed view
             else:  # PIL's draft (DCT-scaled) decoding differs by itself: see the last line
                 assert mean <= 1.5, lines[-1]
     with capsys.disabled():
@@ -157,7 +157,8 @@ def test_train_image_never_makes_random_resized_crop_upsample(data, name, size):
         assert abs(w / h - s.width / s.height) < 2 / short_side  # aspect kept
         ref = np.asarray(schema.decode_image(old[sid].image).resize((w, h), Image.BICUBIC),
                          float)
-        assert np.abs(np.asarray(img.convert("RGB"), float) - ref).mean() <= 2.0  # JPEG q95
+        # JPEG q97 with 4:2:0 chroma: the astronaut's fine colour detail costs the most (2.2)
+        assert np.abs(np.asarray(img.convert("RGB"), float) - ref).mean() <= 2.5
         boxes = np.array([augment.random_resized_crop_box(rng, w, h) for _ in range(2000)])
         assert (boxes[:, 2] - boxes[:, 0]).min() >= size
         assert (boxes[:, 3] - boxes[:, 1]).min() >= size

@@ -92,6 +92,16 @@ class ShardedDataset:
                 "" if self.has_originals else
                 " (from the dataset it was made from: this one has no originals)"))
 
+    def verify(self) -> None:
+        """Check every shard and vocabulary file against the manifest's sha256."""
+        entries = [s for sp in self.manifest["splits"].values() for s in sp["shards"]]
+        entries += list(self.manifest["vocab"].values())
+        for entry in entries:
+            path = os.path.join(self.root, entry["file"])
+            if schema.file_sha256(path) != entry["sha256"]:
+                raise DatasetError(f"{path}: sha256 does not match {schema.MANIFEST}; the file "
+                                   f"changed after it was written")
+
 
 def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
     """Read `root/manifest.json` and the vocabularies; DatasetError naming what is wrong."""
