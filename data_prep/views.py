@@ -6,8 +6,8 @@ full-size focused regions) into one that also carries, at view size S:
 - each object's view: Resize(S) + CenterCrop(S) of its box crop (`augment.region_view`'s
   geometry, the reference's object transform before its colour jitter);
 - each relation's view: Resize(S) + CenterCrop(S) of its focused region;
-- `train_image`: the photograph downscaled to `schema.global_short_side(S)` on its shorter side
-  (290 px for 224), from which RandomResizedCrop at S never upsamples.
+- `train_image`: the photograph downscaled to `schema.train_image_size` (the smallest size from
+  which RandomResizedCrop at S never upsamples: 251 x 335 for a 4:3 photograph at 224).
 Views are JPEGs at `schema.VIEW_QUALITY` with 4:2:0 chroma; the originals are dropped
 unless `keep_originals`. Encoding is deterministic, so the same input gives the same bytes.
 """

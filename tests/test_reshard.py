@@ -142,22 +142,28 @@ def test_views_are_the_host_paths_pixels(data, capsys):
 
 @pytest.mark.parametrize("name, size", [("r224", 224), ("r336", 336)])
 def test_train_image_never_makes_random_resized_crop_upsample(data, name, size):
+    """The stored global image is the smallest downscale with area >= S^2 / 0.6 and shorter
+    side >= S, from which RandomResizedCrop boxes are never smaller than S; photographs that
+    are no larger are stored as they are."""
     old = _samples(data["v1"])
     rng = np.random.default_rng(0)
-    short_side = schema.global_short_side(size)
     downscaled = 0
     for sid, s in _samples(data[name]).items():
         img = Image.open(io.BytesIO(s.train_image))
         w, h = img.size
-        if min(s.width, s.height) <= short_side:  # small photographs are stored as they are
+        assert (w, h) == schema.train_image_size(s.width, s.height, size)
+        if (w, h) == (s.width, s.height):  # small photographs are stored as they are
             assert s.train_image == old[sid].image
             continue
         downscaled += 1
-        assert min(w, h) == short_side
-        assert abs(w / h - s.width / s.height) < 2 / short_side  # aspect kept
+        assert min(w, h) >= size and 0.6 * w * h >= size * size
+        smaller = (w - 1, round(h * (w - 1) / w)) if w <= h else (round(w * (h - 1) / h), h - 1)
+        assert min(smaller) < size or 0.6 * smaller[0] * smaller[1] < size * size  # smallest
+        assert abs(w / h - s.width / s.height) < 2 / min(w, h)  # aspect kept
+        assert max(w, h) <= schema.global_short_side(size) * max(w, h) / min(w, h)
         ref = np.asarray(schema.decode_image(old[sid].image).resize((w, h), Image.BICUBIC),
                          float)
-        # JPEG q97 with 4:2:0 chroma: the astronaut's fine colour detail costs the most (2.2)
+        # JPEG q97 with 4:2:0 chroma: the astronaut's fine colour detail costs the most
         assert np.abs(np.asarray(img.convert("RGB"), float) - ref).mean() <= 2.5
         boxes = np.array([augment.random_resized_crop_box(rng, w, h) for _ in range(2000)])
         assert (boxes[:, 2] - boxes[:, 0]).min() >= size

@@ -20,11 +20,13 @@ default, also in the manifest):
 - `objects[k].view`: Resize(S) + CenterCrop(S) of the object's box crop (the reference's
   object transform before its colour jitter), a JPEG;
 - `relations[k].view`: Resize(S) + CenterCrop(S) of the focused region, a JPEG;
-- `train_image`: the photograph downscaled (bicubic, antialiased) so that its shorter side is
-  `global_short_side(S)` = ceil(S / sqrt(0.6)), 290 px for S = 224 (photographs already that
-  small are stored as they are). RandomResizedCrop(S, scale 0.8-1, ratio 3/4-4/3) never
-  upsamples from it: an accepted crop is at least sqrt(0.8 * 3/4 * area) >= sqrt(0.6) * short
-  side >= S on either side, and the fallback crop keeps the whole shorter side.
+- `train_image`: the photograph downscaled (bicubic, antialiased) to the smallest size from
+  which RandomResizedCrop(S, scale 0.8-1, ratio 3/4-4/3) never upsamples
+  (`train_image_size`): an accepted crop is at least sqrt(0.8 * 3/4 * area) on either side and
+  the fallback crop keeps the whole shorter side, so area >= S^2 / 0.6 and shorter side >= S
+  suffice. At S = 224 that is 290 x 290 for a square photograph (`global_short_side`, the
+  largest), 251 x 335 for 4:3 and 224 x 398 for 16:9; smaller photographs are stored as they
+  are.
 - `image` (the original photograph) and `relations[k].region` only when the writer was told to
   keep the originals (`--keep-originals`); otherwise they are None and evaluations that need
   full resolution (localisation, MINER crops) say so.
@@ -118,7 +120,7 @@ class Sample:
     relations: tuple[Relation, ...] = ()
     mask_kind: str = "sam"
     view_size: int | None = None  # v2: S of the stored views; None: originals only (v1)
-    train_image: bytes | None = None  # v2: the photograph at global_short_side(S)
+    train_image: bytes | None = None  # v2: the photograph at train_image_size(w, h, S)
 
     @property
     def has_views(self) -> bool:
@@ -136,22 +138,33 @@ class MissingOriginalsError(RecordError):
 
 
 def global_short_side(view_size: int) -> int:
-    """The shorter side the stored global image is downscaled to for views of `view_size`:
-    ceil(S / sqrt(0.8 * 3/4)), the smallest from which RandomResizedCrop(S, scale 0.8-1,
-    ratio 3/4-4/3) never upsamples whatever the aspect ratio (290 for 224, 434 for 336)."""
+    """The largest shorter side a stored global image gets for views of `view_size`: that of a
+    square photograph, ceil(S / sqrt(0.8 * 3/4)) (290 for 224, 434 for 336); see
+    `train_image_size` (the manifest records it)."""
     return int(math.ceil(view_size / math.sqrt(0.8 * 0.75) - 1e-9))
 
 
 def train_image_size(width: int, height: int, view_size: int) -> tuple[int, int]:
-    """(width, height) of the stored global image of a `width` x `height` photograph:
-    shorter side `global_short_side(view_size)` (rounded aspect), or the photograph's own
-    size when it is already no larger."""
-    short, target = min(width, height), global_short_side(view_size)
-    if short <= target:
+    """(width, height) of the stored global image of a `width` x `height` photograph: the
+    smallest downscale (aspect kept, sides rounded) from which RandomResizedCrop(S, scale
+    0.8-1, ratio 3/4-4/3) never upsamples, or the photograph's own size when it is no larger.
+
+    The rule: every crop RandomResizedCrop accepts has both sides >= sqrt(0.8 * 3/4 * W * H)
+    (before torchvision rounds them) and its fallback keeps the whole shorter side, so
+    W * H >= S^2 / 0.6 and min(W, H) >= S suffice. The shorter side is therefore
+    max(S, S / sqrt(0.6 * long / short)), rounded up: 290 px for a square photograph at
+    S = 224 (`global_short_side`), 251 x 335 for 4:3, 224 x 398 for 16:9."""
+    short, long = sorted((int(width), int(height)))
+    s = int(view_size)
+    if short <= s:
         return int(width), int(height)
-    if width <= height:
-        return target, max(target, int(round(height * target / width)))
-    return max(target, int(round(width * target / height))), target
+    side = max(s, int(math.ceil(s / math.sqrt(0.6 * long / short) - 1e-9)))
+    while side < short and 0.6 * side * round(long * side / short) < s * s:
+        side += 1  # the long side's rounding can take a little area away
+    if side >= short:
+        return int(width), int(height)
+    other = int(round(long * side / short))
+    return (side, other) if width <= height else (other, side)
 
 
 def original_image(sample: Sample) -> bytes:
