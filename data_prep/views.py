@@ -8,7 +8,8 @@ full-size focused regions) into one that also carries, at view size S:
 - each relation's view: Resize(S) + CenterCrop(S) of its focused region;
 - `train_image`: the photograph downscaled to `schema.train_image_size` (the smallest size from
   which RandomResizedCrop at S never upsamples: 251 x 335 for a 4:3 photograph at 224).
-Views are JPEGs at `schema.VIEW_QUALITY` with 4:2:0 chroma; the originals are dropped
+Views are JPEGs at `schema.VIEW_QUALITY` with 4:2:0 chroma (4:4:4 below
+`schema.FULL_CHROMA_BELOW` px); the originals are dropped
 unless `keep_originals`. Encoding is deterministic, so the same input gives the same bytes.
 """
 
@@ -23,13 +24,16 @@ from PIL import Image
 from sclaro_jax.data import augment, schema
 
 
-def encode_view(img: Image.Image | np.ndarray, quality: int = schema.VIEW_QUALITY) -> bytes:
-    """A view as JPEG bytes (4:2:0 chroma, `schema.VIEW_SUBSAMPLING`; no optimisation passes:
-    the same bytes every time)."""
+def encode_view(img: Image.Image | np.ndarray, view_size: int,
+                quality: int = schema.VIEW_QUALITY) -> bytes:
+    """A view (or train_image) for `view_size` px views as JPEG bytes, with the chroma
+    subsampling `schema.view_subsampling(view_size)` and no optimisation passes (the same bytes
+    every time)."""
     if isinstance(img, np.ndarray):
         img = Image.fromarray(img)
     buf = io.BytesIO()
-    img.save(buf, format="JPEG", quality=quality, subsampling=schema.VIEW_SUBSAMPLING)
+    img.save(buf, format="JPEG", quality=quality,
+             subsampling=schema.view_subsampling(view_size))
     return buf.getvalue()
 
 
@@ -40,7 +44,7 @@ def train_image(photo: Image.Image, data: bytes, view_size: int,
     size = schema.train_image_size(*photo.size, view_size)
     if size == photo.size:
         return data
-    return encode_view(photo.resize(size, Image.BICUBIC), quality)
+    return encode_view(photo.resize(size, Image.BICUBIC), view_size, quality)
 
 
 def with_views(sample: schema.Sample, view_size: int = schema.DEFAULT_VIEW_SIZE, *,
@@ -63,14 +67,16 @@ def with_views(sample: schema.Sample, view_size: int = schema.DEFAULT_VIEW_SIZE,
     photo = schema.decode_image(sample.image, f"{where}: image",
                                 size=(sample.width, sample.height))
     objects = tuple(dataclasses.replace(
-        o, view=encode_view(augment.resize_centre_crop(photo.crop(o.box), view_size), quality))
+        o, view=encode_view(augment.resize_centre_crop(photo.crop(o.box), view_size), view_size,
+                            quality))
         for o in sample.objects)
     relations = []
     for k, r in enumerate(sample.relations):
         region = schema.decode_image(r.region, f"{where}: relation {k} ({r.text!r}) region",
                                      size=photo.size)
         relations.append(dataclasses.replace(
-            r, view=encode_view(augment.resize_centre_crop(region, view_size), quality)))
+            r, view=encode_view(augment.resize_centre_crop(region, view_size), view_size,
+                                quality)))
     out = dataclasses.replace(
         sample, view_size=int(view_size), objects=objects, relations=tuple(relations),
         train_image=train_image(photo, sample.image, view_size, quality))

@@ -189,7 +189,7 @@ def test_v1_eval_views_equal_torchvision_resize_and_centre_crop(v1_dir, size):
 def test_v2_eval_views_are_close_to_v1_eval_views(v1_dir, v2_dir):
     """Eval views from the stored train_image and views (v2) against the same records' views
     made from the originals (v1), both at 64 px: a few grey levels apart at most (the JPEG
-    coding of the stored images, and the global view's resample from the 83 px train_image)."""
+    coding of the stored images, and the global view's resample from the small train_image)."""
     v1 = _records(v1_dir, "test")
     for view in ("crop", "canvas"):
         cfg = PipelineConfig(max_objects=10, max_relations=8, image_size=V2_SIZE, train=False,
@@ -206,7 +206,10 @@ def test_v2_eval_views_are_close_to_v1_eval_views(v1_dir, v2_dir):
                 got = batch[key][i][mask].astype(int)
                 want = ref[key] if key == "image" else ref[key][:len(got)]
                 diff = np.abs(got - want)
-                assert diff.mean() < 3.0, (view, s.id, key, diff.mean())
+                # the global view comes from a 64-85 px train_image, whose 4:2:0 JPEG chroma is
+                # at half that (at 224 px the demo's global eval views differ by 1.7 on average)
+                limit = 6.0 if key == "image" else 3.0
+                assert diff.mean() < limit, (view, s.id, key, diff.mean())
 
 
 def test_fast_jpeg_decode_stays_close_to_full_decode(v1_dir):

@@ -267,7 +267,7 @@ def test_v2_round_trip(keep):
                                                                      view=_png_of(32, 31)),)),
      r"relation 0 \('cat sitting on mat'\) view decodes to 32x31, record says 32x32"),
     (lambda s: dataclasses.replace(s, train_image=_png_of(10, 10)),
-     "train_image decodes to 10x10, record says 56x42"),  # 42 = ceil(32 / sqrt(0.6))
+     "train_image decodes to 10x10, record says 48x36"),  # schema.train_image_size(.., 32)
     (lambda s: dataclasses.replace(s, view_size=0), "view_size 0 is not a positive integer"),
     (lambda s: views.drop_originals(views.drop_views(s)),
      r"without training views \(schema version 1\) must hold the original image"),

@@ -62,11 +62,18 @@ SCHEMA_VERSION = 2  # what the writer writes
 READABLE_VERSIONS = (1, 2)
 LEGACY_VIEW_SIZE = 224  # the view size version-1 datasets are read at (the reference's)
 DEFAULT_VIEW_SIZE = 224
-# Stored views are JPEGs at this quality with 4:2:0 chroma (what photographs carry anyway): on
+# Stored views are JPEGs at this quality with 4:2:0 chroma (what photographs carry anyway; small
+# views keep full chroma, `view_subsampling`): on
 # the demo's 143 views 0.91 grey levels mean |diff| from the exact pixels (4:4:4 at 95: 0.82),
 # decoded in 0.25 ms instead of 0.33 ms, the same bytes (bench/README.md, "Input pipeline").
 VIEW_QUALITY = 97
-VIEW_SUBSAMPLING = 2  # PIL's code for 4:2:0
+FULL_CHROMA_BELOW = 160  # views (and their train_image) smaller than this keep 4:4:4 chroma
+
+
+def view_subsampling(view_size: int) -> int:
+    """PIL's JPEG chroma subsampling code for views of `view_size`: 2 (4:2:0) from
+    `FULL_CHROMA_BELOW` px up, else 0 (4:4:4: at 64 px, 4:2:0 costs 3 grey levels mean)."""
+    return 2 if view_size >= FULL_CHROMA_BELOW else 0
 _HEADER = struct.Struct("<H")
 SPLITS = ("train", "val", "test")
 MASK_KINDS = ("sam", "box")
