@@ -83,17 +83,16 @@ def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,
             f"instead")
     shard_sizes = [s["records"] for sp in m["splits"].values() for s in sp["shards"]]
     same_views = ds.schema_version != 1 and ds.view_size == image_size
+    quality = (m.get("view_quality", schema.VIEW_QUALITY) if same_views
+               else schema.VIEW_QUALITY)
     writer = ShardWriter(
         out, records_per_shard=max(shard_sizes, default=0) or 1000, overwrite=overwrite,
         split_rule=m.get("split_rule", {}), view_size=image_size, keep_originals=keep_originals,
-        view_quality=m.get("view_quality", schema.VIEW_QUALITY) if same_views
-        else schema.VIEW_QUALITY, validate_images=False,
+        view_quality=quality, validate_images=False,
         created=m.get("created"),
         manifest_extra={"converted_from": {
             "schema_version": ds.schema_version, "view_size": m.get("view_size"),
             "manifest_sha256": schema.file_sha256(os.path.join(ds.root, schema.MANIFEST))}})
-    quality = (m.get("view_quality", schema.VIEW_QUALITY) if same_views
-               else schema.VIEW_QUALITY)
     convert = functools.partial(_convert, view_size=image_size, keep_originals=keep_originals,
                                 view_quality=quality)
     items = _records(ds, [split for split in schema.SPLITS if split in m["splits"]])

@@ -127,6 +127,12 @@ def global_view(img: Image.Image, params: SampleParams, size: int,
     return np.asarray(resize_centre_crop(img, size, photo_size))
 
 
+def scale_box(box, sx: float, sy: float) -> tuple[float, float, float, float]:
+    """An (x0, y0, x1, y1) box of the photograph on a copy of it scaled by (sx, sy) (a stored
+    `train_image`)."""
+    return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+
+
 def region_view(img: Image.Image, box, size: int) -> np.ndarray:
     """Object crop / relation region: crop `box` (PIL rounds it; None = the whole image), then
     Resize(size) + CenterCrop(size)."""

@@ -118,10 +118,6 @@ class _TextTable:
         return np.stack([self._cache[t] for t in texts])
 
 
-def _scaled_box(box, sx: float, sy: float):
-    return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-
-
 class StoredViews:
     """One crop level's stored S x S views of a version-2 sample, still encoded: `decode_into`
     decodes them straight into an array's first len(self) rows (`collate` passes the batch's
@@ -194,7 +190,7 @@ def _stored_views(sample: schema.Sample, config: PipelineConfig, rng):
         sx, sy = width / sample.width, height / sample.height
         obj_views = np.empty((len(objects), size, size, 3), np.uint8)
         for k, o in enumerate(objects):
-            obj_views[k] = augment.canvas_view(img, _scaled_box(o.box, sx, sy), size, photo)
+            obj_views[k] = augment.canvas_view(img, augment.scale_box(o.box, sx, sy), size, photo)
     rel_views = StoredViews([r.view for r in relations],
                             [f"{where}: relation {k} ({r.text!r}) view"
                              for k, r in enumerate(relations)], backend)
@@ -283,7 +279,7 @@ def empty_example(config: PipelineConfig) -> dict:
                     fields.ACTION_TOKENS: np.zeros((length,), np.int32),
                     fields.ACTION_LABEL: np.int32(-1), fields.SOURCE: np.int32(-1),
                     fields.SAMPLE_KEY: np.int64(-1), fields.BAD_RECORD: np.int32(1)})
-    example.update({k: np.array(v) for k, v in fields.IDENTITY_PHOTOMETRIC.items()})
+    example.update(augment.photometric_fields(augment.SampleParams(None, None, None)))
     for level in fields.CROP_LEVELS:
         f = fields.LEVELS[level]
         example[f.pixels] = np.zeros((0, size, size, 3), np.uint8)

@@ -209,8 +209,8 @@ def _union_views(sample: schema.Sample, img, size: int) -> np.ndarray:
     sx, sy = img.size[0] / sample.width, img.size[1] / sample.height
     unions = np.zeros((len(sample.relations), size, size, 3), np.uint8)
     for k, r in enumerate(sample.relations):
-        x0, y0, x1, y1 = _union_box(sample.objects[r.subject].box, sample.objects[r.object].box)
-        unions[k] = augment.region_view(img, (x0 * sx, y0 * sy, x1 * sx, y1 * sy), size)
+        box = _union_box(sample.objects[r.subject].box, sample.objects[r.object].box)
+        unions[k] = augment.region_view(img, augment.scale_box(box, sx, sy), size)
     return unions
 
 

@@ -190,8 +190,8 @@ def level_inputs(batch: dict) -> dict:
     uint8 pixels get the batch's ColorJitter / GaussianBlur (`data.photometric.augment_batch`,
     when the batch carries the photometric fields), then `ops.normalize`. float32 pixels were
     CLIP-normalised on the host (`PipelineConfig(pixels="float32")`) and are used as they are."""
-    if batch[fields.IMAGE].dtype == jnp.uint8 and photometric.has_fields(batch):
-        batch = photometric.augment_batch(batch)
+    if batch[fields.IMAGE].dtype == jnp.uint8:
+        batch = photometric.augment_batch(batch)  # unchanged without the photometric fields
     valid = batch[fields.VALID]
     has = batch.get(fields.HAS_ACTION)
     out = {}
