@@ -26,7 +26,11 @@ def _describe(manifest: dict) -> str:
 
 
 def _reshard(args) -> int:
+    import logging
+
     from data_prep.reshard import reshard
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
     manifest = reshard(args.src, args.out, image_size=args.image_size,
                        keep_originals=args.keep_originals, overwrite=args.overwrite,
                        progress=not args.no_progress, workers=args.workers)
@@ -237,6 +241,8 @@ def main(argv=None) -> int:
     res.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                      help="processes making the views (default: all %(default)s cores); the "
                           "output does not depend on it")
+    res.add_argument("--verbose", action="store_true",
+                     help="log each shard as it is finished")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command is None:

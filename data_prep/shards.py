@@ -259,6 +259,8 @@ class ShardWriter:
     def _open_shard(self, split: str) -> None:
         if split in self._writers:
             self._writers[split].close()
+            done = self._shards[split][-1]
+            log.info("finished shard %s (%d records)", done["tmp"], done["records"])
         index = len(self._shards[split])
         path = os.path.join(self._tmp, f"{split}-{index:05d}.array_record")
         # group_size:1 keeps every record independently readable: fast random access for Grain.

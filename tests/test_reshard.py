@@ -5,12 +5,10 @@ reruns, and a SIGKILL part-way followed by a rerun."""
 
 import dataclasses
 import io
-import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -204,7 +202,7 @@ def test_cli(data, tmp_path):
     helped = subprocess.run(run + ["--help"], cwd=REPO, capture_output=True, text=True)
     assert helped.returncode == 0
     for flag in ("--in", "--out", "--image-size", "--keep-originals", "--overwrite",
-                 "--workers", "--no-progress"):
+                 "--workers", "--verbose", "--no-progress"):
         assert flag in helped.stdout
     refused = subprocess.run(run + ["--in", data["r224"], "--out", str(tmp_path / "x"),
                                     "--image-size", "336", "--no-progress"],
@@ -227,14 +225,15 @@ def test_sigkill_part_way_then_rerun_gives_the_same_bytes(data, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "data_prep", "reshard", "--in", big, "--out", str(out),
            "--no-progress", "--workers", "2"]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:  # until a shard is complete
-        tmp = [d for d in (os.listdir(out) if out.exists() else []) if d.startswith(".writing-")]
-        if tmp and sum(f.endswith(".array_record") for f in os.listdir(out / tmp[0])) >= 2:
+    # --verbose logs each finished shard; the run is killed the moment a second one is done
+    proc = subprocess.Popen(cmd + ["--verbose"], cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    finished = 0
+    for line in proc.stderr:  # blocks on the pipe until the writer reports a shard
+        finished += "finished shard" in line
+        if finished == 2:
             break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the reshard finished before it could be killed"
+    assert finished == 2 and proc.poll() is None, "the reshard finished before it was killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     left = os.listdir(out)
