@@ -3,6 +3,8 @@ with their own scales, no KD (same recipe otherwise)."""
 
 from configs import scenarioclip  # the repository root is on sys.path (launch/train.py)
 
+VARIANTS = scenarioclip.VARIANTS
+
 
 def get_config(arg: str | None = None):
     c = scenarioclip.get_config(arg)

@@ -11,6 +11,10 @@ import ml_collections
 
 from sclaro_jax.train.core import TrainConfig
 
+# `--config configs/<file>.py:<variant>`: the variants get_config takes ("" = none).
+VARIANTS = {"": "the paper recipe (ViT-B/32, 224 px, batch 128, 12 epochs)",
+            "demo": "minutes on a CPU: tiny model, 32 px, the bundled demo data, 60 steps"}
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
@@ -75,5 +79,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.log_every = 5
         c.checkpoint_every = 20
     elif arg not in (None, ""):
-        raise ValueError(f"unknown config variant {arg!r}; known: demo")
+        raise ValueError(f"unknown config variant {arg!r}; known: "
+                         f"{', '.join(v for v in VARIANTS if v)}")
     return c

@@ -300,6 +300,7 @@ class ShardWriter:
                 final = os.path.join(self._tmp, name)
                 os.replace(shard["tmp"], final)
                 entries.append({"file": name, "records": shard["records"],
+                                "bytes": os.path.getsize(final),
                                 "sha256": schema.file_sha256(final)})
                 files.append(name)
             manifest["splits"][split] = {

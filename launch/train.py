@@ -1,13 +1,17 @@
 """Train ScenarioCLIP or a baseline:
 
-    python launch/train.py --config configs/scenarioclip.py[:ARG] --workdir DIR [--config.x.y=V]
+    python launch/train.py --config configs/scenarioclip.py[:VARIANT] --workdir DIR [--config.x.y=V]
 
-Rerunning the same command resumes from the newest checkpoint in DIR. With an empty
-`config.data.dir`, the `:demo` variant writes the bundled demo shards to DIR/demo_data first.
+Rerunning the same command resumes from the newest checkpoint in DIR. Ctrl-C (SIGINT) or SIGTERM
+stops after the current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose
+config differs in more than the steps, the logging / checkpoint / eval settings, the data folder
+or the sharding is refused unless --allow-config-change. With an empty `config.data.dir`, the
+`:demo` variant writes the bundled demo shards to DIR/demo_data first. User errors print one
+`error:` line (the traceback with --verbose).
 """
 
-import logging
 import json
+import logging
 import os
 import sys
 
@@ -16,9 +20,10 @@ from absl import logging as absl_logging
 import ml_collections
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
-from sclaro_jax.config import load_config  # noqa: E402  (after the path above)
+from sclaro_jax.config import check_override_keys, list_configs, load_config  # noqa: E402
 
 
 def split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
@@ -39,16 +44,45 @@ def split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
 
 def define_flags(spec: str | None, argv: list[str]) -> None:
     """--config (loaded by `sclaro_jax.config.load_config`, then `--config.x.y=V` overrides
-    applied by absl's config_flags to `argv`, the command line without --config) and --workdir."""
+    applied by absl's config_flags to `argv`, the command line without --config), --workdir and
+    the run's switches. Unknown override keys are refused first, naming the closest known."""
     config = ml_collections.ConfigDict() if spec is None else load_config(spec)
+    if spec is not None:
+        check_override_keys(config, argv)
     config_flags.DEFINE_config_dict("config", config, "config file[:variant], e.g. "
                                     "configs/scenarioclip.py:demo (required)", lock_config=True,
                                     sys_argv=argv)
     flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard logs")
+    flags.DEFINE_bool("allow_config_change", False, "continue a run with a config that differs "
+                      "from the one it was started with (both are kept in the workdir)")
+    flags.DEFINE_bool("verify_data", False, "check every shard's sha256 against the manifest "
+                      "before training (the quick size and record-count check always runs)")
+    flags.DEFINE_bool("verbose", False, "print tracebacks for errors")
     flags.mark_flags_as_required(["workdir"])
 
 
 FLAGS = flags.FLAGS
+
+
+def prepare_demo(config, workdir: str) -> None:
+    """An empty config.data.dir with the tiny demo config: the bundled demo in WORKDIR/demo_data,
+    made at the config's image size."""
+    if config.model.preset != "tiny" or config.data.batch_size > 16:
+        raise app.UsageError("config.data.dir is empty: pass --config.data.dir=DIR (a "
+                             "dataset folder from `python -m data_prep`), or use "
+                             "configs/scenarioclip.py:demo for the bundled demo")
+    from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
+    data = os.path.join(workdir, "demo_data")
+    size = config.data.image_size  # the demo's training views are made at the model's size
+    manifest = os.path.join(data, "manifest.json")
+    if not os.path.exists(manifest):
+        build_demo(data, image_size=size, progress=False)
+    else:
+        with open(manifest, encoding="utf-8") as f:
+            if json.load(f).get("view_size") != size:  # written for another image size
+                build_demo(data, image_size=size, overwrite=True, progress=False)
+    with config.unlocked():
+        config.data.dir = data
 
 
 def main(argv):
@@ -63,35 +97,85 @@ def main(argv):
     if config.distributed:  # multi-host: coordinator and process ids from the environment
         import jax
         jax.distributed.initialize()
+    from sclaro_jax.train import trainer
+    trainer.check_workdir(workdir)
     if not config.data.dir:
-        if config.model.preset != "tiny" or config.data.batch_size > 16:
-            raise app.UsageError("config.data.dir is empty: pass --config.data.dir=DIR (a "
-                                 "dataset folder from `python -m data_prep`), or use "
-                                 "configs/scenarioclip.py:demo for the bundled demo")
-        from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
-        data = os.path.join(workdir, "demo_data")
-        size = config.data.image_size  # the demo's training views are made at the model's size
-        manifest = os.path.join(data, "manifest.json")
-        if not os.path.exists(manifest):
-            build_demo(data, image_size=size, progress=False)
-        else:
-            with open(manifest, encoding="utf-8") as f:
-                if json.load(f).get("view_size") != size:  # written for another image size
-                    build_demo(data, image_size=size, overwrite=True, progress=False)
-        with config.unlocked():
-            config.data.dir = data
-    from sclaro_jax.train.trainer import train
-    train(config, workdir)
-    print(f"done: metrics in {os.path.join(workdir, 'metrics.jsonl')}, checkpoints in "
-          f"{os.path.join(workdir, 'checkpoints')}")
+        prepare_demo(config, workdir)
+    state = trainer.train(config, workdir, allow_config_change=FLAGS.allow_config_change,
+                          verify_data=FLAGS.verify_data)
+    import jax
+    steps = trainer.total_steps(config, trainer.open_dataset(config.data.dir).num_records("train"))
+    step = int(jax.device_get(state.step))
+    if step < steps:
+        print(f"stopped at step {step} of {steps}; rerun the same command to continue")
+        return
+    print(f"done: {steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
+          f"checkpoints in {os.path.join(workdir, 'checkpoints')}. Next:\n"
+          f"  evaluate: python -m sclaro_jax.eval.suite --workdir {workdir}\n"
+          f"  export a level for PyTorch: python -m sclaro_jax.train.export --workdir {workdir} "
+          f"--level object --out {os.path.join(workdir, 'export-object')}")
+
+
+# Errors that are the user's to fix: one `error:` line (and the traceback with --verbose).
+def user_errors() -> tuple[type, ...]:
+    from sclaro_jax.data.dataset import DatasetError
+    from sclaro_jax.data.schema import SchemaVersionError
+    from sclaro_jax.train.runs import RunError
+    return (DatasetError, SchemaVersionError, RunError, FileNotFoundError, PermissionError,
+            NotADirectoryError, KeyError, ValueError, flags.Error)
+
+
+def fail(message: str, verbose: bool) -> None:
+    if verbose:
+        import traceback
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _message(e: BaseException) -> str:
+    return e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+
+
+def _underscores(arg: str) -> str:
+    """--allow-config-change -> --allow_config_change (absl's flag names)."""
+    if not arg.startswith("--") or arg.startswith("--config"):
+        return arg
+    name, eq, value = arg[2:].partition("=")
+    return "--" + name.replace("-", "_") + eq + value
+
+
+def cli(args: list[str]) -> None:
+    args = [_underscores(a) for a in args]
+    verbose = "--verbose" in args
+    spec, argv = split_config_spec(args[1:])
+    argv = args[:1] + argv
+    if any(arg in ("-h", "--help", "--helpshort") for arg in argv[1:]):
+        print(__doc__)  # absl's own --help exits with status 1
+        print("Configs and their variants (--config FILE[:VARIANT]):")
+        print("\n".join(list_configs(os.path.relpath(os.path.join(ROOT, "configs")))))
+        print()
+        try:
+            define_flags(spec, argv)
+        except Exception as e:  # noqa: BLE001 (help still prints the flags it can)
+            print(f"(--config {spec}: {_message(e)})")
+            define_flags(None, argv)
+        print(FLAGS.main_module_help())
+        sys.exit(0)
+    try:
+        define_flags(spec, argv)
+        argv = FLAGS(argv)  # parse here, so a bad value is one error line too
+    except flags.Error as e:
+        fail(f"{e}", verbose)
+    except user_errors() as e:
+        fail(_message(e), verbose)
+    try:
+        app.run(main, argv=argv)
+    except SystemExit:
+        raise
+    except user_errors() as e:
+        fail(_message(e), verbose)
 
 
 if __name__ == "__main__":
-    SPEC, ARGV = split_config_spec(sys.argv[1:])
-    ARGV = sys.argv[:1] + ARGV
-    define_flags(SPEC, ARGV)
-    if any(arg in ("-h", "--help", "--helpshort") for arg in ARGV[1:]):
-        print(__doc__)  # absl's own --help exits with status 1
-        print(FLAGS.main_module_help())
-        sys.exit(0)
-    app.run(main, argv=ARGV)
+    cli(sys.argv)

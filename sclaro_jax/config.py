@@ -23,6 +23,13 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
     path, _, variant = spec.partition(":")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"config file not found: {path} (from --config {spec!r})")
+    module = _load_module(path)
+    if not hasattr(module, "get_config"):
+        raise AttributeError(f"{path} defines no get_config(variant)")
+    return module.get_config(variant or None)
+
+
+def _load_module(path: str):
     root = str(Path(path).resolve().parent.parent)
     if root not in sys.path:
         sys.path.insert(0, root)
@@ -30,6 +37,51 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
                                                          path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    if not hasattr(module, "get_config"):
-        raise AttributeError(f"{path} defines no get_config(variant)")
-    return module.get_config(variant or None)
+    return module
+
+
+def list_configs(folder: str) -> list[str]:
+    """One line per config file in `folder` and variant it declares (`VARIANTS`, a dict
+    variant -> description, "" for none): "configs/x.py[:variant]  description"."""
+    lines = []
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".py") or name.startswith("_"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            module = _load_module(path)
+        except Exception as e:  # noqa: BLE001 (listing must not fail on one bad file)
+            lines.append(f"  {path}  (cannot be loaded: {e})")
+            continue
+        doc = (module.__doc__ or "").strip().splitlines()
+        for variant, text in getattr(module, "VARIANTS", {"": ""}).items():
+            spec = f"{path}:{variant}" if variant else path
+            lines.append(f"  {spec:<36} {text if variant else (doc[0] if doc else text)}")
+    return lines
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Every leaf key of a config, dotted ("train.lr")."""
+    keys = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            keys += flat_keys(value, f"{prefix}{key}.")
+        else:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def check_override_keys(config: ml_collections.ConfigDict, argv: list[str]) -> None:
+    """KeyError naming an unknown `--config.x.y=V` key of `argv` and the closest known ones."""
+    import difflib
+
+    known = flat_keys(config)
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        if key in known or any(k.startswith(key + ".") for k in known):
+            continue
+        close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise KeyError(f"unknown config key {key!r} (in {arg}){hint}")

@@ -1,11 +1,21 @@
-"""Open a SCLARO dataset folder (shards + vocabularies + manifest) for reading."""
+"""Open a SCLARO dataset folder (shards + vocabularies + manifest) for reading.
+
+A dataset is identified by the sha256 of its manifest (`ShardedDataset.identity`), which lists
+every file's sha256: a copied or moved folder is the same dataset, a rewritten one is not. The
+Grain data source of a split (`ShardedDataset.source`) carries that identity, not the shards'
+paths, so a data iterator's saved state resumes wherever the folder now lies.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import json
 import logging
 import os
+
+import grain.python as grain
 
 from sclaro_jax.data import schema
 
@@ -51,6 +61,46 @@ class ShardedDataset:
                                f"{sorted(self.manifest['splits'])}")
         return [os.path.join(self.root, s["file"])
                 for s in self.manifest["splits"][split]["shards"]]
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """sha256 of the manifest's bytes: the dataset's content, wherever it lies."""
+        with open(os.path.join(self.root, schema.MANIFEST), "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def source(self, split: str) -> "ShardSource":
+        """The split's records as a Grain data source identified by content, not by path."""
+        return ShardSource(self.paths(split), f"{split}@{self.identity[:16]}")
+
+    def check_files(self, split: str | None = None) -> None:
+        """The quick check of the shards (of `split`, or of every split) against the manifest
+        when a run starts: each file's size (manifests that record it) and record count, read
+        from the file's index. A truncated or partly copied shard raises DatasetError naming
+        it; `verify` hashes every byte."""
+        from array_record.python import array_record_module
+
+        splits = self.manifest["splits"] if split is None else {split: None}
+        for name in splits:
+            for entry in self.manifest["splits"][name]["shards"]:
+                path = os.path.join(self.root, entry["file"])
+                size = os.path.getsize(path)
+                if "bytes" in entry and size != entry["bytes"]:
+                    raise DatasetError(
+                        f"{path} is {size} bytes; {schema.MANIFEST} says {entry['bytes']}: the "
+                        "file is truncated or was changed after it was written. Copy it again "
+                        "from the source dataset (or rebuild the dataset)")
+                try:
+                    reader = array_record_module.ArrayRecordReader(path)
+                    count = reader.num_records()
+                    reader.close()
+                except Exception as e:  # noqa: BLE001 (Riegeli's errors name no file)
+                    raise DatasetError(f"{path} cannot be read as ArrayRecord ({e}); copy it "
+                                       "again from the source dataset") from None
+                if count != entry["records"]:
+                    raise DatasetError(
+                        f"{path} holds {count} readable records; {schema.MANIFEST} says "
+                        f"{entry['records']}: the file is truncated or corrupt. Copy it again "
+                        "from the source dataset (or rebuild the dataset)")
 
     def num_records(self, split: str) -> int:
         return self.manifest["splits"][split]["records"]
@@ -98,9 +148,23 @@ class ShardedDataset:
         entries += list(self.manifest["vocab"].values())
         for entry in entries:
             path = os.path.join(self.root, entry["file"])
+            if not os.path.exists(path):
+                raise DatasetError(f"{path} not found (listed in {schema.MANIFEST})")
             if schema.file_sha256(path) != entry["sha256"]:
                 raise DatasetError(f"{path}: sha256 does not match {schema.MANIFEST}; the file "
                                    f"changed after it was written")
+
+
+class ShardSource(grain.ArrayRecordDataSource):
+    """`grain.ArrayRecordDataSource` whose `repr` (which Grain stores in an iterator's state and
+    checks on restore) is the dataset's content identity instead of a hash of absolute paths."""
+
+    def __init__(self, paths, identity: str):
+        super().__init__(paths)
+        self.identity = identity
+
+    def __repr__(self) -> str:
+        return f"SCLARODataset({self.identity})"
 
 
 def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:

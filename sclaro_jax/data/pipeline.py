@@ -399,7 +399,7 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     dataset.check_view_size(config.image_size)
-    source = grain.ArrayRecordDataSource(dataset.paths(split))
+    source = dataset.source(split)
     if shard_options is None:
         shard_options = grain.ShardByJaxProcess(drop_remainder=True)
     if len(source) < shard_options.shard_count:

@@ -35,7 +35,7 @@ from sclaro_jax.checkpoint import build_model
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
-from sclaro_jax.train import core, resume, sharding
+from sclaro_jax.train import core, resume, runs, sharding
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +71,15 @@ def pipeline_config(config) -> PipelineConfig:
 
 
 def total_steps(config, records: int) -> int:
-    if config.train.steps:
-        return int(config.train.steps)
+    """The run's length: `config.train.steps`, else `epochs` over `records` training records.
+    A batch larger than the split is refused (RunError naming both)."""
     per_epoch = records // config.data.batch_size
     if per_epoch < 1:
-        raise ValueError(f"batch size {config.data.batch_size} exceeds the {records} training "
-                         f"records of {config.data.dir}")
+        raise runs.RunError(
+            f"batch size {config.data.batch_size} exceeds the {records} training records of "
+            f"{config.data.dir}: pass a smaller --config.data.batch_size")
+    if config.train.steps:
+        return int(config.train.steps)
     return int(config.train.epochs * per_epoch)
 
 
@@ -99,95 +102,171 @@ def use_compilation_cache(config, workdir: str) -> str | None:
     return path
 
 
-def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
+def check_workdir(workdir: str) -> None:
+    """RunError naming WORKDIR unless it is (or can be made) a folder this process can write."""
+    try:
+        os.makedirs(workdir, exist_ok=True)
+        probe = os.path.join(workdir, f".write-test-{os.getpid()}")
+        with open(probe, "w", encoding="utf-8"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise runs.RunError(f"cannot write to the workdir {workdir} ({e.strerror or e}); pass a "
+                            "--workdir in a folder you can write") from None
+
+
+def open_training_data(config, *, verify: bool = False):
+    """The dataset of `config.data.dir`, its train shards checked against the manifest (sizes
+    and record counts; every byte's sha256 with `verify`)."""
+    dataset = open_dataset(config.data.dir, verify=verify)
+    dataset.check_files("train")
+    return dataset
+
+
+def train(config, workdir: str, *, progress: bool = True, allow_config_change: bool = False,
+          verify_data: bool = False) -> core.TrainState:
+    """Train (or resume) the run in `workdir`; returns the train state at the last step taken.
+
+    SIGINT / SIGTERM stop it after the current step with a checkpoint (`runs.GracefulStop`): the
+    returned state's step is then below the total. A resumed run whose config differs from
+    WORKDIR/config.json in more than `runs.SAFE_KEYS` is refused (`runs.ConfigDriftError`)
+    unless `allow_config_change`."""
     recipe_keys(config)  # refuse unknown config.train keys before anything is written
-    os.makedirs(workdir, exist_ok=True)
-    use_compilation_cache(config, workdir)
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config.to_json_best_effort(indent=2))  # what `export` rebuilds the model from
-    dataset = open_dataset(config.data.dir)
+    check_workdir(workdir)
+    dataset = open_training_data(config, verify=verify_data)
     steps = total_steps(config, dataset.num_records("train"))
     tcfg = train_config(config, steps)
+    if config.data.batch_size % jax.process_count():
+        raise ValueError(f"batch size {config.data.batch_size} is not divisible by the "
+                         f"{jax.process_count()} hosts")
+    chief = jax.process_index() == 0
+    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    torn = runs.unfinished_checkpoints(folder, remove=chief)
+    manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
+        max_to_keep=config.keep_checkpoints, create=True,
+        enable_async_checkpointing=config.checkpoint_async))
+    start = manager.latest_step() or 0
+    if torn:
+        log.warning("found an unfinished checkpoint (%s, interrupted while it was written); "
+                    "%s", ", ".join(torn), f"resuming from step {start}, the newest complete "
+                    "one" if start else "no complete checkpoint: starting from step 0")
+    unsafe = {}
+    if start:
+        unsafe, safe = runs.config_changes(workdir, config)
+        if unsafe and not allow_config_change:
+            manager.close()
+            runs.refuse_drift(workdir, start, unsafe)
+        for k, (before, now) in {**safe, **unsafe}.items():
+            log.info("config change at step %d: %s %r -> %r", start, k, before, now)
+    use_compilation_cache(config, workdir)
     model = build_model(config)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     mesh = sharding.make_mesh(config.sharding)
     step_fn, state = sharding.jit_step(core.make_train_step(graphdef, tx, tcfg), state, mesh,
                                        config.sharding)
-    if config.data.batch_size % jax.process_count():
-        raise ValueError(f"batch size {config.data.batch_size} is not divisible by the "
-                         f"{jax.process_count()} hosts")
     host_batch = config.data.batch_size // jax.process_count()
     loader = make_loader(dataset, "train", host_batch, config=pipeline_config(config),
                          seed=config.seed, worker_count=config.data.workers)
-    it = iter(loader)
-    manager = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(workdir, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=config.keep_checkpoints, create=True,
-            enable_async_checkpointing=config.checkpoint_async))
-    start = 0
-    if manager.latest_step() is not None:
-        start = manager.latest_step()
+    it = runs.PortableIterator(iter(loader), repr(dataset.source("train")))
+    if start:
+        step_dir = os.path.join(folder, str(start))
+        runs.check_data_state(workdir, start, runs.saved_data_state(step_dir), dataset,
+                              config.data.workers)
         state = resume.restore(manager, start, state, it, tcfg)
         log.info("resumed from %s at step %d", workdir, start)
+    if chief:
+        runs.truncate_logs(workdir, start)
     if start >= steps:
         log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
                  start, steps)
+        manager.close()
         return state
+
+    saved = {start}
 
     def save(step):
         manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=grain.PyGrainCheckpointSave(it)),
             force=True)
+        saved.add(step)
         log.info("checkpoint at step %d %s", step,
                  "started (written in the background)" if config.checkpoint_async else "written")
 
     evals = registry.evaluators(config)
-    writer = _tensorboard(workdir)
-    bar = tqdm(total=steps, initial=start, desc="train", unit="step",
-               disable=not (progress and config.progress_bar))
-    t_last, n_last = time.perf_counter(), 0
+    writer = _tensorboard(workdir) if chief else None
+    bar = None
     wait = DataWait(config.data.workers)
-    with open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") as metrics_file:
-        for step in range(start, steps):
-            t_wait = time.perf_counter()
-            batch = next(it)
-            wait.add(time.perf_counter() - t_wait)
-            state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
-            n_last += config.data.batch_size
-            done = step + 1
-            log_now = done % config.log_every == 0 or done == steps
-            save_now = done % config.checkpoint_every == 0 or done == steps
-            if log_now or save_now:  # never checkpoint a state whose loss is not finite
-                metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                if not np.isfinite(metrics["loss"]):
-                    manager.wait_until_finished()
-                    raise NonFiniteLossError(
-                        f"loss became {metrics['loss']} at step {done}; stopping. The last good "
-                        f"checkpoint (step {manager.latest_step()}) in {workdir}/checkpoints is "
-                        f"intact; lower train.lr or check the data.")
-            if log_now:
-                now = time.perf_counter()
-                metrics.update(step=done, examples_per_sec=n_last / (now - t_last),
-                               data_wait_fraction=wait.fraction(now - t_last, done))
-                t_last, n_last = now, 0
-                metrics_file.write(json.dumps(metrics) + "\n")
-                metrics_file.flush()
-                if writer is not None:
-                    for k, v in metrics.items():
-                        writer.add_scalar(k, v, done)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                                ex_s=f"{metrics['examples_per_sec']:.1f}")
-            bar.update(1)
-            if save_now:
+    done = start
+    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") \
+        if chief else None
+    stop = runs.GracefulStop()
+    try:
+        with stop:
+            log.info("compiling the train step (first step only) ...")
+            t_last, n_last = time.perf_counter(), 0
+            for step in range(start, steps):
+                if stop.requested:
+                    break
+                t_wait = time.perf_counter()
+                batch = next(it)
+                wait.add(time.perf_counter() - t_wait)
+                state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
+                n_last += config.data.batch_size
+                done = step + 1
+                log_now = done % config.log_every == 0 or done == steps
+                save_now = done % config.checkpoint_every == 0 or done == steps
+                if log_now or save_now:  # never checkpoint a state whose loss is not finite
+                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    if not np.isfinite(metrics["loss"]):
+                        raise NonFiniteLossError(
+                            f"loss became {metrics['loss']} at step {done}; stopping. The last "
+                            f"good checkpoint (step {max(saved)}) in {folder} is intact; "
+                            "lower train.lr or check the data.")
+                if done == start + 1:  # the run has started: its config is the one in use
+                    jax.block_until_ready(state.step)
+                    if chief:
+                        runs.write_config(workdir, config, step=start, unsafe=unsafe)
+                        runs.write_run_info(workdir, dataset)
+                    # the rate starts after the compilation
+                    bar = tqdm(total=steps, initial=done, desc="train", unit="step",
+                               disable=not (progress and config.progress_bar and chief))
+                    t_last, n_last = time.perf_counter(), 0
+                    wait.waited = 0.0
+                if log_now and chief:
+                    now = time.perf_counter()
+                    metrics.update(step=done, examples_per_sec=(
+                        n_last / (now - t_last) if n_last else 0.0),
+                        data_wait_fraction=wait.fraction(now - t_last, done))
+                    t_last, n_last = now, 0
+                    metrics_file.write(json.dumps(metrics) + "\n")
+                    metrics_file.flush()
+                    if writer is not None:
+                        for k, v in metrics.items():
+                            writer.add_scalar(k, v, done)
+                    bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                                    ex_s=f"{metrics['examples_per_sec']:.1f}")
+                elif log_now:
+                    t_last, n_last = time.perf_counter(), 0
+                if step > start:
+                    bar.update(1)
+                if save_now:
+                    save(done)
+                _periodic_eval(evals, graphdef, state, done, workdir, chief)
+            if stop.requested and done not in saved:
                 save(done)
-            _periodic_eval(evals, graphdef, state, done, workdir)
-    bar.close()
-    manager.wait_until_finished()
-    manager.close()
-    if writer is not None:
-        writer.close()
+    finally:
+        if bar is not None:
+            bar.close()
+        manager.wait_until_finished()  # a checkpoint in flight completes, whatever happened
+        manager.close()
+        if metrics_file is not None:
+            metrics_file.close()
+        if writer is not None:
+            writer.close()
+    if stop.requested and done < steps:
+        log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
+                    steps, stop.requested)
     return state
 
 
@@ -222,13 +301,17 @@ class DataWait:
         return fraction
 
 
-def _periodic_eval(evals, graphdef, state, step: int, workdir: str) -> None:
+def _periodic_eval(evals, graphdef, state, step: int, workdir: str, chief: bool = True) -> None:
     """Run the evaluators due at `step` on the student; one JSON line per evaluator
     {"step", "evaluator", "split", "results"} appended to WORKDIR/eval.jsonl."""
     due = [ev for ev in evals if ev.every and step % ev.every == 0]
     if not due:
         return
     model = nnx.merge(graphdef, jax.device_get(state.params))
+    if not chief:  # every process evaluates (the arrays may span hosts); one writes
+        for ev in due:
+            ev.run(model)
+        return
     with open(os.path.join(workdir, "eval.jsonl"), "a", encoding="utf-8") as f:
         for ev in due:
             results = dict(ev.run(model))

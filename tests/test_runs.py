@@ -1,0 +1,278 @@
+"""Runs that survive what users do to them: SIGINT / SIGTERM while a checkpoint is written in the
+background, copied workdirs and moved datasets, changed configs, damaged shards, bad flags."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 16
+OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=4",
+             "--config.log_every=2", "--config.train.ema_warmup_steps=6",
+             "--config.progress_bar=False"]
+
+
+def _cmd(workdir, data, cache, *extra):
+    return [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:demo",
+            "--workdir", str(workdir), f"--config.data.dir={data}",
+            f"--config.compilation_cache={cache}", *OVERRIDES, *extra]
+
+
+def _run(cmd, timeout=900):
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def _state(workdir, step=STEPS):
+    import orbax.checkpoint as ocp
+    return ocp.PyTreeCheckpointer().restore(os.path.join(workdir, "checkpoints", str(step),
+                                                         "state"))
+
+
+def _flat(tree):
+    import jax
+    return {jax.tree_util.keystr(p): np.asarray(x)
+            for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _metrics(workdir):
+    return [json.loads(line) for line in open(Path(workdir) / "metrics.jsonl")]
+
+
+def _event_steps(workdir):
+    """(tag, step) of every scalar in the run's TensorBoard event files."""
+    from sclaro_jax.train.runs import _event_records
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    folder = Path(workdir) / "tensorboard"
+    for name in sorted(os.listdir(folder)):
+        data = (folder / name).read_bytes()
+        for start, end in _event_records(data):
+            event = event_pb2.Event()
+            event.ParseFromString(data[start + 12:end - 4])
+            out += [(v.tag, event.step) for v in event.summary.value]
+    return out
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("jax_cache")  # one compilation for every run below
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, demo_dir, cache):
+    workdir = tmp_path_factory.mktemp("run_full")
+    result = _run(_cmd(workdir, demo_dir, cache))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "compiling the train step (first step only)" in result.stderr
+    assert "next:" in result.stdout.lower() and "sclaro_jax.train.export" in result.stdout
+    return workdir
+
+
+def _interrupt(sig, workdir, data, cache):
+    """Start a run, send `sig` as soon as the step-4 checkpoint is being written in the
+    background, and return (the step it stopped at, its stdout, its stderr)."""
+    # A process started in the background of a non-interactive shell inherits SIGINT ignored;
+    # a caught signal is reset to the default at exec, so the child gets SIGINT's default.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(_cmd(workdir, data, cache), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "checkpoint at step 4 started (written in the background)" in line:
+            os.kill(proc.pid, sig)
+            break
+    out, err = proc.communicate(timeout=600)
+    err = "".join(seen) + err
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err and "cannot schedule new futures" not in err, err[-3000:]
+    line = [x for x in out.splitlines() if x.startswith("stopped at step")]
+    assert line, out
+    stopped = int(line[0].split()[3])
+    assert f"stopped at step {stopped} of {STEPS}; rerun the same command to continue" in out
+    assert 4 < stopped < STEPS
+    names = sorted(os.listdir(Path(workdir) / "checkpoints"))
+    assert str(stopped) in names and "4" in names, names  # the one in flight and the final
+    assert not [n for n in names if "tmp" in n], names
+    assert [r["step"] for r in _metrics(workdir)] == list(range(2, stopped + 1, 2))
+    return stopped, out, err
+
+
+def _same_run(workdir, uninterrupted):
+    want, got = _flat(_state(uninterrupted)), _flat(_state(workdir))
+    assert want.keys() == got.keys() and len(want) > 500
+    for k in want:  # student, teacher, optimiser state, step: bit for bit
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    rows, ref = _metrics(workdir), _metrics(uninterrupted)
+    assert [r["step"] for r in rows] == [r["step"] for r in ref]  # each step once
+    assert [r["loss"] for r in rows] == [r["loss"] for r in ref]
+    steps = [s for tag, s in _event_steps(workdir) if tag == "loss"]
+    assert steps == list(range(2, STEPS + 1, 2)), steps
+
+
+def test_sigint_during_a_background_checkpoint_then_a_copied_workdir_and_moved_data(
+        uninterrupted, demo_dir, cache, tmp_path):
+    first, moved = tmp_path / "first", tmp_path / "elsewhere" / "data"
+    stopped, _, err = _interrupt(signal.SIGINT, first, demo_dir, cache)
+    assert "SIGINT received: stopping after the current step" in err
+    # the workdir is copied and the dataset moved: the copy resumes on the moved data
+    copy = tmp_path / "copy"
+    shutil.copytree(first, copy)
+    shutil.copytree(demo_dir, moved)
+    rerun = _run(_cmd(copy, moved, cache))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"resumed from {copy} at step {stopped}" in rerun.stderr
+    assert "config change at step %d: data.dir" % stopped in rerun.stderr
+    _same_run(copy, uninterrupted)
+
+
+def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir, cache,
+                                                        tmp_path):
+    workdir = tmp_path / "run"
+    stopped, _, err = _interrupt(signal.SIGTERM, workdir, demo_dir, cache)
+    assert "SIGTERM received" in err
+    config_before = (workdir / "config.json").read_text()
+    metrics_before = (workdir / "metrics.jsonl").read_text()
+
+    # another learning rate: refused, listing the difference; nothing in the run is touched
+    drift = _run(_cmd(workdir, demo_dir, cache, "--config.train.lr=0.001"))
+    assert drift.returncode == 2
+    assert "Traceback" not in drift.stderr
+    error = drift.stderr.strip().splitlines()
+    assert error[0].startswith("error: ") and f"holds a run at step {stopped}" in error[0]
+    assert "train.lr: 0.0005 in the run, 0.001 now" in drift.stderr
+    assert "--allow-config-change" in drift.stderr
+
+    # another dataset (same files, another manifest): refused, naming both
+    other = tmp_path / "other_data"
+    shutil.copytree(demo_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["note"] = "a different dataset"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    mismatch = _run(_cmd(workdir, other, cache))
+    assert mismatch.returncode == 2 and "Traceback" not in mismatch.stderr
+    last = mismatch.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "was trained on another dataset" in last, last
+    assert f"at {demo_dir} when the run started" in last and str(other) in last
+    assert (workdir / "config.json").read_text() == config_before
+    assert (workdir / "metrics.jsonl").read_text() == metrics_before
+
+    # a checkpoint that never finished (the process died while writing it) is reported
+    torn = workdir / "checkpoints" / f"{stopped + 2}.orbax-checkpoint-tmp-1764560000"
+    torn.mkdir()
+    rerun = _run(_cmd(workdir, demo_dir, cache))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (f"found an unfinished checkpoint ({torn.name}, interrupted while it was written); "
+            f"resuming from step {stopped}, the newest complete one") in rerun.stderr
+    assert "done:" in rerun.stdout
+    _same_run(workdir, uninterrupted)
+
+
+def test_allowed_config_change_keeps_both_configs(tmp_path):
+    from ml_collections import ConfigDict
+
+    from sclaro_jax.train import runs
+
+    old = ConfigDict({"train": {"lr": 5e-4, "steps": 10}, "log_every": 5, "data": {"dir": "a"}})
+    runs.write_config(str(tmp_path), old, step=0, unsafe={})
+    new = ConfigDict({"train": {"lr": 1e-3, "steps": 20}, "log_every": 1, "data": {"dir": "b"}})
+    unsafe, safe = runs.config_changes(str(tmp_path), new)
+    assert unsafe == {"train.lr": (5e-4, 1e-3)}
+    assert safe == {"data.dir": ("a", "b"), "log_every": (5, 1), "train.steps": (10, 20)}
+    runs.write_config(str(tmp_path), new, step=8, unsafe=unsafe)
+    assert json.loads((tmp_path / "config.until-step-8.json").read_text())["train"]["lr"] == 5e-4
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] == 1e-3
+    change = json.loads((tmp_path / "config_changes.jsonl").read_text())
+    assert change == {"step": 8, "changes": {"train.lr": {"before": 5e-4, "after": 1e-3}}}
+
+
+def test_logs_are_cut_back_to_the_resumed_step(tmp_path):
+    from tensorboardX import SummaryWriter
+
+    from sclaro_jax.train import runs
+
+    writer = SummaryWriter(str(tmp_path / "tensorboard"))
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (2, 4, 6, 8):
+            f.write(json.dumps({"step": step, "loss": float(step)}) + "\n")
+            writer.add_scalar("loss", float(step), step)
+        f.write('{"step": 10, "lo')  # torn by a kill
+    writer.close()
+    assert runs.truncate_logs(str(tmp_path), 4) == 2 + 1 + 2
+    assert [r["step"] for r in _metrics(tmp_path)] == [2, 4]
+    assert _event_steps(tmp_path) == [("loss", 2), ("loss", 4)]
+    assert runs.truncate_logs(str(tmp_path), 4) == 0  # nothing left to cut
+
+
+def _error(result):
+    """The one `error:` line of a refused command (and no traceback)."""
+    assert result.returncode == 2, result.stdout[-1000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    lines = [x for x in result.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def test_user_errors_are_one_line(demo_dir, tmp_path):
+    def train(*args, workdir=tmp_path / "w"):
+        return _run([sys.executable, "launch/train.py", "--config",
+                     "configs/scenarioclip.py:demo", "--workdir", str(workdir), *args],
+                    timeout=300)
+
+    line = _error(train("--config.train.lrr=0.1"))
+    assert "unknown config key 'train.lrr'" in line and "did you mean train.lr" in line
+    assert "could not convert string to float: 'fast'" in _error(train("--config.train.lr=fast"))
+
+    big = _error(train(f"--config.data.dir={demo_dir}", "--config.data.batch_size=64"))
+    assert "batch size 64 exceeds the 10 training records" in big
+    assert "--config.data.batch_size" in big
+    assert not (tmp_path / "w" / "config.json").exists()  # a failed attempt writes no config
+
+    missing = _error(train(f"--config.data.dir={tmp_path / 'nowhere'}"))
+    assert "manifest.json not found" in missing and "nowhere" in missing
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    assert f"cannot write to the workdir {blocker / 'run'}" in _error(
+        train(f"--config.data.dir={demo_dir}", workdir=blocker / "run"))
+
+    broken = tmp_path / "truncated"
+    shutil.copytree(demo_dir, broken)
+    shard = broken / "train-00000-of-00003.array_record"
+    data = shard.read_bytes()
+    shard.write_bytes(data[:len(data) // 2])
+    line = _error(train(f"--config.data.dir={broken}"))
+    assert str(shard) in line and "truncated" in line, line
+
+    flipped = tmp_path / "flipped"
+    shutil.copytree(demo_dir, flipped)
+    shard = flipped / "train-00001-of-00003.array_record"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0xFF  # same size, same index: only the hash tells
+    shard.write_bytes(bytes(data))
+    line = _error(train(f"--config.data.dir={flipped}", "--verify-data",
+                        "--config.train.steps=1"))
+    assert str(shard) in line and "sha256 does not match" in line, line
+
+    verbose = train("--config.train.lrr=0.1", "--verbose")
+    assert verbose.returncode == 2 and "Traceback" in verbose.stderr
+
+
+def test_help_lists_the_configs_and_their_variants():
+    result = _run([sys.executable, "launch/train.py", "--help"], timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for spec in ("configs/scenarioclip.py:demo", "configs/pyramidclip.py",
+                 "configs/scenarioclip_nokd.py:demo"):
+        assert spec in result.stdout, result.stdout
+    assert "allow_config_change" in result.stdout and "verify_data" in result.stdout
