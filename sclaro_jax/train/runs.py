@@ -299,15 +299,31 @@ class PortableIterator:
     """A Grain DataLoader iterator as orbax's PyGrain handler sees it, whose `set_state`
     accepts a state saved before dataset identities (the source rewritten to today's)."""
 
-    def __init__(self, iterator, source_repr: str):
+    def __init__(self, iterator, source_repr: str, workers: int = 0):
         self.iterator = iterator
         self.source_repr = source_repr
+        self.workers = workers
+        self._fresh = True  # the worker processes start at the first `next`
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return next(self.iterator)
+        if not (self._fresh and self.workers) or \
+                threading.current_thread() is not threading.main_thread():
+            return next(self.iterator)
+        # Start the worker processes with SIGINT ignored (a disposition they inherit), so Ctrl-C
+        # in a terminal, which reaches the whole process group, stops this process gracefully
+        # instead of killing its workers with KeyboardInterrupt. SIGINT is blocked meanwhile:
+        # one that arrives stays pending and reaches this process's handler once restored.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return next(self.iterator)
+        finally:
+            self._fresh = False
+            signal.signal(signal.SIGINT, previous)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
     def get_state(self) -> bytes:
         return self.iterator.get_state()
@@ -318,6 +334,7 @@ class PortableIterator:
             data["data_source"] = self.source_repr
             state = json.dumps(data, indent=4).encode()
         self.iterator.set_state(state)
+        self._fresh = True
 
     def start_prefetch(self) -> None:
         if hasattr(self.iterator, "start_prefetch"):
