@@ -15,7 +15,9 @@ in the work folder (`vlm.jsonl`, `detect.jsonl`), flushed and fsynced; stage 3 a
 finished records to `records.log` (length + CRC32 framed) and every decision to `status.jsonl`.
 A run that is killed loses at most the chunk in flight; rerunning the same command reads the
 caches, skips every stage result already written (no image is sent to a model twice once its
-result is on disk) and carries on. A torn last line or record is detected and cut off. When all
+result is on disk) and carries on. A torn last line or record is detected and cut off. Cache
+entries are keyed by content (`data_prep.annotate_keys`): an edited reply or changed weights
+redo the stages they feed, and the run says so. When all
 images are done the records are written as shards with `data_prep.shards.write_dataset` (schema
 version 2 with `image_size` px training views; the originals only with `keep_originals`, while
 the work folder's records.log always holds them, so a rerun with another `--image-size` only

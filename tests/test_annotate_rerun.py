@@ -37,12 +37,12 @@ def setup(tmp_path_factory):
                 replies=str(models / "replies.json"), reply_texts=replies)
 
 
-def _args(setup, out, work, replies=None, sam=None, batch_size=2):
+def _args(setup, out, work, replies=None, sam=None, batch_size=2, limit=0):
     return ["annotate", "--root", setup["root"], "--out", str(out), "--work", str(work),
             "--vlm-replies", str(replies or setup["replies"]), "--detector", setup["detector"],
             "--sam", str(sam or setup["sam"]), "--sam-type", "tiny", "--device", "cpu",
             "--box-threshold", "0.05", "--text-threshold", "0.05", "--batch-size",
-            str(batch_size), "--image-size", "32", "--no-progress"]
+            str(batch_size), "--limit", str(limit), "--image-size", "32", "--no-progress"]
 
 
 Result = collections.namedtuple("Result", "returncode stdout stderr log")
@@ -83,105 +83,95 @@ def _lines(work, name) -> list[dict]:
     return [json.loads(line) for line in (work / name).read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def first(setup, tmp_path_factory):
-    from data_prep.__main__ import main
-    base = tmp_path_factory.mktemp("first")
-    assert main(_args(setup, base / "out", base / "work")) == 0
-    summary = json.loads((base / "work" / "summary.json").read_text())
-    assert summary["images_from_cache"] == 0
-    return dict(work=base / "work", records=_records(base / "out"), summary=summary)
-
-
-def _copy_work(first, tmp_path):
-    shutil.copytree(first["work"], tmp_path / "work")
-    return tmp_path / "work"
-
-
 def _cache_files(work) -> dict:
     return {n: (work / n).read_bytes() for n in ("vlm.jsonl", "detect.jsonl", "status.jsonl")}
 
 
-def test_unchanged_rerun_takes_every_image_from_cache(run, setup, first, tmp_path):
-    work = _copy_work(first, tmp_path)
+def _fresh(run, setup, tmp_path, replies_text=None, sam=None):
+    """A first run over chunk 0 (astronaut, chelsea) with its own copy of the replies file."""
+    replies = tmp_path / "replies.json"
+    replies.write_text(json.dumps(replies_text or setup["reply_texts"]))
+    work = tmp_path / "work"
+    proc = run(_args(setup, tmp_path / "out0", work, replies=replies, sam=sam, limit=2))
+    assert "0 images from cache, 2 annotated this run" in proc.stdout, proc.stdout
+    return replies, work, proc
+
+
+def test_unchanged_rerun_takes_every_image_from_cache(run, setup, tmp_path):
+    replies, work, _ = _fresh(run, setup, tmp_path)
     before = _cache_files(work)
-    proc = run(_args(setup, tmp_path / "out", work))
-    kept = first["summary"]["kept"]
-    assert (f"4 images: {kept} kept, {4 - kept} excluded, 0 failed; 4 images from cache, 0 "
-            f"annotated this run") in proc.stdout, proc.stdout
+    proc = run(_args(setup, tmp_path / "out", work, replies=replies, limit=2))
+    assert ("2 images: 2 kept, 0 excluded, 0 failed; 2 images from cache, 0 annotated this "
+            "run") in proc.stdout, proc.stdout
     assert "recomputing" not in proc.log
     assert _cache_files(work) == before  # no model ran
     summary = json.loads((work / "summary.json").read_text())
-    assert summary["images_from_cache"] == 4 and summary["stage_images_this_run"] == {}
-    assert _records(tmp_path / "out") == first["records"]
+    assert summary["images_from_cache"] == 2 and summary["stage_images_this_run"] == {}
+    assert _records(tmp_path / "out") == _records(tmp_path / "out0")
 
 
-def test_an_edited_reply_redoes_its_chunk(run, setup, first, tmp_path):
-    work = _copy_work(first, tmp_path)
-    replies = tmp_path / "replies.json"
-    shutil.copy(setup["replies"], replies)
-    # the same content at another path: still the cache
-    proc = run(_args(setup, tmp_path / "out", work, replies=replies))
-    assert "4 images from cache" in proc.stdout and "recomputing" not in proc.log
+def test_an_edited_reply_redoes_its_chunk(run, setup, tmp_path):
+    replies, work, _ = _fresh(run, setup, tmp_path)
+    moved = tmp_path / "moved.json"  # the same content at another path: still the cache
+    shutil.copy(replies, moved)
+    proc = run(_args(setup, tmp_path / "out1", work, replies=moved, limit=2))
+    assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
     texts = dict(setup["reply_texts"])
-    _, objects, relations = SCENES["coffee"]
-    texts["folder/coffee.jpg"] = scripted_reply("sipping", objects, relations, "a coffee")
-    replies.write_text(json.dumps(texts))  # fixed in place, same path
-    proc = run(_args(setup, tmp_path / "out2", work, replies=replies))
+    _, objects, relations = SCENES["chelsea"]
+    texts["folder/chelsea.jpg"] = scripted_reply("sleeping", objects, relations, "a cat")
+    replies.write_text(json.dumps(texts))  # fixed in place, the first run's path
+    proc = run(_args(setup, tmp_path / "out", work, replies=replies, limit=2))
     assert (f"recomputing stages 1-3 of 1 chunk (2 images): their replies in {replies} "
             f"changed since they were cached") in proc.log, proc.log
-    assert "2 images from cache, 2 annotated this run" in proc.stdout, proc.stdout
-    chunks = [e["chunk"] for e in _lines(work, "vlm.jsonl")]
-    assert sorted(chunks) == [0, 1, 1]  # coffee is in chunk 1 (astronaut, chelsea | coffee, rocket)
-    recs = _records(tmp_path / "out2")
-    assert recs["folder/coffee.jpg"].action == "sipping"
-    assert first["records"]["folder/coffee.jpg"].action == "drinking"
-    assert set(recs) == set(first["records"])
-    for image_id in set(recs) - {"folder/coffee.jpg"}:
-        assert recs[image_id] == first["records"][image_id]
+    assert "0 images from cache, 2 annotated this run" in proc.stdout, proc.stdout
+    assert [e["chunk"] for e in _lines(work, "vlm.jsonl")] == [0, 0]
+    old, new = _records(tmp_path / "out0"), _records(tmp_path / "out")
+    assert old["folder/chelsea.jpg"].action == "resting"
+    assert new["folder/chelsea.jpg"].action == "sleeping"
+    assert new["folder/chelsea.jpg"].caption == "The image shows a cat."
+    assert new["folder/astronaut.jpg"] == old["folder/astronaut.jpg"]
 
 
-def test_changed_sam_weights_redo_stage_3_only(run, setup, first, tmp_path):
+def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
     from data_prep import segment
-    work = _copy_work(first, tmp_path)
     sam = tmp_path / "sam.pth"
-    shutil.copy(setup["sam"], sam)  # moved checkpoint, same bytes: still the cache
-    proc = run(_args(setup, tmp_path / "out", work, sam=sam))
-    assert "4 images from cache" in proc.stdout and "recomputing" not in proc.log
+    shutil.copy(setup["sam"], sam)
+    replies, work, _ = _fresh(run, setup, tmp_path, sam=sam)
+    moved = tmp_path / "moved.pth"  # the same bytes at another path: still the cache
+    shutil.copy(sam, moved)
+    proc = run(_args(setup, tmp_path / "out1", work, replies=replies, sam=moved, limit=2))
+    assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
     before = _cache_files(work)
-    segment.save_tiny_sam(str(sam), seed=1)  # other weights, same path
-    proc = run(_args(setup, tmp_path / "out2", work, sam=sam))
-    assert (f"recomputing stage 3 of 2 chunks (4 images): the SAM weights {sam} changed since "
+    segment.save_tiny_sam(str(sam), seed=1)  # other weights at the first run's path
+    proc = run(_args(setup, tmp_path / "out", work, replies=replies, sam=sam, limit=2))
+    assert (f"recomputing stage 3 of 1 chunk (2 images): the SAM weights {sam} changed since "
             f"they were cached") in proc.log, proc.log
-    assert "0 images from cache, 4 annotated this run" in proc.stdout
+    assert "0 images from cache, 2 annotated this run" in proc.stdout
     after = _cache_files(work)
     assert after["vlm.jsonl"] == before["vlm.jsonl"]  # stages 1 and 2 cached
     assert after["detect.jsonl"] == before["detect.jsonl"]
-    assert len(_lines(work, "status.jsonl")) == 4
+    assert len(_lines(work, "status.jsonl")) == 2
     summary = json.loads((work / "summary.json").read_text())
-    assert summary["stage_images_this_run"] == {"segment": summary["stage_images_this_run"].get(
-        "segment", 0)} and summary["stage_images_this_run"]["segment"] > 0
+    assert set(summary["stage_images_this_run"]) == {"segment"}
 
 
-def test_a_missing_reply_is_an_exclusion(run, setup, first, tmp_path):
+def test_a_missing_reply_is_an_exclusion(run, setup, tmp_path):
     texts = dict(setup["reply_texts"])
     del texts["folder/chelsea.jpg"]
-    replies = tmp_path / "replies.json"
-    replies.write_text(json.dumps(texts))
-    proc = run(_args(setup, tmp_path / "out", tmp_path / "work", replies=replies))
+    replies, work, proc = _fresh(run, setup, tmp_path, replies_text=texts)
     assert (f"image folder/chelsea.jpg: no reply in --vlm-replies {replies}; excluded "
             f"(vlm_no_reply)") in proc.log, proc.log
-    assert "vlm_no_reply 1" in proc.stdout, proc.stdout
-    summary = json.loads((tmp_path / "work" / "summary.json").read_text())
-    assert summary["excluded"] == {"vlm_no_reply": 1, **first["summary"]["excluded"]}
-    assert "folder/chelsea.jpg" not in _records(tmp_path / "out")
+    assert "2 images: 1 kept, 1 excluded, 0 failed" in proc.stdout, proc.stdout
+    assert "  excluded: vlm_no_reply 1" in proc.stdout, proc.stdout
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["excluded"] == {"vlm_no_reply": 1}
+    assert list(_records(tmp_path / "out0")) == ["folder/astronaut.jpg"]
     # the reply supplied later: its chunk is redone and the image annotated
     replies.write_text(json.dumps(setup["reply_texts"]))
-    proc = run(_args(setup, tmp_path / "out2", tmp_path / "work", replies=replies))
+    proc = run(_args(setup, tmp_path / "out", work, replies=replies, limit=2))
     assert "recomputing stages 1-3 of 1 chunk (2 images): their replies" in proc.log
-    summary = json.loads((tmp_path / "work" / "summary.json").read_text())
-    assert summary["excluded"] == first["summary"]["excluded"]
-    assert "folder/chelsea.jpg" in _records(tmp_path / "out2")
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["excluded"] == {} and summary["kept"] == 2
 
 
 def test_an_aborted_first_try_does_not_lock_the_work_folder(run, setup, tmp_path):
@@ -199,12 +189,12 @@ def test_an_aborted_first_try_does_not_lock_the_work_folder(run, setup, tmp_path
     with pytest.raises(RuntimeError, match="out of memory"):
         annotate(cfg, Models(vlm=out_of_memory, detector=None, segmenter=None))
     assert (work / "run.json").exists()
-    proc = run(_args(setup, tmp_path / "out", work, batch_size=2))  # the corrected command
-    assert (f"{work}: an earlier run with other settings (batch_size) finished no chunk; "
-            f"starting over with these settings") in proc.log, proc.log
-    assert "4 images: " in proc.stdout
+    proc = run(_args(setup, tmp_path / "out", work, batch_size=2, limit=2))  # corrected
+    assert (f"{work}: an earlier run with other settings (batch_size, limit) finished no "
+            f"chunk; starting over with these settings") in proc.log, proc.log
+    assert "2 images: " in proc.stdout
     # once a chunk is finished, other settings are refused as before
-    proc = run(_args(setup, tmp_path / "out3", work, batch_size=4), ok=False)
+    proc = run(_args(setup, tmp_path / "out3", work, batch_size=4, limit=2), ok=False)
     assert proc.returncode == 1
     assert "holds caches of a run with other settings (batch_size differ)" in proc.stderr
 
