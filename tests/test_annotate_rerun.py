@@ -93,12 +93,12 @@ def _fresh(run, setup, tmp_path, replies_text=None, sam=None):
     replies.write_text(json.dumps(replies_text or setup["reply_texts"]))
     work = tmp_path / "work"
     proc = run(_args(setup, tmp_path / "out0", work, replies=replies, sam=sam, limit=2))
-    assert "0 images from cache, 2 annotated this run" in proc.stdout, proc.stdout
     return replies, work, proc
 
 
 def test_unchanged_rerun_takes_every_image_from_cache(run, setup, tmp_path):
-    replies, work, _ = _fresh(run, setup, tmp_path)
+    replies, work, proc = _fresh(run, setup, tmp_path)
+    assert "0 images from cache, 2 annotated this run" in proc.stdout, proc.stdout
     before = _cache_files(work)
     proc = run(_args(setup, tmp_path / "out", work, replies=replies, limit=2))
     assert ("2 images: 2 kept, 0 excluded, 0 failed; 2 images from cache, 0 annotated this "
@@ -112,10 +112,6 @@ def test_unchanged_rerun_takes_every_image_from_cache(run, setup, tmp_path):
 
 def test_an_edited_reply_redoes_its_chunk(run, setup, tmp_path):
     replies, work, _ = _fresh(run, setup, tmp_path)
-    moved = tmp_path / "moved.json"  # the same content at another path: still the cache
-    shutil.copy(replies, moved)
-    proc = run(_args(setup, tmp_path / "out1", work, replies=moved, limit=2))
-    assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
     texts = dict(setup["reply_texts"])
     _, objects, relations = SCENES["chelsea"]
     texts["folder/chelsea.jpg"] = scripted_reply("sleeping", objects, relations, "a cat")
@@ -130,6 +126,10 @@ def test_an_edited_reply_redoes_its_chunk(run, setup, tmp_path):
     assert new["folder/chelsea.jpg"].action == "sleeping"
     assert new["folder/chelsea.jpg"].caption == "The image shows a cat."
     assert new["folder/astronaut.jpg"] == old["folder/astronaut.jpg"]
+    moved = tmp_path / "moved.json"  # the same content at another path: still the cache
+    shutil.copy(replies, moved)
+    proc = run(_args(setup, tmp_path / "out1", work, replies=moved, limit=2))
+    assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
 
 
 def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
@@ -137,10 +137,6 @@ def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
     sam = tmp_path / "sam.pth"
     shutil.copy(setup["sam"], sam)
     replies, work, _ = _fresh(run, setup, tmp_path, sam=sam)
-    moved = tmp_path / "moved.pth"  # the same bytes at another path: still the cache
-    shutil.copy(sam, moved)
-    proc = run(_args(setup, tmp_path / "out1", work, replies=replies, sam=moved, limit=2))
-    assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
     before = _cache_files(work)
     segment.save_tiny_sam(str(sam), seed=1)  # other weights at the first run's path
     proc = run(_args(setup, tmp_path / "out", work, replies=replies, sam=sam, limit=2))
@@ -153,6 +149,10 @@ def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
     assert len(_lines(work, "status.jsonl")) == 2
     summary = json.loads((work / "summary.json").read_text())
     assert set(summary["stage_images_this_run"]) == {"segment"}
+    moved = tmp_path / "moved.pth"  # the same bytes at another path: still the cache
+    shutil.copy(sam, moved)
+    proc = run(_args(setup, tmp_path / "out1", work, replies=replies, sam=moved, limit=2))
+    assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
 
 
 def test_a_missing_reply_is_an_exclusion(run, setup, tmp_path):
