@@ -122,6 +122,7 @@ def _view_flags(parser: argparse.ArgumentParser, keep_default: bool) -> None:
 
 
 def main(argv=None) -> int:
+    from data_prep.vlm import REPLY_IDS
     parser = argparse.ArgumentParser(
         prog="python -m data_prep",
         description="SCLARO annotation pipeline: annotate images, curate labels, write shards.")
@@ -148,7 +149,10 @@ def main(argv=None) -> int:
         "Stage 1: the VLM's action, objects, relation triplets and caption. Stage 2: "
         "GroundingDINO boxes (thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: SAM masks and a "
         "focused-region image per relation. Results are cached per chunk in the work folder: a "
-        "killed run continues where it stopped.")
+        "killed run continues where it stopped. The caches are keyed by content: an edited "
+        "reply redoes its chunk, changed GroundingDINO / SAM / VLM weight files redo their "
+        "stage and the later ones (each file's sha256, remembered in WORK/hashes.json by path, "
+        "size, mtime and ctime); the run says what it redoes and why.")
     ann.add_argument("--source", default="folder",
                      choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015"),
                      help="layout of --root (default: a plain folder of images)")
@@ -162,9 +166,13 @@ def main(argv=None) -> int:
                                                "(transformers layout), e.g. Ovis-Gemma 9B")
     ann.add_argument("--vlm-trust-remote-code", action="store_true",
                      help="allow the VLM folder's own Python code (Ovis needs it)")
-    ann.add_argument("--vlm-replies", default="",
-                     help="instead of --vlm: a JSON file {image id: reply} of VLM replies "
-                          "obtained elsewhere")
+    ann.add_argument("--vlm-replies", default="", metavar="FILE",
+                     help="instead of --vlm: a JSON file {image id: reply text} of VLM replies "
+                          "obtained elsewhere, keyed by the source's image ids: "
+                          + "; ".join(f"{k}: {v}" for k, v in REPLY_IDS.items()).replace(
+                              "%", "%%")
+                          + ". An image without a reply is excluded (vlm_no_reply); a file "
+                            "that names none of the images is refused")
     ann.add_argument("--detector", default="",
                      help="local folder of a GroundingDINO model and processor "
                           "(save_pretrained layout, e.g. grounding-dino-base)")

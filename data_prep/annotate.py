@@ -15,7 +15,9 @@ in the work folder (`vlm.jsonl`, `detect.jsonl`), flushed and fsynced; stage 3 a
 finished records to `records.log` (length + CRC32 framed) and every decision to `status.jsonl`.
 A run that is killed loses at most the chunk in flight; rerunning the same command reads the
 caches, skips every stage result already written (no image is sent to a model twice once its
-result is on disk) and carries on. A torn last line or record is detected and cut off. When all
+result is on disk) and carries on. A torn last line or record is detected and cut off. Cache
+entries are keyed by content (`data_prep.annotate_keys`): an edited reply or changed weights
+redo the stages they feed, and the run says so. When all
 images are done the records are written as shards with `data_prep.shards.write_dataset` (schema
 version 2 with `image_size` px training views; the originals only with `keep_originals`, while
 the work folder's records.log always holds them, so a rerun with another `--image-size` only
@@ -36,12 +38,12 @@ import numpy as np
 from PIL import Image
 from tqdm import tqdm
 
+from data_prep.annotate_keys import (HashMemo, StageInputs, check_run_key, config_key,
+                                     replies_for)
 from data_prep.durable_logs import JsonLog, RecordLog
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")
-
-CACHE_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +131,7 @@ def load_models(cfg: AnnotateConfig) -> Models:
 class Summary:
     images: int = 0
     kept: int = 0
+    from_cache: int = 0  # images of chunks whose every stage was cached
     excluded: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     failed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     parse_notes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -139,7 +142,7 @@ class Summary:
 
     def as_dict(self) -> dict:
         return {
-            "images": self.images, "kept": self.kept,
+            "images": self.images, "kept": self.kept, "images_from_cache": self.from_cache,
             "excluded": dict(sorted(self.excluded.items())),
             "failed": dict(sorted(self.failed.items())),
             "vlm_parse_recoveries": dict(sorted(self.parse_notes.items())),
@@ -154,17 +157,6 @@ def _chunks(items: list, size: int) -> Iterable[tuple[int, list]]:
         yield k // size, items[k:k + size]
 
 
-def _config_key(cfg: AnnotateConfig) -> dict:
-    """What the caches depend on: a rerun with other settings must not mix results."""
-    return {"version": CACHE_VERSION, "source": cfg.source, "root": os.path.abspath(cfg.root),
-            "source_options": [list(kv) for kv in cfg.source_options],
-            "vlm": cfg.vlm, "vlm_replies": cfg.vlm_replies, "detector": cfg.detector,
-            "sam": cfg.sam, "sam_type": cfg.sam_type,
-            "batch_size": cfg.batch_size, "box_threshold": cfg.box_threshold,
-            "text_threshold": cfg.text_threshold, "nms_iou": cfg.nms_iou,
-            "region_quality": cfg.region_quality, "limit": cfg.limit}
-
-
 class Annotator:
     """Runs the three stages over a list of `sources.SourceItem`s with durable caches."""
 
@@ -176,29 +168,24 @@ class Annotator:
         dup = [i for i, c in collections.Counter(ids).items() if c > 1]
         if dup:
             raise ValueError(f"source yields duplicate image ids, e.g. {dup[:3]}")
+        replies = replies_for(cfg, models.vlm, ids)
         work = cfg.work_dir
         os.makedirs(work, exist_ok=True)
-        key_path = os.path.join(work, "run.json")
-        key = _config_key(cfg)
-        if os.path.exists(key_path):
-            with open(key_path, encoding="utf-8") as f:
-                old = json.load(f)
-            if old != key:
-                changed = sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k))
-                raise ValueError(
-                    f"{work} holds caches of a run with other settings ({', '.join(changed)} "
-                    f"differ); pass another --work folder or delete it to start over")
-        else:
-            with open(key_path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(key, f, indent=1, sort_keys=True)
-            os.replace(key_path + ".tmp", key_path)
         self.vlm_log = JsonLog(os.path.join(work, "vlm.jsonl"))
         self.detect_log = JsonLog(os.path.join(work, "detect.jsonl"))
         self.status_log = JsonLog(os.path.join(work, "status.jsonl"))
         self.records = RecordLog(os.path.join(work, "records.log"))
-        self.vlm_done = {e["chunk"]: e for e in self.vlm_log.entries}
-        self.detect_done = {e["chunk"]: e for e in self.detect_log.entries}
-        self.status_done = {e["chunk"]: e for e in self.status_log.entries}
+        check_run_key(work, config_key(cfg), has_work=any(
+            f.entries for f in (self.vlm_log, self.detect_log, self.status_log))
+            or bool(self.records.index))
+        self.chunks = list(_chunks(items, cfg.batch_size))
+        self.inputs = StageInputs(cfg, self.chunks, replies,
+                                  HashMemo(os.path.join(work, "hashes.json")))
+        self.vlm_done = self.inputs.fresh("vlm", self.vlm_log.entries)
+        self.detect_done = self.inputs.fresh("detect", self.detect_log.entries)
+        self.status_done = self.inputs.fresh("segment", self.status_log.entries)
+        for line in self.inputs.report():
+            log.warning("%s", line)
         self.summary = Summary(images=len(items))
 
     def close(self) -> None:
@@ -231,6 +218,11 @@ class Annotator:
             raise RuntimeError(f"the VLM returned {len(replies)} replies for {len(ok)} images")
         results = {}
         for it, reply in zip(ok, replies):
+            if reply is None:  # --vlm-replies has none for it
+                log.warning("image %s: no reply in --vlm-replies %s; excluded (vlm_no_reply)",
+                            it.id, self.cfg.vlm_replies)
+                results[it.id] = {"reply": None, "error": "no_reply"}
+                continue
             try:
                 parsed = vlm.parse_response(reply)
                 parsed["relations"] = [list(r) for r in parsed["relations"]]
@@ -240,8 +232,10 @@ class Annotator:
                 results[it.id] = {"reply": reply, "error": e.reason}
         self.summary.stage_seconds["vlm"] += time.perf_counter() - t0
         self.summary.stage_images["vlm"] += len(ok)
-        entry = {"chunk": k, "ids": [it.id for it in chunk], "results": results}
+        entry = {"chunk": k, "ids": [it.id for it in chunk], "results": results,
+                 "inputs": self.inputs.of("vlm", k)}
         self.vlm_log.append(entry)
+        self.vlm_done[k] = entry
         return entry
 
     def _stage_detect(self, k: int, todo: list, images: dict, parsed: dict) -> dict:
@@ -254,7 +248,7 @@ class Annotator:
                    for i, dets in zip(todo, found)}
         self.summary.stage_seconds["detect"] += time.perf_counter() - t0
         self.summary.stage_images["detect"] += len(todo)
-        entry = {"chunk": k, "results": results}
+        entry = {"chunk": k, "results": results, "inputs": self.inputs.of("detect", k)}
         self.detect_log.append(entry)
         return entry
 
@@ -293,12 +287,12 @@ class Annotator:
     # -- driver ------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        chunks = list(_chunks(self.items, self.cfg.batch_size))
-        already = sum(len(self.status_done[k]["status"]) for k, _ in chunks
+        already = sum(len(self.status_done[k]["status"]) for k, _ in self.chunks
                       if k in self.status_done)
+        self.summary.from_cache = already
         bar = tqdm(total=len(self.items), initial=already, desc="annotating", unit="image",
                    disable=not self.cfg.progress)
-        for k, chunk in chunks:
+        for k, chunk in self.chunks:
             if k in self.status_done:
                 continue
             self._run_chunk(k, chunk)
@@ -360,7 +354,7 @@ class Annotator:
         # records first, then the status line that marks the chunk done: a kill between the
         # two redoes stage 3 of this chunk and the duplicate records are ignored (same bytes).
         self.records.append_many(records)
-        entry = {"chunk": k, "status": status}
+        entry = {"chunk": k, "status": status, "inputs": self.inputs.of("segment", k)}
         self.status_log.append(entry)
         self.status_done[k] = entry
 
@@ -375,7 +369,7 @@ class Annotator:
                     self.summary.excluded[reason] += 1
                 else:
                     self.summary.failed[reason] += 1
-        for entry in self.vlm_log.entries:
+        for entry in self.vlm_done.values():
             for res in entry["results"].values():
                 self.summary.parse_notes.update(res.get("parse", {}).get("notes", []))
         where = {}  # id -> (offset, length) in the record log; a repeated chunk's copy wins
@@ -432,7 +426,9 @@ def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | No
 def format_summary(summary: dict) -> str:
     lines = [f"{summary['images']} images: {summary['kept']} kept, "
              f"{sum(summary['excluded'].values())} excluded, "
-             f"{sum(summary['failed'].values())} failed"]
+             f"{sum(summary['failed'].values())} failed; {summary['images_from_cache']} "
+             f"images from cache, {summary['images'] - summary['images_from_cache']} "
+             f"annotated this run"]
     for title, key in (("excluded", "excluded"), ("failed", "failed"),
                        ("relations dropped", "relations_dropped"),
                        ("VLM replies repaired", "vlm_parse_recoveries")):

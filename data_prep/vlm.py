@@ -63,9 +63,24 @@ class ScriptedVLM:
         return out
 
 
+# The image ids `--vlm-replies` is keyed by, per source (`data_prep.sources`). Path parts are
+# '/'-separated, with spaces and other characters percent-encoded as in URLs ("%20").
+REPLY_IDS = {
+    "folder": "'folder/<path under --root, extension included>' (e.g. 'folder/park/dog 1.jpg' "
+              "-> 'folder/park/dog%201.jpg')",
+    "mmit": "'mmit/<video path without extension>/<frame file stem>'",
+    "cc3m": "'cc3m/<shard>/<key>' (img2dataset) or 'cc3m/<TSV filename without extension>'",
+    "openpsg": "'openpsg/<image_id>'",
+    "pvsg": "'pvsg/<video_id>/<frame:04d>'",
+    "kitti2015": "'kitti2015/<subset>/<camera>/NNNNNN_10'",
+}
+
+
 class RepliesFile:
     """Stage 1 from replies obtained elsewhere (a batch API, another machine): a JSON object
-    {image id: reply text}. Called with the chunk's items rather than images."""
+    {image id: reply text} (ids: `REPLY_IDS`). Called with the chunk's items rather than
+    images; an image the file has no reply for gets None (annotate excludes it as
+    `vlm_no_reply`)."""
     wants_items = True
 
     def __init__(self, path: str):
@@ -82,12 +97,8 @@ class RepliesFile:
                              f"{{image id: reply text}}")
         self.path = path
 
-    def __call__(self, items: list) -> list[str]:
-        missing = [it.id for it in items if it.id not in self.replies]
-        if missing:
-            raise KeyError(f"--vlm-replies {self.path} has no reply for image {missing[0]!r} "
-                           f"({len(missing)} of this batch missing)")
-        return [self.replies[it.id] for it in items]
+    def __call__(self, items: list) -> list[str | None]:
+        return [self.replies.get(it.id) for it in items]
 
 
 class TransformersVLM:

@@ -25,20 +25,23 @@ RECOVERY_NOTES = (
     # Keys.
     "duplicate_key", "key_alias", "ignored_key", "missing_key:",
     # Field values.
-    "nested_list", "empty_string", "value_from_list:", "invalid_value:",
+    "angle_brackets", "nested_list", "empty_string", "value_from_list:", "invalid_value:",
     "objects_from_string", "object_from_dict", "object_dropped:", "duplicate_object",
     "objects_truncated",
     "relations_from_string", "relation_unwrapped", "relation_from_string", "relation_from_dict",
     "relation_dropped:", "relation_object_added", "duplicate_relation",
 )
 
-# Normalised key (lowercase, "_"/"-" as spaces) -> field; the prompt's own spelling is CANONICAL.
+# Normalised key (lowercase, "_"/"-" as spaces, surrounding spaces, quotes, "*" and ":" cut)
+# -> field; the prompt's own spelling is CANONICAL. Any other spelling is noted "key_alias".
 KEY_ALIASES = {
     "action": "action", "activity": "action",
     "objects": "objects", "object": "objects", "object list": "objects",
     "unique objects": "objects",
     "relations": "relations", "relation": "relations", "relationships": "relations",
-    "relation triplets": "relations", "triplets": "relations",
+    "relation triplets": "relations", "relation triplet": "relations",
+    "relations triplets": "relations", "relationship triplets": "relations",
+    "triplets": "relations",
     "dense caption": "caption", "caption": "caption", "description": "caption",
 }
 CANONICAL_KEYS = {"action": "action", "objects": "objects", "relations": "relations",
@@ -141,11 +144,25 @@ def _has_usable_key(data: dict) -> bool:
 # ---------------------------------------------------------------- fields
 
 def _norm_key(key: str) -> str:
-    return re.sub(r"[\s_\-]+", " ", str(key)).strip().lower()
+    return re.sub(r"[\s_\-]+", " ", str(key)).strip(" :*\"'`").lower()
 
 
 def _clean(text: str) -> str:
     return " ".join(text.split())
+
+
+PLACEHOLDER = re.compile(r"<([^<>]*)>")
+
+
+def _unwrap(text: str, notes: Notes) -> str:
+    """`text` cleaned, without the `<...>` of the prompt's placeholders ("<riding>" -> "riding")
+    when they wrap all of it."""
+    text = _clean(text)
+    match = PLACEHOLDER.fullmatch(text)
+    if match:
+        notes.add("angle_brackets")
+        text = _clean(match.group(1))
+    return text
 
 
 def _collect_fields(data: dict, notes: Notes) -> dict:
@@ -169,11 +186,11 @@ def _text_field(value: Any, field: str, notes: Notes) -> str:
         notes.add(f"value_from_list:{field}")
         # An action is one word: take the first; a caption in pieces is joined.
         value = (parts[:1] if field == "action" else parts)
-        return _clean(" ".join(value))
+        return _clean(" ".join(_unwrap(v, notes) for v in value))
     if not isinstance(value, str):
         notes.add(f"invalid_value:{field}")
         return ""
-    return _clean(value)
+    return _unwrap(value, notes)
 
 
 def _flatten(items: list, notes: Notes) -> list:
@@ -208,7 +225,7 @@ def _objects(value: Any, notes: Notes) -> list[str]:
         if not isinstance(item, str):
             notes.add("object_dropped:not_text")
             continue
-        name = _clean(item)
+        name = _unwrap(item, notes)
         if not name:
             notes.add("empty_string")
         elif _find(objects, name) is not None:
@@ -240,7 +257,8 @@ def _relations(value: Any, objects: list[str], notes: Notes) -> list[tuple[str, 
         notes.add("invalid_value:relations")
         return []
     if (len(value) == 3 and all(isinstance(v, str) for v in value)
-            and _find(objects, _clean(value[0])) and _find(objects, _clean(value[2]))):
+            and _find(objects, _unwrap(value[0], Notes()))
+            and _find(objects, _unwrap(value[2], Notes()))):
         notes.add("relation_unwrapped")
         value = [value]
     items = []
@@ -300,7 +318,7 @@ def _triplet(item: Any, objects: list[str], notes: Notes) -> tuple[str, str, str
     if not all(isinstance(p, str) for p in item):
         notes.add("relation_dropped:not_text")
         return None
-    parts = [_clean(p) for p in item]
+    parts = [_unwrap(p, notes) for p in item]
     if not all(parts):
         notes.add("relation_dropped:empty")
         return None
@@ -308,12 +326,13 @@ def _triplet(item: Any, objects: list[str], notes: Notes) -> tuple[str, str, str
 
 
 ANGLE_TRIPLET = re.compile(r"<([^<>]+)>\s*<([^<>]+)>\s*<([^<>]+)>")
+ANGLE_ENDS = re.compile(r"<([^<>]+)>\s+([^<>]+?)\s+<([^<>]+)>")  # "<man> riding <horse>"
 
 
 def _split_relation(text: str, objects: list[str]) -> list[str] | None:
     """"<a> <rel> <b>", "a | rel | b", "a, rel, b" or "a rel b" with a and b the longest
     object names that start and end the text."""
-    match = ANGLE_TRIPLET.fullmatch(text)
+    match = ANGLE_TRIPLET.fullmatch(text) or ANGLE_ENDS.fullmatch(text)
     if match:
         return list(match.groups())
     text = text.strip("()[] ")
