@@ -60,9 +60,9 @@ def main(argv):
     logging.getLogger("sclaro_jax").setLevel(logging.INFO)
     config = FLAGS.config
     workdir = FLAGS.workdir
-    if config.distributed:  # multi-host: coordinator and process ids from the environment
-        import jax
-        jax.distributed.initialize()
+    if config.distributed:  # many processes: coordinator and process ids from the environment
+        from sclaro_jax.train.sharding import initialize_distributed
+        initialize_distributed()
     if not config.data.dir:
         if config.model.preset != "tiny" or config.data.batch_size > 16:
             raise app.UsageError("config.data.dir is empty: pass --config.data.dir=DIR (a "
