@@ -103,8 +103,10 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
     recipe_keys(config)  # refuse unknown config.train keys before anything is written
     os.makedirs(workdir, exist_ok=True)
     use_compilation_cache(config, workdir)
-    with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
-        f.write(config.to_json_best_effort(indent=2))  # what `export` rebuilds the model from
+    lead = jax.process_index() == 0  # many processes: the first writes the run's files
+    if lead:
+        with open(os.path.join(workdir, "config.json"), "w", encoding="utf-8") as f:
+            f.write(config.to_json_best_effort(indent=2))  # what `export` rebuilds the model from
     dataset = open_dataset(config.data.dir)
     steps = total_steps(config, dataset.num_records("train"))
     tcfg = train_config(config, steps)
@@ -144,12 +146,13 @@ def train(config, workdir: str, *, progress: bool = True) -> core.TrainState:
                  "started (written in the background)" if config.checkpoint_async else "written")
 
     evals = registry.evaluators(config)
-    writer = _tensorboard(workdir)
+    writer = _tensorboard(workdir) if lead else None
     bar = tqdm(total=steps, initial=start, desc="train", unit="step",
-               disable=not (progress and config.progress_bar))
+               disable=not (progress and config.progress_bar and lead))
     t_last, n_last = time.perf_counter(), 0
     wait = DataWait(config.data.workers)
-    with open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") as metrics_file:
+    metrics_path = os.path.join(workdir, "metrics.jsonl") if lead else os.devnull
+    with open(metrics_path, "a", encoding="utf-8") as metrics_file:
         for step in range(start, steps):
             t_wait = time.perf_counter()
             batch = next(it)
