@@ -94,9 +94,9 @@ def main(argv):
     logging.getLogger("sclaro_jax").setLevel(logging.INFO)
     config = FLAGS.config
     workdir = FLAGS.workdir
-    if config.distributed:  # multi-host: coordinator and process ids from the environment
-        import jax
-        jax.distributed.initialize()
+    if config.distributed:  # many processes: coordinator and process ids from the environment
+        from sclaro_jax.train.sharding import initialize_distributed
+        initialize_distributed()
     from sclaro_jax.train import trainer
     trainer.check_workdir(workdir)
     if not config.data.dir:

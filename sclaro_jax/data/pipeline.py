@@ -53,6 +53,7 @@ import numpy as np
 from sclaro_jax import ops
 from sclaro_jax.data import augment, batch as fields, decode, schema
 from sclaro_jax.data.dataset import ShardedDataset, Vocab, open_dataset
+from sclaro_jax.data.sampler import GlobalBatchSampler
 
 log = logging.getLogger(__name__)
 
@@ -378,8 +379,9 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                 shard_options: grain.ShardOptions | None = None) -> grain.DataLoader:
     """A Grain DataLoader over one split; iterate it for batches, checkpoint its iterator.
 
-    `batch_size` is per host. Hosts split the records by `shard_options`, by default
-    `jax.process_index()` of `jax.process_count()` (drop_remainder, so hosts stay in step).
+    `batch_size` is per host. Host `shard_options.shard_index` of `shard_count` (by default
+    `jax.process_index()` of `jax.process_count()`) reads its slice of every global batch
+    (`sampler.GlobalBatchSampler`: the global batches do not depend on the number of hosts).
     `shuffle` defaults to True for "train". `num_epochs=None` repeats forever. Augmentation
     randomness is derived from `seed` and the record's position, so it is reproducible and
     restored with the iterator state.
@@ -409,10 +411,9 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
         from absl import flags
         if not flags.FLAGS.is_parsed():  # Grain's worker processes read absl flags
             flags.FLAGS.mark_as_parsed()
-    sampler = grain.IndexSampler(
-        num_records=len(source), shard_options=shard_options,
-        shuffle=(split == "train") if shuffle is None else shuffle,
-        num_epochs=num_epochs, seed=seed)
+    sampler = GlobalBatchSampler(  # the same global batches on any number of hosts
+        len(source), shard_options, batch_size, worker_count, num_epochs=num_epochs, seed=seed,
+        shuffle=(split == "train") if shuffle is None else shuffle)
     operations = [SampleTransform(config, dataset.vocab),
                   grain.Batch(batch_size, drop_remainder=True, batch_fn=Collate(config))]
     return grain.DataLoader(

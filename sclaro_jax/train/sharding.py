@@ -8,9 +8,16 @@ One mesh axis, "data", over every device of every host (`jax.devices()`):
   of the parameters, teacher and Adam moments; XLA gathers them for the matmuls.
 - "none": one device, nothing sharded.
 The jitted step is the same function in all three; only the shardings differ.
+
+Many processes (`config.distributed`): `initialize_distributed()` joins them before anything
+touches a device; the mesh then spans the devices of every process, each process feeds its own
+part of every global batch (`put_batch`), and a checkpoint restores onto any mesh (orbax reads
+each array into the target's sharding), so a run written with fsdp over 8 devices resumes on one.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import numpy as np
@@ -19,6 +26,41 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 STRATEGIES = ("none", "dp", "fsdp")
 AXIS = "data"
+
+
+ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def initialize_distributed(environ=None) -> tuple[int, int]:
+    """Join a multi-process run; returns (process index, process count). Call it first, before
+    any JAX computation (launch/train.py does for `config.distributed`).
+
+    The coordinator's "host:port", the number of processes and this process's id come from
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID when set (all three, e.g. to
+    run several processes on one machine), else from the cluster JAX detects (SLURM, Open MPI,
+    Cloud TPU, ...). Cross-process collectives on CPU go through gloo."""
+    environ = os.environ if environ is None else environ
+    given = {k: environ.get(k) for k in ENV if environ.get(k)}
+    if given and len(given) < len(ENV):
+        raise ValueError(f"multi-process run: {sorted(given)} set but not "
+                         f"{sorted(set(ENV) - set(given))}; set all three of {list(ENV)} "
+                         "(or none, to let JAX detect the cluster)")
+    kwargs = {}
+    if given:
+        try:
+            count, index = int(given["JAX_NUM_PROCESSES"]), int(given["JAX_PROCESS_ID"])
+        except ValueError:
+            raise ValueError("JAX_NUM_PROCESSES and JAX_PROCESS_ID must be integers, not "
+                             f"{given['JAX_NUM_PROCESSES']!r} and "
+                             f"{given['JAX_PROCESS_ID']!r}") from None
+        if not 0 <= index < count:
+            raise ValueError(f"JAX_PROCESS_ID {index} is not in 0..{count - 1} "
+                             f"(JAX_NUM_PROCESSES {count})")
+        kwargs = dict(coordinator_address=given["JAX_COORDINATOR_ADDRESS"],
+                      num_processes=count, process_id=index)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # before the CPU backend
+    jax.distributed.initialize(**kwargs)
+    return jax.process_index(), jax.process_count()
 
 
 def make_mesh(strategy: str, devices=None) -> Mesh | None:

@@ -90,6 +90,11 @@ def use_compilation_cache(config, workdir: str) -> str | None:
     executable, so results do not change; only the compile time goes."""
     current = jax.config.jax_compilation_cache_dir
     choice = config.get("compilation_cache", "workdir")
+    if jax.process_count() > 1 and not current:
+        # JAX writes cache entries from process 0 only: on a rerun process 0 would load its
+        # step while the others compile, and its first collective would time out.
+        log.info("XLA compilation cache: off (%d processes)", jax.process_count())
+        return None
     if current or not choice:
         return current or None
     path = os.path.abspath(os.path.join(workdir, "jax_cache") if choice == "workdir"
@@ -201,12 +206,13 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") \
         if chief else None
     stop = runs.GracefulStop()
+    multi = jax.process_count() > 1  # then the processes agree on when to stop
     try:
         with stop:
             log.info("compiling the train step (first step only) ...")
             t_last, n_last = time.perf_counter(), 0
             for step in range(start, steps):
-                if stop.requested:
+                if stop_everywhere(stop) if multi else stop.requested:
                     break
                 t_wait = time.perf_counter()
                 batch = next(it)
@@ -268,6 +274,16 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
         log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
                     steps, stop.requested)
     return state
+
+
+def stop_everywhere(stop: runs.GracefulStop) -> bool:
+    """Whether any process was asked to stop (every process calls it at every step, so all
+    stop after the same step: saving a checkpoint is collective)."""
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.int32(stop.requested is not None))
+    if np.max(flags) and stop.requested is None:
+        stop.requested = "a signal to another process"
+    return bool(np.max(flags))
 
 
 class DataWait:
