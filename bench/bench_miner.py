@@ -6,10 +6,12 @@ top-k means on both axes, then 2S - r_q - r_i. (2) Fused + CSLS scoring of the R
 (8,231 queries, 3,248 images, 5 crops, dim 1152, random L2-normalised embeddings): `fused_scores`
 + `csls` vs numpy fusion in 128-image chunks, then the same numpy CSLS. Each round times both
 once, alternating the order; figures are medians over rounds after one compile call. Optionally
-(--sweep-blocks) the top-k block lengths on the CSLS matrix.
+(--sweep-blocks) the top-k block lengths on the CSLS matrix, and (--host-input) `csls` given
+the matrix as a numpy array (as numpy allocates it, and 64-byte aligned) against a device array.
 
     python bench/bench_miner.py                      # full size (memory: see bench/README.md)
     python bench/bench_miner.py --queries 800 --images 3000 --rocs-queries 500 --rocs-images 300
+    python bench/bench_miner.py --skip-csls --skip-rocs --host-input --images 8192 --repeats 5
 """
 
 from __future__ import annotations
@@ -91,6 +93,40 @@ def normalised(rng: np.random.Generator, *shape: int) -> np.ndarray:
     return x / np.linalg.norm(x, axis=-1, keepdims=True)
 
 
+def aligned_copy(s: np.ndarray, alignment: int = 64) -> np.ndarray:
+    """`s` copied into a buffer whose data starts on an `alignment`-byte boundary (numpy's own
+    large allocations are 16-byte aligned)."""
+    buf = np.empty(s.nbytes + alignment, np.uint8)
+    start = (-buf.ctypes.data) % alignment
+    out = buf[start:start + s.nbytes].view(s.dtype).reshape(s.shape)
+    out[...] = s
+    return out
+
+
+def host_input(s: np.ndarray, k: int, repeats: int) -> None:
+    """`csls` on the same matrix given as a numpy array (numpy's allocation, and a 64-byte
+    aligned copy) and as a device array: median seconds over alternating rounds."""
+    import jax
+
+    from sclaro_jax.miner import csls
+
+    inputs = {"numpy array": s, "numpy array, 64-byte aligned": aligned_copy(s),
+              "jax array": jax.device_put(s)}
+    for x in inputs.values():
+        csls(x, k=k).block_until_ready()
+    times = {name: [] for name in inputs}
+    for r in range(repeats):
+        for name in (list(inputs) if r % 2 == 0 else list(inputs)[::-1]):
+            t0 = time.perf_counter()
+            csls(inputs[name], k=k).block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+    print(f"\n| CSLS k={k}, {s.shape[0]} x {s.shape[1]}, input | median (s) | rounds (s) |")
+    print("|---|---|---|")
+    for name, ts in times.items():
+        print(f"| {name} | {np.median(ts):.3f} | {', '.join(f'{t:.2f}' for t in ts)} |",
+              flush=True)
+
+
 def sweep_blocks(s, k: int, repeats: int) -> None:
     import jax
 
@@ -134,6 +170,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed rounds per measurement")
     parser.add_argument("--sweep-blocks", action="store_true",
                         help="also time the blocked top-k for several block lengths")
+    parser.add_argument("--host-input", action="store_true",
+                        help="also time csls on a numpy matrix (as is and 64-byte aligned) "
+                             "against the same matrix on the device")
     parser.add_argument("--skip-csls", action="store_true")
     parser.add_argument("--skip-rocs", action="store_true")
     args = parser.parse_args()
@@ -186,6 +225,11 @@ def main() -> None:
         print(f"| fused (max of {args.crops} crops) + CSLS k={args.k} | {args.rocs_queries} x "
               f"{args.rocs_images}, dim {args.dim} | {ref_t:.2f} | {ours_t:.3f} "
               f"| {ref_t / ours_t:.1f}x | {diff:.1e} | {peak_rss_gib():.2f} |", flush=True)
+    if args.host_input:
+        if s is None:
+            s = rng.standard_normal((args.queries, args.images), dtype=np.float32)
+            s *= np.float32(0.1)
+        host_input(s, args.k, args.repeats)
     if args.sweep_blocks:
         if s is None:
             s = rng.standard_normal((args.queries, args.images), dtype=np.float32)

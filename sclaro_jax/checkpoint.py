@@ -22,6 +22,9 @@ from sclaro_jax.models import scenarioclip
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
     """The config a training run wrote to WORKDIR/config.json."""
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"workdir {workdir} does not exist: pass the folder a run's "
+                                "launch/train.py --workdir wrote")
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
@@ -31,10 +34,12 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
 
 
 def build_model(config, *, abstract: bool = False):
-    """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into)."""
+    """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into: its
+    towers' random init is not used, so `scenarioclip.build`'s notice about it is not logged)."""
     def make():
         return scenarioclip.build(config.model.kind, preset=config.model.preset,
                                   init="" if abstract else config.model.init,
+                                  warn_random=not abstract,
                                   dtype=jnp.dtype(config.model.dtype), seed=config.seed,
                                   embed_dim=config.model.embed_dim,
                                   gradient_forms=config.model.get("gradient_forms", "auto"))
@@ -52,16 +57,20 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
     if config is None:
         config = run_config(workdir)
     folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    none = (f"no checkpoint in {folder}: the run has not saved one yet (it saves every "
+            "config.checkpoint_every steps and at its end); train it further or pass another "
+            "workdir")
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no checkpoint in {folder}")
+        raise FileNotFoundError(none)
     manager = ocp.CheckpointManager(folder)
     try:
         step = manager.latest_step() if step is None else step
         if step is None:
-            raise FileNotFoundError(f"no checkpoint in {folder}")
+            raise FileNotFoundError(none)
         if step not in manager.all_steps():
             raise FileNotFoundError(f"no checkpoint of step {step} in {folder}; it has steps "
-                                    f"{sorted(manager.all_steps())}")
+                                    f"{sorted(manager.all_steps())}: pass one of them, or no "
+                                    "step for the newest")
         graphdef, params = nnx.split(build_model(config, abstract=True), nnx.Param)
         which = "teacher" if teacher else "params"
         item = {which: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),

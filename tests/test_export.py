@@ -1,4 +1,9 @@
-"""Export of a trained level: the PyTorch snippet in README reproduces our embeddings."""
+"""Export of a trained level: the PyTorch snippet in README reproduces our embeddings; the
+command line's user errors; file permissions; no random-init notice when loading a run."""
+
+import os
+import shutil
+import stat
 
 import jax.numpy as jnp
 import numpy as np
@@ -113,3 +118,110 @@ def test_load_checkpoint_reads_params_and_teacher_whatever_the_optimiser_state(
     with pytest.raises(FileNotFoundError, match="no checkpoint of step 4"):
         load_checkpoint(str(tmp_path), 4)
     assert export.load_checkpoint is load_checkpoint  # old callers' import keeps working
+
+
+RANDOM_INIT = "model.init is empty"
+
+
+def _export_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of the export command line, run in this process."""
+    try:
+        code = export.main([str(a) for a in argv])
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _umask(mask):
+    old = os.umask(mask)
+    return old
+
+
+def test_export_cli_writes_files_with_the_umasks_permissions_and_no_random_init_notice(
+        scenario_workdir, tmp_path, capsys, caplog):
+    """The checkpoint's model is built only to restore into: no 'random weights' notice (a
+    fresh random build still logs it once). safetensors creates its files 0600; ours follow
+    the umask like any new file."""
+    old = _umask(0o022)
+    try:
+        code, out, err = _export_cli(capsys, "--workdir", scenario_workdir, "--level", "object",
+                                     "--out", tmp_path / "object")
+    finally:
+        os.umask(old)
+    assert code == 0, err
+    assert out.strip() == f"wrote the object level of step 7 to {tmp_path / 'object'}"
+    for name in ("model.safetensors", export.HEADS_FILE, "config.json"):
+        assert stat.S_IMODE(os.stat(tmp_path / "object" / name).st_mode) == 0o644, name
+    assert sorted(os.listdir(tmp_path / "object")) == sorted(
+        ["config.json", "model.safetensors", export.HEADS_FILE])  # no .tmp left
+    assert RANDOM_INIT not in caplog.text and RANDOM_INIT not in err
+    caplog.clear()
+    scenarioclip.build("scenarioclip", preset="tiny", embed_dim=8, seed=0)
+    assert sum(RANDOM_INIT in r.getMessage() for r in caplog.records) == 1
+
+
+def test_to_hf_follows_another_umask(tmp_path):
+    from sclaro_jax.models import clip
+
+    old = _umask(0o027)
+    try:
+        clip.to_hf(clip.create("tiny"), tmp_path / "hf")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "hf" / "model.safetensors").st_mode) == 0o640
+
+
+def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tmp_path, capsys):
+    work = str(scenario_workdir)
+    ckpts = os.path.join(work, "checkpoints")
+    empty_run = tmp_path / "fresh_run"  # a run that has not saved a checkpoint yet
+    empty_run.mkdir()
+    shutil.copy(scenario_workdir / "config.json", empty_run / "config.json")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    out = tmp_path / "out"
+    cases = [
+        (["--workdir", tmp_path / "nope", "--level", "object", "--out", out], 1,
+         f"error: workdir {tmp_path / 'nope'} does not exist: pass the folder a run's "
+         "launch/train.py --workdir wrote"),
+        (["--workdir", empty_run, "--level", "object", "--out", out], 1,
+         f"error: no checkpoint in {empty_run / 'checkpoints'}: the run has not saved one yet "
+         "(it saves every config.checkpoint_every steps and at its end); train it further or "
+         "pass another workdir"),
+        (["--workdir", work, "--level", "object", "--out", out, "--step", "4"], 1,
+         f"error: no checkpoint of step 4 in {ckpts}; it has steps [7]: pass one of them, or "
+         "no step for the newest"),
+        (["--workdir", work, "--level", "object", "--out", full], 2,
+         f"error: --out {full} is not empty: pass a new or empty folder (an export never "
+         "overwrites files)"),
+        (["--workdir", work, "--level", "object", "--out", a_file / "sub"], 2,
+         f"error: --out {a_file / 'sub'}: {a_file} is a file, so the folder cannot be made; "
+         "pass another path"),
+        (["--workdir", work, "--level", "objects", "--out", out], 2,
+         "error: argument --level: invalid choice: 'objects' (choose from 'global', 'object', "
+         "'relation') (see python -m sclaro_jax.train.export --help)"),
+    ]
+    for argv, want_code, want in cases:
+        code, stdout, err = _export_cli(capsys, *argv)
+        assert (code, err) == (want_code, want + "\n"), argv
+        assert stdout == ""
+    assert not out.exists() and os.listdir(full) == ["notes.txt"]
+    # --verbose: the traceback, i.e. the exception itself
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 4"):
+        export.main(["--workdir", work, "--level", "object", "--out", str(out), "--step", "4",
+                     "--verbose"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
+def test_export_cli_refuses_an_unwritable_out(scenario_workdir, tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    code, _, err = _export_cli(capsys, "--workdir", scenario_workdir, "--level", "object",
+                               "--out", locked / "out")
+    assert code == 2
+    assert err == (f"error: --out {locked / 'out'}: cannot write in {locked} (permission "
+                   "denied); pass a folder you can write\n")

@@ -266,6 +266,41 @@ def test_csls_donating_its_input_gives_the_same_values(scores, inductive):
     assert not kept.is_deleted()
 
 
+def _aligned(x, alignment=64):
+    """`x` copied into a buffer starting on an `alignment`-byte boundary."""
+    buf = np.empty(x.nbytes + alignment, np.uint8)
+    start = (-buf.ctypes.data) % alignment
+    out = buf[start:start + x.nbytes].view(x.dtype).reshape(x.shape)
+    out[...] = x
+    return out
+
+
+def test_csls_puts_a_numpy_matrix_on_the_device_once(scores, monkeypatch):
+    """A float32 numpy matrix reaches the three compiled calls (row and column top-k means,
+    the combination) as one device array: no implicit host-to-device copy per call (the
+    transfer guard refuses those), no copy at all of a 64-byte aligned C-contiguous matrix
+    (its data pointer is the numpy array's), the same values as a device input."""
+    from sclaro_jax.miner import kernels
+
+    seen = []
+    for name in ("_row_topk_mean", "_column_topk_mean", "_csls_combine"):
+        def spy(x, *args, _fn=getattr(kernels, name), **kwargs):
+            seen.append(x)
+            return _fn(x, *args, **kwargs)
+        monkeypatch.setattr(kernels, name, spy)
+    device = np.asarray(csls(jax.device_put(scores["fused"]), k=10))
+    for host in (scores["fused"], _aligned(scores["fused"])):
+        assert host.dtype == np.float32 and host.flags.c_contiguous
+        seen.clear()
+        with jax.transfer_guard_host_to_device("disallow"):
+            ours = csls(host, k=10, donate=True)  # a numpy buffer is never donated
+        np.testing.assert_array_equal(ours, device)
+        assert len(seen) == 3 and all(x is seen[0] for x in seen)
+        assert isinstance(seen[0], jax.Array)
+    assert seen[0].unsafe_buffer_pointer() == host.ctypes.data  # the aligned one: aliased
+    np.testing.assert_array_equal(host, scores["fused"])
+
+
 def test_kernels_trace_inside_a_callers_jit(scores):
     s = scores["fused"]
     np.testing.assert_allclose(jax.jit(lambda x: csls(x, k=10))(s), csls(s, k=10), atol=1e-6)

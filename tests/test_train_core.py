@@ -4,6 +4,7 @@ import dataclasses
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -67,12 +68,13 @@ def run():
     flat = lambda tree: {core.param_name(k): np.asarray(v)
                          for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
     history = [(flat(state.params), flat(state.teacher), None)]
+    initial = jax.tree.map(np.array, state.params)
     for i in range(6):  # other photometric parameters every step
         state, metrics = step(state, _batch(i, augment=True))
         history.append((flat(state.params), flat(state.teacher),
                         {k: float(v) for k, v in metrics.items()}))
     names = {core.param_name(k): v for k, v in jax.tree_util.tree_flatten_with_path(labels)[0]}
-    return dict(step=step, labels=names, history=history, opt_state=opt_state)
+    return dict(step=step, labels=names, history=history, opt_state=opt_state, params=initial)
 
 
 def test_one_compilation_for_every_step(run):
@@ -290,3 +292,82 @@ def test_teacher_continues_from_the_students_frozen_text_blocks(run):
     _, metrics = run["step"](state, batch)
     np.testing.assert_allclose(metrics["loss"], plain["loss"], rtol=1e-6)
     assert run["step"]._cache_size() == 1
+
+
+def _one_update(params, cfg, grads=None):
+    """Parameters (name -> numpy) after one optimiser update of `make_optimizer` from a fresh
+    state, with zero gradients by default."""
+    labels = core.param_labels(params, cfg)
+    trainable = core.trainable_part(params, labels)
+    tx = core.make_optimizer(cfg, core.trainable_part(labels, labels))
+    grads = jax.tree.map(np.zeros_like, trainable) if grads is None else grads
+    new = jax.jit(lambda g, p: optax.apply_updates(p, tx.update(g, tx.init(p), p)[0]))(
+        grads, trainable)
+    return {core.param_name(k): np.asarray(v)
+            for k, v in jax.tree_util.tree_flatten_with_path(new)[0]}
+
+
+@pytest.fixture(scope="module")
+def tiny_params(run):
+    return jax.tree.map(lambda x: x + 0.5, run["params"])  # no zero biases: decay would show
+
+
+def test_logit_scales_decay_by_default_as_the_reference_and_not_with_the_option_off(
+        tiny_params):
+    """Zero gradients: Adam's step is 0, so a decayed parameter moves by exactly
+    -lr(0) * weight_decay * value (AdamW's decoupled decay) and an exempt one stays."""
+    cfg = dataclasses.replace(CFG, weight_decay=0.2)
+    lr0 = np.float32(cfg.lr * cfg.warmup_init_factor)  # the schedule at step 0
+    before = {core.param_name(k): np.asarray(v)
+              for k, v in jax.tree_util.tree_flatten_with_path(tiny_params)[0]}
+    labels = {core.param_name(k): v for k, v in
+              jax.tree_util.tree_flatten_with_path(core.param_labels(tiny_params, cfg))[0]}
+    scales = [f"{level}_logit_scale" for level in ("global", "object", "relation")]
+    for decay_scales in (True, False):
+        after = _one_update(tiny_params, dataclasses.replace(cfg, decay_logit_scales=decay_scales))
+        for name in scales:
+            want = before[name] - lr0 * np.float32(0.2) * before[name] if decay_scales \
+                else before[name]
+            np.testing.assert_allclose(after[name], want, rtol=1e-6, err_msg=name)
+            assert (after[name] != before[name]) == decay_scales, name
+        # the KD temperature, biases and norm parameters never decay; matrices always do
+        np.testing.assert_array_equal(after["kd_log_scale"], before["kd_log_scale"])
+        for name, label in labels.items():
+            if label == "no_decay" and name not in scales:
+                np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+            if label == "decay":
+                np.testing.assert_allclose(after[name], before[name] * (1 - lr0 * 0.2),
+                                           rtol=1e-6, err_msg=name)
+
+
+def test_optimiser_state_layout_does_not_depend_on_logit_scale_decay(tiny_params, tmp_path):
+    """A checkpoint of the optimiser state as the code before `decay_logit_scales` wrote it
+    (the no_decay group a plain `optax.adam`) restores into today's state with the decay on,
+    leaf for leaf; the option changes no leaf either."""
+    import orbax.checkpoint as ocp
+
+    cfg = dataclasses.replace(CFG, decay_logit_scales=True)
+    labels = core.param_labels(tiny_params, cfg)
+    trainable, group = (core.trainable_part(t, labels) for t in (tiny_params, labels))
+    lr = core.learning_rate(cfg)
+    old_tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), optax.multi_transform({
+        "decay": optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                             weight_decay=cfg.weight_decay),
+        "no_decay": optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+        "kd": optax.adam(lambda s: cfg.kd_lr_factor * lr(s), b1=cfg.b1, b2=cfg.b2,
+                         eps=cfg.eps)}, group))
+    grads = jax.tree.map(lambda x: 0.01 * x, trainable)
+    old_state = jax.jit(lambda g, p: old_tx.update(g, old_tx.init(p), p)[1])(grads, trainable)
+    new_tx = core.make_optimizer(cfg, group)
+    off_tx = core.make_optimizer(dataclasses.replace(cfg, decay_logit_scales=False), group)
+    target = new_tx.init(trainable)
+    assert jax.tree.structure(target) == jax.tree.structure(old_state)
+    assert jax.tree.structure(off_tx.init(trainable)) == jax.tree.structure(target)
+    path = tmp_path / "opt_state"
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(path, old_state)
+        ckpt.wait_until_finished()
+        restored = ckpt.restore(path, target)
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(old_state), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jax.jit(new_tx.update)(grads, restored, trainable)  # and the restored state steps on

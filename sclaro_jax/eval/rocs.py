@@ -198,12 +198,24 @@ def markdown(results: dict[str, dict[str, dict]], title: str = "") -> str:
 # Command line
 # --------------------------------------------------------------------------------------------
 
+class _DefaultsOnce(argparse.HelpFormatter):
+    """Appends "(default: X)" to an option's help once: not when the help already states its
+    default, nor for a default of None (unset) or a flag's False."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (action.default is None or action.default is False or "default" in text
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m sclaro_jax.eval.rocs",
-        description=__doc__.split("\n\n")[0] + ": Global, Global+CSLS and MINER R@1/5/10 and "
-        "hubness on ROCS, COCO 5K and Flickr30K 1K.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=__doc__.split("\n\n")[0].rstrip(".") + ": Global, Global+CSLS and MINER "
+        "R@1/5/10 and hubness on ROCS, COCO 5K and Flickr30K 1K.",
+        formatter_class=_DefaultsOnce)
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face CLIPModel / SiglipModel / Siglip2Model folder, a "
@@ -243,13 +255,14 @@ def _parser() -> argparse.ArgumentParser:
                         ".txt file with one query per line")
     m.add_argument("--shortlist_m", type=int, default=25, help="shortlist size M")
     m.add_argument("--qbnorm_beta", type=float, default=20.0, help="QBNorm inverse temperature")
-    m.add_argument("--sinkhorn_tau", type=float, default=0.02)
-    m.add_argument("--sinkhorn_iters", type=int, default=1)
-    m.add_argument("--dual_softmax_tau", type=float, default=0.01)
+    m.add_argument("--sinkhorn_tau", type=float, default=0.02, help="Sinkhorn temperature")
+    m.add_argument("--sinkhorn_iters", type=int, default=1, help="Sinkhorn iterations")
+    m.add_argument("--dual_softmax_tau", type=float, default=0.01,
+                   help="dual-softmax temperature")
     m.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="score in gallery chunks without forming the [queries x images] matrix "
                         "(miner.stream); auto: when that matrix would exceed --stream_above")
-    m.add_argument("--stream_above", type=float, default=2e8,
+    m.add_argument("--stream_above", type=float, default=200_000_000,
                    help="matrix entries above which --stream auto streams")
     m.add_argument("--chunk", type=int, default=65536, help="gallery chunk when streaming")
     o = p.add_argument_group("output")

@@ -58,6 +58,14 @@ def _f32(x) -> jax.Array:
     return jnp.asarray(x).astype(jnp.float32)
 
 
+def _on_device(x):
+    """A numpy array as a jax array, once, for a function that passes it to several compiled
+    calls (each would copy it again). `jax.device_put` aliases a C-contiguous array whose data
+    is 64-byte aligned on the CPU backend (no copy at all) and copies it once otherwise;
+    `jnp.asarray` always copies. Anything else (jax arrays, tracers) is returned as it is."""
+    return jax.device_put(x) if isinstance(x, np.ndarray) else x
+
+
 def _check_k(k: int, n: int, what: str) -> None:
     if not 1 <= k <= n:
         raise ValueError(f"k={k} must be between 1 and the number of {what} ({n})")
@@ -220,12 +228,15 @@ def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None, *
     `donate=True` hands the `scores` buffer (a float32 jax array the caller no longer needs) to
     the output, so no fresh [Q, G] buffer is allocated: on a CPU, faulting in a new large
     output can cost more than the arithmetic (see bench/README.md). `scores` is deleted
-    afterwards.
+    afterwards. A numpy `scores` is put on the device once (not copied at all where JAX can
+    alias it: `_on_device`) and never donated.
     """
+    donate = donate and isinstance(scores, jax.Array)  # not a caller's numpy buffer
+    scores = _on_device(scores)
     r_q = topk_mean(scores, k, 1)
     r_i = topk_mean(scores if bank_scores is None else bank_scores, k, 0)
     tracing = isinstance(scores, jax.core.Tracer)
-    if donate and not tracing and isinstance(scores, jax.Array) and scores.dtype == jnp.float32:
+    if donate and not tracing and scores.dtype == jnp.float32:
         if not _DONATING_COMBINE:
             _DONATING_COMBINE.append(compile.jit(csls_combine, donate_argnums=0))
         return _DONATING_COMBINE[0](scores, r_q, r_i)
@@ -265,13 +276,13 @@ def csls_shortlist(global_scores: jax.Array,
     `fused` is either the precomputed fused matrix `[Q, G]` or a function that takes the
     shortlist indices `int [Q, M]` and returns the fused scores of those pairs `[Q, M]`.
     """
-    s = jnp.asarray(global_scores)
+    s = _on_device(global_scores)
     _check_k(m, s.shape[1], "gallery images")
     shortlist = _top_indices(s, k=m)
     r_q = topk_mean(s, k, 1)
     r_i = topk_mean(s if bank_scores is None else bank_scores, k, 0)
     pairs = fused(shortlist) if callable(fused) else jnp.take_along_axis(
-        jnp.asarray(fused), shortlist, axis=1)
+        _on_device(fused), shortlist, axis=1)
     return _place_shortlist(pairs, shortlist, r_q, r_i, num_images=s.shape[1])
 
 

@@ -322,13 +322,11 @@ def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str =
 
 
 def to_hf(model: CLIPModel, path: str | os.PathLike) -> Path:
-    """Write `model` as a folder `transformers.CLIPModel.from_pretrained(path)` loads."""
-    from safetensors.numpy import save_file
-
+    """Write `model` as a folder `transformers.CLIPModel.from_pretrained(path)` loads (files
+    with the umask's permissions)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(_config_to_hf(model.config), indent=2))
-    tmp = folder / (WEIGHTS_NAME + ".tmp")
-    save_file(hf_state_dict(model), str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, folder / WEIGHTS_NAME)
+    hf_weights.save_safetensors(hf_state_dict(model), folder / WEIGHTS_NAME,
+                                metadata={"format": "pt"})
     return folder

@@ -123,9 +123,11 @@ MODELS = {"scenarioclip": ScenarioCLIP, "pyramidclip": PyramidCLIP}
 
 
 def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "",
-          dtype=jnp.float32, seed: int = 0, embed_dim: int = 512, gradient_forms: str = "auto"):
+          dtype=jnp.float32, seed: int = 0, embed_dim: int = 512, gradient_forms: str = "auto",
+          warn_random: bool = True):
     """A ScenarioCLIP / PyramidCLIP model; towers from the Hugging Face CLIP folder `init`
-    (each pair gets its own copy), or randomly initialised from `preset` with a logged notice.
+    (each pair gets its own copy), or randomly initialised from `preset` with a logged notice
+    (`warn_random=False` drops it: for a model built only to restore trained weights into).
     `gradient_forms` ("auto", "cpu", "plain") as in `clip.create`, resolved once here."""
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; known: {sorted(MODELS)}")
@@ -136,7 +138,7 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
             return clip.from_hf(init, dtype=dtype, gradient_forms=forms)
         return clip.create(preset, seed=seed + 1 + i, dtype=dtype, gradient_forms=forms)
 
-    if not init:
+    if not init and warn_random:
         log.warning("model.init is empty: %s towers start from random weights (preset %s), "
                     "not from a pretrained CLIP; pass --config.model.init=PATH to a Hugging "
                     "Face CLIPModel folder (e.g. openai/clip-vit-base-patch32)", kind, preset)

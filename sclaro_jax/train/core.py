@@ -5,8 +5,9 @@ Everything here is a pure function of pytrees, so the step jits once (static bat
 batch -> `level_inputs` (photometric augmentation of uint8 pixels, `ops.normalize`) ->
 `encode` (the model's towers) -> `losses.scenarioclip_total`.
 
-Recipe (docs/design.md, section 2): AdamW (lr 2e-5, betas 0.9/0.999, eps 1e-8, weight decay 0.2
-on matrices only: biases, norm parameters, embeddings' 1-D vectors and logit scales get none),
+Recipe (docs/design.md, section 2): AdamW (lr 2e-5, betas 0.9/0.999, eps 1e-8, decoupled weight
+decay 0.2 on the matrices and, as in the reference code, on the three contrastive logit scales;
+biases and norm parameters get none; `decay_logit_scales=False` exempts the logit scales too),
 linear warm-up over the first 10% of steps from 1e-3 x lr, then cosine to 0, per step;
 gradient clipping at global norm 1.0; the KD temperature is its own group at 0.1 x lr without
 weight decay (the reference code left it out of every group, so it never moved). Frozen
@@ -58,6 +59,9 @@ class TrainConfig:
     frozen_vision_layers: int = 6
     frozen_text_layers: int = 10
     freeze_pre_layernorm: bool = False
+    # weight decay on the contrastive logit scales, as the reference code does (False: exempt
+    # them, as open_clip does); the KD temperature never decays
+    decay_logit_scales: bool = True
 
     def __post_init__(self):
         if self.kd_direction not in losses.KD_DIRECTIONS:
@@ -98,7 +102,8 @@ def param_name(key_path) -> str:
 
 
 def param_labels(params: PyTree, cfg: TrainConfig) -> PyTree:
-    """Optimiser group of every parameter: frozen, kd, decay (matrices) or no_decay."""
+    """Optimiser group of every parameter: frozen, kd, decay (matrices) or no_decay (the other
+    trainable ones; of these the logit scales decay unless `decay_logit_scales` is False)."""
     frozen = re.compile("|".join(frozen_patterns(cfg)))
 
     def label(key_path, value):
@@ -138,9 +143,43 @@ def learning_rate(cfg: TrainConfig) -> optax.Schedule:
         decay_steps=max(cfg.total_steps, warmup + 1), end_value=0.0)
 
 
+def is_logit_scale(name: str) -> bool:
+    """Whether the parameter named `name` is a contrastive logit scale (`<level>_logit_scale`)."""
+    return name.rsplit("/", 1)[-1].endswith("logit_scale")
+
+
+def adam_decaying_logit_scales(lr: optax.Schedule, cfg: TrainConfig
+                               ) -> optax.GradientTransformation:
+    """The `no_decay` group's Adam, with AdamW's decoupled weight decay on the logit scales
+    when `cfg.decay_logit_scales`: their update is -lr * (adam + weight_decay * value), exactly
+    what the `decay` group's `optax.adamw` does to its members.
+
+    Its state is `optax.adam`'s, leaf for leaf (scale_by_adam, then the schedule's count), so
+    the logit scales stay in the `no_decay` group and checkpoints restore whatever the
+    option: moving them into the `decay` group would move their Adam moments in the
+    optimiser-state tree, and older checkpoints would no longer restore."""
+    adam = optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    scale = optax.scale_by_learning_rate(lr)
+
+    def init(params):
+        return adam.init(params), scale.init(params)
+
+    def update(updates, state, params=None):
+        updates, adam_state = adam.update(updates, state[0], params)
+        if cfg.decay_logit_scales and cfg.weight_decay:
+            updates = jax.tree_util.tree_map_with_path(
+                lambda path, u, p: u + cfg.weight_decay * p if is_logit_scale(param_name(path))
+                else u, updates, params)
+        updates, scale_state = scale.update(updates, state[1], params)
+        return updates, (adam_state, scale_state)
+
+    return optax.GradientTransformation(init, update)
+
+
 def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransformation:
     """AdamW groups over the trainable parameters; `labels` (the trainable part of
-    `param_labels`) holds decay / no_decay / kd."""
+    `param_labels`) holds decay / no_decay / kd. The logit scales are `no_decay` members that
+    decay by default (`adam_decaying_logit_scales`)."""
     lr = learning_rate(cfg)
 
     def kd_lr(step):
@@ -152,7 +191,7 @@ def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransforma
         optax.multi_transform({
             "decay": optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                  weight_decay=cfg.weight_decay),
-            "no_decay": adam(lr),
+            "no_decay": adam_decaying_logit_scales(lr, cfg),
             "kd": adam(kd_lr),
         }, labels))
 

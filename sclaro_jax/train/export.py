@@ -30,7 +30,7 @@ from flax import nnx
 # load_checkpoint / run_config live in sclaro_jax.checkpoint (below train and eval); re-exported
 # here for callers of the old place.
 from sclaro_jax.checkpoint import load_checkpoint, run_config  # noqa: F401
-from sclaro_jax.models import clip
+from sclaro_jax.models import clip, hf_weights
 from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
 
 HEADS_FILE = "scenarioclip_heads.safetensors"
@@ -50,8 +50,6 @@ def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
 
 def export_level(model, level: str, out: str) -> str:
     """Write `level`'s towers as a Hugging Face CLIPModel folder plus its heads."""
-    from safetensors.numpy import save_file
-
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     pair = model.pair(level)
@@ -63,23 +61,64 @@ def export_level(model, level: str, out: str) -> str:
         proj.kernel = nnx.Param(jnp.zeros(proj.kernel.shape, jnp.float32))
     towers.logit_scale = nnx.Param(jnp.asarray(model.logit_scale(level), jnp.float32))
     clip.to_hf(towers, out)
-    tmp = os.path.join(out, HEADS_FILE + ".tmp")
-    save_file(heads_state_dict(pair, model.logit_scale(level)), tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out, HEADS_FILE))
+    hf_weights.save_safetensors(heads_state_dict(pair, model.logit_scale(level)),
+                                os.path.join(out, HEADS_FILE), metadata={"format": "pt"})
     return out
 
 
+class UsageError(ValueError):
+    """A command-line mistake the message says how to fix."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not the usage block
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def check_out(out: str) -> None:
+    """Refuse an --out that holds files or cannot be written, before any work (UsageError)."""
+    if os.path.exists(out):
+        if not os.path.isdir(out):
+            raise UsageError(f"--out {out} is a file: pass a new or empty folder")
+        if os.listdir(out):
+            raise UsageError(f"--out {out} is not empty: pass a new or empty folder (an export "
+                             "never overwrites files)")
+        target = out
+    else:
+        target = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        if not os.path.isdir(target):
+            raise UsageError(f"--out {out}: {target} is a file, so the folder cannot be "
+                             "made; pass another path")
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise UsageError(f"--out {out}: cannot write in {target} (permission denied); pass a "
+                         "folder you can write")
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sclaro_jax.train.export",
-                                     description=__doc__.split("\n\n")[0])
+    """The command line. User errors print one `error: ...` line and exit 2 (arguments,
+    --out) or 1 (workdir, checkpoint); --verbose shows their traceback instead."""
+    parser = _Parser(prog="python -m sclaro_jax.train.export",
+                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", required=True, help="a training workdir")
     parser.add_argument("--level", required=True, choices=LEVELS)
-    parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--step", type=int, default=None, help="checkpoint step (newest)")
+    parser.add_argument("--out", required=True, help="output folder (new or empty)")
+    parser.add_argument("--step", type=int, default=None,
+                        help="checkpoint step (default: the newest)")
     parser.add_argument("--teacher", action="store_true", help="export the EMA teacher")
+    parser.add_argument("--verbose", action="store_true",
+                        help="print the traceback of an error, not just its message")
     args = parser.parse_args(argv)
-    model, step = load_checkpoint(args.workdir, args.step, teacher=args.teacher)
-    export_level(model, args.level, args.out)
+    try:
+        check_out(args.out)
+        model, step = load_checkpoint(args.workdir, args.step, teacher=args.teacher)
+        export_level(model, args.level, args.out)
+    except (UsageError, FileNotFoundError) as e:
+        if args.verbose:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
     print(f"wrote the {args.level} level of step {step} to {args.out}")
     return 0
 
