@@ -15,8 +15,6 @@ import json
 import logging
 import os
 
-import grain.python as grain
-
 from sclaro_jax.data import schema
 
 log = logging.getLogger(__name__)
@@ -68,9 +66,10 @@ class ShardedDataset:
         with open(os.path.join(self.root, schema.MANIFEST), "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
-    def source(self, split: str) -> "ShardSource":
-        """The split's records as a Grain data source identified by content, not by path."""
-        return ShardSource(self.paths(split), f"{split}@{self.identity[:16]}")
+    def source(self, split: str):
+        """The split's records as a Grain data source identified by content, not by path
+        (`repr`: `SCLARODataset(<split>@<manifest sha256, 16 hex>)`)."""
+        return shard_source(self.paths(split), f"{split}@{self.identity[:16]}")
 
     def check_files(self, split: str | None = None) -> None:
         """The quick check of the shards (of `split`, or of every split) against the manifest
@@ -155,16 +154,33 @@ class ShardedDataset:
                                    f"changed after it was written")
 
 
-class ShardSource(grain.ArrayRecordDataSource):
-    """`grain.ArrayRecordDataSource` whose `repr` (which Grain stores in an iterator's state and
-    checks on restore) is the dataset's content identity instead of a hash of absolute paths."""
+@functools.cache
+def _shard_source_class():
+    # Grain (and with it absl's logging handler on the root logger) is imported only when a
+    # source is made, so reading a manifest keeps command lines' own logging set-up working.
+    import grain.python as grain
 
-    def __init__(self, paths, identity: str):
-        super().__init__(paths)
-        self.identity = identity
+    class ShardSource(grain.ArrayRecordDataSource):
+        """`grain.ArrayRecordDataSource` whose `repr` (which Grain stores in an iterator's
+        state and checks on restore) is the dataset's content identity instead of a hash of
+        absolute paths."""
 
-    def __repr__(self) -> str:
-        return f"SCLARODataset({self.identity})"
+        def __init__(self, paths, identity: str):
+            super().__init__(paths)
+            self.identity = identity
+
+        def __repr__(self) -> str:
+            return f"SCLARODataset({self.identity})"
+
+        def __reduce__(self):  # picklable for Grain's worker processes (a local class)
+            return shard_source, (self._paths, self.identity)
+
+    return ShardSource
+
+
+def shard_source(paths, identity: str):
+    """A Grain data source over `paths` whose `repr` is `SCLARODataset(identity)`."""
+    return _shard_source_class()(paths, identity)
 
 
 def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
