@@ -190,6 +190,10 @@ def test_allowed_config_change_keeps_both_configs(tmp_path):
     unsafe, safe = runs.config_changes(str(tmp_path), new)
     assert unsafe == {"train.lr": (5e-4, 1e-3)}
     assert safe == {"data.dir": ("a", "b"), "log_every": (5, 1), "train.steps": (10, 20)}
+    newer = ConfigDict(new.to_dict())
+    newer.train.decay_logit_scales = True  # a key added to the code since the run started
+    assert runs.config_changes(str(tmp_path), newer) == (unsafe, {
+        **safe, "train.decay_logit_scales": ("(absent)", True)})
     runs.write_config(str(tmp_path), new, step=8, unsafe=unsafe)
     assert json.loads((tmp_path / "config.until-step-8.json").read_text())["train"]["lr"] == 5e-4
     assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] == 1e-3

@@ -194,7 +194,8 @@ def _safe(key: str) -> bool:
 
 def config_changes(workdir: str, config) -> tuple[dict, dict]:
     """(unsafe, safe) differences between WORKDIR/config.json and `config`: dotted key ->
-    (saved, now). Both empty when there is no config.json."""
+    (saved, now). Both empty when there is no config.json. A key the saved config lacks (one
+    added to the code after the run started) counts as safe, with a warning naming it."""
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return {}, {}
@@ -205,8 +206,13 @@ def config_changes(workdir: str, config) -> tuple[dict, dict]:
     diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in sorted(saved.keys() | now.keys())
             if saved.get(k, missing) != now.get(k, missing)}
     diff = {k: tuple("(absent)" if v is missing else v for v in pair) for k, pair in diff.items()}
-    unsafe = {k: v for k, v in diff.items() if not _safe(k)}
-    safe = {k: v for k, v in diff.items() if _safe(k)}
+    # keys the run's config.json predates (added to the code since): taken as they are now
+    new = {k: v for k, v in diff.items() if v[0] == "(absent)"}
+    for k, (_, now_value) in new.items():
+        log.warning("the run's config.json predates the config key %s: continuing with %s=%r",
+                    k, k, now_value)
+    unsafe = {k: v for k, v in diff.items() if not _safe(k) and k not in new}
+    safe = {k: v for k, v in diff.items() if _safe(k) or k in new}
     return unsafe, safe
 
 
