@@ -46,7 +46,7 @@ def image_path(entry: dict) -> str:
     except ImportError:
         raise DemoError(
             f"demo image {entry['id']!r} ships with the {entry['source']!r} package, which is "
-            f"not installed: pip install -c constraints.txt -e \".[data]\"") from None
+            f"not installed: pip install -c constraints.txt -e \".[demo]\"") from None
     path = os.path.join(os.path.dirname(module.__file__), entry["path"])
     if not os.path.exists(path):
         raise DemoError(f"demo image {entry['id']!r}: {path} not found in the installed "

@@ -13,6 +13,7 @@ or the sharding is refused unless --allow-config-change. With an empty `config.d
 import json
 import logging
 import os
+import shlex
 import sys
 
 from absl import app, flags
@@ -109,11 +110,13 @@ def main(argv):
     if step < steps:
         print(f"stopped at step {step} of {steps}; rerun the same command to continue")
         return
+    w = shlex.quote(workdir)
     print(f"done: {steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
-          f"checkpoints in {os.path.join(workdir, 'checkpoints')}. Next:\n"
-          f"  evaluate: python -m sclaro_jax.eval.suite --workdir {workdir}\n"
-          f"  export a level for PyTorch: python -m sclaro_jax.train.export --workdir {workdir} "
-          f"--level object --out {os.path.join(workdir, 'export-object')}")
+          f"checkpoints in {os.path.join(workdir, 'checkpoints')}\n"
+          f"next: evaluate: python -m sclaro_jax.eval.suite --workdir {w}   (tables in "
+          f"{os.path.join(workdir, 'eval', 'eval.md')})\n"
+          f"      export one level for PyTorch: python -m sclaro_jax.train.export --workdir {w} "
+          f"--level object --out {shlex.quote(os.path.join(workdir, 'export_object'))}")
 
 
 # Errors that are the user's to fix: one `error:` line (and the traceback with --verbose).
