@@ -323,11 +323,14 @@ def _periodic_eval(evals, graphdef, state, step: int, workdir: str, chief: bool 
     due = [ev for ev in evals if ev.every and step % ev.every == 0]
     if not due:
         return
-    model = nnx.merge(graphdef, jax.device_get(state.params))
-    if not chief:  # every process evaluates (the arrays may span hosts); one writes
-        for ev in due:
-            ev.run(model)
+    if jax.process_count() > 1:  # the parameters may span processes: gather them (collective)
+        from jax.experimental import multihost_utils
+        params = multihost_utils.process_allgather(state.params, tiled=True)
+    else:
+        params = jax.device_get(state.params)
+    if not chief:  # process 0 evaluates on the gathered copy and writes
         return
+    model = nnx.merge(graphdef, params)
     with open(os.path.join(workdir, "eval.jsonl"), "a", encoding="utf-8") as f:
         for ev in due:
             results = dict(ev.run(model))
