@@ -67,16 +67,9 @@ def run(capsys, caplog):
 
 
 def _records(out) -> dict:
-    from array_record.python.array_record_module import ArrayRecordReader
-    recs = {}
-    for name in sorted(os.listdir(out)):
-        if name.endswith(".array_record"):
-            reader = ArrayRecordReader(os.path.join(out, name))
-            for rec in reader.read_all():
-                sample = schema.decode(rec)
-                recs[sample.id] = sample
-            reader.close()
-    return recs
+    """id -> decoded sample of every record in the shards of `out`."""
+    from test_annotate import _records as encoded
+    return {k: schema.decode(rec) for k, rec in encoded(out).items()}
 
 
 def _lines(work, name) -> list[dict]:
