@@ -189,7 +189,8 @@ def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
     path = os.path.join(root, schema.MANIFEST)
     if not os.path.exists(path):
         hint = ("; build the bundled demo with `python -m data_prep demo --out DIR`"
-                if os.path.isdir(root) else "")
+                if os.path.isdir(root) else " (the folder does not exist): pass the folder "
+                "that `python -m data_prep` wrote (annotate, curate, reshard or demo)")
         raise DatasetError(f"{path} not found: {root} is not a SCLARO dataset folder{hint}")
     try:
         with open(path, encoding="utf-8") as f:
