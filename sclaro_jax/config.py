@@ -60,22 +60,23 @@ def list_configs(folder: str) -> list[str]:
     return lines
 
 
-def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-    """Every leaf key of a config, dotted ("train.lr")."""
-    keys = []
-    for key, value in config.items():
-        if isinstance(value, ml_collections.ConfigDict):
-            keys += flat_keys(value, f"{prefix}{key}.")
+def flatten(tree, prefix: str = "") -> dict:
+    """A config (`ConfigDict`, or the plain nested dicts of its config.json) as dotted leaf
+    key -> value ("train.lr" -> 2e-05)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, (dict, ml_collections.ConfigDict)):
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
-            keys.append(f"{prefix}{key}")
-    return keys
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def check_override_keys(config: ml_collections.ConfigDict, argv: list[str]) -> None:
     """KeyError naming an unknown `--config.x.y=V` key of `argv` and the closest known ones."""
     import difflib
 
-    known = flat_keys(config)
+    known = list(flatten(config))
     for arg in argv:
         if not arg.startswith("--config."):
             continue

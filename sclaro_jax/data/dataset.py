@@ -66,10 +66,14 @@ class ShardedDataset:
         with open(os.path.join(self.root, schema.MANIFEST), "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
 
+    def source_id(self, split: str) -> str:
+        """`repr` of `source(split)`: `SCLARODataset(<split>@<manifest sha256, 16 hex>)`."""
+        return f"SCLARODataset({split}@{self.identity[:16]})"
+
     def source(self, split: str):
-        """The split's records as a Grain data source identified by content, not by path
-        (`repr`: `SCLARODataset(<split>@<manifest sha256, 16 hex>)`)."""
-        return shard_source(self.paths(split), f"{split}@{self.identity[:16]}")
+        """The split's records as a Grain data source identified by content, not by path (its
+        `repr` is `source_id(split)`)."""
+        return shard_source(self.paths(split), self.source_id(split))
 
     def check_files(self, split: str | None = None) -> None:
         """The quick check of the shards (of `split`, or of every split) against the manifest
@@ -170,7 +174,7 @@ def _shard_source_class():
             self.identity = identity
 
         def __repr__(self) -> str:
-            return f"SCLARODataset({self.identity})"
+            return self.identity
 
         def __reduce__(self):  # picklable for Grain's worker processes (a local class)
             return shard_source, (self._paths, self.identity)
@@ -179,7 +183,7 @@ def _shard_source_class():
 
 
 def shard_source(paths, identity: str):
-    """A Grain data source over `paths` whose `repr` is `SCLARODataset(identity)`."""
+    """A Grain data source over `paths` whose `repr` is `identity`."""
     return _shard_source_class()(paths, identity)
 
 

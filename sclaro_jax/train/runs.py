@@ -25,6 +25,8 @@ import signal
 import struct
 import threading
 
+from sclaro_jax.config import flatten
+
 log = logging.getLogger(__name__)
 
 # Config keys (dotted prefixes) that a resumed run may change: how long it runs, how often it
@@ -34,6 +36,9 @@ SAFE_KEYS = ("train.steps", "train.epochs", "log_every", "checkpoint_every", "ke
              "checkpoint_async", "progress_bar", "compilation_cache", "evals", "data.dir",
              "sharding", "distributed")
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# How Grain's own ArrayRecord source named a dataset in iterator states saved before dataset
+# identities (a hash of the shards' absolute paths).
+LEGACY_SOURCE = "ArrayRecordDataSource("
 
 
 class RunError(ValueError):
@@ -174,15 +179,6 @@ def truncate_logs(workdir: str, step: int) -> int:
     return dropped
 
 
-def _flat(tree, prefix="") -> dict:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def plain(config) -> dict:
     """A config as plain JSON values (what config.json holds)."""
     return json.loads(config.to_json_best_effort())
@@ -200,8 +196,8 @@ def config_changes(workdir: str, config) -> tuple[dict, dict]:
     if not os.path.exists(path):
         return {}, {}
     with open(path, encoding="utf-8") as f:
-        saved = _flat(json.load(f))
-    now = _flat(plain(config))
+        saved = flatten(json.load(f))
+    now = flatten(plain(config))
     missing = object()
     diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in sorted(saved.keys() | now.keys())
             if saved.get(k, missing) != now.get(k, missing)}
@@ -256,19 +252,19 @@ def saved_data_state(step_dir: str) -> dict | None:
         return json.load(f)
 
 
-def check_data_state(workdir: str, step: int, state: dict | None, dataset, workers: int) -> bool:
+def check_data_state(workdir: str, step: int, state: dict | None, dataset, workers: int) -> None:
     """Refuse to resume on another dataset (DatasetMismatchError naming both) or another
-    worker count. Returns whether the saved state predates dataset identities (its source is a
-    hash of absolute paths; such a state is restored without the check)."""
+    worker count. A state saved before dataset identities (its source a hash of absolute
+    paths) is restored without the dataset check, with a warning."""
     if state is None:
-        return False
+        return
     saved = str(state.get("data_source", ""))
-    current = repr(dataset.source("train"))
-    if saved.startswith("ArrayRecordDataSource("):
+    current = dataset.source_id("train")
+    if saved.startswith(LEGACY_SOURCE):
         log.warning("the checkpoint of step %d predates dataset identities: the dataset in "
                     "%s is not checked against the one the run was trained on", step,
                     dataset.root)
-        return True
+        return
     if saved != current:
         info = read_run_info(workdir)
         where = f" (at {info['dataset']} when the run started)" if info.get("dataset") else ""
@@ -282,7 +278,6 @@ def check_data_state(workdir: str, step: int, state: dict | None, dataset, worke
             f"{workdir}: the checkpoint of step {step} was written with config.data.workers="
             f"{state['worker_count']} and the data position is kept per worker process; rerun "
             f"with --config.data.workers={state['worker_count']} (change it in a new run).")
-    return False
 
 
 def read_run_info(workdir: str) -> dict:
@@ -336,7 +331,7 @@ class PortableIterator:
 
     def set_state(self, state: bytes) -> None:
         data = json.loads(state)
-        if str(data.get("data_source", "")).startswith("ArrayRecordDataSource("):
+        if str(data.get("data_source", "")).startswith(LEGACY_SOURCE):
             data["data_source"] = self.source_repr
             state = json.dumps(data, indent=4).encode()
         self.iterator.set_state(state)

@@ -173,7 +173,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     host_batch = config.data.batch_size // jax.process_count()
     loader = make_loader(dataset, "train", host_batch, config=pipeline_config(config),
                          seed=config.seed, worker_count=config.data.workers)
-    it = runs.PortableIterator(iter(loader), repr(dataset.source("train")), config.data.workers)
+    it = runs.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
     if start:
         step_dir = os.path.join(folder, str(start))
         runs.check_data_state(workdir, start, runs.saved_data_state(step_dir), dataset,
