@@ -45,6 +45,7 @@ def _annotate(args) -> int:
     import logging
 
     from data_prep.annotate import AnnotateConfig, annotate, format_summary
+    from data_prep.annotate_ray import parse_concurrency
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     options = []
     for item in args.source_option:
@@ -63,7 +64,10 @@ def _annotate(args) -> int:
         text_threshold=args.text_threshold, nms_iou=args.nms_iou, limit=args.limit,
         split_seed=args.split_seed, records_per_shard=args.records_per_shard,
         overwrite=args.overwrite, progress=not args.no_progress, image_size=args.image_size,
-        keep_originals=args.keep_originals)
+        keep_originals=args.keep_originals, engine=args.engine, ray_address=args.ray_address,
+        vlm_gpus=args.vlm_gpus, detector_gpus=args.detector_gpus, sam_gpus=args.sam_gpus,
+        stage_cpus=args.stage_cpus, retries=args.retries,
+        stage_concurrency=tuple(parse_concurrency(args.stage_concurrency).items()))
     summary = annotate(cfg)
     print(format_summary(summary))
     print(f"wrote {summary['records']} records to {args.out}; caches and summary.json in "
@@ -179,7 +183,9 @@ def main(argv=None) -> int:
     ann.add_argument("--sam", default="", help="SAM checkpoint file (e.g. sam_vit_h_4b8939.pth)")
     ann.add_argument("--sam-type", default="vit_h", help="SAM variant: vit_h, vit_l, vit_b")
     ann.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")
-    ann.add_argument("--batch-size", type=int, default=8, help="images per chunk (default 8)")
+    ann.add_argument("--batch-size", type=int, default=8,
+                     help="images per block: the unit each stage works on, caches and resumes "
+                          "(default 8)")
     ann.add_argument("--box-threshold", type=float, default=0.25)
     ann.add_argument("--text-threshold", type=float, default=0.25)
     ann.add_argument("--nms-iou", type=float, default=0.4)
@@ -190,6 +196,33 @@ def main(argv=None) -> int:
     ann.add_argument("--overwrite", action="store_true",
                      help="replace a dataset already in --out")
     ann.add_argument("--no-progress", action="store_true", help="no progress bar")
+    eng = ann.add_argument_group(
+        "engine", "--engine ray runs the stages as a Ray Data pipeline (pip install "
+                  "'sclaro-jax[cluster]'): a pool of actors per stage, each loading its model "
+                  "once, blocks streaming from stage to stage. Same records, same summary.json, "
+                  "same work folder as --engine local; either engine resumes the other's run.")
+    eng.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="local: the stages one after another in this process (default); "
+                          "ray: a Ray Data pipeline on this machine or a Ray cluster")
+    eng.add_argument("--ray-address", default="", metavar="ADDRESS",
+                     help="a running Ray cluster (auto, or HOST:PORT of `ray start --head`); "
+                          "default: start Ray on this machine with all its CPUs and GPUs")
+    eng.add_argument("--vlm-gpus", type=float, default=1.0, metavar="G",
+                     help="GPUs per VLM actor (default 1)")
+    eng.add_argument("--detector-gpus", type=float, default=0.5, metavar="G",
+                     help="GPUs per GroundingDINO actor (default 0.5: it shares a GPU with a "
+                          "SAM actor)")
+    eng.add_argument("--sam-gpus", type=float, default=0.5, metavar="G",
+                     help="GPUs per SAM actor (default 0.5)")
+    eng.add_argument("--stage-cpus", type=float, default=1.0, metavar="C",
+                     help="CPUs per stage actor (default 1; on CPU-only machines also its "
+                          "torch threads)")
+    eng.add_argument("--stage-concurrency", action="append", default=[], metavar="STAGE=N",
+                     help="actors of a stage (vlm, detector, sam), e.g. detector=2; N alone "
+                          "sets every stage; repeatable (default 1 each)")
+    eng.add_argument("--retries", type=int, default=2, metavar="N",
+                     help="retries of a block whose stage raises or whose actor dies, before "
+                          "the run stops (default 2)")
 
     cur = _command(
         sub, "curate", _curate,

@@ -9,19 +9,24 @@
     Stage 3  SAM: one mask per box; per relation the closest subject/object instance pair by
              box-centre distance and its focused-region image (`data_prep.segment`).
 
-Resumable. Work goes in fixed chunks of `batch_size` images (the same chunks on every run, so a
-model always sees the same batches). Each stage appends one line per finished chunk to its cache
-in the work folder (`vlm.jsonl`, `detect.jsonl`), flushed and fsynced; stage 3 appends the
-finished records to `records.log` (length + CRC32 framed) and every decision to `status.jsonl`.
-A run that is killed loses at most the chunk in flight; rerunning the same command reads the
-caches, skips every stage result already written (no image is sent to a model twice once its
-result is on disk) and carries on. A torn last line or record is detected and cut off. Cache
-entries are keyed by content (`data_prep.annotate_keys`): an edited reply or changed weights
-redo the stages they feed, and the run says so. When all
-images are done the records are written as shards with `data_prep.shards.write_dataset` (schema
-version 2 with `image_size` px training views; the originals only with `keep_originals`, while
-the work folder's records.log always holds them, so a rerun with another `--image-size` only
-rewrites the shards), and `summary.json` counts kept / excluded / failed images by reason.
+Two engines run the same stage code (`data_prep.annotate_stages`): `--engine local` (the
+default) runs the stages one after another in this process; `--engine ray` runs them as a Ray
+Data pipeline with a pool of actors per stage (`data_prep.annotate_ray`), on one multi-GPU node
+or a Ray cluster. Both write the same records and the same summary.
+
+Resumable. Work goes in fixed blocks of `batch_size` images (the same blocks on every run, so a
+model always sees the same batches). A finished block is one ArrayRecord shard of its records
+plus a marker with every image's decision and the shard's checksum (`WORK/blocks/`, see
+`data_prep.annotate_stages`); a rerun with the same work folder skips the finished blocks,
+whichever engine wrote them. The local engine also caches stages 1 and 2 per block
+(`vlm.jsonl`, `detect.jsonl`, fsynced JSON lines; a torn last line is cut off), so a killed run
+loses at most the block in flight and no image is sent to a model twice once its result is on
+disk. Cache entries are keyed by content (`data_prep.annotate_keys`): an edited reply or changed
+weights redo the stages they feed, and the run says so. When every block has landed the
+records are written as shards with `data_prep.shards.write_dataset` (schema version 2 with
+`image_size` px training views; the originals only with `keep_originals`, while the block
+shards always hold them, so a rerun with another `--image-size` only rewrites the dataset), and
+`summary.json` counts kept / excluded / failed images by reason.
 """
 
 from __future__ import annotations
@@ -31,16 +36,15 @@ import dataclasses
 import json
 import logging
 import os
-import time
+import uuid
 from typing import Callable, Iterable
 
-import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
+from data_prep import annotate_stages as stages
 from data_prep.annotate_keys import (HashMemo, StageInputs, check_run_key, config_key,
                                      replies_for)
-from data_prep.durable_logs import JsonLog, RecordLog
+from data_prep.durable_logs import JsonLog
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")
@@ -72,6 +76,16 @@ class AnnotateConfig:
     keep_originals: bool = False  # also store the full-size photographs and regions
     overwrite: bool = False
     progress: bool = True
+    # --engine ray (data_prep.annotate_ray); none of these change the records
+    engine: str = "local"  # local | ray
+    ray_address: str = ""  # "" = start Ray on this machine; "auto" or HOST:PORT = a cluster
+    vlm_gpus: float = 1.0  # GPUs per stage actor (fractions share a GPU)
+    detector_gpus: float = 0.5
+    sam_gpus: float = 0.5
+    stage_cpus: float = 1.0  # CPUs per stage actor
+    stage_concurrency: tuple = ()  # (stage, actors) pairs; a stage not named gets 1
+    retries: int = 2  # attempts after the first for a block that raises or whose actor dies
+    faults: tuple = ()  # testing only: (stage, block, "raise" | "kill") injected once each
 
     @property
     def work_dir(self) -> str:
@@ -90,7 +104,14 @@ class Models:
     segmenter: Callable
 
 
+MODEL_FLAGS = (("--vlm", "vlm", "an image-text-to-text model folder, e.g. Ovis-Gemma 9B"),
+               ("--vlm-replies", "vlm_replies", "a JSON file {image id: reply text}"),
+               ("--detector", "detector", "grounding-dino-base saved with save_pretrained"),
+               ("--sam", "sam", "sam_vit_h_4b8939.pth"))
+
+
 def check_model_flags(cfg: AnnotateConfig) -> None:
+    """Every model flag given, and each path there: checked before any work starts."""
     missing = [flag for flag, value in (("--vlm", cfg.vlm or cfg.vlm_replies),
                                         ("--detector", cfg.detector), ("--sam", cfg.sam))
                if not value]
@@ -100,28 +121,48 @@ def check_model_flags(cfg: AnnotateConfig) -> None:
             f"reachable: pass --vlm DIR (an image-text-to-text model folder, e.g. Ovis-Gemma 9B) "
             f"or --vlm-replies FILE, --detector DIR (grounding-dino-base saved with "
             f"save_pretrained) and --sam FILE (sam_vit_h_4b8939.pth))")
+    for flag, field, what in MODEL_FLAGS:
+        path = getattr(cfg, field)
+        if path and not os.path.exists(path):
+            raise FileNotFoundError(f"{flag} {path}: no such file or folder; pass {flag} with "
+                                    f"the path of {what}")
+
+
+def pick_device(cfg: AnnotateConfig) -> str:
+    import torch
+    return cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_vlm(cfg: AnnotateConfig, device: str):
+    from data_prep import vlm
+    if cfg.vlm_replies:
+        return vlm.RepliesFile(cfg.vlm_replies)
+    return vlm.TransformersVLM(cfg.vlm, device=device, batch_size=cfg.batch_size,
+                               trust_remote_code=cfg.vlm_trust_remote_code)
+
+
+def load_detector(cfg: AnnotateConfig, device: str):
+    from data_prep import detect
+    return detect.GroundingDetector(cfg.detector, device=device,
+                                    box_threshold=cfg.box_threshold,
+                                    text_threshold=cfg.text_threshold, nms_iou=cfg.nms_iou,
+                                    batch_size=cfg.batch_size)
+
+
+def load_segmenter(cfg: AnnotateConfig, device: str):
+    from data_prep import segment
+    return segment.SamSegmenter(segment.load_sam(cfg.sam, cfg.sam_type, device), device=device)
+
+
+STAGE_LOADERS = {"vlm": load_vlm, "detect": load_detector, "segment": load_segmenter}
 
 
 def load_models(cfg: AnnotateConfig) -> Models:
     """The configured models; a clear error for each one not given or not found."""
-    import torch
-
-    from data_prep import detect, segment, vlm
     check_model_flags(cfg)
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if cfg.vlm_replies:
-        stage1 = vlm.RepliesFile(cfg.vlm_replies)
-    else:
-        stage1 = vlm.TransformersVLM(cfg.vlm, device=device, batch_size=cfg.batch_size,
-                                     trust_remote_code=cfg.vlm_trust_remote_code)
-    return Models(
-        vlm=stage1,
-        detector=detect.GroundingDetector(cfg.detector, device=device,
-                                          box_threshold=cfg.box_threshold,
-                                          text_threshold=cfg.text_threshold,
-                                          nms_iou=cfg.nms_iou, batch_size=cfg.batch_size),
-        segmenter=segment.SamSegmenter(segment.load_sam(cfg.sam, cfg.sam_type, device),
-                                       device=device))
+    device = pick_device(cfg)
+    return Models(vlm=load_vlm(cfg, device), detector=load_detector(cfg, device),
+                  segmenter=load_segmenter(cfg, device))
 
 
 # --------------------------------------------------------------------------- the run
@@ -157,270 +198,236 @@ def _chunks(items: list, size: int) -> Iterable[tuple[int, list]]:
         yield k // size, items[k:k + size]
 
 
-class Annotator:
-    """Runs the three stages over a list of `sources.SourceItem`s with durable caches."""
+class Run:
+    """What both engines share for one invocation: the items in fixed chunks, the work folder
+    (settings in run.json, content hashes of the stage inputs, the local engine's stage caches)
+    and the blocks already finished by either engine."""
 
-    def __init__(self, cfg: AnnotateConfig, models: Models, items: list):
+    def __init__(self, cfg: AnnotateConfig, items: list, stage1=None):
         self.cfg = cfg
-        self.models = models
         self.items = items
         ids = [it.id for it in items]
         dup = [i for i, c in collections.Counter(ids).items() if c > 1]
         if dup:
             raise ValueError(f"source yields duplicate image ids, e.g. {dup[:3]}")
-        replies = replies_for(cfg, models.vlm, ids)
+        replies = replies_for(cfg, stage1, ids)
         work = cfg.work_dir
         os.makedirs(work, exist_ok=True)
+        self.run_id = uuid.uuid4().hex
         self.vlm_log = JsonLog(os.path.join(work, "vlm.jsonl"))
         self.detect_log = JsonLog(os.path.join(work, "detect.jsonl"))
-        self.status_log = JsonLog(os.path.join(work, "status.jsonl"))
-        self.records = RecordLog(os.path.join(work, "records.log"))
-        check_run_key(work, config_key(cfg), has_work=any(
-            f.entries for f in (self.vlm_log, self.detect_log, self.status_log))
-            or bool(self.records.index))
+        blocks_dir = os.path.join(work, stages.BLOCKS)
+        has_blocks = os.path.isdir(blocks_dir) and any(
+            n.endswith(".json") for n in os.listdir(blocks_dir))
+        check_run_key(work, config_key(cfg), has_work=has_blocks or any(
+            f.entries for f in (self.vlm_log, self.detect_log)))
+        gone = stages.clear_partial_blocks(work)
+        if gone:
+            log.warning("%s: removed %d files of block writes that were interrupted", work, gone)
         self.chunks = list(_chunks(items, cfg.batch_size))
-        self.inputs = StageInputs(cfg, self.chunks, replies,
-                                  HashMemo(os.path.join(work, "hashes.json")))
+        self.memo = HashMemo(os.path.join(work, "hashes.json"))
+        self.inputs = StageInputs(cfg, self.chunks, replies, self.memo)
+        self.done, problems = stages.finished_blocks(
+            work, self.chunks, lambda k: self.inputs.of("segment", k), self.memo)
+        markers = []
+        for k, _ in self.chunks:
+            path = stages.block_paths(work, k)[1]
+            if k not in self.done and os.path.exists(path):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        markers.append(json.load(f))
+                except (OSError, ValueError):
+                    pass
+        self.inputs.fresh("segment", markers)  # notes blocks made from other inputs
         self.vlm_done = self.inputs.fresh("vlm", self.vlm_log.entries)
         self.detect_done = self.inputs.fresh("detect", self.detect_log.entries)
-        self.status_done = self.inputs.fresh("segment", self.status_log.entries)
-        for line in self.inputs.report():
+        for line in problems + self.inputs.report():
             log.warning("%s", line)
-        self.summary = Summary(images=len(items))
+        self.cached_images = sum(len(self.done[k]["ids"]) for k in self.done)
+
+    def todo(self) -> list[tuple[int, list]]:
+        return [(k, chunk) for k, chunk in self.chunks if k not in self.done]
 
     def close(self) -> None:
-        for f in (self.vlm_log, self.detect_log, self.status_log, self.records):
+        for f in (self.vlm_log, self.detect_log):
             f.close()
 
-    # -- stages ------------------------------------------------------------------------------
+    def finish(self) -> dict:
+        """The summary of every block, and the dataset written from the block shards in id
+        order (only now, when every block has landed)."""
+        from data_prep.shards import write_dataset
+        cfg = self.cfg
+        missing = [k for k, _ in self.chunks if k not in self.done]
+        if missing:
+            raise RuntimeError(f"{cfg.work_dir}: {len(missing)} blocks did not finish (e.g. "
+                               f"block {missing[0]}); rerun the same command to complete them")
+        summary = Summary(images=len(self.items), from_cache=self.cached_images)
+        where = {}  # kept id -> (block, index in its shard)
+        for k, _ in self.chunks:
+            marker = self.done[k]
+            kept = [i for i in marker["ids"] if marker["status"][i][0] == "kept"]
+            if len(kept) != marker["records"]:
+                raise RuntimeError(f"{stages.block_paths(cfg.work_dir, k)[1]}: "
+                                   f"{len(kept)} images kept but {marker['records']} records; "
+                                   f"delete it and rerun")
+            for n, image_id in enumerate(kept):
+                where[image_id] = (k, n)
+            for image_id in marker["ids"]:
+                state, reason = marker["status"][image_id]
+                if state == "excluded":
+                    summary.excluded[reason] += 1
+                elif state == "failed":
+                    summary.failed[reason] += 1
+            summary.parse_notes.update(marker["parse_notes"])
+            summary.dropped_relations.update(marker["relations_dropped"])
+            if marker["run"] == self.run_id:
+                summary.stage_seconds.update(marker["stage_seconds"])
+                summary.stage_images.update(marker["stage_images"])
+        summary.kept = len(where)
+        ids = sorted(where)
+        manifest = None
+        if ids:  # streamed from the block shards in id order, one record at a time
+            reader = stages.BlockRecords(cfg.work_dir)
 
-    def _load(self, chunk: list) -> dict:
-        from data_prep import sources
-        images = {}
-        for it in chunk:
+            def samples():
+                for i in ids:
+                    sample = schema.decode(reader.read(*where[i]))
+                    if sample.id != i:
+                        raise RuntimeError(f"block {where[i][0]}: record {where[i][1]} is "
+                                           f"{sample.id}, its marker says {i}; delete "
+                                           f"{stages.block_paths(cfg.work_dir, where[i][0])[1]}"
+                                           f" and rerun")
+                    yield sample
             try:
-                images[it.id] = sources.read_image(it)
-            except sources.SourceError as e:
-                log.warning("%s", e)
-                images[it.id] = e
-        return images
+                manifest = write_dataset(samples(), cfg.out, ids=ids,
+                                         split_seed=cfg.split_seed,
+                                         records_per_shard=cfg.records_per_shard,
+                                         overwrite=cfg.overwrite, progress=cfg.progress,
+                                         view_size=cfg.image_size,
+                                         keep_originals=cfg.keep_originals)
+            finally:
+                reader.close()
+        out = summary.as_dict()
+        out["records"] = manifest["records"] if manifest else 0
+        with open(os.path.join(cfg.work_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=1, sort_keys=True)
+        return out
 
-    def _stage_vlm(self, k: int, chunk: list, images: dict) -> dict:
+
+class Annotator:
+    """`--engine local`: the three stages over the chunks one after another in this process.
+    Stages 1 and 2 also keep per-chunk caches (`vlm.jsonl`, `detect.jsonl`), so a rerun after
+    new SAM weights, say, does not ask the VLM again."""
+
+    def __init__(self, run: Run, models: Models):
+        self.run_state = run
+        self.cfg = run.cfg
+        self.models = models
+        self.inputs = run.inputs
+        self.vlm_done = run.vlm_done
+        self.detect_done = run.detect_done
+
+    # -- stages with their caches ------------------------------------------------------------
+
+    def _stage_vlm(self, k: int, chunk: list, images: dict) -> tuple[dict, dict]:
         if k in self.vlm_done:
-            return self.vlm_done[k]
-        from data_prep import vlm
-        ok = [it for it in chunk if not isinstance(images[it.id], Exception)]
-        t0 = time.perf_counter()
-        inputs = ok if getattr(self.models.vlm, "wants_items", False) else \
-            [images[it.id][1] for it in ok]
-        replies = list(self.models.vlm(inputs)) if ok else []
-        if len(replies) != len(ok):
-            raise RuntimeError(f"the VLM returned {len(replies)} replies for {len(ok)} images")
-        results = {}
-        for it, reply in zip(ok, replies):
-            if reply is None:  # --vlm-replies has none for it
-                log.warning("image %s: no reply in --vlm-replies %s; excluded (vlm_no_reply)",
-                            it.id, self.cfg.vlm_replies)
-                results[it.id] = {"reply": None, "error": "no_reply"}
-                continue
-            try:
-                parsed = vlm.parse_response(reply)
-                parsed["relations"] = [list(r) for r in parsed["relations"]]
-                results[it.id] = {"reply": reply, "parse": parsed}
-            except vlm.ParseError as e:
-                log.warning("image %s: VLM reply rejected (%s): %s", it.id, e.reason, e)
-                results[it.id] = {"reply": reply, "error": e.reason}
-        self.summary.stage_seconds["vlm"] += time.perf_counter() - t0
-        self.summary.stage_images["vlm"] += len(ok)
+            return self.vlm_done[k], {}
+        results, seconds = stages.timed(stages.run_vlm, self.models.vlm, chunk, images,
+                                        self.cfg.vlm_replies)
+        n = sum(not isinstance(images[it.id], Exception) for it in chunk)
         entry = {"chunk": k, "ids": [it.id for it in chunk], "results": results,
                  "inputs": self.inputs.of("vlm", k)}
-        self.vlm_log.append(entry)
+        self.run_state.vlm_log.append(entry)
         self.vlm_done[k] = entry
-        return entry
+        return entry, {"vlm": (seconds, n)}
 
-    def _stage_detect(self, k: int, todo: list, images: dict, parsed: dict) -> dict:
+    def _stage_detect(self, k: int, todo: list, images: dict, parsed: dict) -> tuple[dict, dict]:
         if k in self.detect_done:
-            return self.detect_done[k]
-        t0 = time.perf_counter()
-        found = self.models.detector([images[i][1] for i in todo],
-                                     [parsed[i]["objects"] for i in todo]) if todo else []
-        results = {i: [[*map(float, d.box), float(d.score), d.label] for d in dets]
-                   for i, dets in zip(todo, found)}
-        self.summary.stage_seconds["detect"] += time.perf_counter() - t0
-        self.summary.stage_images["detect"] += len(todo)
+            return self.detect_done[k], {}
+        results, seconds = stages.timed(stages.run_detect, self.models.detector, todo, images,
+                                        parsed)
         entry = {"chunk": k, "results": results, "inputs": self.inputs.of("detect", k)}
-        self.detect_log.append(entry)
-        return entry
-
-    def _stage_segment(self, item, data: bytes, img: Image.Image, parsed: dict,
-                       dets: list) -> tuple[schema.Sample | None, str, list[str]]:
-        """The record of one image, or None with the reason it is excluded."""
-        from data_prep import segment
-        from data_prep.demo import encode_jpeg
-        rgb = np.asarray(img.convert("RGB"))
-        boxes = np.asarray([d[:4] for d in dets], np.float64).reshape(-1, 4)
-        labels = [d[5] for d in dets]
-        masks = self.models.segmenter(rgb, boxes)
-        # relation names spelled as in the object list (detections carry those spellings)
-        spelling = {o.lower(): o for o in parsed["objects"]}
-        relations = [(spelling.get(a.lower(), a), p, spelling.get(b.lower(), b))
-                     for a, p, b in parsed["relations"]]
-        regions, dropped = segment.relation_regions(rgb, boxes, labels, masks, relations)
-        reasons = [d.reason for d in dropped]
-        if not regions:
-            return None, "no_grounded_relations", reasons
-        objects = tuple(schema.Object(labels[i], tuple(float(v) for v in boxes[i]))
-                        for i in range(len(labels)))
-        relations = tuple(
-            schema.Relation(r.subject, r.predicate, r.object,
-                            schema.triplet_text(labels[r.subject], r.predicate,
-                                                labels[r.object]),
-                            encode_jpeg(r.region, self.cfg.region_quality))
-            for r in regions)
-        action = item.action if item.action else parsed["action"]
-        sample = schema.Sample(
-            id=item.id, source=item.source, split="train", image=data, width=img.width,
-            height=img.height, action=action, caption=parsed["caption"], objects=objects,
-            relations=relations, mask_kind="sam")
-        return sample, "", reasons
+        self.run_state.detect_log.append(entry)
+        self.detect_done[k] = entry
+        return entry, {"detect": (seconds, len(todo))}
 
     # -- driver ------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        already = sum(len(self.status_done[k]["status"]) for k, _ in self.chunks
-                      if k in self.status_done)
-        self.summary.from_cache = already
-        bar = tqdm(total=len(self.items), initial=already, desc="annotating", unit="image",
-                   disable=not self.cfg.progress)
-        for k, chunk in self.chunks:
-            if k in self.status_done:
-                continue
-            self._run_chunk(k, chunk)
+        run = self.run_state
+        bar = tqdm(total=len(run.items), initial=run.cached_images, desc="annotating",
+                   unit="image", disable=not self.cfg.progress)
+        for k, chunk in run.todo():
+            run.done[k] = self._run_chunk(k, chunk)
             bar.update(len(chunk))
         bar.close()
-        return self._finish()
+        return run.finish()
 
-    def _run_chunk(self, k: int, chunk: list) -> None:
-        images = self._load(chunk)
-        status: dict[str, list] = {}
-        for it in chunk:
-            if isinstance(images[it.id], Exception):
-                status[it.id] = ["failed", "unreadable_image"]
-        vlm_entry = self._stage_vlm(k, chunk, images)
-        parsed = {}
-        for it in chunk:
-            if it.id in status:
-                continue
-            res = vlm_entry["results"].get(it.id)
-            if res is None or "error" in res:
-                status[it.id] = ["excluded", "vlm_" + (res or {}).get("error", "no_reply")]
-                continue
-            p = {**res["parse"], "action": it.action or res["parse"]["action"]}  # MMiT: truth
-            if not p["objects"]:
-                status[it.id] = ["excluded", "no_objects"]
-            elif not p["relations"]:
-                status[it.id] = ["excluded", "no_relations"]
-            else:  # no action: kept with action "" (appendix: its objects and relations hold)
-                parsed[it.id] = p
+    def _run_chunk(self, k: int, chunk: list) -> dict:
+        images = stages.load_images(chunk)
+        vlm_entry, timing = self._stage_vlm(k, chunk, images)
+        status, parsed = stages.triage(chunk, images, vlm_entry["results"])
         todo = [it.id for it in chunk if it.id in parsed]
-        det_entry = self._stage_detect(k, todo, images, parsed)
-        records = []
-        t0 = time.perf_counter()
-        n_seg = 0
-        for it in chunk:
-            if it.id in status:
-                continue
-            dets = det_entry["results"].get(it.id, [])
-            if not dets:
-                status[it.id] = ["excluded", "no_detections"]
-                continue
-            data, img = images[it.id]
-            n_seg += 1
-            sample, reason, dropped = self._stage_segment(it, data, img, parsed[it.id], dets)
-            self.summary.dropped_relations.update(dropped)
-            if sample is None:
-                status[it.id] = ["excluded", reason]
-                continue
-            try:
-                schema.validate(sample)
-            except schema.RecordError as e:
-                log.warning("%s", e)
-                status[it.id] = ["failed", "invalid_record"]
-                continue
-            records.append(schema.encode(sample))
-            status[it.id] = ["kept", ""]
-        self.summary.stage_seconds["segment"] += time.perf_counter() - t0
-        self.summary.stage_images["segment"] += n_seg
-        # records first, then the status line that marks the chunk done: a kill between the
-        # two redoes stage 3 of this chunk and the duplicate records are ignored (same bytes).
-        self.records.append_many(records)
-        entry = {"chunk": k, "status": status, "inputs": self.inputs.of("segment", k)}
-        self.status_log.append(entry)
-        self.status_done[k] = entry
-
-    def _finish(self) -> dict:
-        from data_prep.shards import write_dataset
-        kept_ids = set()
-        for entry in self.status_done.values():
-            for image_id, (state, reason) in entry["status"].items():
-                if state == "kept":
-                    kept_ids.add(image_id)
-                elif state == "excluded":
-                    self.summary.excluded[reason] += 1
-                else:
-                    self.summary.failed[reason] += 1
-        for entry in self.vlm_done.values():
-            for res in entry["results"].values():
-                self.summary.parse_notes.update(res.get("parse", {}).get("notes", []))
-        where = {}  # id -> (offset, length) in the record log; a repeated chunk's copy wins
-        for entry, rec in zip(self.records.index, self.records):
-            image_id = schema.decode(rec).id
-            if image_id in kept_ids:
-                where[image_id] = entry
-        missing = kept_ids - set(where)
-        if missing:
-            raise RuntimeError(f"{self.records.path}: records of {len(missing)} kept images are "
-                               f"missing (e.g. {sorted(missing)[:3]}); delete the work folder "
-                               f"and rerun")
-        self.summary.kept = len(where)
-        ids = sorted(where)
-        manifest = None
-        if ids:  # streamed from the log in id order, one record at a time
-            manifest = write_dataset((schema.decode(self.records.read(where[i])) for i in ids),
-                                     self.cfg.out, ids=ids, split_seed=self.cfg.split_seed,
-                                     records_per_shard=self.cfg.records_per_shard,
-                                     overwrite=self.cfg.overwrite, progress=self.cfg.progress,
-                                     view_size=self.cfg.image_size,
-                                     keep_originals=self.cfg.keep_originals)
-        summary = self.summary.as_dict()
-        summary["records"] = manifest["records"] if manifest else 0
-        with open(os.path.join(self.cfg.work_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1, sort_keys=True)
-        return summary
+        det_entry, more = self._stage_detect(k, todo, images, parsed)
+        timing.update(more)
+        (records, status, dropped, n_seg), seconds = stages.timed(
+            stages.run_segment, self.models.segmenter, chunk, images, parsed,
+            det_entry["results"], status, self.cfg.region_quality)
+        timing["segment"] = (seconds, n_seg)
+        return stages.write_block(
+            self.cfg.work_dir, k, [it.id for it in chunk], records, status,
+            self.inputs.of("segment", k), notes=stages.parse_notes(vlm_entry["results"]),
+            dropped=dropped, stage_seconds={s: t for s, (t, _) in timing.items()},
+            stage_images={s: n for s, (_, n) in timing.items()}, run=self.run_state.run_id,
+            engine="local")
 
 
-def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | None = None
-             ) -> dict:
-    """Run (or resume) the pipeline; returns the summary (also WORK/summary.json)."""
-    if models is None:
-        check_model_flags(cfg)
-    if items is None:
-        from data_prep import sources
-        try:
-            items = list(sources.iter_source(cfg.source, cfg.root, **dict(cfg.source_options)))
-        except TypeError as e:  # an option the adapter does not take
-            raise ValueError(f"{cfg.source} source: {e} (see data_prep.sources for its "
-                             f"options)") from None
+def source_items(cfg: AnnotateConfig) -> list:
+    from data_prep import sources
+    try:
+        items = list(sources.iter_source(cfg.source, cfg.root, **dict(cfg.source_options)))
+    except TypeError as e:  # an option the adapter does not take
+        raise ValueError(f"{cfg.source} source: {e} (see data_prep.sources for its "
+                         f"options)") from None
     if cfg.limit:
         items = items[:cfg.limit]
     if not items:
         raise ValueError(f"{cfg.source} source at {cfg.root} holds no images")
+    return items
+
+
+def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | None = None
+             ) -> dict:
+    """Run (or resume) the pipeline with `cfg.engine`; returns the summary (also
+    WORK/summary.json). `models` (local engine only) replaces the configured ones."""
+    if cfg.engine not in ("local", "ray"):
+        raise ValueError(f"unknown engine {cfg.engine!r}; choose local or ray")
+    if cfg.engine == "ray":
+        if models is not None:
+            raise ValueError("the ray engine loads the configured models in its stage actors; "
+                             "models= is for engine='local'")
+        from data_prep import annotate_ray
+        annotate_ray.check_ray()
+    if models is None:
+        check_model_flags(cfg)
+    if items is None:
+        items = source_items(cfg)
+    elif cfg.limit:
+        items = items[:cfg.limit]
+    if not items:
+        raise ValueError(f"{cfg.source} source at {cfg.root} holds no images")
+    if cfg.engine == "ray":
+        run = Run(cfg, items)
+        try:
+            return annotate_ray.run(run)
+        finally:
+            run.close()
     models = models or load_models(cfg)
-    runner = Annotator(cfg, models, items)
+    run = Run(cfg, items, models.vlm)
     try:
-        return runner.run()
+        return Annotator(run, models).run()
     finally:
-        runner.close()
+        run.close()
 
 
 def format_summary(summary: dict) -> str:

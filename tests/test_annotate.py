@@ -128,12 +128,16 @@ def test_records_come_out_and_exclusions_are_counted(full_run):
 
 
 def _logged_samples(work) -> dict:
-    """The records stage 3 left in the work folder (version 1, originals; split not yet
-    assigned), by id."""
-    from data_prep.durable_logs import RecordLog
-    log = RecordLog(str(work / "records.log"))
-    samples = {s.id: s for s in map(schema.decode, log.records)}
-    log.close()
+    """The records stage 3 left in the work folder's block shards (version 1, originals; split
+    not yet assigned), by id."""
+    from array_record.python.array_record_module import ArrayRecordReader
+    samples = {}
+    for name in sorted(os.listdir(work / "blocks")):
+        if name.endswith(".array_record"):
+            reader = ArrayRecordReader(str(work / "blocks" / name))
+            if reader.num_records():
+                samples.update((s.id, s) for s in map(schema.decode, reader.read_all()))
+            reader.close()
     return samples
 
 
@@ -161,16 +165,19 @@ def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = _cli(setup, out, work)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    status = work / "status.jsonl"
+    def finished():
+        blocks = work / "blocks"
+        return sum(n.endswith(".json") for n in os.listdir(blocks)) if blocks.exists() else 0
+
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
-        if status.exists() and status.read_text().count("\n") >= 2:
+        if finished() >= 2:
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run finished before it could be killed"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    done_before = status.read_text().count("\n")
+    done_before = finished()
     assert 2 <= done_before < 5 and not (out / "manifest.json").exists()  # 5 chunks of 2
     again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
@@ -193,15 +200,25 @@ def test_cli_names_what_is_missing(tmp_path, capsys):
     base = ["annotate", "--root", str(tmp_path), "--out", str(tmp_path / "out")]
     assert main(base) == 1
     assert "missing --vlm, --detector, --sam" in capsys.readouterr().err
-    models = ["--vlm-replies", str(tmp_path / "none.json"), "--detector", "d", "--sam", "s"]
+    (tmp_path / "d").mkdir()
+    (tmp_path / "s.pth").write_bytes(b"")
+    (tmp_path / "r.json").write_text("{}")
+    models = ["--vlm-replies", str(tmp_path / "r.json"), "--detector", str(tmp_path / "d"),
+              "--sam", str(tmp_path / "s.pth")]
     assert main(base + models + ["--source-option", "bogus=1"]) == 1
     assert "bogus" in capsys.readouterr().err
-    assert main(base + models) == 1
-    assert "none.json: no such file" in capsys.readouterr().err
+    # a path that is not there stops before any work, naming the flag
+    for i, flag in ((1, "--vlm-replies"), (3, "--detector"), (5, "--sam")):
+        wrong = list(models)
+        wrong[i] = str(tmp_path / "none")
+        assert main(base + wrong) == 1
+        assert (f"error: {flag} {tmp_path / 'none'}: no such file or folder; pass {flag} with "
+                f"the path of") in capsys.readouterr().err
+    assert not (tmp_path / "out.work").exists() and not (tmp_path / "out").exists()
 
 
 def test_torn_tails_are_cut_off(tmp_path):
-    from data_prep.durable_logs import JsonLog, RecordLog
+    from data_prep.durable_logs import JsonLog
     j = JsonLog(str(tmp_path / "a.jsonl"))
     j.append({"chunk": 0})
     j.close()
@@ -212,13 +229,3 @@ def test_torn_tails_are_cut_off(tmp_path):
     j.append({"chunk": 1})
     j.close()
     assert JsonLog(str(tmp_path / "a.jsonl")).entries == [{"chunk": 0}, {"chunk": 1}]
-    r = RecordLog(str(tmp_path / "r.log"))
-    r.append_many([b"first", b"second"])
-    r.close()
-    with open(tmp_path / "r.log", "ab") as f:
-        f.write(b"\x09\x00\x00\x00\x01\x02\x03\x04part")  # length 9, 4 bytes written
-    r = RecordLog(str(tmp_path / "r.log"))
-    assert r.records == [b"first", b"second"]
-    r.append_many([b"third"])
-    r.close()
-    assert RecordLog(str(tmp_path / "r.log")).records == [b"first", b"second", b"third"]

@@ -77,7 +77,16 @@ def _lines(work, name) -> list[dict]:
 
 
 def _cache_files(work) -> dict:
-    return {n: (work / n).read_bytes() for n in ("vlm.jsonl", "detect.jsonl", "status.jsonl")}
+    """The stage caches and the finished blocks' shards and markers, by name."""
+    files = {n: (work / n).read_bytes() for n in ("vlm.jsonl", "detect.jsonl")}
+    files.update({n: (work / "blocks" / n).read_bytes()
+                  for n in sorted(os.listdir(work / "blocks"))})
+    return files
+
+
+def _markers(work) -> list[dict]:
+    return [json.loads((work / "blocks" / n).read_text())
+            for n in sorted(os.listdir(work / "blocks")) if n.endswith(".json")]
 
 
 def _fresh(run, setup, tmp_path, replies_text=None, sam=None):
@@ -139,7 +148,8 @@ def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
     after = _cache_files(work)
     assert after["vlm.jsonl"] == before["vlm.jsonl"]  # stages 1 and 2 cached
     assert after["detect.jsonl"] == before["detect.jsonl"]
-    assert len(_lines(work, "status.jsonl")) == 2
+    [marker] = _markers(work)
+    assert marker["stage_images"] == {"segment": 2}
     summary = json.loads((work / "summary.json").read_text())
     assert set(summary["stage_images_this_run"]) == {"segment"}
     moved = tmp_path / "moved.pth"  # the same bytes at another path: still the cache
