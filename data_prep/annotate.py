@@ -36,12 +36,15 @@ import dataclasses
 import json
 import logging
 import os
+import time
 import uuid
 from typing import Callable, Iterable
 
 from tqdm import tqdm
 
 from data_prep import annotate_stages as stages
+from data_prep.annotate_stages import (load_detector, load_segmenter, load_vlm,
+                                       pick_device)
 from data_prep.annotate_keys import (HashMemo, StageInputs, check_run_key, config_key,
                                      replies_for)
 from data_prep.durable_logs import JsonLog
@@ -126,35 +129,6 @@ def check_model_flags(cfg: AnnotateConfig) -> None:
         if path and not os.path.exists(path):
             raise FileNotFoundError(f"{flag} {path}: no such file or folder; pass {flag} with "
                                     f"the path of {what}")
-
-
-def pick_device(cfg: AnnotateConfig) -> str:
-    import torch
-    return cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def load_vlm(cfg: AnnotateConfig, device: str):
-    from data_prep import vlm
-    if cfg.vlm_replies:
-        return vlm.RepliesFile(cfg.vlm_replies)
-    return vlm.TransformersVLM(cfg.vlm, device=device, batch_size=cfg.batch_size,
-                               trust_remote_code=cfg.vlm_trust_remote_code)
-
-
-def load_detector(cfg: AnnotateConfig, device: str):
-    from data_prep import detect
-    return detect.GroundingDetector(cfg.detector, device=device,
-                                    box_threshold=cfg.box_threshold,
-                                    text_threshold=cfg.text_threshold, nms_iou=cfg.nms_iou,
-                                    batch_size=cfg.batch_size)
-
-
-def load_segmenter(cfg: AnnotateConfig, device: str):
-    from data_prep import segment
-    return segment.SamSegmenter(segment.load_sam(cfg.sam, cfg.sam_type, device), device=device)
-
-
-STAGE_LOADERS = {"vlm": load_vlm, "detect": load_detector, "segment": load_segmenter}
 
 
 def load_models(cfg: AnnotateConfig) -> Models:
@@ -364,6 +338,7 @@ class Annotator:
         return run.finish()
 
     def _run_chunk(self, k: int, chunk: list) -> dict:
+        started = time.time()
         images = stages.load_images(chunk)
         vlm_entry, timing = self._stage_vlm(k, chunk, images)
         status, parsed = stages.triage(chunk, images, vlm_entry["results"])
@@ -379,7 +354,7 @@ class Annotator:
             self.inputs.of("segment", k), notes=stages.parse_notes(vlm_entry["results"]),
             dropped=dropped, stage_seconds={s: t for s, (t, _) in timing.items()},
             stage_images={s: n for s, (_, n) in timing.items()}, run=self.run_state.run_id,
-            engine="local")
+            engine="local", started=started)
 
 
 def source_items(cfg: AnnotateConfig) -> list:

@@ -201,9 +201,8 @@ class _Stage:
     stage = ""
 
     def __init__(self, cfg):
-        from data_prep.annotate import STAGE_LOADERS
         self.cfg = cfg
-        self.model = STAGE_LOADERS[self.stage](cfg, _worker_setup(cfg, self.stage))
+        self.model = stages.STAGE_LOADERS[self.stage](cfg, _worker_setup(cfg, self.stage))
 
     def __call__(self, batch) -> dict:
         out = []
@@ -237,6 +236,7 @@ class VLMStage(_Stage):
     stage = "vlm"
 
     def block(self, chunk, rows):
+        started = time.time()
         images = stages.load_images(chunk)
         results = stages.run_vlm(self.model, chunk, images, self.cfg.vlm_replies)
         status, parsed = stages.triage(chunk, images, results)
@@ -244,6 +244,7 @@ class VLMStage(_Stage):
             r["vlm"] = json.dumps(results[it.id]) if it.id in results else ""
             r["state"], r["reason"] = status.get(it.id, ["", ""])
             r["parsed"] = json.dumps(parsed[it.id]) if it.id in parsed else ""
+            r["started"] = started
         return rows, sum(not isinstance(v, Exception) for v in images.values())
 
 
@@ -325,7 +326,8 @@ class BlockSink(_Datasink):
             notes=stages.parse_notes(results),
             dropped=collections.Counter(json.loads(rs[0]["dropped"])),
             stage_seconds={s: rs[0][f"t_{s}"] for s in ACTORS},
-            stage_images={s: rs[0][f"n_{s}"] for s in ACTORS}, run=self.run_id, engine="ray")
+            stage_images={s: rs[0][f"n_{s}"] for s in ACTORS}, run=self.run_id, engine="ray",
+            started=min(r["started"] for r in rs))
 
 
 # --------------------------------------------------------------------------- the driver
@@ -356,9 +358,9 @@ def _resources(cfg) -> tuple[dict, dict]:
     need_cpus = sum(actors[k] * cfg.stage_cpus for k in STAGES) + SINK_CPUS
     have_cpus = total.get("CPU", 0)
     if need_cpus > have_cpus:
+        pools = ", ".join(f"{STAGES[k][0]} {actors[k]}" for k in STAGES)
         raise ValueError(
-            f"the stage actors need {need_cpus:g} CPUs ({', '.join(f'{STAGES[k][0]} {actors[k]}' for k in STAGES)} "
-            f"actors x --stage-cpus {cfg.stage_cpus:g}, plus {SINK_CPUS} for writing) but the "
+            f"the stage actors need {need_cpus:g} CPUs ({pools} actors x --stage-cpus {cfg.stage_cpus:g}, plus {SINK_CPUS} for writing) but the "
             f"Ray cluster has {have_cpus:g}: lower --stage-cpus or --stage-concurrency")
     need_gpus = sum(actors[k] * gpus[k] for k in STAGES)
     if need_gpus > have_gpus + 1e-9:
@@ -366,6 +368,20 @@ def _resources(cfg) -> tuple[dict, dict]:
                     "for a GPU (lower --stage-concurrency or the --*-gpus fractions)",
                     need_gpus, have_gpus)
     return actors, gpus
+
+
+def start_ray(address: str = "", **kwargs) -> None:
+    """`ray.init` as `--engine ray` does it: connect to the cluster at `address`, or start Ray on
+    this machine (`kwargs` such as num_cpus go to ray.init). A Ray it starts keeps idle task
+    workers alive (`RAY_num_workers_soft_limit`, unless set): by default a node reaps the idle
+    workers above its CPU count within a second, and the stage actors alone exceed that on a
+    small machine, so every block write would start a new Python process (about 2 CPU
+    seconds of imports, which the stages then lack)."""
+    import ray
+    if not address:
+        os.environ.setdefault("RAY_num_workers_soft_limit", "64")
+    ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
+             logging_level=logging.WARNING, **kwargs)
 
 
 def run(run_state) -> dict:
@@ -376,8 +392,14 @@ def run(run_state) -> dict:
     started = False
     if todo:
         if not ray.is_initialized():
-            ray.init(address=cfg.ray_address or None, include_dashboard=False,
-                     log_to_driver=True, logging_level=logging.WARNING)
+            try:
+                start_ray(cfg.ray_address)
+            except Exception as e:  # ConnectionError, a timeout, ...
+                where = (f"the Ray cluster at --ray-address {cfg.ray_address}"
+                         if cfg.ray_address else "Ray on this machine")
+                raise RuntimeError(f"cannot start or reach {where}: {type(e).__name__}: {e} "
+                                   f"(start one with `ray start --head`, or leave "
+                                   f"--ray-address out to start Ray here)") from None
             started = True
         try:
             _pipeline(run_state, cfg, todo)

@@ -39,6 +39,38 @@ BLOCKS = "blocks"
 MARKER_VERSION = 1
 
 
+# --------------------------------------------------------------------------- the models
+
+
+def pick_device(cfg) -> str:
+    import torch
+    return cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_vlm(cfg, device: str):
+    from data_prep import vlm
+    if cfg.vlm_replies:
+        return vlm.RepliesFile(cfg.vlm_replies)
+    return vlm.TransformersVLM(cfg.vlm, device=device, batch_size=cfg.batch_size,
+                               trust_remote_code=cfg.vlm_trust_remote_code)
+
+
+def load_detector(cfg, device: str):
+    from data_prep import detect
+    return detect.GroundingDetector(cfg.detector, device=device,
+                                    box_threshold=cfg.box_threshold,
+                                    text_threshold=cfg.text_threshold, nms_iou=cfg.nms_iou,
+                                    batch_size=cfg.batch_size)
+
+
+def load_segmenter(cfg, device: str):
+    from data_prep import segment
+    return segment.SamSegmenter(segment.load_sam(cfg.sam, cfg.sam_type, device), device=device)
+
+
+STAGE_LOADERS = {"vlm": load_vlm, "detect": load_detector, "segment": load_segmenter}
+
+
 # --------------------------------------------------------------------------- the stages
 
 
@@ -216,8 +248,10 @@ def _sha256(path: str) -> str:
 
 def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict,
                 inputs: dict, *, notes: dict, dropped: dict, stage_seconds: dict,
-                stage_images: dict, run: str, engine: str) -> dict:
-    """Write block `k`'s shard, then its marker, each atomically; returns the marker."""
+                stage_images: dict, run: str, engine: str, started: float) -> dict:
+    """Write block `k`'s shard, then its marker, each atomically; returns the marker.
+    `started`: when the block's first stage began (epoch seconds; with "landed", the time of
+    writing, it shows how blocks move through a run)."""
     from array_record.python.array_record_module import ArrayRecordWriter
     folder = os.path.join(work, BLOCKS)
     os.makedirs(folder, exist_ok=True)
@@ -236,7 +270,8 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
               "parse_notes": dict(sorted(notes.items())),
               "relations_dropped": dict(sorted(dropped.items())),
               "stage_seconds": {s: round(v, 4) for s, v in stage_seconds.items()},
-              "stage_images": dict(stage_images), "run": run, "engine": engine}
+              "stage_images": dict(stage_images), "run": run, "engine": engine,
+              "started": round(started, 3), "landed": round(time.time(), 3)}
     tmp = f"{marker_path}.tmp-{uuid.uuid4().hex[:8]}"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(marker, f, sort_keys=True)

@@ -130,6 +130,12 @@ def test_ray_writes_the_records_and_summary_of_the_local_engine(setup, local_run
     local = _markers(local_run["base"] / "work")
     for k, m in markers.items():
         assert m["sha256"] == local[k]["sha256"] and m["status"] == local[k]["status"]
+    # a rerun with other settings is refused, as with the local engine, before Ray is used
+    from data_prep.annotate import annotate
+    with pytest.raises(ValueError, match=r"holds caches of a run with other settings \(nms_iou "
+                                         r"differ\)"):
+        annotate(dataclasses.replace(_config(setup, ray_run["base"], engine="ray"),
+                                     nms_iou=0.5))
 
 
 @pytest.mark.parametrize("fault", [("detect", 1, "raise"), ("segment", 2, "kill")],
