@@ -28,20 +28,26 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-def make_inputs(tmp: str, n: int) -> tuple[str, str]:
+def make_inputs(tmp: str, n: int, px: int = 0) -> tuple[str, str]:
+    """`n` photographs cycling through the scenes of `data_prep.testing` (shrunk to at most `px`
+    a side when given) and their scripted replies: (image folder, replies file)."""
     from PIL import Image
 
     from data_prep.testing import SCENES, photograph, scripted_reply
-    root = os.path.join(tmp, "images")
+    tag = f"_{n}_{px}" if px else ""
+    root = os.path.join(tmp, "images" + tag)
     os.makedirs(root, exist_ok=True)
     replies = {}
     names = list(SCENES)
     for i in range(n):
         name = names[i % len(names)]
         fname = f"{i:03d}_{name}.jpg"
-        Image.fromarray(photograph(name)).save(os.path.join(root, fname), quality=90)
+        img = Image.fromarray(photograph(name))
+        if px:
+            img.thumbnail((px, px))
+        img.save(os.path.join(root, fname), quality=90)
         replies[f"folder/{fname}"] = scripted_reply(*SCENES[name], f"a photograph of {name}")
-    path = os.path.join(tmp, "replies.json")
+    path = os.path.join(tmp, f"replies{tag}.json")
     with open(path, "w") as f:
         json.dump(replies, f)
     return root, path

@@ -66,27 +66,6 @@ def make_detector(path: str) -> str:
     return path
 
 
-def make_inputs(tmp: str, n: int, px: int) -> tuple[str, str]:
-    from PIL import Image
-
-    from data_prep.testing import SCENES, photograph, scripted_reply
-    root = os.path.join(tmp, f"images_{n}_{px}")
-    os.makedirs(root, exist_ok=True)
-    replies = {}
-    names = list(SCENES)
-    for i in range(n):
-        name = names[i % len(names)]
-        fname = f"{i:03d}_{name}.jpg"
-        img = Image.fromarray(photograph(name))
-        img.thumbnail((px, px))
-        img.save(os.path.join(root, fname), quality=90)
-        replies[f"folder/{fname}"] = scripted_reply(*SCENES[name], f"a photograph of {name}")
-    path = os.path.join(tmp, f"replies_{n}_{px}.json")
-    with open(path, "w") as f:
-        json.dump(replies, f)
-    return root, path
-
-
 def block_figures(work: str) -> dict:
     folder = os.path.join(work, "blocks")
     markers = []
@@ -117,6 +96,7 @@ def main():
     import ray
     import torch
 
+    from bench_annotate import make_inputs
     from data_prep import segment
     from data_prep.annotate import AnnotateConfig, annotate
     from data_prep.annotate_ray import start_ray

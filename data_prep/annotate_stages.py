@@ -21,7 +21,6 @@ a retried or repeated block replaces its own two files: a record is never writte
 from __future__ import annotations
 
 import collections
-import hashlib
 import json
 import logging
 import os
@@ -31,6 +30,7 @@ import uuid
 import numpy as np
 from PIL import Image
 
+from data_prep.annotate_keys import sha256_file
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")
@@ -238,14 +238,6 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict,
                 inputs: dict, *, notes: dict, dropped: dict, stage_seconds: dict,
                 stage_images: dict, run: str, engine: str, started: float) -> dict:
@@ -263,7 +255,7 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
     writer.close()
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
-    digest, size = _sha256(tmp), os.path.getsize(tmp)
+    digest, size = sha256_file(tmp), os.path.getsize(tmp)
     os.replace(tmp, shard)
     marker = {"version": MARKER_VERSION, "chunk": k, "ids": list(ids), "status": status,
               "inputs": inputs, "records": len(records), "bytes": size, "sha256": digest,
