@@ -201,23 +201,19 @@ class Run:
         self.chunks = list(_chunks(items, cfg.batch_size))
         self.memo = HashMemo(os.path.join(work, "hashes.json"))
         self.inputs = StageInputs(cfg, self.chunks, replies, self.memo)
-        self.done, problems = stages.finished_blocks(
-            work, self.chunks, lambda k: self.inputs.of("segment", k), self.memo)
-        markers = []
-        for k, _ in self.chunks:
-            path = stages.block_paths(work, k)[1]
-            if k not in self.done and os.path.exists(path):
-                try:
-                    with open(path, encoding="utf-8") as f:
-                        markers.append(json.load(f))
-                except (OSError, ValueError):
-                    pass
-        self.inputs.fresh("segment", markers)  # notes blocks made from other inputs
+        problems = self.scan_blocks()
         self.vlm_done = self.inputs.fresh("vlm", self.vlm_log.entries)
         self.detect_done = self.inputs.fresh("detect", self.detect_log.entries)
         for line in problems + self.inputs.report():
             log.warning("%s", line)
         self.cached_images = sum(len(self.done[k]["ids"]) for k in self.done)
+
+    def scan_blocks(self) -> list[str]:
+        """Set `done` (chunk -> marker) to the blocks on disk that are complete and were made
+        from the current inputs; returns a line per block found damaged."""
+        intact, problems = stages.finished_blocks(self.cfg.work_dir, self.chunks, self.memo)
+        self.done = self.inputs.fresh("segment", intact)  # notes the blocks of other inputs
+        return problems
 
     def todo(self) -> list[tuple[int, list]]:
         return [(k, chunk) for k, chunk in self.chunks if k not in self.done]
@@ -358,17 +354,13 @@ class Annotator:
 
 
 def source_items(cfg: AnnotateConfig) -> list:
+    """Every item of the configured source, in the source's order."""
     from data_prep import sources
     try:
-        items = list(sources.iter_source(cfg.source, cfg.root, **dict(cfg.source_options)))
+        return list(sources.iter_source(cfg.source, cfg.root, **dict(cfg.source_options)))
     except TypeError as e:  # an option the adapter does not take
         raise ValueError(f"{cfg.source} source: {e} (see data_prep.sources for its "
                          f"options)") from None
-    if cfg.limit:
-        items = items[:cfg.limit]
-    if not items:
-        raise ValueError(f"{cfg.source} source at {cfg.root} holds no images")
-    return items
 
 
 def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | None = None
@@ -387,7 +379,7 @@ def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | No
         check_model_flags(cfg)
     if items is None:
         items = source_items(cfg)
-    elif cfg.limit:
+    if cfg.limit:
         items = items[:cfg.limit]
     if not items:
         raise ValueError(f"{cfg.source} source at {cfg.root} holds no images")

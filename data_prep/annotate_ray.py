@@ -161,13 +161,13 @@ def maybe_fault(cfg, stage: str, k: int) -> None:
         raise RuntimeError(f"injected fault in stage {stage}, block {k}")
 
 
-def retrying(cfg, stage: str, k: int, fn, *args):
-    """fn(*args) for block k, tried again up to `cfg.retries` times when it raises (the rows it
-    is given are copied for each try); then the error stops the run, naming stage and block."""
+def retrying(cfg, stage: str, k: int, attempt_block):
+    """attempt_block() for block k, tried again up to `cfg.retries` times when it raises; then
+    the error stops the run, naming stage and block."""
     for attempt in range(cfg.retries + 1):
         try:
             maybe_fault(cfg, stage, k)
-            return fn(*[[dict(r) for r in a] if _is_rows(a) else a for a in args])
+            return attempt_block()
         except Exception as e:
             if attempt == cfg.retries:
                 raise RuntimeError(f"stage {STAGE_LABELS.get(stage, stage)}, block {k}: "
@@ -176,10 +176,6 @@ def retrying(cfg, stage: str, k: int, fn, *args):
             log.warning("stage %s, block %d: %s: %s; retrying (%d of %d)",
                         STAGE_LABELS.get(stage, stage), k, type(e).__name__, e, attempt + 1,
                         cfg.retries)
-
-
-def _is_rows(a) -> bool:
-    return isinstance(a, list) and bool(a) and isinstance(a[0], dict)
 
 
 # --------------------------------------------------------------------------- stage actors
@@ -208,8 +204,9 @@ class _Stage:
         out = []
         for k, rows in _by_block(_rows(batch)):
             t0 = time.perf_counter()
-            rows, n = retrying(self.cfg, self.stage, k, self.block,
-                               [_item(r) for r in rows], rows)
+            chunk = [_item(r) for r in rows]
+            rows, n = retrying(self.cfg, self.stage, k,  # each try on its own copy of the rows
+                               lambda: self.block(chunk, [dict(r) for r in rows]))
             seconds = time.perf_counter() - t0
             for r in rows:
                 r[f"t_{self.stage}"] = float(seconds)
@@ -313,7 +310,7 @@ class BlockSink(_Datasink):
             if len(rs) != rs[0]["n"]:
                 raise RuntimeError(f"block {k} reached the writer with {len(rs)} of its "
                                    f"{rs[0]['n']} images")
-            retrying(self.cfg, "write", k, self._write, k, rs)
+            retrying(self.cfg, "write", k, lambda: self._write(k, rs))
             written.append(k)
         return written
 
@@ -406,10 +403,7 @@ def run(run_state) -> dict:
         finally:
             if started:
                 ray.shutdown()
-    run_state.done, problems = stages.finished_blocks(
-        cfg.work_dir, run_state.chunks, lambda k: run_state.inputs.of("segment", k),
-        run_state.memo)
-    for line in problems:
+    for line in run_state.scan_blocks():  # the blocks the pipeline wrote
         log.warning("%s", line)
     return run_state.finish()
 

@@ -290,11 +290,13 @@ def clear_partial_blocks(work: str) -> int:
     return gone
 
 
-def finished_blocks(work: str, chunks: list, inputs_of, memo) -> tuple[dict, list[str]]:
-    """chunk -> marker of every block whose files are complete and were made from the current
-    inputs (`inputs_of(k)`), and one line per block that has to be redone and why. `memo` is a
-    `data_prep.annotate_keys.HashMemo`: a shard is hashed again only when its stat changed."""
-    done, notes = {}, []
+def finished_blocks(work: str, chunks: list, memo) -> tuple[list[dict], list[str]]:
+    """The markers of the blocks whose files are complete (marker for these images, shard of the
+    recorded size and checksum), and one line per block whose files are not and why. Whether a
+    marker was made from the current inputs is `StageInputs.fresh("segment", markers)`'s to say.
+    `memo` is a `data_prep.annotate_keys.HashMemo`: a shard is hashed again only when its stat
+    changed."""
+    intact, notes = [], []
     for k, chunk in chunks:
         shard, marker_path = block_paths(work, k)
         if not os.path.exists(marker_path):
@@ -309,8 +311,6 @@ def finished_blocks(work: str, chunks: list, inputs_of, memo) -> tuple[dict, lis
                 marker.get("ids") != [it.id for it in chunk]:
             notes.append(f"block {k}: its marker {marker_path} is for other images; redone")
             continue
-        if marker.get("inputs") != inputs_of(k):
-            continue  # stale inputs: StageInputs.report says which changed
         try:
             size = os.path.getsize(shard)
         except OSError:
@@ -320,9 +320,9 @@ def finished_blocks(work: str, chunks: list, inputs_of, memo) -> tuple[dict, lis
             notes.append(f"block {k}: its shard {shard} does not match the checksum in its "
                          f"marker; redone")
             continue
-        done[k] = marker
+        intact.append(marker)
     memo.save()
-    return done, notes
+    return intact, notes
 
 
 class BlockRecords:
