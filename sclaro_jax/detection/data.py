@@ -208,7 +208,7 @@ def copy_paste(target: DetectionExample, donors: Sequence[DetectionExample], rar
     candidates = [(d, k) for d, donor in enumerate(donors)
                   for k in range(len(donor.labels))
                   if 0 <= donor.labels[k] < len(rare) and rare[donor.labels[k]]
-                  and _nonempty(donor.boxes[k:k + 1])[0]]
+                  and _nonempty(clip_boxes(donor.boxes[k], *donor.image.shape[1::-1]))[0]]
     image = target.image.copy()
     if not candidates or max_pastes < 1 or height == 0 or width == 0:
         return DetectionExample(target.id, image, target.boxes.copy(), target.labels.copy())
@@ -224,15 +224,13 @@ def copy_paste(target: DetectionExample, donors: Sequence[DetectionExample], rar
         x1, y1 = max(int(math.ceil(bx1)), x0 + 1), max(int(math.ceil(by1)), y0 + 1)
         crop = donor.image[y0:y1, x0:x1]
         ch, cw = crop.shape[:2]
-        scale = 1.0
-        if ch > height or cw > width:
+        sx = sy = 1.0
+        if ch > height or cw > width:  # shrink to fit, aspect kept (up to whole pixels)
             scale = min(height / ch, width / cw)
             size = (min(width, max(1, int(cw * scale))), min(height, max(1, int(ch * scale))))
             crop = np.asarray(Image.fromarray(crop).resize(size, Image.BILINEAR))
             sx, sy = size[0] / cw, size[1] / ch
             ch, cw = crop.shape[:2]
-        else:
-            sx = sy = 1.0
         px = int(rng.integers(0, width - cw + 1))
         py = int(rng.integers(0, height - ch + 1))
         image[py:py + ch, px:px + cw] = crop
