@@ -110,14 +110,14 @@ def rpn_losses(cfg: DetectorConfig, objectness: Array, deltas: Array, gt_boxes: 
         pos, neg = ops.sample_labels(labels, k, cfg.rpn_batch_size_per_image,
                                      cfg.rpn_positive_fraction)
         targets = ops.encode_boxes(gt[jnp.maximum(matched, 0)], all_anchors, RPN_WEIGHTS)
-        return pos, neg, targets
+        return pos, neg, jnp.where(pos[:, None], targets, 0.0)
 
     keys = jax.random.split(key, objectness.shape[0])
     pos, neg, targets = jax.vmap(one)(gt_boxes, gt_valid, keys)
     sampled = (pos | neg).astype(jnp.float32)
     n = jnp.maximum(sampled.sum(), 1.0)
     bce = sigmoid_bce(objectness, pos.astype(jnp.float32))
-    box = (smooth_l1(deltas, targets).sum(-1) * pos).sum() / n
+    box = jnp.where(pos, smooth_l1(deltas, targets).sum(-1), 0.0).sum() / n
     return {"loss_objectness": (bce * sampled).sum() / n, "loss_rpn_box_reg": box}
 
 
@@ -147,7 +147,23 @@ def roi_targets(cfg: DetectorConfig, proposals: Array, valid: Array, gt_boxes: A
     weight = chosen[order].astype(jnp.float32)
     roi_labels = jnp.where(weight > 0, jnp.maximum(labels[order], 0), 0)
     targets = ops.encode_boxes(gt_boxes[jnp.maximum(matched[order], 0)], rois, ROI_WEIGHTS)
+    targets = jnp.where(roi_labels[:, None] > 0, targets, 0.0)  # no inf from padded gt boxes
     return rois, roi_labels, weight, targets
+
+
+def fast_rcnn_losses(logits: Array, box_deltas: Array, labels: Array, weight: Array,
+                     targets: Array) -> dict:
+    """torchvision's `fastrcnn_loss` over the RoIs with weight 1: logits [R, K + 1], deltas
+    [R, K + 1, 4], labels [R] (0 background), targets [R, 4] -> {'loss_classifier',
+    'loss_box_reg'}."""
+    n = jnp.maximum(weight.sum(), 1.0)
+    logp = jax.nn.log_softmax(logits, -1)
+    ce = -jnp.take_along_axis(logp, labels[:, None], -1)[:, 0]
+    own = jnp.take_along_axis(box_deltas, labels[:, None, None], 1)[:, 0]
+    positive = weight * (labels > 0)
+    return {"loss_classifier": (ce * weight).sum() / n,
+            "loss_box_reg": jnp.where(positive > 0, smooth_l1(own, targets).sum(-1),
+                                      0.0).sum() / n}
 
 
 def pool(cfg: DetectorConfig, feats: list[Array], rois: Array) -> Array:
@@ -177,14 +193,8 @@ def losses(model: Detector, pixels: Array, gt_boxes: Array, gt_labels: Array, gt
         lambda p, v, g, l, gv, k: roi_targets(cfg, p, v, g, l, gv, k))(
         proposals, valid, gt_boxes, gt_labels, gt_valid, keys)
     logits, box_deltas = model.box_head(pool(cfg, roi_feats, rois))
-    labels, weight, targets = labels.reshape(-1), weight.reshape(-1), targets.reshape(-1, 4)
-    n = jnp.maximum(weight.sum(), 1.0)
-    logp = jax.nn.log_softmax(logits, -1)
-    ce = -jnp.take_along_axis(logp, labels[:, None], -1)[:, 0]
-    own = jnp.take_along_axis(box_deltas, labels[:, None, None], 1)[:, 0]
-    positive = weight * (labels > 0)
-    out["loss_classifier"] = (ce * weight).sum() / n
-    out["loss_box_reg"] = (smooth_l1(own, targets).sum(-1) * positive).sum() / n
+    out.update(fast_rcnn_losses(logits, box_deltas, labels.reshape(-1), weight.reshape(-1),
+                                targets.reshape(-1, 4)))
     out["loss"] = sum(out[k] for k in ("loss_objectness", "loss_rpn_box_reg",
                                        "loss_classifier", "loss_box_reg"))
     return out
