@@ -1,0 +1,345 @@
+"""Detection primitives as pure jnp functions, numerically matching torchvision's.
+
+Conventions: boxes are float32 [N, 4] (x0, y0, x1, y1) in image pixels; feature maps are one
+image's [H, W, C] (channels-last, NHWC without the batch axis; vmap over images). Every function
+has static output shapes and is jit-able: where torchvision returns a variable number of entries
+(nms, sampling), these return a fixed size plus a bool validity mask. Anchors are static numpy
+arrays computed at trace time.
+
+- `roi_align`, `multiscale_roi_align`: torchvision.ops.roi_align / MultiScaleRoIAlign.
+- `box_iou`, `nms`, `batched_nms`: torchvision.ops.box_iou / nms / batched_nms.
+- `encode_boxes`, `decode_boxes`: torchvision's BoxCoder.encode_single / decode_single.
+- `cell_anchors`, `anchor_grid`: torchvision's AnchorGenerator.
+- `clip_boxes`, `small_boxes_mask`: clip_boxes_to_image / remove_small_boxes.
+- `match`: torchvision's Matcher; `sample_labels`: BalancedPositiveNegativeSampler's rule.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BELOW_LOW_THRESHOLD = -1
+BETWEEN_THRESHOLDS = -2
+DEFAULT_BBOX_CLIP = math.log(1000.0 / 16)
+
+
+# --------------------------------------------------------------------------- RoIAlign
+def _rounded(product):
+    """`product` as is, but kept rounded to float32 before a following add: XLA's CPU backend
+    otherwise fuses a multiply-add into one FMA, which moves RoIAlign's sample points by an ulp
+    from torchvision's kernel (a select on the product stops the fusion; the values are equal)."""
+    return jnp.where(jnp.isnan(product), jnp.nan, product)
+
+
+def _divide(x, constant: float):
+    """x / constant as a true float32 division. XLA turns a division by a constant into a
+    multiplication by its rounded reciprocal, which is off by an ulp from torchvision's kernel
+    (for non-powers of two); a divisor the compiler cannot fold keeps the division."""
+    return x / jnp.where(jnp.isnan(x), jnp.nan, np.float32(constant))
+
+
+def _axis_samples(start, bin_size, size: int, output_size: int, grid: int):
+    """One axis of RoIAlign's sampling grid, with torchvision's bilinear border rules.
+
+    start, bin_size [N] -> (low, high) int32 [N, S*g], (w_low, w_high) float32 [N, S*g]; samples
+    outside [-1, size] get zero weights."""
+    p = jnp.repeat(jnp.arange(output_size, dtype=jnp.float32), grid)
+    i = jnp.tile(jnp.arange(grid, dtype=jnp.float32) + 0.5, output_size)
+    coord = (start[:, None] + _rounded(p * bin_size[:, None])) + _divide(i * bin_size[:, None], grid)
+    inside = (coord >= -1.0) & (coord <= size)
+    coord = jnp.clip(coord, 0.0, size)
+    low = jnp.floor(coord).astype(jnp.int32)
+    edge = low >= size - 1
+    low = jnp.where(edge, size - 1, low)
+    high = jnp.where(edge, size - 1, low + 1)
+    coord = jnp.where(edge, low.astype(jnp.float32), coord)
+    frac = coord - low.astype(jnp.float32)
+    keep = inside.astype(jnp.float32)
+    return low, high, (1.0 - frac) * keep, frac * keep
+
+
+def roi_align(features, boxes, output_size: int, spatial_scale: float, sampling_ratio: int = 2,
+              aligned: bool = True):
+    """RoIAlign of `boxes` [N, 4] (image pixels) on one feature map [H, W, C] -> [N, S, S, C].
+
+    The numbers of torchvision.ops.roi_align(features as [1, C, H, W], [boxes], output_size,
+    spatial_scale, sampling_ratio, aligned), transposed to channels-last: each of the S x S bins
+    averages sampling_ratio x sampling_ratio bilinear samples; samples with y < -1 or y > H (x
+    likewise) count as 0, others are clamped into the map. aligned=True shifts the box by -0.5
+    pixel; aligned=False forces boxes at least 1 feature pixel wide and high. sampling_ratio must
+    be > 0 (torchvision's adaptive grid, sampling_ratio <= 0, has no static shape)."""
+    if sampling_ratio <= 0:
+        raise ValueError(f"sampling_ratio must be > 0 for a static grid, got {sampling_ratio}")
+    features = jnp.asarray(features, jnp.float32)
+    boxes = jnp.asarray(boxes, jnp.float32)
+    height, width, channels = features.shape
+    s, g = int(output_size), int(sampling_ratio)
+    offset = 0.5 if aligned else 0.0
+    start = _rounded(boxes * np.float32(spatial_scale)) - np.float32(offset)
+    size = start[:, 2:] - start[:, :2]
+    if not aligned:
+        size = jnp.maximum(size, 1.0)
+    bins = _divide(size, s)
+    y0, y1, wy0, wy1 = _axis_samples(start[:, 1], bins[:, 1], height, s, g)
+    x0, x1, wx0, wx1 = _axis_samples(start[:, 0], bins[:, 0], width, s, g)
+    flat = features.reshape(height * width, channels)
+
+    def corner(ys, xs, wy, wx):
+        index = ys[:, :, None] * width + xs[:, None, :]  # [N, Sg, Sg]
+        return (wy[:, :, None] * wx[:, None, :])[..., None] * jnp.take(flat, index, axis=0)
+
+    value = (corner(y0, x0, wy0, wx0) + corner(y0, x1, wy0, wx1) + corner(y1, x0, wy1, wx0)
+             + corner(y1, x1, wy1, wx1))
+    value = value.reshape(boxes.shape[0], s, g, s, g, channels)
+    return _divide(value.sum(axis=(2, 4)), g * g)
+
+
+def roi_levels(boxes, scales: Sequence[float], canonical_scale: int = 224,
+               canonical_level: int = 4):
+    """torchvision's LevelMapper: the index into `scales` each box [N, 4] is pooled from, int32 [N].
+
+    k = floor(k0 + log2(sqrt(area) / s0) + 1e-6) clamped to [-log2(scales[0]), -log2(scales[-1])]."""
+    k_min = int(-math.log2(scales[0]))
+    k_max = int(-math.log2(scales[-1]))
+    boxes = jnp.asarray(boxes, jnp.float32)
+    area = (boxes[:, 2] - boxes[:, 0]) * (boxes[:, 3] - boxes[:, 1])
+    level = jnp.floor(canonical_level + jnp.log2(jnp.sqrt(area) / np.float32(canonical_scale))
+                      + np.float32(1e-6))
+    return (jnp.clip(level, k_min, k_max) - k_min).astype(jnp.int32)
+
+
+def multiscale_roi_align(features: Sequence, boxes, output_size: int, scales: Sequence[float],
+                         sampling_ratio: int = 2, canonical_scale: int = 224,
+                         canonical_level: int = 4, aligned: bool = False):
+    """torchvision's MultiScaleRoIAlign for one image: each box [N, 4] is pooled from the level
+    `roi_levels` assigns it (features[l] [H_l, W_l, C] at spatial scale scales[l], finest first)
+    -> [N, S, S, C]. For static shapes every level pools every box and the right one is kept.
+    aligned=False as torchvision's MultiScaleRoIAlign (which calls roi_align with its default)."""
+    pooled = [roi_align(f, boxes, output_size, scale, sampling_ratio, aligned)
+              for f, scale in zip(features, scales)]
+    if len(pooled) == 1:
+        return pooled[0]
+    level = roi_levels(boxes, scales, canonical_scale, canonical_level)[:, None, None, None]
+    out = pooled[0]
+    for index, value in enumerate(pooled[1:], start=1):
+        out = jnp.where(level == index, value, out)
+    return out
+
+
+# --------------------------------------------------------------------------- IoU and NMS
+def box_area(boxes):
+    """(x1 - x0) * (y1 - y0) of boxes [..., 4]."""
+    return (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])
+
+
+def box_iou(a, b):
+    """IoU of every pair of a [N, 4] and b [M, 4] -> [N, M], torchvision.ops.box_iou's numbers.
+
+    Where the union is 0 (two zero-area boxes: torchvision gives nan) the IoU is 0."""
+    a = jnp.asarray(a, jnp.float32)
+    b = jnp.asarray(b, jnp.float32)
+    lt = jnp.maximum(a[:, None, :2], b[None, :, :2])
+    rb = jnp.minimum(a[:, None, 2:], b[None, :, 2:])
+    wh = jnp.maximum(rb - lt, 0.0)
+    inter = wh[..., 0] * wh[..., 1]
+    union = box_area(a)[:, None] + box_area(b)[None, :] - inter
+    nonzero = union != 0
+    return jnp.where(nonzero, inter / jnp.where(nonzero, union, 1.0), 0.0)
+
+
+def _greedy_nms(boxes, scores, iou_threshold, max_output: int, valid, labels=None):
+    """Greedy NMS in descending score order (stable on ties, as torchvision's CPU kernel); boxes
+    only suppress boxes of the same label when `labels` is given. Stops once max_output boxes are
+    kept (later decisions cannot change the earlier ones)."""
+    boxes = jnp.asarray(boxes, jnp.float32)
+    scores = jnp.asarray(scores, jnp.float32)
+    n = boxes.shape[0]
+    if valid is None:
+        valid = jnp.ones((n,), bool)
+    if n == 0:
+        return jnp.zeros((max_output,), jnp.int32), jnp.zeros((max_output,), bool)
+    order = jnp.argsort(-scores, stable=True).astype(jnp.int32)
+    sboxes = boxes[order]
+    svalid = jnp.asarray(valid, bool)[order]
+    slabels = None if labels is None else jnp.asarray(labels)[order]
+    areas = box_area(sboxes)
+    positions = jnp.arange(n)
+
+    def body(state):
+        i, count, suppressed, kept = state
+        keep_i = svalid[i] & ~suppressed[i]
+        box = sboxes[i]
+        xx = jnp.maximum(jnp.minimum(box[2], sboxes[:, 2]) - jnp.maximum(box[0], sboxes[:, 0]), 0.0)
+        yy = jnp.maximum(jnp.minimum(box[3], sboxes[:, 3]) - jnp.maximum(box[1], sboxes[:, 1]), 0.0)
+        inter = xx * yy
+        iou = inter / (areas[i] + areas - inter)  # the CPU kernel's formula (nan never suppresses)
+        hit = (iou > iou_threshold) & (positions > i) & keep_i
+        if slabels is not None:
+            hit = hit & (slabels == slabels[i])
+        return i + 1, count + keep_i.astype(jnp.int32), suppressed | hit, kept.at[i].set(keep_i)
+
+    def cond(state):
+        return (state[0] < n) & (state[1] < max_output)
+
+    init = (jnp.int32(0), jnp.int32(0), jnp.zeros((n,), bool), jnp.zeros((n,), bool))
+    kept = jax.lax.while_loop(cond, body, init)[3]
+    # the kept positions first, in sorted order; then pad to max_output
+    first = jnp.argsort(~kept, stable=True)
+    if n < max_output:
+        first = jnp.concatenate([first, jnp.zeros((max_output - n,), first.dtype)])
+        ok = jnp.concatenate([kept[first[:n]], jnp.zeros((max_output - n,), bool)])
+    else:
+        first = first[:max_output]
+        ok = kept[first]
+    return jnp.where(ok, order[first], 0).astype(jnp.int32), ok
+
+
+def nms(boxes, scores, iou_threshold: float, max_output: int, *, valid=None):
+    """The boxes torchvision.ops.nms keeps, as (indices int32 [max_output], valid bool [max_output]).
+
+    boxes [N, 4], scores [N]. A box is dropped when its IoU with a kept, higher-scored box is
+    > iou_threshold; scores are ordered descending with ties in index order (torchvision's CPU
+    kernel sorts stably). Indices come in descending score order, the first max_output of
+    torchvision's list; the rest is padding (index 0, valid False). `valid` [N] bool: entries
+    False are neither kept nor suppress others. max_output must be static under jit."""
+    return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid)
+
+
+def batched_nms(boxes, scores, labels, iou_threshold: float, max_output: int, *, valid=None):
+    """Per-label NMS, torchvision.ops.batched_nms: boxes only suppress boxes with the same label
+    [N] int. Same output convention as `nms` (one list over all labels, descending score).
+
+    torchvision shifts each label's boxes apart (the coordinate offset trick) and runs one nms;
+    here the suppression is masked by label equality instead, which keeps the same boxes without
+    the rounding of shifted coordinates."""
+    return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid, labels)
+
+
+# --------------------------------------------------------------------------- box coder
+def encode_boxes(reference, proposals, weights=(1.0, 1.0, 1.0, 1.0)):
+    """Regression targets of `reference` boxes [N, 4] relative to `proposals` [N, 4] -> [N, 4]:
+    BoxCoder(weights).encode_single(reference, proposals)."""
+    reference = jnp.asarray(reference, jnp.float32)
+    proposals = jnp.asarray(proposals, jnp.float32)
+    wx, wy, ww, wh = (np.float32(w) for w in weights)
+    ex_w = proposals[:, 2] - proposals[:, 0]
+    ex_h = proposals[:, 3] - proposals[:, 1]
+    ex_x = proposals[:, 0] + 0.5 * ex_w
+    ex_y = proposals[:, 1] + 0.5 * ex_h
+    gt_w = reference[:, 2] - reference[:, 0]
+    gt_h = reference[:, 3] - reference[:, 1]
+    gt_x = reference[:, 0] + 0.5 * gt_w
+    gt_y = reference[:, 1] + 0.5 * gt_h
+    return jnp.stack([wx * (gt_x - ex_x) / ex_w, wy * (gt_y - ex_y) / ex_h,
+                      ww * jnp.log(gt_w / ex_w), wh * jnp.log(gt_h / ex_h)], axis=1)
+
+
+def decode_boxes(deltas, boxes, weights=(1.0, 1.0, 1.0, 1.0), clip: float = DEFAULT_BBOX_CLIP):
+    """Boxes [N, 4] from `deltas` [N, 4] applied to `boxes` [N, 4]: BoxCoder(weights,
+    bbox_xform_clip=clip).decode_single(deltas, boxes) (dw, dh clamped at `clip` before exp)."""
+    deltas = jnp.asarray(deltas, jnp.float32)
+    boxes = jnp.asarray(boxes, jnp.float32)
+    wx, wy, ww, wh = (np.float32(w) for w in weights)
+    widths = boxes[:, 2] - boxes[:, 0]
+    heights = boxes[:, 3] - boxes[:, 1]
+    ctr_x = boxes[:, 0] + 0.5 * widths
+    ctr_y = boxes[:, 1] + 0.5 * heights
+    dx, dy = deltas[:, 0] / wx, deltas[:, 1] / wy
+    dw = jnp.minimum(deltas[:, 2] / ww, np.float32(clip))
+    dh = jnp.minimum(deltas[:, 3] / wh, np.float32(clip))
+    pred_x = dx * widths + ctr_x
+    pred_y = dy * heights + ctr_y
+    half_w = 0.5 * (jnp.exp(dw) * widths)
+    half_h = 0.5 * (jnp.exp(dh) * heights)
+    return jnp.stack([pred_x - half_w, pred_y - half_h, pred_x + half_w, pred_y + half_h], axis=1)
+
+
+# --------------------------------------------------------------------------- anchors
+def cell_anchors(sizes: tuple, aspect_ratios: tuple) -> np.ndarray:
+    """torchvision AnchorGenerator.generate_anchors: float32 [len(ratios) * len(sizes), 4] zero-
+    centred anchors, ratio-major, rounded (half to even) as torchvision's .round()."""
+    scales = np.asarray(sizes, np.float32)
+    ratios = np.asarray(aspect_ratios, np.float32)
+    h_ratios = np.sqrt(ratios)
+    w_ratios = np.float32(1) / h_ratios
+    ws = (w_ratios[:, None] * scales[None, :]).reshape(-1)
+    hs = (h_ratios[:, None] * scales[None, :]).reshape(-1)
+    return np.round(np.stack([-ws, -hs, ws, hs], axis=1) / np.float32(2)).astype(np.float32)
+
+
+def anchor_grid(feature_size, stride, sizes: tuple, aspect_ratios: tuple) -> np.ndarray:
+    """All anchors of one feature map of feature_size (h, w) at stride (sh, sw) image pixels ->
+    float32 [h * w * A, 4], location-major (row by row), anchor-minor: torchvision's grid_anchors.
+    torchvision's stride of a level is image_size // feature_size per axis."""
+    (h, w), (sh, sw) = feature_size, stride
+    shift_y, shift_x = np.meshgrid(np.arange(h, dtype=np.int64) * int(sh),
+                                   np.arange(w, dtype=np.int64) * int(sw), indexing="ij")
+    shift_x, shift_y = shift_x.reshape(-1), shift_y.reshape(-1)
+    shifts = np.stack([shift_x, shift_y, shift_x, shift_y], axis=1).astype(np.float32)
+    base = cell_anchors(sizes, aspect_ratios)
+    return (shifts[:, None, :] + base[None, :, :]).reshape(-1, 4)
+
+
+# --------------------------------------------------------------------------- clipping
+def clip_boxes(boxes, size):
+    """Boxes [..., 4] clamped into an image of size (h, w): x to [0, w], y to [0, h]
+    (torchvision clip_boxes_to_image)."""
+    height, width = size
+    boxes = jnp.asarray(boxes)
+    xs = jnp.clip(boxes[..., 0::2], 0, width)
+    ys = jnp.clip(boxes[..., 1::2], 0, height)
+    return jnp.stack([xs, ys], axis=-1).reshape(boxes.shape)
+
+
+def small_boxes_mask(boxes, min_size: float):
+    """bool [N]: True where width >= min_size and height >= min_size (the boxes torchvision's
+    remove_small_boxes keeps)."""
+    boxes = jnp.asarray(boxes)
+    return ((boxes[:, 2] - boxes[:, 0]) >= min_size) & ((boxes[:, 3] - boxes[:, 1]) >= min_size)
+
+
+# --------------------------------------------------------------------------- matching, sampling
+def match(iou, gt_valid, high: float, low: float, allow_low_quality: bool):
+    """torchvision's Matcher(high, low, allow_low_quality) on iou [G, N] -> int32 [N]: per
+    prediction the index of its best gt (the first on ties), -1 if that IoU < low, -2 if in
+    [low, high). allow_low_quality: every prediction that ties for some gt's highest IoU gets its
+    best gt back (as torchvision: its overall argmax, not necessarily that gt). Rows with gt_valid
+    False (padding) never match; no valid gt leaves every prediction at -1."""
+    iou = jnp.asarray(iou, jnp.float32)
+    gt_valid = jnp.asarray(gt_valid, bool)
+    quality = jnp.where(gt_valid[:, None], iou, -jnp.inf)
+    best = jnp.max(quality, axis=0)
+    all_matches = jnp.argmax(quality, axis=0).astype(jnp.int32)
+    matches = jnp.where(best < low, BELOW_LOW_THRESHOLD,
+                        jnp.where(best < high, BETWEEN_THRESHOLDS, all_matches))
+    if allow_low_quality:
+        row_best = jnp.max(quality, axis=1, keepdims=True)
+        ties = jnp.any((quality == row_best) & gt_valid[:, None], axis=0)
+        matches = jnp.where(ties, all_matches, matches)
+    return matches.astype(jnp.int32)
+
+
+def sample_labels(labels, key, batch_size_per_image: int, positive_fraction: float):
+    """The BalancedPositiveNegativeSampler rule on labels [N] (>= 1 positive, 0 negative, < 0
+    ignored) -> (pos_mask, neg_mask) bool [N]: at most int(batch_size_per_image *
+    positive_fraction) positives, chosen uniformly at random among the positives, and negatives
+    chosen likewise up to batch_size_per_image in total. Randomness comes from `key` (uniform
+    random priorities, lowest first), so the draw cannot equal torch's randperm; the counts and
+    the rule do."""
+    labels = jnp.asarray(labels)
+    num_pos_max = int(batch_size_per_image * positive_fraction)
+    category = jnp.where(labels >= 1, 0, jnp.where(labels == 0, 1, 2)).astype(jnp.int32)
+    priority = jax.random.bits(key, labels.shape, jnp.uint32)
+    index = jnp.arange(labels.shape[0], dtype=jnp.int32)
+    order = jax.lax.sort((category, priority, index), num_keys=2)[2]
+    rank = jnp.zeros_like(index).at[order].set(index)  # position in (category, priority) order
+    is_pos, is_neg = category == 0, category == 1
+    num_pos = jnp.minimum(jnp.sum(is_pos), num_pos_max)
+    pos_mask = is_pos & (rank < num_pos)
+    neg_mask = is_neg & (rank - jnp.sum(is_pos) < batch_size_per_image - num_pos)
+    return pos_mask, neg_mask
