@@ -152,72 +152,102 @@ def box_iou(a, b):
     return jnp.where(nonzero, inter / jnp.where(nonzero, union, 1.0), 0.0)
 
 
-def _greedy_nms(boxes, scores, iou_threshold, max_output: int, valid, labels=None):
-    """Greedy NMS in descending score order (stable on ties, as torchvision's CPU kernel); boxes
-    only suppress boxes of the same label when `labels` is given. Stops once max_output boxes are
-    kept (later decisions cannot change the earlier ones)."""
+def _greedy_nms(boxes, scores, iou_threshold, max_output: int, valid, labels, block_size: int):
+    """Greedy NMS over the boxes in descending score order (ties in index order: torchvision's CPU
+    kernel sorts stably), `block_size` sorted boxes at a time.
+
+    Within a block the greedy choice is the fixed point of keep[i] = alive[i] and no kept j < i
+    of the block overlaps i, reached by iterating from keep = alive (after t rounds the first t
+    entries are final, so at most block_size rounds; in practice a few). The block's kept boxes
+    then suppress every later box in one step. With `labels`, boxes only suppress boxes of the
+    same label. Stops after the block in which max_output boxes are kept (later blocks cannot
+    change earlier decisions). Returns the kept original indices, first max_output, padded."""
     boxes = jnp.asarray(boxes, jnp.float32)
-    scores = jnp.asarray(scores, jnp.float32)
     n = boxes.shape[0]
-    if valid is None:
-        valid = jnp.ones((n,), bool)
-    if n == 0:
+    if n == 0 or max_output == 0:
         return jnp.zeros((max_output,), jnp.int32), jnp.zeros((max_output,), bool)
-    order = jnp.argsort(-scores, stable=True).astype(jnp.int32)
-    sboxes = boxes[order]
-    svalid = jnp.asarray(valid, bool)[order]
-    slabels = None if labels is None else jnp.asarray(labels)[order]
+    block = max(1, min(int(block_size), n))
+    total = -(-n // block) * block
+    order = jnp.argsort(-jnp.asarray(scores, jnp.float32), stable=True).astype(jnp.int32)
+    valid = jnp.ones((n,), bool) if valid is None else jnp.asarray(valid, bool)
+    pad = total - n
+    sboxes = jnp.pad(boxes[order], ((0, pad), (0, 0)))
+    alive0 = jnp.pad(valid[order], (0, pad))
+    slabels = None if labels is None else jnp.pad(jnp.asarray(labels)[order], (0, pad))
     areas = box_area(sboxes)
-    positions = jnp.arange(n)
+    positions = jnp.arange(total)
+
+    def overlaps(start, cols):
+        """bool [block, len(cols)]: IoU of block rows with later columns > threshold (the CPU
+        kernel's formula; nan never suppresses), same label where labels are given."""
+        rows = jax.lax.dynamic_slice_in_dim(positions, start, block)
+        r = sboxes[rows][:, None, :]
+        c = sboxes[cols][None, :, :]
+        w = jnp.maximum(jnp.minimum(r[..., 2], c[..., 2]) - jnp.maximum(r[..., 0], c[..., 0]), 0.0)
+        h = jnp.maximum(jnp.minimum(r[..., 3], c[..., 3]) - jnp.maximum(r[..., 1], c[..., 1]), 0.0)
+        inter = w * h
+        iou = inter / (areas[rows][:, None] + areas[cols][None, :] - inter)
+        hit = (iou > iou_threshold) & (cols[None, :] > rows[:, None])
+        if slabels is not None:
+            hit = hit & (slabels[rows][:, None] == slabels[cols][None, :])
+        return hit
 
     def body(state):
-        i, count, suppressed, kept = state
-        keep_i = svalid[i] & ~suppressed[i]
-        box = sboxes[i]
-        xx = jnp.maximum(jnp.minimum(box[2], sboxes[:, 2]) - jnp.maximum(box[0], sboxes[:, 0]), 0.0)
-        yy = jnp.maximum(jnp.minimum(box[3], sboxes[:, 3]) - jnp.maximum(box[1], sboxes[:, 1]), 0.0)
-        inter = xx * yy
-        iou = inter / (areas[i] + areas - inter)  # the CPU kernel's formula (nan never suppresses)
-        hit = (iou > iou_threshold) & (positions > i) & keep_i
-        if slabels is not None:
-            hit = hit & (slabels == slabels[i])
-        return i + 1, count + keep_i.astype(jnp.int32), suppressed | hit, kept.at[i].set(keep_i)
+        k, count, alive, kept = state
+        start = k * block
+        local = jax.lax.dynamic_slice_in_dim(positions, start, block)
+        within = overlaps(start, local)
+        candidates = jax.lax.dynamic_slice_in_dim(alive, start, block)
+
+        def step(keep_changed):
+            keep = keep_changed[0]
+            new = candidates & ~jnp.any(within & keep[:, None], axis=0)
+            return new, jnp.any(new != keep)
+
+        keep = jax.lax.while_loop(lambda kc: kc[1], step, (candidates, jnp.array(True)))[0]
+        alive = alive & ~jnp.any(overlaps(start, positions) & keep[:, None], axis=0)
+        kept = jax.lax.dynamic_update_slice_in_dim(kept, keep, start, 0)
+        return k + 1, count + jnp.sum(keep, dtype=jnp.int32), alive, kept
 
     def cond(state):
-        return (state[0] < n) & (state[1] < max_output)
+        return (state[0] * block < total) & (state[1] < max_output)
 
-    init = (jnp.int32(0), jnp.int32(0), jnp.zeros((n,), bool), jnp.zeros((n,), bool))
+    init = (jnp.int32(0), jnp.int32(0), alive0, jnp.zeros((total,), bool))
     kept = jax.lax.while_loop(cond, body, init)[3]
-    # the kept positions first, in sorted order; then pad to max_output
+    # the kept positions first, in sorted order, then padding up to max_output
     first = jnp.argsort(~kept, stable=True)
-    if n < max_output:
-        first = jnp.concatenate([first, jnp.zeros((max_output - n,), first.dtype)])
-        ok = jnp.concatenate([kept[first[:n]], jnp.zeros((max_output - n,), bool)])
+    if total < max_output:
+        first = jnp.pad(first, (0, max_output - total))
+        ok = jnp.pad(kept[first[:total]], (0, max_output - total))
     else:
         first = first[:max_output]
         ok = kept[first]
-    return jnp.where(ok, order[first], 0).astype(jnp.int32), ok
+    index = jnp.pad(order, (0, pad))[first]
+    return jnp.where(ok, index, 0).astype(jnp.int32), ok
 
 
-def nms(boxes, scores, iou_threshold: float, max_output: int, *, valid=None):
+def nms(boxes, scores, iou_threshold: float, max_output: int, *, valid=None,
+        block_size: int = 256):
     """The boxes torchvision.ops.nms keeps, as (indices int32 [max_output], valid bool [max_output]).
 
     boxes [N, 4], scores [N]. A box is dropped when its IoU with a kept, higher-scored box is
     > iou_threshold; scores are ordered descending with ties in index order (torchvision's CPU
     kernel sorts stably). Indices come in descending score order, the first max_output of
     torchvision's list; the rest is padding (index 0, valid False). `valid` [N] bool: entries
-    False are neither kept nor suppress others. max_output must be static under jit."""
-    return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid)
+    False are neither kept nor suppress others. max_output (and block_size, the number of sorted
+    boxes decided together: memory block_size x N) must be static under jit."""
+    return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid, None, block_size)
 
 
-def batched_nms(boxes, scores, labels, iou_threshold: float, max_output: int, *, valid=None):
+def batched_nms(boxes, scores, labels, iou_threshold: float, max_output: int, *, valid=None,
+                block_size: int = 256):
     """Per-label NMS, torchvision.ops.batched_nms: boxes only suppress boxes with the same label
     [N] int. Same output convention as `nms` (one list over all labels, descending score).
 
     torchvision shifts each label's boxes apart (the coordinate offset trick) and runs one nms;
     here the suppression is masked by label equality instead, which keeps the same boxes without
     the rounding of shifted coordinates."""
-    return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid, labels)
+    return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid, labels, block_size)
 
 
 # --------------------------------------------------------------------------- box coder
