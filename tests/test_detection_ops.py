@@ -73,6 +73,21 @@ def test_roi_align_matches_torchvision(aligned, scale, sampling_ratio):
     np.testing.assert_allclose(np.asarray(one), want[-2:-1], atol=ATOL, rtol=0)
 
 
+def test_roi_align_gradient_matches_torchvision():
+    rng = np.random.default_rng(11)
+    features = rng.normal(size=(12, 17, 3)).astype(np.float32)
+    boxes = roi_boxes(rng, 24, 34)
+    cotangent = rng.normal(size=(len(boxes), 4, 4, 3)).astype(np.float32)
+    got = jax.grad(lambda f: jnp.sum(ops.roi_align(f, boxes, 4, 0.5, 2, True) * cotangent))(
+        features)
+    feat = torch.from_numpy(np.ascontiguousarray(features.transpose(2, 0, 1)))[None]
+    feat.requires_grad_(True)
+    out = torchvision.ops.roi_align(feat, [torch.from_numpy(boxes)], 4, 0.5, 2, True)
+    out.backward(torch.from_numpy(np.ascontiguousarray(cotangent.transpose(0, 3, 1, 2))))
+    np.testing.assert_allclose(np.asarray(got), feat.grad[0].numpy().transpose(1, 2, 0),
+                               atol=ATOL, rtol=0)
+
+
 def test_roi_align_needs_a_static_sampling_grid():
     with pytest.raises(ValueError, match="sampling_ratio"):
         ops.roi_align(np.zeros((4, 4, 1), np.float32), np.zeros((1, 4), np.float32), 2, 1.0, 0)
@@ -100,6 +115,11 @@ def test_multiscale_roi_align_matches_torchvision():
     mapper = initLevelMapper(2, 4)
     np.testing.assert_array_equal(levels, mapper([torch.from_numpy(boxes)]).numpy())
     assert set(levels.tolist()) == {0, 1, 2}  # every level is exercised
+    one_level = MultiScaleRoIAlign(["b"], output_size=5, sampling_ratio=3)
+    want = one_level({"b": tv_feats["b"]}, [torch.from_numpy(boxes)], [(image_h, image_w)])
+    got = multiscale_roi_align(feats[1:2], boxes, 5, scales[1:2], 3)
+    np.testing.assert_allclose(np.asarray(got), want.numpy().transpose(0, 2, 3, 1), atol=ATOL,
+                               rtol=0)
 
 
 def test_box_iou_matches_torchvision_and_is_zero_where_torchvision_is_nan():

@@ -43,24 +43,53 @@ def _divide(x, constant: float):
     return x / jnp.where(jnp.isnan(x), jnp.nan, np.float32(constant))
 
 
-def _axis_samples(start, bin_size, size: int, output_size: int, grid: int):
+def _axis_samples(start, bin_size, size, output_size: int, grid: int):
     """One axis of RoIAlign's sampling grid, with torchvision's bilinear border rules.
 
-    start, bin_size [N] -> (low, high) int32 [N, S*g], (w_low, w_high) float32 [N, S*g]; samples
-    outside [-1, size] get zero weights."""
+    start, bin_size [N], size (the map's extent on this axis) [N] -> (low, high) int32 [N, S*g],
+    (w_low, w_high) float32 [N, S*g]; samples outside [-1, size] get zero weights."""
     p = jnp.repeat(jnp.arange(output_size, dtype=jnp.float32), grid)
     i = jnp.tile(jnp.arange(grid, dtype=jnp.float32) + 0.5, output_size)
-    coord = (start[:, None] + _rounded(p * bin_size[:, None])) + _divide(i * bin_size[:, None], grid)
+    bin_size, size = bin_size[:, None], size[:, None]
+    coord = (start[:, None] + _rounded(p * bin_size)) + _divide(i * bin_size, grid)
     inside = (coord >= -1.0) & (coord <= size)
     coord = jnp.clip(coord, 0.0, size)
     low = jnp.floor(coord).astype(jnp.int32)
-    edge = low >= size - 1
-    low = jnp.where(edge, size - 1, low)
-    high = jnp.where(edge, size - 1, low + 1)
+    last = size.astype(jnp.int32) - 1
+    edge = low >= last
+    low = jnp.where(edge, last, low)
+    high = jnp.where(edge, last, low + 1)
     coord = jnp.where(edge, low.astype(jnp.float32), coord)
     frac = coord - low.astype(jnp.float32)
     keep = inside.astype(jnp.float32)
     return low, high, (1.0 - frac) * keep, frac * keep
+
+
+def _roi_align_flat(flat, boxes, scale, height, width, offset, output_size: int,
+                    sampling_ratio: int, aligned: bool):
+    """RoIAlign from `flat` [sum of H*W, C] (maps flattened row-major, one after the other), each
+    box [N, 4] on its own map: spatial scale, height, width and start row in `flat` per box [N]."""
+    if sampling_ratio <= 0:
+        raise ValueError(f"sampling_ratio must be > 0 for a static grid, got {sampling_ratio}")
+    boxes = jax.lax.stop_gradient(jnp.asarray(boxes, jnp.float32))  # as torchvision: no box grad
+    s, g = int(output_size), int(sampling_ratio)
+    start = _rounded(boxes * scale[:, None]) - np.float32(0.5 if aligned else 0.0)
+    size = start[:, 2:] - start[:, :2]
+    if not aligned:
+        size = jnp.maximum(size, 1.0)
+    bins = _divide(size, s)
+    y0, y1, wy0, wy1 = _axis_samples(start[:, 1], bins[:, 1], height.astype(jnp.float32), s, g)
+    x0, x1, wx0, wx1 = _axis_samples(start[:, 0], bins[:, 0], width.astype(jnp.float32), s, g)
+    width, offset = width[:, None, None], offset[:, None, None]
+
+    def corner(ys, xs, wy, wx):
+        index = offset + ys[:, :, None] * width + xs[:, None, :]  # [N, Sg, Sg]
+        return (wy[:, :, None] * wx[:, None, :])[..., None] * jnp.take(flat, index, axis=0)
+
+    value = (corner(y0, x0, wy0, wx0) + corner(y0, x1, wy0, wx1) + corner(y1, x0, wy1, wx0)
+             + corner(y1, x1, wy1, wx1))
+    value = value.reshape(boxes.shape[0], s, g, s, g, flat.shape[-1])
+    return _divide(value.sum(axis=(2, 4)), g * g)
 
 
 def roi_align(features, boxes, output_size: int, spatial_scale: float, sampling_ratio: int = 2,
@@ -72,38 +101,22 @@ def roi_align(features, boxes, output_size: int, spatial_scale: float, sampling_
     averages sampling_ratio x sampling_ratio bilinear samples; samples with y < -1 or y > H (x
     likewise) count as 0, others are clamped into the map. aligned=True shifts the box by -0.5
     pixel; aligned=False forces boxes at least 1 feature pixel wide and high. sampling_ratio must
-    be > 0 (torchvision's adaptive grid, sampling_ratio <= 0, has no static shape)."""
-    if sampling_ratio <= 0:
-        raise ValueError(f"sampling_ratio must be > 0 for a static grid, got {sampling_ratio}")
+    be > 0 (torchvision's adaptive grid, sampling_ratio <= 0, has no static shape). Gradients
+    reach the features, not the boxes (as torchvision)."""
     features = jnp.asarray(features, jnp.float32)
-    boxes = jnp.asarray(boxes, jnp.float32)
     height, width, channels = features.shape
-    s, g = int(output_size), int(sampling_ratio)
-    offset = 0.5 if aligned else 0.0
-    start = _rounded(boxes * np.float32(spatial_scale)) - np.float32(offset)
-    size = start[:, 2:] - start[:, :2]
-    if not aligned:
-        size = jnp.maximum(size, 1.0)
-    bins = _divide(size, s)
-    y0, y1, wy0, wy1 = _axis_samples(start[:, 1], bins[:, 1], height, s, g)
-    x0, x1, wx0, wx1 = _axis_samples(start[:, 0], bins[:, 0], width, s, g)
-    flat = features.reshape(height * width, channels)
-
-    def corner(ys, xs, wy, wx):
-        index = ys[:, :, None] * width + xs[:, None, :]  # [N, Sg, Sg]
-        return (wy[:, :, None] * wx[:, None, :])[..., None] * jnp.take(flat, index, axis=0)
-
-    value = (corner(y0, x0, wy0, wx0) + corner(y0, x1, wy0, wx1) + corner(y1, x0, wy1, wx0)
-             + corner(y1, x1, wy1, wx1))
-    value = value.reshape(boxes.shape[0], s, g, s, g, channels)
-    return _divide(value.sum(axis=(2, 4)), g * g)
+    n = jnp.shape(boxes)[0]
+    scale = jnp.full((n,), spatial_scale, jnp.float32)
+    height_, width_, offset = (jnp.full((n,), v, jnp.int32) for v in (height, width, 0))
+    return _roi_align_flat(features.reshape(height * width, channels), boxes, scale, height_,
+                           width_, offset, output_size, sampling_ratio, aligned)
 
 
 def roi_levels(boxes, scales: Sequence[float], canonical_scale: int = 224,
                canonical_level: int = 4):
-    """torchvision's LevelMapper: the index into `scales` each box [N, 4] is pooled from, int32 [N].
-
-    k = floor(k0 + log2(sqrt(area) / s0) + 1e-6) clamped to [-log2(scales[0]), -log2(scales[-1])]."""
+    """torchvision's LevelMapper: the index into `scales` of the level each box [N, 4] is pooled
+    from, int32 [N]: k = floor(k0 + log2(sqrt(area) / s0) + 1e-6) clamped to
+    [-log2(scales[0]), -log2(scales[-1])], minus the lower bound."""
     k_min = int(-math.log2(scales[0]))
     k_max = int(-math.log2(scales[-1]))
     boxes = jnp.asarray(boxes, jnp.float32)
@@ -118,17 +131,20 @@ def multiscale_roi_align(features: Sequence, boxes, output_size: int, scales: Se
                          canonical_level: int = 4, aligned: bool = False):
     """torchvision's MultiScaleRoIAlign for one image: each box [N, 4] is pooled from the level
     `roi_levels` assigns it (features[l] [H_l, W_l, C] at spatial scale scales[l], finest first)
-    -> [N, S, S, C]. For static shapes every level pools every box and the right one is kept.
-    aligned=False as torchvision's MultiScaleRoIAlign (which calls roi_align with its default)."""
-    pooled = [roi_align(f, boxes, output_size, scale, sampling_ratio, aligned)
-              for f, scale in zip(features, scales)]
-    if len(pooled) == 1:
-        return pooled[0]
-    level = roi_levels(boxes, scales, canonical_scale, canonical_level)[:, None, None, None]
-    out = pooled[0]
-    for index, value in enumerate(pooled[1:], start=1):
-        out = jnp.where(level == index, value, out)
-    return out
+    -> [N, S, S, C]. The levels are flattened into one array and each box gathers from its own
+    level only (static shapes, one level's cost). aligned=False as torchvision's
+    MultiScaleRoIAlign (which calls roi_align with its default)."""
+    features = [jnp.asarray(f, jnp.float32) for f in features]
+    if len(features) != len(scales):
+        raise ValueError(f"{len(features)} feature maps but {len(scales)} scales")
+    level = roi_levels(boxes, scales, canonical_scale, canonical_level)
+    heights = np.array([f.shape[0] for f in features], np.int32)
+    widths = np.array([f.shape[1] for f in features], np.int32)
+    offsets = np.concatenate([[0], np.cumsum(heights * widths)[:-1]]).astype(np.int32)
+    flat = jnp.concatenate([f.reshape(-1, f.shape[-1]) for f in features])
+    return _roi_align_flat(flat, boxes, jnp.asarray(np.asarray(scales, np.float32))[level],
+                           jnp.asarray(heights)[level], jnp.asarray(widths)[level],
+                           jnp.asarray(offsets)[level], output_size, sampling_ratio, aligned)
 
 
 # --------------------------------------------------------------------------- IoU and NMS
