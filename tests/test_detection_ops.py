@@ -22,6 +22,7 @@ roi_align = jax.jit(ops.roi_align, static_argnums=(2, 3, 4, 5))
 multiscale_roi_align = jax.jit(ops.multiscale_roi_align, static_argnums=(2, 3, 4))
 nms = jax.jit(ops.nms, static_argnames=("max_output", "block_size"))
 batched_nms = jax.jit(ops.batched_nms, static_argnames=("max_output", "block_size"))
+match = jax.jit(ops.match, static_argnums=(2, 3, 4))
 
 
 def random_boxes(rng, n, extent=100.0, min_size=1.0, max_size=40.0):
@@ -78,8 +79,8 @@ def test_roi_align_gradient_matches_torchvision():
     features = rng.normal(size=(12, 17, 3)).astype(np.float32)
     boxes = roi_boxes(rng, 24, 34)
     cotangent = rng.normal(size=(len(boxes), 4, 4, 3)).astype(np.float32)
-    got = jax.grad(lambda f: jnp.sum(ops.roi_align(f, boxes, 4, 0.5, 2, True) * cotangent))(
-        features)
+    loss = lambda f: jnp.sum(ops.roi_align(f, boxes, 4, 0.5, 2, True) * cotangent)  # noqa: E731
+    got = jax.jit(jax.grad(loss))(features)
     feat = torch.from_numpy(np.ascontiguousarray(features.transpose(2, 0, 1)))[None]
     feat.requires_grad_(True)
     out = torchvision.ops.roi_align(feat, [torch.from_numpy(boxes)], 4, 0.5, 2, True)
@@ -219,6 +220,21 @@ def test_nms_compiles_once_for_inputs_of_one_shape():
     assert len(traces) == 1 and jitted._cache_size() == 1
 
 
+def test_nms_and_roi_align_vmap_over_images():
+    cases = [nms_case(seed, 60, ties=False) for seed in (3, 4)]
+    boxes, scores = (np.stack(x) for x in zip(*cases))
+    indices, valid = jax.jit(jax.vmap(lambda b, s: ops.nms(b, s, 0.5, 30, block_size=16)))(
+        boxes, scores)
+    for i, (b, s) in enumerate(cases):
+        np.testing.assert_array_equal(kept(indices[i], valid[i]), tv_nms(b, s, 0.5)[:30])
+    features = np.random.default_rng(0).normal(size=(2, 9, 11, 2)).astype(np.float32)
+    pooled = jax.jit(jax.vmap(lambda f, b: ops.roi_align(f, b, 3, 0.125, 2)))(features, boxes)
+    for i in range(2):
+        np.testing.assert_allclose(np.asarray(pooled[i]),
+                                   tv_roi_align(features[i], boxes[i], 3, 0.125, 2, True),
+                                   atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("threshold", [0.3, 0.5, 0.7])
 def test_batched_nms_matches_torchvision(threshold):
     for seed in range(10):
@@ -248,7 +264,8 @@ def test_box_coder_matches_torchvision(weights):
     deltas[:5, 2:] = 9.0  # above the exp clip
     want = coder.decode_single(torch.from_numpy(deltas), torch.from_numpy(proposals)).numpy()
     got = np.asarray(ops.decode_boxes(deltas, proposals, weights))
-    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-6)  # pixel coordinates up to ~1e4
+    # pixel coordinates up to ~1e4 (exp(4.1) * 40): a few float32 ulps, relative
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=1e-6)
     roundtrip = ops.decode_boxes(ops.encode_boxes(reference, proposals, weights), proposals,
                                  weights)
     np.testing.assert_allclose(np.asarray(roundtrip), reference, atol=1e-4)
@@ -304,13 +321,15 @@ def test_match_matches_torchvision(high, low, allow):
             padded = np.stack([iou, extra], 1).reshape(2 * g, n)
             valid = np.stack([gt_valid, np.zeros(g, bool)], 1).reshape(-1)
         want = matcher(torch.from_numpy(iou)).numpy()
-        got = np.asarray(ops.match(padded, valid, high, low, allow))
+        got = np.asarray(match(padded, valid, high, low, allow))
         if seed % 2:
             got = np.where(got >= 0, got // 2, got)
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, want)
     none = ops.match(np.full((3, 5), 0.9, np.float32), np.zeros(3, bool), high, low, allow)
     np.testing.assert_array_equal(np.asarray(none), -1)
+    empty = ops.match(np.zeros((0, 5), np.float32), np.zeros(0, bool), high, low, allow)
+    np.testing.assert_array_equal(np.asarray(empty), np.full(5, -1))
 
 
 def test_sample_labels_counts_and_candidates():

@@ -3,11 +3,14 @@
 Conventions: boxes are float32 [N, 4] (x0, y0, x1, y1) in image pixels; feature maps are one
 image's [H, W, C] (channels-last, NHWC without the batch axis; vmap over images). Every function
 has static output shapes and is jit-able: where torchvision returns a variable number of entries
-(nms, sampling), these return a fixed size plus a bool validity mask. Anchors are static numpy
-arrays computed at trace time.
+(nms, sampling), these return a fixed size plus a bool validity mask, and they vmap over images.
+Anchors are static numpy arrays computed at trace time. The reference numbers are torchvision's
+CPU kernels (float32, stable score sort).
 
-- `roi_align`, `multiscale_roi_align`: torchvision.ops.roi_align / MultiScaleRoIAlign.
-- `box_iou`, `nms`, `batched_nms`: torchvision.ops.box_iou / nms / batched_nms.
+- `roi_align`, `multiscale_roi_align` (+ `roi_levels`, the LevelMapper): torchvision.ops.roi_align
+  / MultiScaleRoIAlign.
+- `box_area`, `box_iou`, `nms`, `batched_nms`: torchvision.ops.box_area / box_iou / nms /
+  batched_nms.
 - `encode_boxes`, `decode_boxes`: torchvision's BoxCoder.encode_single / decode_single.
 - `cell_anchors`, `anchor_grid`: torchvision's AnchorGenerator.
 - `clip_boxes`, `small_boxes_mask`: clip_boxes_to_image / remove_small_boxes.
@@ -244,7 +247,7 @@ def _greedy_nms(boxes, scores, iou_threshold, max_output: int, valid, labels, bl
 
 def nms(boxes, scores, iou_threshold: float, max_output: int, *, valid=None,
         block_size: int = 256):
-    """The boxes torchvision.ops.nms keeps, as (indices int32 [max_output], valid bool [max_output]).
+    """The boxes torchvision.ops.nms keeps: (indices int32 [max_output], valid bool [max_output]).
 
     boxes [N, 4], scores [N]. A box is dropped when its IoU with a kept, higher-scored box is
     > iou_threshold; scores are ordered descending with ties in index order (torchvision's CPU
@@ -357,6 +360,8 @@ def match(iou, gt_valid, high: float, low: float, allow_low_quality: bool):
     best gt back (as torchvision: its overall argmax, not necessarily that gt). Rows with gt_valid
     False (padding) never match; no valid gt leaves every prediction at -1."""
     iou = jnp.asarray(iou, jnp.float32)
+    if iou.shape[0] == 0:  # no gt rows at all (torchvision raises; here: all background)
+        return jnp.full(iou.shape[1:], BELOW_LOW_THRESHOLD, jnp.int32)
     gt_valid = jnp.asarray(gt_valid, bool)
     quality = jnp.where(gt_valid[:, None], iou, -jnp.inf)
     best = jnp.max(quality, axis=0)
