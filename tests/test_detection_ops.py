@@ -266,6 +266,10 @@ def test_box_coder_matches_torchvision(weights):
     got = np.asarray(ops.decode_boxes(deltas, proposals, weights))
     # pixel coordinates up to ~1e4 (exp(4.1) * 40): a few float32 ulps, relative
     np.testing.assert_allclose(got, want, atol=ATOL, rtol=1e-6)
+    per_class = rng.normal(0, 1, (50, 3 * 4)).astype(np.float32)  # torchvision's [N, K * 4]
+    want = coder.decode_single(torch.from_numpy(per_class), torch.from_numpy(proposals)).numpy()
+    got = ops.decode_boxes(per_class.reshape(50, 3, 4), proposals[:, None], weights)
+    np.testing.assert_allclose(np.asarray(got), want.reshape(50, 3, 4), atol=ATOL, rtol=1e-6)
     roundtrip = ops.decode_boxes(ops.encode_boxes(reference, proposals, weights), proposals,
                                  weights)
     np.testing.assert_allclose(np.asarray(roundtrip), reference, atol=1e-4)

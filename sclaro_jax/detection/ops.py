@@ -265,47 +265,50 @@ def batched_nms(boxes, scores, labels, iou_threshold: float, max_output: int, *,
 
     torchvision shifts each label's boxes apart (the coordinate offset trick) and runs one nms;
     here the suppression is masked by label equality instead, which keeps the same boxes without
-    the rounding of shifted coordinates."""
+    the rounding of shifted coordinates. (Above 1000 boxes on CPU torchvision loops over labels
+    and re-sorts the kept boxes with an unstable sort: equal scores may then come in another
+    order; the boxes are the same.)"""
     return _greedy_nms(boxes, scores, iou_threshold, int(max_output), valid, labels, block_size)
 
 
 # --------------------------------------------------------------------------- box coder
 def encode_boxes(reference, proposals, weights=(1.0, 1.0, 1.0, 1.0)):
     """Regression targets of `reference` boxes [N, 4] relative to `proposals` [N, 4] -> [N, 4]:
-    BoxCoder(weights).encode_single(reference, proposals)."""
+    BoxCoder(weights).encode_single(reference, proposals). Any leading axes that broadcast."""
     reference = jnp.asarray(reference, jnp.float32)
     proposals = jnp.asarray(proposals, jnp.float32)
     wx, wy, ww, wh = (np.float32(w) for w in weights)
-    ex_w = proposals[:, 2] - proposals[:, 0]
-    ex_h = proposals[:, 3] - proposals[:, 1]
-    ex_x = proposals[:, 0] + 0.5 * ex_w
-    ex_y = proposals[:, 1] + 0.5 * ex_h
-    gt_w = reference[:, 2] - reference[:, 0]
-    gt_h = reference[:, 3] - reference[:, 1]
-    gt_x = reference[:, 0] + 0.5 * gt_w
-    gt_y = reference[:, 1] + 0.5 * gt_h
+    ex_w = proposals[..., 2] - proposals[..., 0]
+    ex_h = proposals[..., 3] - proposals[..., 1]
+    ex_x = proposals[..., 0] + 0.5 * ex_w
+    ex_y = proposals[..., 1] + 0.5 * ex_h
+    gt_w = reference[..., 2] - reference[..., 0]
+    gt_h = reference[..., 3] - reference[..., 1]
+    gt_x = reference[..., 0] + 0.5 * gt_w
+    gt_y = reference[..., 1] + 0.5 * gt_h
     return jnp.stack([wx * (gt_x - ex_x) / ex_w, wy * (gt_y - ex_y) / ex_h,
-                      ww * jnp.log(gt_w / ex_w), wh * jnp.log(gt_h / ex_h)], axis=1)
+                      ww * jnp.log(gt_w / ex_w), wh * jnp.log(gt_h / ex_h)], axis=-1)
 
 
 def decode_boxes(deltas, boxes, weights=(1.0, 1.0, 1.0, 1.0), clip: float = DEFAULT_BBOX_CLIP):
     """Boxes [N, 4] from `deltas` [N, 4] applied to `boxes` [N, 4]: BoxCoder(weights,
-    bbox_xform_clip=clip).decode_single(deltas, boxes) (dw, dh clamped at `clip` before exp)."""
+    bbox_xform_clip=clip).decode_single(deltas, boxes) (dw, dh clamped at `clip` before exp).
+    Any leading axes that broadcast: per-class deltas [N, K, 4] on boxes [N, 1, 4] -> [N, K, 4]."""
     deltas = jnp.asarray(deltas, jnp.float32)
     boxes = jnp.asarray(boxes, jnp.float32)
     wx, wy, ww, wh = (np.float32(w) for w in weights)
-    widths = boxes[:, 2] - boxes[:, 0]
-    heights = boxes[:, 3] - boxes[:, 1]
-    ctr_x = boxes[:, 0] + 0.5 * widths
-    ctr_y = boxes[:, 1] + 0.5 * heights
-    dx, dy = deltas[:, 0] / wx, deltas[:, 1] / wy
-    dw = jnp.minimum(deltas[:, 2] / ww, np.float32(clip))
-    dh = jnp.minimum(deltas[:, 3] / wh, np.float32(clip))
+    widths = boxes[..., 2] - boxes[..., 0]
+    heights = boxes[..., 3] - boxes[..., 1]
+    ctr_x = boxes[..., 0] + 0.5 * widths
+    ctr_y = boxes[..., 1] + 0.5 * heights
+    dx, dy = deltas[..., 0] / wx, deltas[..., 1] / wy
+    dw = jnp.minimum(deltas[..., 2] / ww, np.float32(clip))
+    dh = jnp.minimum(deltas[..., 3] / wh, np.float32(clip))
     pred_x = dx * widths + ctr_x
     pred_y = dy * heights + ctr_y
     half_w = 0.5 * (jnp.exp(dw) * widths)
     half_h = 0.5 * (jnp.exp(dh) * heights)
-    return jnp.stack([pred_x - half_w, pred_y - half_h, pred_x + half_w, pred_y + half_h], axis=1)
+    return jnp.stack([pred_x - half_w, pred_y - half_h, pred_x + half_w, pred_y + half_h], axis=-1)
 
 
 # --------------------------------------------------------------------------- anchors
