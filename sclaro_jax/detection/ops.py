@@ -31,11 +31,12 @@ BETWEEN_THRESHOLDS = -2
 DEFAULT_BBOX_CLIP = math.log(1000.0 / 16)
 
 
-# --------------------------------------------------------------------------- RoIAlign
+# --------------------------------------------------------------------------- float32 as torchvision
 def _rounded(product):
     """`product` as is, but kept rounded to float32 before a following add: XLA's CPU backend
-    otherwise fuses a multiply-add into one FMA, which moves RoIAlign's sample points by an ulp
-    from torchvision's kernel (a select on the product stops the fusion; the values are equal)."""
+    otherwise fuses a multiply-add into one FMA, which moves RoIAlign's sample points or an IoU
+    by an ulp from torchvision's kernels (a select on the product stops the fusion; the values
+    are equal)."""
     return jnp.where(jnp.isnan(product), jnp.nan, product)
 
 
@@ -46,6 +47,7 @@ def _divide(x, constant: float):
     return x / jnp.where(jnp.isnan(x), jnp.nan, np.float32(constant))
 
 
+# --------------------------------------------------------------------------- RoIAlign
 def _axis_samples(start, bin_size, size, output_size: int, grid: int):
     """One axis of RoIAlign's sampling grid, with torchvision's bilinear border rules.
 
@@ -153,7 +155,7 @@ def multiscale_roi_align(features: Sequence, boxes, output_size: int, scales: Se
 # --------------------------------------------------------------------------- IoU and NMS
 def box_area(boxes):
     """(x1 - x0) * (y1 - y0) of boxes [..., 4]."""
-    return (boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1])
+    return _rounded((boxes[..., 2] - boxes[..., 0]) * (boxes[..., 3] - boxes[..., 1]))
 
 
 def box_iou(a, b):
@@ -165,7 +167,7 @@ def box_iou(a, b):
     lt = jnp.maximum(a[:, None, :2], b[None, :, :2])
     rb = jnp.minimum(a[:, None, 2:], b[None, :, 2:])
     wh = jnp.maximum(rb - lt, 0.0)
-    inter = wh[..., 0] * wh[..., 1]
+    inter = _rounded(wh[..., 0] * wh[..., 1])
     union = box_area(a)[:, None] + box_area(b)[None, :] - inter
     nonzero = union != 0
     return jnp.where(nonzero, inter / jnp.where(nonzero, union, 1.0), 0.0)
@@ -204,7 +206,7 @@ def _greedy_nms(boxes, scores, iou_threshold, max_output: int, valid, labels, bl
         c = sboxes[cols][None, :, :]
         w = jnp.maximum(jnp.minimum(r[..., 2], c[..., 2]) - jnp.maximum(r[..., 0], c[..., 0]), 0.0)
         h = jnp.maximum(jnp.minimum(r[..., 3], c[..., 3]) - jnp.maximum(r[..., 1], c[..., 1]), 0.0)
-        inter = w * h
+        inter = _rounded(w * h)
         iou = inter / (areas[rows][:, None] + areas[cols][None, :] - inter)
         hit = (iou > iou_threshold) & (cols[None, :] > rows[:, None])
         if slabels is not None:
