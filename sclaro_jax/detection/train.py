@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from sclaro_jax import ops as pixel_ops
 from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import Detector, DetectorConfig, is_backbone
-from sclaro_jax.train import core, runs, sharding
+from sclaro_jax.train import core, runs, sharding, trainer
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +65,16 @@ def default_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.log_every = 10
     c.checkpoint_every = 500
     c.keep_checkpoints = 2
+    c.compilation_cache = "workdir"  # JAX's persistent cache in OUT/jax_cache ("" for off)
     c.detector = ml_collections.ConfigDict({
         f.name: f.default for f in DetectorConfig.__dataclass_fields__.values()
         if f.name != "num_classes"})
     if variant == "demo":
-        c.epochs, c.batch_size, c.backbone_lr, c.head_lr = 150, 2, 1e-4, 1e-3
-        c.warmup_fraction, c.eval_split, c.log_every, c.checkpoint_every = 0.05, "train", 5, 100
+        # An overfit check: evaluated on its own training images. Every demo class is rare
+        # (under 50 instances), so copy-paste would paste into every image; it is off here.
+        c.epochs, c.batch_size, c.backbone_lr, c.head_lr = 100, 4, 1e-4, 1e-3
+        c.eval_split, c.log_every, c.checkpoint_every = "train", 5, 100
+        c.copy_paste_prob = 0.0
         c.detector.update(image_size=128, pyramid_dim=32, fpn_dim=32, representation_size=128,
                           rpn_pre_nms_top_n_train=256, rpn_post_nms_top_n_train=128,
                           rpn_pre_nms_top_n_test=256, rpn_post_nms_top_n_test=128,
@@ -170,16 +174,22 @@ def _manager(out: str, config) -> ocp.CheckpointManager:
 
 
 def train(config, out: str, model: Detector, examples: list, num_classes: int, *,
-          progress: bool = True):
+          progress: bool = True, stop_at: int | None = None):
     """Train `model` on `examples` (`data.DetectionExample`s at the detection size) into `out`,
-    resuming from its newest checkpoint. Returns (graphdef, state)."""
+    resuming from its newest checkpoint. Returns (graphdef, state, info): info holds
+    `steps` (the run's total), `start` (the step it resumed from) and `compiles` (how many
+    times the train step was compiled in this call: 1, or 0 when no step was taken).
+    `stop_at`: stop after that step with a checkpoint, as an interrupt would."""
     cfg = model.cfg
     steps = total_steps(config, len(examples))
+    trainer.use_compilation_cache(config, out)
     graphdef, state, tx = init_state(model, config, steps)
     del model
     mesh = sharding.make_mesh(config.sharding)
     step_fn, state = sharding.jit_step(make_train_step(graphdef, tx, config.seed), state, mesh,
                                        config.sharding)
+    if mesh is None:  # weights restored from a run are committed to a device, new heads not:
+        state = jax.device_put(state, jax.devices()[0])  # one placement, one compiled step
     manager = _manager(out, config)
     start = manager.latest_step() or 0
     if start:
@@ -187,9 +197,12 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
         state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         log.info("resumed detection training from %s at step %d", out, start)
     runs.truncate_logs(out, start)
+    info = {"steps": steps, "start": start, "compiles": 0}
     if start >= steps:
+        log.info("%s already holds a checkpoint at step %d of %d: nothing to train", out, start,
+                 steps)
         manager.close()
-        return graphdef, state
+        return graphdef, state, info
     counts = data.class_instance_counts(examples, num_classes)
     rare = data.rare_classes(counts, config.copy_paste_threshold)
     sampler = data.InstanceAwareSampler(data.instance_aware_weights(examples, num_classes),
@@ -202,7 +215,7 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
         with stop, open(metrics_path, "a", encoding="utf-8") as metrics_file:
             t_last, n_last = time.perf_counter(), 0
             for step in range(start, steps):
-                if stop.requested:
+                if stop.requested or (stop_at is not None and step >= stop_at):
                     break
                 batch = make_batch(examples, sampler.indices(step, config.batch_size), cfg,
                                    config, rare, step)
@@ -220,7 +233,8 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
                     metrics_file.write(json.dumps(metrics) + "\n")
                     metrics_file.flush()
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-                if done % config.checkpoint_every == 0 or done == steps or stop.requested:
+                if (done % config.checkpoint_every == 0 or done == steps or stop.requested
+                        or done == stop_at):
                     manager.save(done, args=ocp.args.StandardSave(state), force=True)
             if stop.requested and done not in manager.all_steps():
                 manager.save(done, args=ocp.args.StandardSave(state), force=True)
@@ -231,7 +245,8 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     if stop.requested and done < steps:
         log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
                     steps, stop.requested)
-    return graphdef, state
+    info["compiles"] = step_fn._cache_size()
+    return graphdef, state, info
 
 
 def predict(graphdef, params, examples: list, batch_size: int) -> list[tuple]:

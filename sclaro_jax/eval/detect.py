@@ -140,8 +140,8 @@ def run(args) -> dict:
     eval_examples = [data.resize_for_detection(ex, size) for ex in eval_examples]
     model = Detector(cfg, rpn, patch, roi, dtype=train.compute_dtype(config.dtype),
                      seed=config.seed)
-    graphdef, state = train.train(config, str(out), model, train_examples, len(classes),
-                                  progress=not args.no_progress)
+    graphdef, state, info = train.train(config, str(out), model, train_examples, len(classes),
+                                        progress=not args.no_progress)
     # IoU is unchanged by the per-axis resize, so AP in detection pixels is AP in the originals.
     detections = train.predict(graphdef, state["params"], eval_examples,
                                config.eval_batch_size)
@@ -151,7 +151,7 @@ def run(args) -> dict:
                                      max_dets=cfg.detections_per_img)
     results = {"model": name, "metrics": metrics, "split": split,
                "images": len(eval_examples), "classes": len(classes),
-               "steps": int(state["step"]), "workdir": str(Path(args.workdir).resolve()),
+               "steps": int(state["step"]), "train_step_compiles": info["compiles"], "workdir": str(Path(args.workdir).resolve()),
                "data": str(Path(args.data).resolve()), "config": config.to_dict(),
                "class_groups": {g: int((groups == g).sum()) for g in "rcf"}}
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -161,7 +161,10 @@ def run(args) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sclaro_jax").setLevel(logging.INFO)
+    from absl import logging as absl_logging
+    absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's per-save INFO lines
     try:
         results = run(args)
     except (ValueError, FileNotFoundError, KeyError) as e:

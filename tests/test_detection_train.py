@@ -1,0 +1,120 @@
+"""Detection end to end: `python -m sclaro_jax.eval.detect` on a ScenarioCLIP workdir (global
+encoder -> RPN, object encoder -> RoI heads) trained on the demo photographs' boxes and
+evaluated on the same images (an overfit check: AP50 >= 0.9), the rerun that resumes, exact
+resume after a stop, the CLI's errors, and the backbone against the CLIP tower it wraps."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sclaro_jax.detection import data, train
+from sclaro_jax.detection.model import Detector, ViTBackbone
+from sclaro_jax.eval import detect as cli
+from sclaro_jax.models import clip
+
+
+@pytest.fixture(scope="module")
+def overfit(scenario_workdir, demo_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("detect") / "run"
+    argv = ["--workdir", str(scenario_workdir), "--data", demo_dir, "--config", "demo",
+            "--out", str(out), "--no-progress"]
+    assert cli.main(argv) == 0
+    return argv, out, json.loads((out / "results.json").read_text())
+
+
+def test_cli_overfits_the_demo_boxes(overfit):
+    _, out, results = overfit
+    m = results["metrics"]
+    assert m["AP50"] >= 0.9, m
+    assert 0 < m["AP"] <= m["AP50"]
+    assert results["model"].startswith("ScenarioCLIP (global -> RPN, object -> RoI")
+    assert results["split"] == "train" and results["images"] == 10
+    assert results["steps"] == train.total_steps(train.default_config("demo"), 10)
+    assert results["train_step_compiles"] == 1  # no recompilation after the first step
+    table = (out / "results.md").read_text().splitlines()
+    assert table[0] == "| Model | AP | AP50 | AP75 | APr | APc | APf |"
+    assert f"| {100 * m['AP50']:.1f} |" in table[2]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1]["step"] == results["steps"]
+    assert {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg",
+            "examples_per_sec"} <= set(logged[-1])
+    assert logged[-1]["loss"] < logged[0]["loss"]
+
+
+def test_rerun_resumes_from_the_last_checkpoint(overfit, caplog):
+    argv, out, results = overfit
+    with caplog.at_level("INFO"):
+        assert cli.main(argv) == 0
+    assert "nothing to train" in caplog.text
+    again = json.loads((out / "results.json").read_text())
+    assert again["train_step_compiles"] == 0
+    assert again["metrics"]["AP50"] == pytest.approx(results["metrics"]["AP50"], abs=1e-6)
+
+
+def _tiny_run(tiny_hf, demo_dir, out, stop_at=None):
+    folder, _ = tiny_hf
+    config = train.default_config("demo")
+    config.epochs, config.batch_size, config.log_every = 1, 2, 1
+    config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64,
+                           rpn_post_nms_top_n_train=32, box_batch_size_per_image=16)
+    examples, classes = data.load_examples(demo_dir, "train")
+    examples = [data.resize_for_detection(ex, 64) for ex in examples]
+    towers = clip.from_hf(folder)
+    model = Detector(train.detector_config(config, len(classes)), towers.vision_model,
+                     towers.config.vision.patch_size)
+    return train.train(config, str(out), model, examples, len(classes), progress=False,
+                       stop_at=stop_at)
+
+
+def test_stop_and_resume_equals_an_uninterrupted_run(tiny_hf, demo_dir, tmp_path):
+    _, whole, info = _tiny_run(tiny_hf, demo_dir, tmp_path / "whole")
+    assert info == {"steps": 5, "start": 0, "compiles": 1}
+    _, part, info = _tiny_run(tiny_hf, demo_dir, tmp_path / "split", stop_at=2)
+    assert int(part["step"]) == 2 and info["start"] == 0
+    _, part, info = _tiny_run(tiny_hf, demo_dir, tmp_path / "split")
+    assert info["start"] == 2 and int(part["step"]) == 5
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(part["params"]),
+                 jax.device_get(whole["params"]))
+    lines = (tmp_path / "split" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
+
+
+def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
+    towers = clip.from_hf(tiny_hf[0])
+    cfg = towers.config.vision
+    pixels = jax.random.normal(jax.random.key(0), (2, cfg.image_size, cfg.image_size, 3))
+    hidden, _ = towers.vision_model(pixels)
+    grid = cfg.image_size // cfg.patch_size
+    got = ViTBackbone(towers.vision_model, cfg.patch_size)(pixels)
+    np.testing.assert_allclose(got, np.asarray(hidden[:, 1:]).reshape(2, grid, grid, -1),
+                               atol=1e-5)
+    big = ViTBackbone(towers.vision_model, cfg.patch_size)(jnp.zeros((1, 2 * cfg.image_size,
+                                                                      2 * cfg.image_size, 3)))
+    assert big.shape == (1, 2 * grid, 2 * grid, cfg.hidden_size)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workdir", "/nonexistent/run"], "--workdir /nonexistent/run does not exist"),
+    (["--set", "epochz=3"], "unknown key 'epochz'"),
+    (["--set", "epochs"], "expected KEY=VALUE"),
+    (["--config", "nosuch"], "config file not found: nosuch"),
+])
+def test_cli_errors_are_one_line(argv, message, demo_dir, tiny_hf, capsys):
+    base = {"--workdir": str(tiny_hf[0]), "--data": demo_dir}
+    for i in range(0, len(argv), 2):
+        base[argv[i]] = argv[i + 1]
+    args = [x for kv in base.items() for x in kv]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_help_lists_the_levels(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--level-rpn" in out and "--level-roi" in out and "{global,object,relation}" in out
