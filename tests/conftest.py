@@ -78,9 +78,10 @@ def demo_config(demo_dir, steps=None):
     return config
 
 
-def _checkpointed_workdir(workdir, demo_dir):
-    """A ScenarioCLIP workdir as the trainer leaves it (config.json + an orbax checkpoint of the
-    train state at step 7), written without training; the teacher differs from the student."""
+def _checkpointed_workdir(workdir, demo_dir, kind="scenarioclip"):
+    """A ScenarioCLIP (or `kind`) workdir as the trainer leaves it (config.json + an orbax
+    checkpoint of the train state at step 7), written without training; the teacher differs from
+    the student."""
     import dataclasses
 
     import jax
@@ -90,6 +91,7 @@ def _checkpointed_workdir(workdir, demo_dir):
     from sclaro_jax.train import core, trainer
 
     config = demo_config(demo_dir)
+    config.model.kind = kind
     workdir.mkdir(parents=True)
     (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
     _, state, _ = core.init_state(build_model(config), trainer.train_config(config, 10))

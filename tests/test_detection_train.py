@@ -4,6 +4,7 @@ evaluated on the same images (an overfit check: AP50 >= 0.9), the rerun that res
 resume after a stop, the CLI's errors, and the backbone against the CLIP tower it wraps."""
 
 import json
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -118,3 +119,85 @@ def test_help_lists_the_levels(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--level-rpn" in out and "--level-roi" in out and "{global,object,relation}" in out
+
+
+SHARDED = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+import numpy as np
+from sclaro_jax.detection import train
+from sclaro_jax.detection.model import Detector
+from sclaro_jax.models import clip
+from sclaro_jax.train import sharding
+
+config = train.default_config("demo")
+config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
+                       box_batch_size_per_image=16, max_boxes=4)
+cfg = train.detector_config(config, 5)
+rng = np.random.default_rng(0)
+xy = rng.uniform(0, 40, (2, 4, 2)).astype(np.float32)
+batch = {"image": rng.integers(0, 256, (2, 64, 64, 3), dtype=np.uint8),
+         "boxes": np.concatenate([xy, xy + rng.uniform(8, 24, (2, 4, 2))], -1).astype(np.float32),
+         "labels": rng.integers(0, 5, (2, 4)).astype(np.int32),
+         "valid": np.array([[True, True, True, False], [True, True, False, False]])}
+out = {}
+for strategy in ("none", "fsdp"):  # fsdp: the batch split as in dp, and the weights too
+    model = Detector(cfg, clip.create("tiny").vision_model, 8)
+    graphdef, state, tx = train.init_state(model, config, 10)
+    mesh = sharding.make_mesh(strategy)
+    step, state = sharding.jit_step(train.make_train_step(graphdef, tx, 0), state, mesh, strategy)
+    state, metrics = step(state, sharding.put_batch(batch, mesh))
+    out[strategy] = {k: float(v) for k, v in metrics.items()}
+    print(strategy, out[strategy])
+for strategy in ("fsdp",):
+    for k, v in out["none"].items():
+        assert abs(out[strategy][k] - v) <= 1e-5 * max(1.0, abs(v)), (strategy, k, out[strategy][k], v)
+print("OK")
+'''
+
+
+def test_fsdp_losses_match_one_device():
+    """The detection step under the trainer's fsdp sharding on 2 host devices gives the
+    single-device losses (samplers draw per image from one key, so the draws agree too)."""
+    from conftest import run_script
+
+    run_script(SHARDED)
+
+
+def test_make_batch_pastes_rare_classes_inside_the_image(demo_dir):
+    config = train.default_config("demo")
+    config.copy_paste_prob = 1.0
+    examples, classes = data.load_examples(demo_dir, "train")
+    examples = [data.resize_for_detection(ex, 64) for ex in examples]
+    cfg = train.detector_config(config, len(classes))
+    counts = data.class_instance_counts(examples, len(classes))
+    rare = data.rare_classes(counts, 2)  # the classes seen once
+    assert rare.any() and not rare.all()
+    batch = train.make_batch(examples, np.arange(4), cfg, config, rare, step=3)
+    assert batch["image"].shape == (4, 64, 64, 3) and batch["image"].dtype == np.uint8
+    assert batch["boxes"].shape == (4, cfg.max_boxes, 4) and batch["valid"].dtype == bool
+    boxes = batch["boxes"][batch["valid"]]
+    assert (boxes[:, :2] >= 0).all() and (boxes[:, 2:] <= 64).all()
+    assert (boxes[:, 2:] > boxes[:, :2]).all()
+    added = [Counter(batch["labels"][i][batch["valid"][i]].tolist())
+             - Counter(examples[i].labels.tolist()) for i in range(4)]
+    assert sum(sum(a.values()) for a in added) > 0
+    assert all(rare[c] for a in added for c in a)  # only rare classes were pasted
+    again = train.make_batch(examples, np.arange(4), cfg, config, rare, step=3)
+    np.testing.assert_array_equal(again["image"], batch["image"])  # drawn from (seed, step)
+
+
+def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, demo_dir):
+    rpn, roi, patch, name = cli.backbones(str(tiny_hf[0]), "global", "object", False)
+    assert roi is None and patch == 8 and name.startswith("CLIP (")
+    rpn, roi, patch, name = cli.backbones(str(scenario_workdir), "global", "object", False)
+    assert roi is not None and roi is not rpn and "global -> RPN, object -> RoI" in name
+    rpn, roi, _, name = cli.backbones(str(scenario_workdir), "object", "object", True)
+    assert roi is None and name.startswith("ScenarioCLIP (object")
+    from conftest import _checkpointed_workdir
+
+    _checkpointed_workdir(tmp_path / "pyr", demo_dir, kind="pyramidclip")
+    rpn, roi, _, name = cli.backbones(str(tmp_path / "pyr"), "global", "object", False)
+    assert roi is None and name.startswith("PyramidCLIP (global")
