@@ -22,6 +22,10 @@ FORBIDDEN = [
     ("sclaro_jax.data", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.models")),
     ("sclaro_jax.checkpoint", ("sclaro_jax.train", "sclaro_jax.eval")),
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
+    ("sclaro_jax.detection", ("sclaro_jax.eval",)),
+    ("sclaro_jax.detection.ops", ("sclaro_jax.models", "sclaro_jax.train", "sclaro_jax.data",
+                                  "sclaro_jax.eval", "sclaro_jax.detection.model",
+                                  "sclaro_jax.detection.data")),
     ("sclaro_jax.miner", ("sclaro_jax.models", "sclaro_jax.eval", "sclaro_jax.train")),
 ]
 

@@ -13,7 +13,7 @@ Exact resume: a step's images, copy-paste draws and the samplers' JAX key depend
 stopped (SIGINT / SIGTERM save a checkpoint after the current step) and restarted takes the
 same steps as an uninterrupted one.
 
-Run folder (`out`): `checkpoints/` (orbax), `metrics.jsonl` (step, the four losses, loss, lr,
+Run folder (`out`): `checkpoints/` (orbax), `metrics.jsonl` (step, the four losses, loss,
 examples_per_sec), `results.json` and `results.md` (written by `sclaro_jax.eval.detect`).
 """
 
