@@ -89,19 +89,25 @@ def load_config(spec: str, overrides: Sequence[str]):
     return config
 
 
-def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool):
+def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool, dtype=None):
     """(rpn vision tower, roi vision tower or None when one encoder feeds both, patch size,
-    model name for the table)."""
+    model name for the table); the towers compute in `dtype` (default: float32)."""
+    import jax.numpy as jnp
+
     from sclaro_jax.models import clip
+
+    dtype = jnp.dtype(dtype or jnp.float32)
 
     folder = Path(workdir)
     cfg_path = folder / "config.json"
     if not folder.is_dir():
         raise FileNotFoundError(f"--workdir {workdir} does not exist")
     if (folder / "checkpoints").is_dir():
-        from sclaro_jax.checkpoint import load_checkpoint
+        from sclaro_jax.checkpoint import load_checkpoint, run_config
 
-        model, step = load_checkpoint(str(folder), teacher=teacher)
+        config = run_config(str(folder))
+        config.model.dtype = dtype.name
+        model, step = load_checkpoint(str(folder), teacher=teacher, config=config)
         rpn, roi = model.pair(level_rpn), model.pair(level_roi)
         patch = rpn.config.vision.patch_size
         kind = type(model).__name__
@@ -110,7 +116,7 @@ def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool):
         return (rpn.vision_model, roi.vision_model, patch,
                 f"{kind} ({level_rpn} -> RPN, {level_roi} -> RoI, step {step})")
     if cfg_path.exists() and json.loads(cfg_path.read_text()).get("model_type") == "clip":
-        model = clip.from_hf(folder)
+        model = clip.from_hf(folder, dtype=dtype)
         return model.vision_model, None, model.config.vision.patch_size, f"CLIP ({folder.name})"
     raise FileNotFoundError(f"--workdir {workdir} is neither a training workdir (config.json + "
                             "checkpoints/) nor a Hugging Face CLIPModel folder")
@@ -124,8 +130,9 @@ def run(args) -> dict:
 
     config = load_config(args.config, args.set)
     split = args.split or config.eval_split
+    dtype = train.compute_dtype(config.dtype)
     rpn, roi, patch, name = backbones(args.workdir, args.level_rpn, args.level_roi,
-                                      args.teacher)
+                                      args.teacher, dtype)
     tag = "clip" if name.startswith("CLIP") else (
         args.level_rpn if roi is None else f"{args.level_rpn}-{args.level_roi}")
     out = Path(args.out or Path(args.workdir) / "detection" / tag)
@@ -138,8 +145,7 @@ def run(args) -> dict:
     size = cfg.image_size
     train_examples = [data.resize_for_detection(ex, size) for ex in train_examples]
     eval_examples = [data.resize_for_detection(ex, size) for ex in eval_examples]
-    model = Detector(cfg, rpn, patch, roi, dtype=train.compute_dtype(config.dtype),
-                     seed=config.seed)
+    model = Detector(cfg, rpn, patch, roi, dtype=dtype, seed=config.seed)
     graphdef, state, info = train.train(config, str(out), model, train_examples, len(classes),
                                         progress=not args.no_progress)
     # IoU is unchanged by the per-axis resize, so AP in detection pixels is AP in the originals.
