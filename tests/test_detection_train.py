@@ -201,3 +201,27 @@ def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, 
     _checkpointed_workdir(tmp_path / "pyr", demo_dir, kind="pyramidclip")
     rpn, roi, _, name = cli.backbones(str(tmp_path / "pyr"), "global", "object", False)
     assert roi is None and name.startswith("PyramidCLIP (global")
+
+
+@pytest.mark.parametrize("patch", [8, 14, 32])
+def test_pyramid_strides_for_each_patch_size(patch):
+    """Strides 4-64 for the RPN and 4-32 for the RoI heads whatever the patch size: powers of 2
+    by deconvolution / pooling, 14 through a resize of the token map to the stride-16 grid."""
+    import dataclasses
+
+    from flax import nnx
+
+    from sclaro_jax.detection.model import DetectorConfig
+
+    base = clip.config_from_preset("tiny")
+    vision = dataclasses.replace(base.vision, patch_size=patch, image_size=2 * patch)
+    towers = clip.CLIPModel(base.replace(vision=vision), rngs=nnx.Rngs(0))
+    size = 448 if patch == 14 else 128
+    cfg = DetectorConfig(num_classes=3, image_size=size, pyramid_dim=8, fpn_dim=8,
+                         representation_size=16)
+    detector = Detector(cfg, towers.vision_model, patch)
+    rpn, roi = jax.eval_shape(detector.features, jax.ShapeDtypeStruct((1, size, size, 3),
+                                                                      jnp.float32))
+    assert [f.shape[1] for f in rpn] == [size // s for s in (4, 8, 16, 32, 64)]
+    assert [f.shape for f in roi] == [f.shape for f in rpn[:-1]]
+    assert all(f.dtype == jnp.float32 for f in rpn)

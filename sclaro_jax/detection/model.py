@@ -174,7 +174,7 @@ class SimpleFeaturePyramid(nnx.Module):
                     norms.append(ChannelNorm(cout, rngs=rngs))
                 cin = cout
             stages.append(_Stage(deconvs, norms, pool, cin, dim, dtype=dtype, rngs=rngs))
-        self.stages = nnx.List(stages) if hasattr(nnx, "List") else stages
+        self.stages = nnx.List(stages)
 
     def __call__(self, x: Array) -> list[Array]:
         return [stage(x) for stage in self.stages]
@@ -182,8 +182,7 @@ class SimpleFeaturePyramid(nnx.Module):
 
 class _Stage(nnx.Module):
     def __init__(self, deconvs, norms, pool: int, cin: int, dim: int, *, dtype, rngs):
-        seq = nnx.List if hasattr(nnx, "List") else list
-        self.deconvs, self.norms, self.pool = seq(deconvs), seq(norms), pool
+        self.deconvs, self.norms, self.pool = nnx.List(deconvs), nnx.List(norms), pool
         self.lateral = _conv(cin, dim, 1, dtype=dtype, rngs=rngs, bias=False)
         self.lateral_norm = ChannelNorm(dim, rngs=rngs)
         self.output = _conv(dim, dim, 3, dtype=dtype, rngs=rngs, bias=False)
@@ -207,10 +206,9 @@ class FPN(nnx.Module):
     """torchvision's FeaturePyramidNetwork + LastLevelMaxPool on NHWC maps (finest first)."""
 
     def __init__(self, in_dims: list[int], dim: int, *, dtype, rngs: nnx.Rngs):
-        seq = nnx.List if hasattr(nnx, "List") else list
-        self.inner = seq([_conv(c, dim, 1, dtype=dtype, rngs=rngs, init=_kaiming_a1)
+        self.inner = nnx.List([_conv(c, dim, 1, dtype=dtype, rngs=rngs, init=_kaiming_a1)
                           for c in in_dims])
-        self.layer = seq([_conv(dim, dim, 3, dtype=dtype, rngs=rngs, init=_kaiming_a1)
+        self.layer = nnx.List([_conv(dim, dim, 3, dtype=dtype, rngs=rngs, init=_kaiming_a1)
                           for _ in in_dims])
 
     def __call__(self, feats: list[Array]) -> list[Array]:
@@ -231,13 +229,22 @@ class Pyramid(nnx.Module):
 
     def __init__(self, backbone: ViTBackbone, cfg: DetectorConfig, *, dtype, rngs: nnx.Rngs):
         self.backbone = backbone
-        self.sfp = SimpleFeaturePyramid(backbone.width, backbone.patch_size, cfg.strides,
+        patch = backbone.patch_size
+        # A patch size that is not a power of 2 (14) has its token map resized (bilinear) to
+        # the stride-16 grid first, so that the pyramid's strides are exact.
+        self.base = patch if patch & (patch - 1) == 0 else 16
+        self.sfp = SimpleFeaturePyramid(backbone.width, self.base, cfg.strides,
                                         cfg.pyramid_dim, dtype=dtype, rngs=rngs)
         self.fpn = FPN([cfg.pyramid_dim] * len(cfg.strides), cfg.fpn_dim, dtype=dtype,
                        rngs=rngs)
 
     def __call__(self, pixels: Array) -> list[Array]:
-        return self.fpn(self.sfp(self.backbone(pixels)))
+        tokens = self.backbone(pixels)
+        side = pixels.shape[1] // self.base
+        if tokens.shape[1:3] != (side, side):
+            tokens = jax.image.resize(tokens, (tokens.shape[0], side, side, tokens.shape[3]),
+                                      "bilinear")
+        return self.fpn(self.sfp(tokens))
 
 
 # --------------------------------------------------------------------------------------------
