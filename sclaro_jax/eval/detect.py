@@ -157,7 +157,7 @@ def run(args) -> dict:
                                      max_dets=cfg.detections_per_img)
     results = {"model": name, "metrics": metrics, "split": split,
                "images": len(eval_examples), "classes": len(classes),
-               "steps": int(state["step"]), "train_step_compiles": info["compiles"], "workdir": str(Path(args.workdir).resolve()),
+               "out": str(out.resolve()), "steps": int(state["step"]), "train_step_compiles": info["compiles"], "workdir": str(Path(args.workdir).resolve()),
                "data": str(Path(args.data).resolve()), "config": config.to_dict(),
                "class_groups": {g: int((groups == g).sum()) for g in "rcf"}}
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
@@ -179,8 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     m = results["metrics"]
-    print(f"{results['model']}: " + ", ".join(f"{k} {100 * v:.1f}" for k, v in m.items()
-                                             if isinstance(v, float)))
+    print(f"{results['model']}: " + ", ".join(
+        f"{k} {100 * v:.1f}" if v == v else f"{k} - (no class in the group)"
+        for k, v in m.items() if isinstance(v, float)))
+    print(f"results: {Path(results['out']) / 'results.md'}")
     return 0
 
 
