@@ -4,6 +4,8 @@ targets and losses, RoI sampling and the Fast R-CNN losses, post-processing. Sam
 made larger than the candidate sets so both sides sample every candidate (the draws of the two
 samplers cannot be equal; their rule is checked in test_detection_ops)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,9 +55,30 @@ def _torch_anchors(cfg, batch):
     return gen(images, feats)
 
 
-def test_anchors_equal_torchvision():
-    np.testing.assert_array_equal(rcnn.anchors(CFG), _torch_anchors(CFG, 1)[0].numpy())
-    assert rcnn.anchors(CFG).shape[0] == sum(rcnn.level_sizes(CFG))
+@pytest.mark.parametrize("size", [64, 224, 96])
+def test_anchors_equal_torchvision(size):
+    """Also where the extra (max-pooled) level rounds up: 7 x 7 -> 4 x 4 at 224 px."""
+    cfg = dataclasses.replace(CFG, image_size=size)
+    np.testing.assert_array_equal(rcnn.anchors(cfg), _torch_anchors(cfg, 1)[0].numpy())
+    assert rcnn.anchors(cfg).shape[0] == sum(rcnn.level_sizes(cfg))
+
+
+def test_rpn_outputs_line_up_with_the_anchors_at_224():
+    from flax import nnx
+
+    from sclaro_jax.detection.model import Detector
+    from sclaro_jax.models import clip
+
+    cfg = dataclasses.replace(CFG, image_size=224, pyramid_dim=8, fpn_dim=8,
+                              representation_size=16)
+    detector = Detector(cfg, clip.create("tiny").vision_model, 8)
+    rpn, _ = jax.eval_shape(detector.features, jax.ShapeDtypeStruct((1, 224, 224, 3),
+                                                                     jnp.float32))
+    assert [f.shape[1:3] for f in rpn] == cfg.feature_sizes() == [(56, 56), (28, 28), (14, 14),
+                                                                  (7, 7), (4, 4)]
+    graphdef, state = nnx.split(detector)
+    objectness, _ = jax.eval_shape(lambda s, fs: nnx.merge(graphdef, s).rpn_head(fs), state, rpn)
+    assert objectness.shape == (1, rcnn.anchors(cfg).shape[0])
 
 
 def test_rpn_losses_and_proposals_equal_torchvision():

@@ -80,16 +80,22 @@ class DetectorConfig:
             raise ValueError(f"anchor_sizes needs one size per RPN level ({len(self.strides) + 1}:"
                              f" strides {self.strides} + the max-pooled level), got "
                              f"{self.anchor_sizes}")
-        if self.image_size % self.strides[-1] * 2:
-            raise ValueError(f"image_size {self.image_size} must be a multiple of "
-                             f"{self.strides[-1] * 2} (twice the coarsest stride)")
+        if self.image_size % self.strides[-1]:
+            raise ValueError(f"image_size {self.image_size} must be a multiple of the coarsest "
+                             f"stride {self.strides[-1]}")
+
+    def feature_sizes(self) -> list[tuple[int, int]]:
+        """The RPN levels' map sizes: image_size / stride, then the max-pooled extra level
+        (kernel 1, stride 2: ceil of half the coarsest, 4 x 4 after 7 x 7 at 224 px)."""
+        sizes = [self.image_size // s for s in self.strides]
+        sizes.append(-(-sizes[-1] // 2))
+        return [(n, n) for n in sizes]
 
     @property
     def rpn_strides(self) -> tuple:
-        return tuple(self.strides) + (self.strides[-1] * 2,)
-
-    def feature_sizes(self) -> list[tuple[int, int]]:
-        return [(self.image_size // s, self.image_size // s) for s in self.rpn_strides]
+        """Anchor strides per RPN level as torchvision's AnchorGenerator takes them: image size
+        // map size (56 for the extra level at 224 px)."""
+        return tuple(self.image_size // h for h, _ in self.feature_sizes())
 
 
 # --------------------------------------------------------------------------------------------
