@@ -2,7 +2,7 @@
 (`sclaro_jax.detection`) vs torchvision's `FasterRCNN` with the same backbone, simple feature
 pyramid, FPN, heads and hyper-parameters, same batch, in one process.
 
-    python bench/bench_detection.py --rounds 6 --own-level   # CPU fp32; + own-level RoIAlign
+    python bench/bench_detection.py --rounds 6               # CPU fp32, 224 px
     python bench/bench_detection.py --rounds 5 --parts       # + where the time goes
     python bench/bench_detection.py --batch 16 --rounds 10 --bf16 --json /tmp/det.json  # GPU
 
@@ -78,9 +78,8 @@ def make_batch(args, max_boxes: int, seed: int = 0) -> dict:
 
 
 # ------------------------------------------------------------------------------------ JAX side
-def jax_side(args, folder: str, own_level: bool = False):
-    """(run(batch) -> loss, jitted step, graphdef, {"state": state}). `own_level`: the step
-    traced with `rcnn.pool` swapped for `own_level_pool` (a candidate change)."""
+def jax_side(args, folder: str):
+    """(run(batch) -> loss, jitted step, graphdef, {"state": state})."""
     import jax
     import jax.numpy as jnp
 
@@ -95,17 +94,10 @@ def jax_side(args, folder: str, own_level: bool = False):
     config.update(backbone_lr=LR, head_lr=LR, weight_decay=WEIGHT_DECAY)
     graphdef, state, tx = train.init_state(model, config, steps=1000)
     step = sc_compile.jit(train.make_train_step(graphdef, tx, 0), donate_argnums=0)
-    holder, call = {"state": state}, step
-    if own_level:
-        batch = make_batch(args, model.cfg.max_boxes)
-        rcnn.pool, original = own_level_pool, rcnn.pool
-        try:
-            call = step.lower(state, batch).compile()
-        finally:
-            rcnn.pool = original
+    holder = {"state": state}
 
     def run(batch):
-        holder["state"], metrics = call(holder["state"], batch)
+        holder["state"], metrics = step(holder["state"], batch)
         return float(metrics["loss"])  # waits for the step
     return run, step, graphdef, holder
 
@@ -242,20 +234,15 @@ def time_parts(graphdef, params, tmodel, batch: dict, rounds: int) -> dict:
             lambda pr, v, g, lab, gv, k: rcnn.roi_targets(cfg, pr, v, g, lab, gv, k))(
             a["proposals"], a["kept"], a["boxes"], a["labels"], a["valid"], keys)
         logits, box_deltas = net(box_head=q).box_head(rcnn.pool(cfg, fs, rois))
-        labels, weight = labels.reshape(-1), weight.reshape(-1)
-        ce = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[:, None], -1)[:, 0]
-        own = jnp.take_along_axis(box_deltas, labels[:, None, None], 1)[:, 0]
-        reg = rcnn.smooth_l1(own, targets.reshape(-1, 4)).sum(-1) * weight * (labels > 0)
-        return ((ce * weight).sum() + reg.sum()) / jnp.maximum(weight.sum(), 1.0)
+        out = rcnn.fast_rcnn_losses(logits, box_deltas, labels.reshape(-1), weight.reshape(-1),
+                                    targets.reshape(-1, 4))
+        return out["loss_classifier"] + out["loss_box_reg"]
 
     def f_roi(p, a):  # RoI sampling + RoIAlign + box head forward + backward
         return jax.grad(roi_loss, (0, 1))(p, a["feats"][:-1], a)
 
-    def f_align(a):  # MultiScaleRoIAlign alone (every box at every level), fwd + bwd
+    def f_align(a):  # MultiScaleRoIAlign alone, fwd + bwd
         return jax.vjp(lambda f: rcnn.pool(cfg, f, a["rois"]), a["feats"][:-1])[1](a["ct"])
-
-    def f_own(a):  # the same, each box pooled only from its own level
-        return jax.vjp(lambda f: own_level_pool(cfg, f, a["rois"]), a["feats"][:-1])[1](a["ct"])
 
     def f_head(p, a):  # TwoMLPHead + predictor on pooled RoIs, fwd + bwd
         return jax.grad(lambda q, y: sum(o.sum() for o in net(box_head=q).box_head(y)),
@@ -270,14 +257,11 @@ def time_parts(graphdef, params, tmodel, batch: dict, rounds: int) -> dict:
     a["ct"] = jax.random.normal(a["key"], (a["rois"].size // 4, cfg.roi_output_size,
                                            cfg.roi_output_size, cfg.fpn_dim))
     a["pooled"] = jax.jit(lambda f, r: rcnn.pool(cfg, f, r))(a["feats"][:-1], a["rois"])
-    own = jax.jit(lambda f, r: own_level_pool(cfg, f, r))(a["feats"][:-1], a["rois"])
-    diff = float(jnp.abs(own - a["pooled"]).max())  # 0: the same numbers
-    print(f"own-level RoIAlign vs ops.multiscale_roi_align: max |difference| {diff:.2e}")
     jax_calls = {name: (lambda f=sc_compile.jit(fn), xs=xs: f(*xs)) for name, fn, xs in (
         ("backbone", f_backbone, (params["rpn_pyramid"], a)),
         ("rpn", f_rpn, (params["rpn_head"], a)),
         ("roi", f_roi, (params["box_head"], a)), ("roi_align", f_align, (a,)),
-        ("own_level_roi_align", f_own, (a,)), ("box_head", f_head, (params["box_head"], a)))}
+        ("box_head", f_head, (params["box_head"], a)))}
 
     # torch: the same cuts through torchvision's GeneralizedRCNN.forward
     device = next(tmodel.parameters()).device
@@ -313,12 +297,12 @@ def time_parts(graphdef, params, tmodel, batch: dict, rounds: int) -> dict:
         sum(o.sum() for o in heads.box_predictor(heads.box_head(x))).backward()
 
     torch_calls = {"backbone": t_backbone, "rpn": t_rpn, "roi": t_roi,
-                   "roi_align": t_align, "own_level_roi_align": t_align, "box_head": t_head}
+                   "roi_align": t_align, "box_head": t_head}
     names = list(jax_calls)
     times = paired_timings([fn for name in names for fn in (
         lambda f=jax_calls[name]: jax.block_until_ready(f()), torch_calls[name])], rounds, 0.1)
     med = np.median(times, 0)
-    result = {"own_level_max_abs_diff": diff}
+    result = {}
     print("| part (forward + backward unless said) | JAX s median | torch s median | JAX/torch |")
     print("|---|---|---|---|")
     for i, name in enumerate(names):
@@ -328,68 +312,16 @@ def time_parts(graphdef, params, tmodel, batch: dict, rounds: int) -> dict:
     return result
 
 
-def own_level_pool(cfg, feats, rois):
-    """`rcnn.pool` (maps [B, h, w, C] at `cfg.strides`, rois [B, R, 4] -> [B * R, S, S, C],
-    `ops.multiscale_roi_align` with aligned=False) pooling each box only from the level
-    `ops.roi_levels` gives it, by one gather from the levels' maps stacked into one table; the
-    same numbers. A candidate replacement, measured by `--own-level` and `--parts`."""
-    import jax
-    import jax.numpy as jnp
-
-    from sclaro_jax.detection import ops
-    f32, size, grid = jnp.float32, cfg.roi_output_size, 2
-    scales = tuple(1.0 / s for s in cfg.strides)
-    offsets = np.cumsum([0] + [f.shape[1] * f.shape[2] for f in feats])[:-1]
-
-    def axis(s0, b, n):  # ops._axis_samples with a per-box map size n [N, 1]
-        p = jnp.repeat(jnp.arange(size, dtype=f32), grid)
-        i = jnp.tile(jnp.arange(grid, dtype=f32) + 0.5, size)
-        coord = s0[:, None] + p * b[:, None] + i * b[:, None] / grid
-        inside = (coord >= -1.0) & (coord <= n.astype(f32))
-        coord = jnp.clip(coord, 0.0, n.astype(f32))
-        low = jnp.floor(coord).astype(jnp.int32)
-        edge = low >= n - 1
-        low = jnp.where(edge, n - 1, low)
-        high = jnp.where(edge, n - 1, low + 1)
-        frac = jnp.where(edge, 0.0, coord - low.astype(f32))
-        return low, high, (1.0 - frac) * inside, frac * inside
-
-    def one(fs, boxes):
-        level = ops.roi_levels(boxes, scales)
-        hs = jnp.array([f.shape[0] for f in fs])[level][:, None]
-        ws = jnp.array([f.shape[1] for f in fs])[level][:, None]
-        table = jnp.concatenate([f.reshape(-1, f.shape[-1]) for f in fs])
-        start = boxes * jnp.array(scales, f32)[level][:, None]
-        bins = jnp.maximum(start[:, 2:] - start[:, :2], 1.0) / size
-        y0, y1, wy0, wy1 = axis(start[:, 1], bins[:, 1], hs)
-        x0, x1, wx0, wx1 = axis(start[:, 0], bins[:, 0], ws)
-        base = jnp.asarray(offsets)[level][:, None, None]
-
-        def corner(ys, xs, wy, wx):
-            index = base + ys[:, :, None] * ws[:, :, None] + xs[:, None, :]
-            return (wy[:, :, None] * wx[:, None, :])[..., None] * jnp.take(table, index, axis=0)
-
-        value = (corner(y0, x0, wy0, wx0) + corner(y0, x1, wy0, wx1)
-                 + corner(y1, x0, wy1, wx0) + corner(y1, x1, wy1, wx1))
-        value = value.reshape(boxes.shape[0], size, grid, size, grid, table.shape[-1])
-        return value.sum(axis=(2, 4)) / (grid * grid)
-
-    out = jax.vmap(one)(feats, rois)
-    return out.reshape(-1, *out.shape[2:])
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for name, default in (("width", 192), ("layers", 4), ("heads", 3), ("patch", 16),
-                          ("image", 256), ("batch", 2), ("classes", 20), ("boxes", 6),
+                          ("image", 224), ("batch", 2), ("classes", 20), ("boxes", 6),
                           ("rounds", 5), ("fpn-dim", 256), ("representation", 1024),
                           ("pre-nms", 2000), ("post-nms", 2000), ("rpn-batch", 256),
                           ("roi-batch", 512)):
         parser.add_argument(f"--{name}", type=int, default=default)
     for flag, text in (("--bf16", "bfloat16 compute: JAX Detector dtype, torch autocast"),
-                       ("--parts", "also time backbone / RPN / RoI parts apart, both sides"),
-                       ("--own-level", "also time the JAX step with own_level_pool in place "
-                                       "of rcnn.pool (each RoI pooled from its level only)")):
+                       ("--parts", "also time backbone / RPN / RoI parts apart, both sides")):
         parser.add_argument(flag, action="store_true", help=text)
     parser.add_argument("--json", default="", help="write the figures to this path")
     args = parser.parse_args()
@@ -409,9 +341,6 @@ def main():
     t0, first = time.perf_counter(), [jax_run(batch)]
     first_call = time.perf_counter() - t0
     runs, names = [jax_run, torch_run], ["JAX", "torch"]
-    if args.own_level:
-        runs.insert(1, jax_side(args, folder, own_level=True)[0])
-        names.insert(1, "JAX own-level RoIAlign")
     first += [run(batch) for run in runs[1:]]
     print("first-step loss (heads randomly initialised on each side: JAX and torch not expected "
           "equal): " + ", ".join(f"{n} {x:.4f}" for n, x in zip(names, first)))
