@@ -1,0 +1,163 @@
+"""ROCS construction's selection steps (`data_prep.rocs_select`) on a COCO instances file for
+the demo photographs plus synthetic cluttered images (44 in all), against expectations worked
+out by hand below; the instances file's errors; Figure 3's numbers."""
+
+import json
+
+import numpy as np
+import pytest
+
+from data_prep import rocs_select as rs
+from data_prep.demo import load_annotations
+
+# Synthetic cluttered images (id: [(class, count), ...]); 100 x 100 px.
+SYNTHETIC = {
+    100: [("person", 29), ("cup", 1)],                      # 30 objects
+    101: [("car", 20), ("dog", 1), ("cat", 1), ("tree", 3)],  # 25
+    102: [("sheep", 25)],                                   # 25, no rare class
+    103: [("book", 18), ("lamp", 1), ("clock", 1)],          # 20
+    104: [("bird", 19), ("kite", 1)],                        # 20
+    105: [("chair", 20)],                                   # 20: a tie at the cut, higher id
+}
+SYNTHETIC.update({106 + k: [("box", 1 + k % 9)] for k in range(24)})  # 1-9 objects each
+# 14 demo photographs (at most 7 objects each) + 30 synthetic = 44 images: top 10% = ceil(4.4) = 5
+# by object count: 100 (30), 101 (25), 102 (25), then two of the three with 20, lower id first.
+HIGH_CLUTTER = [100, 101, 102, 103, 104]
+RARE = {100: ["cup"], 101: ["dog", "cat"], 102: [], 103: ["lamp", "clock"], 104: ["kite"]}
+# The share of the image each rare instance's mask covers; the rule keeps <= 5%.
+MASK_SHARE = {"cup": 0.01, "dog": 0.2, "cat": 0.05, "lamp": 0.06, "clock": 0.001, "kite": 0.5}
+KEPT = {100: ["cup"], 101: ["cat"], 103: ["clock"]}  # 102: no rare object; 104: kite too large
+
+
+def _instances_file(tmp_path):
+    images, annotations, categories = [], [], {}
+
+    def add(image_id, name, box_xywh):
+        cid = categories.setdefault(name, len(categories) + 1)
+        annotations.append({"id": len(annotations) + 1, "image_id": image_id,
+                            "category_id": cid, "bbox": box_xywh, "iscrowd": 0})
+
+    for i, entry in enumerate(load_annotations()):
+        images.append({"id": i + 1, "file_name": entry["path"], "width": int(entry["width"]),
+                       "height": int(entry["height"])})
+        for obj in entry["objects"]:
+            x0, y0, x1, y1 = obj["box"]
+            add(i + 1, obj["name"], [x0, y0, x1 - x0, y1 - y0])
+    for image_id, classes in SYNTHETIC.items():
+        images.append({"id": image_id, "file_name": f"synthetic/{image_id}.png", "width": 100,
+                       "height": 100})
+        k = 0
+        for name, count in classes:
+            for _ in range(count):
+                add(image_id, name, [k % 10 * 10, k // 10 * 10, 4 + k % 3, 5])
+                k += 1
+    # a crowd box is not an object
+    annotations.append({"id": 9999, "image_id": 106, "category_id": 1, "bbox": [0, 0, 50, 50],
+                        "iscrowd": 1})
+    path = tmp_path / "instances.json"
+    path.write_text(json.dumps({"images": images, "annotations": annotations, "categories": [
+        {"id": c, "name": n} for n, c in categories.items()]}))
+    return path
+
+
+@pytest.fixture
+def images(tmp_path):
+    return rs.read_instances(_instances_file(tmp_path))
+
+
+def _mask(share, size=100):
+    mask = np.zeros((size, size), bool)
+    mask.reshape(-1)[:round(share * size * size)] = True
+    return mask
+
+
+def test_read_instances(images):
+    assert len(images) == 44
+    demo = load_annotations()
+    assert [len(im.instances) for im in images[:14]] == [len(e["objects"]) for e in demo]
+    x0, y0, x1, y1 = demo[0]["objects"][0]["box"]
+    assert images[0].instances[0].box == (x0, y0, x1, y1)  # back from [x, y, w, h]
+    assert images[0].instances[0].category == demo[0]["objects"][0]["name"]
+    by_id = {im.id: im for im in images}
+    assert len(by_id[106].instances) == 1  # its crowd box skipped
+
+
+def test_selection_steps_match_the_hand_computed_expectation(images):
+    clutter = rs.high_clutter(images, 0.1)
+    assert [im.id for im in clutter] == HIGH_CLUTTER
+    assert {im.id: [i.category for i in rs.rare_instances(im)] for im in clutter} == RARE
+    kept = {}
+    for im in clutter:
+        names = [i.category for i in rs.rare_instances(im)
+                 if rs.small_enough(rs.mask_fraction(_mask(MASK_SHARE[i.category])), 0.05)]
+        if names:
+            kept[im.id] = names
+    assert kept == KEPT
+    assert [im.id for im in rs.high_clutter(images, 0.25)][:5] == HIGH_CLUTTER
+    assert len(rs.high_clutter(images, 0.25)) == 11  # ceil(0.25 x 44)
+    with pytest.raises(ValueError, match="top_fraction"):
+        rs.high_clutter(images, 0.0)
+
+
+def test_mask_fraction_and_the_area_rule():
+    assert rs.mask_fraction(_mask(0.05)) == 0.05
+    assert rs.small_enough(0.05) and not rs.small_enough(0.0501)
+
+
+@pytest.mark.parametrize("caption, name, named", [
+    ("A man holds a red cup on the table.", "cup", True),
+    ("Two cups and a saucer", "cup", True),
+    ("An open cupboard", "cup", False),
+    ("Two Teddy Bears sit on a bed", "teddy bear", True),
+    ("a teddy on a bed with a bear poster", "teddy bear", False),
+    ("the puppies sleep", "puppy", True),
+    ("a  traffic\nlight at dusk", "traffic light", True),
+    ("boxes on a shelf", "box", True),
+    ("", "cup", False),
+])
+def test_caption_names_the_object(caption, name, named):
+    assert rs.caption_names(caption, name) is named
+
+
+def test_figure_stats(images):
+    clutter = rs.high_clutter(images, 0.1)
+    rare = [(im, i) for im in clutter for i in rs.rare_instances(im)]
+    stats = rs.figure_stats(clutter, rare)
+    assert stats["images"] == 5 and stats["objects_per_image_mean"] == (30 + 25 + 25 + 20 + 20) / 5
+    assert stats["objects_per_image_median"] == 25
+    assert stats["classes_per_image_mean"] == (2 + 4 + 1 + 3 + 2) / 5
+    assert stats["classes"] == 12 and stats["rare_objects"] == 6
+    # every synthetic box is 4-6 x 5 px of 10,000: all rare objects are under 1% of the image
+    areas = sorted(i.box_area / 10000 for _, i in rare)
+    assert stats["rare_box_area_median"] == pytest.approx(np.median(areas))
+    assert stats["rare_under_1pct"] == 1.0
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("images"), "'images' is missing or not a list"),
+    (lambda d: d["annotations"][2].pop("bbox"), "annotations[2].bbox is None; expected [x, y"),
+    (lambda d: d["annotations"][3].update(bbox=[1, 2, -3, 4]),
+     "annotations[3].bbox is [1, 2, -3, 4]"),
+    (lambda d: d["annotations"][0].update(category_id=777),
+     "annotations[0].category_id 777 is not the id of any category"),
+    (lambda d: d["annotations"][1].update(image_id=555),
+     "annotations[1].image_id 555 is not the id of any image"),
+    (lambda d: d["images"][4].pop("width"), "images[4].width is missing"),
+    (lambda d: d["categories"][0].update(name=3), "categories[0].name is 3; expected"),
+])
+def test_malformed_instances_name_the_file_and_field(tmp_path, edit, message):
+    path = _instances_file(tmp_path)
+    raw = json.loads(path.read_text())
+    edit(raw)
+    path.write_text(json.dumps(raw))
+    with pytest.raises(rs.InstancesError) as e:
+        rs.read_instances(path)
+    assert str(path) in str(e.value) and message in str(e.value), str(e.value)
+
+
+def test_unreadable_instances_files(tmp_path):
+    with pytest.raises(rs.InstancesError, match="no such instances file"):
+        rs.read_instances(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(rs.InstancesError, match="not a JSON file"):
+        rs.read_instances(tmp_path / "bad.json")
