@@ -161,3 +161,72 @@ def test_unreadable_instances_files(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(rs.InstancesError, match="not a JSON file"):
         rs.read_instances(tmp_path / "bad.json")
+
+
+# ------------------------------------------------------------- captions and the output folder
+from data_prep import rocs_caption as rc  # noqa: E402
+
+
+def _asker(replies):
+    """ask(image, prompt) answering from `replies` in turn; records the prompts."""
+    calls = []
+
+    def ask(image, prompt):
+        calls.append(prompt)
+        return replies[len(calls) - 1] if len(calls) <= len(replies) else None
+    return ask, calls
+
+
+def test_recaption_retries_once_then_drops_with_its_reason():
+    ask, calls = _asker(["A kitchen with a red cup on the counter."])
+    got = rc.recaption(ask, None, "cup")
+    assert (got.caption, got.reason, got.attempts) == (
+        "A kitchen with a red cup on the counter.", None, 1)
+    ask, calls = _asker(["A busy kitchen.", '{"caption": "A busy kitchen with two cups."}'])
+    got = rc.recaption(ask, None, "cup")
+    assert (got.caption, got.reason, got.attempts) == ("A busy kitchen with two cups.", None, 2)
+    assert "did not mention the cup" in calls[1] and "did not mention" not in calls[0]
+    ask, calls = _asker(["A busy kitchen.", "Caption: a kitchen with a cupboard."])
+    got = rc.recaption(ask, None, "cup")
+    assert (got.caption, got.reason, got.attempts) == (None, rc.MISSING_OBJECT, 2)
+    assert got.replies == ("A busy kitchen.", "Caption: a kitchen with a cupboard.")
+    ask, _ = _asker([])
+    assert rc.recaption(ask, None, "cup").reason == rc.NO_REPLY
+
+
+def test_caption_replies_file(tmp_path):
+    path = tmp_path / "replies.json"
+    path.write_text(json.dumps({"7/3": "a dog", "7/3/retry": "a cat next to a dog",
+                                "8/1": "a cup"}))
+    ask = rc.CaptionReplies(path)
+    assert rc.recaption(ask, (7, 3), "cat").caption == "a cat next to a dog"
+    assert rc.recaption(ask, (8, 1), "cup").caption == "a cup"
+    assert rc.recaption(ask, (9, 9), "cup").reason == rc.NO_REPLY
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        rc.CaptionReplies(path)
+
+
+def test_written_split_opens_in_the_rocs_evaluator(tmp_path, tiny_hf):
+    from data_prep.demo import image_path
+    from sclaro_jax.eval import rocs
+    from sclaro_jax.eval.data import load_split
+
+    rows = []
+    for entry in load_annotations()[:6]:
+        for obj in entry["objects"][:2]:
+            rows.append({"image": image_path(entry), "image_id": entry["id"],
+                         "caption": f"{entry['caption']} There is a {obj['name']}.",
+                         "object": obj["name"], "box": obj["box"]})
+    folder = rc.write_rocs(tmp_path / "rocs", rows)
+    split = load_split(str(folder))
+    assert split.num_images == 6 and len(split.queries) == len(rows)
+    assert [split.image_ids[g] for g in split.gt] == [r["image_id"] for r in rows]
+    out = tmp_path / "out"
+    assert rocs.main(["--model", str(tiny_hf[0]), "--split", f"mine={folder}", "--out",
+                      str(out), "--no_progress", "--k", "3"]) == 0
+    results = json.loads((out / "results.json").read_text())["results"]["mine"]
+    assert {"Global", "MINER"} <= set(results) and any("CSLS" in k or "csls" in k
+                                                       for k in results)
+    with pytest.raises(ValueError, match="nothing to write"):
+        rc.write_rocs(tmp_path / "empty", [])
