@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from data_prep.rocs_select import caption_names
+from data_prep.vlm import load_replies
 
 NO_REPLY = "vlm_no_reply"
 MISSING_OBJECT = "caption_missing_object"
@@ -91,17 +92,7 @@ class CaptionReplies:
     (image_id, instance_id); a missing key is no reply."""
 
     def __init__(self, path: str | Path):
-        path = Path(path)
-        try:
-            self.replies = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise FileNotFoundError(f"--vlm-replies {path}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--vlm-replies {path}: not valid JSON ({e})") from None
-        if not isinstance(self.replies, dict) or not all(
-                isinstance(v, str) for v in self.replies.values()):
-            raise ValueError(f"--vlm-replies {path}: expected a JSON object {{\"<image id>/"
-                             "<instance id>[/retry]\": reply text}")
+        self.replies = load_replies(path, '{"<image id>/<instance id>[/retry]": reply text}')
 
     def __call__(self, image, prompt: str) -> str | None:
         image_id, instance_id = image

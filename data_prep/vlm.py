@@ -76,6 +76,21 @@ REPLY_IDS = {
 }
 
 
+def load_replies(path, layout: str) -> dict[str, str]:
+    """A `--vlm-replies` JSON file: an object of reply texts (`layout` describes its keys in
+    the error when it is not one)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            replies = json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--vlm-replies {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--vlm-replies {path}: not valid JSON ({e})") from None
+    if not isinstance(replies, dict) or not all(isinstance(v, str) for v in replies.values()):
+        raise ValueError(f"--vlm-replies {path}: expected a JSON object {layout}")
+    return replies
+
+
 class RepliesFile:
     """Stage 1 from replies obtained elsewhere (a batch API, another machine): a JSON object
     {image id: reply text} (ids: `REPLY_IDS`). Called with the chunk's items rather than
@@ -84,17 +99,7 @@ class RepliesFile:
     wants_items = True
 
     def __init__(self, path: str):
-        try:
-            with open(path, encoding="utf-8") as f:
-                self.replies = json.load(f)
-        except FileNotFoundError:
-            raise FileNotFoundError(f"--vlm-replies {path}: no such file") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--vlm-replies {path}: not valid JSON ({e})") from None
-        if not isinstance(self.replies, dict) or not all(
-                isinstance(v, str) for v in self.replies.values()):
-            raise ValueError(f"--vlm-replies {path}: expected a JSON object "
-                             f"{{image id: reply text}}")
+        self.replies = load_replies(path, "{image id: reply text}")
         self.path = path
 
     def __call__(self, items: list) -> list[str | None]:
