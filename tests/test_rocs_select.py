@@ -230,3 +230,69 @@ def test_written_split_opens_in_the_rocs_evaluator(tmp_path, tiny_hf):
                                                        for k in results)
     with pytest.raises(ValueError, match="nothing to write"):
         rc.write_rocs(tmp_path / "empty", [])
+
+
+# ------------------------------------------------------------------------- end to end
+def _synthetic_images(image_dir):
+    rng = np.random.default_rng(0)
+    for image_id in SYNTHETIC:
+        path = image_dir / "synthetic" / f"{image_id}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        from PIL import Image
+        Image.fromarray(rng.integers(0, 256, (100, 100, 3), dtype=np.uint8)).save(path)
+
+
+def _by_class_segmenter():
+    """A stand-in for SAM whose mask for a rare instance covers MASK_SHARE of the image; it is
+    called once per high-clutter image that has rare instances, in the subset's order."""
+    calls = iter([names for _, names in RARE.items() if names])
+
+    def segment(pixels, boxes):
+        names = next(calls)
+        assert len(names) == len(boxes)
+        return np.stack([_mask(MASK_SHARE[n]) for n in names])
+    return segment
+
+
+def test_build_rocs_end_to_end_with_scripted_replies(tmp_path, images, tiny_hf):
+    from data_prep.rocs import build_rocs
+    from sclaro_jax.eval import rocs
+
+    _synthetic_images(tmp_path / "img")
+    ids = {(im.id, i.category): i.id for im in images for i in im.instances}
+    replies = {f"100/{ids[100, 'cup']}": "A crowd of people, one holding a cup.",
+               f"101/{ids[101, 'cat']}": "Cars parked along a street.",
+               f"101/{ids[101, 'cat']}/retry": "Cars parked along a street and a cat.",
+               f"103/{ids[103, 'clock']}": "Shelves of books.",
+               f"103/{ids[103, 'clock']}/retry": "Shelves full of books."}
+    (tmp_path / "replies.json").write_text(json.dumps(replies))
+    summary = build_rocs(images, tmp_path / "img", _by_class_segmenter(),
+                         rc.CaptionReplies(tmp_path / "replies.json"), tmp_path / "out",
+                         ask_with_ids=True, progress=False)
+    assert summary["high_clutter"] == 5 and summary["kept_captions"] == 2
+    drops = summary["dropped"]
+    assert [d["image_id"] for d in drops["no_rare_object"]] == [102]
+    assert sorted(d["object"] for d in drops["mask_too_large"]) == ["dog", "kite", "lamp"]
+    assert [(d["object"], len(d["replies"])) for d in drops[rc.MISSING_OBJECT]] == [("clock", 2)]
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["high_clutter"]["rare_objects"] == 6 and stats["rocs"]["rare_objects"] == 2
+    assert stats["rocs"]["images"] == 2 and stats["all"]["images"] == 44
+    out = tmp_path / "eval"
+    assert rocs.main(["--model", str(tiny_hf[0]), "--split", f"r={tmp_path / 'out' / 'rocs'}",
+                      "--out", str(out), "--no_progress", "--k", "1"]) == 0
+    assert json.loads((out / "results.json").read_text())["splits"]["r"]["images"] == 2
+
+
+def test_build_rocs_with_the_tiny_sam(tmp_path, images):
+    """The real segment-anything path: a tiny random SAM's masks through SamSegmenter."""
+    from data_prep.rocs import build_rocs
+    from data_prep.segment import SamSegmenter, build_tiny_sam
+
+    _synthetic_images(tmp_path / "img")
+    ask = lambda image, prompt: "a scene with " + prompt.split("mention the ")[1].split(" in it")[0]  # noqa: E731
+    summary = build_rocs(images, tmp_path / "img", SamSegmenter(build_tiny_sam()), ask,
+                         tmp_path / "out", max_mask_area=1.0, progress=False)
+    assert summary["kept_captions"] == 6  # every rare object: no mask rule, named captions
+    from sclaro_jax.eval.data import load_split
+    split = load_split(str(tmp_path / "out" / "rocs"))
+    assert split.num_images == 4 and len(split.queries) == 6
