@@ -101,6 +101,47 @@ def _curate(args) -> int:
     return 0
 
 
+def _rocs(args) -> int:
+    from data_prep import rocs_select
+    from data_prep.rocs import build_rocs
+    from data_prep.rocs_caption import CaptionReplies
+    from sclaro_jax.data.schema import file_sha256
+
+    if bool(args.vlm) == bool(args.vlm_replies):
+        raise ValueError("pass one of --vlm DIR (an image-text-to-text model folder) or "
+                         "--vlm-replies FILE (a JSON file {\"<image id>/<instance id>[/retry]\":"
+                         " reply})")
+    if not os.path.isfile(args.sam):
+        raise FileNotFoundError(f"--sam {args.sam}: no such file; pass a segment-anything "
+                                "checkpoint (e.g. sam_vit_h_4b8939.pth)")
+    images = rocs_select.read_instances(args.instances)
+    from data_prep.segment import SamSegmenter, load_sam
+    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    segment = SamSegmenter(load_sam(args.sam, args.sam_type, device), device=device)
+    if args.vlm_replies:
+        ask, ask_key = CaptionReplies(args.vlm_replies), file_sha256(args.vlm_replies)
+    else:
+        from data_prep.vlm import TransformersVLM
+        vlm = TransformersVLM(args.vlm, device=device,
+                              trust_remote_code=args.vlm_trust_remote_code)
+        ask, ask_key = (lambda image, prompt: vlm([image], prompt)[0]), os.path.abspath(args.vlm)
+    work = args.work or os.path.join(args.out, "work")
+    summary = build_rocs(images, args.images, segment, ask, args.out,
+                         top_fraction=args.top_fraction, max_mask_area=args.max_mask_area,
+                         ask_with_ids=bool(args.vlm_replies), work=work,
+                         segment_key=f"{args.sam_type}:{file_sha256(args.sam)}",
+                         ask_key=ask_key, progress=not args.no_progress)
+    drops = ", ".join(f"{len(v)} {k}" for k, v in summary["dropped"].items())
+    done = summary["computed"]
+    print(f"{summary['images']} images, {summary['high_clutter']} high-clutter: kept "
+          f"{summary['kept_images']} images with {summary['kept_captions']} captions; dropped: "
+          f"{drops}; this run computed {done['masks']} images' masks and {done['captions']} "
+          f"captions (the rest from {work})")
+    print(f"wrote {os.path.join(args.out, 'rocs')} (open it with python -m sclaro_jax.eval.rocs "
+          f"--split NAME={os.path.join(args.out, 'rocs')}), summary.json and stats.json")
+    return 0
+
+
 def _command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
     """A sub-command `name` run by `func(args)`."""
     parser = sub.add_parser(name, help=help, description=description)
@@ -285,6 +326,36 @@ def main(argv=None) -> int:
     res.add_argument("--verbose", action="store_true",
                      help="log each shard as it is finished")
     res.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rocs = _command(
+        sub, "rocs", _rocs,
+        "build a ROCS-style retrieval split (rare objects in cluttered scenes) from a COCO "
+        "instances file",
+        "MINER section 3: the top --top-fraction of images by object count; in each, the "
+        "objects whose class appears once; of those, the ones whose SAM mask covers at most "
+        "--max-mask-area of the image; a VLM caption naming each (asked again once if it does "
+        "not, then dropped). Writes OUT/rocs (a datasets folder that python -m "
+        "sclaro_jax.eval.rocs reads), OUT/summary.json (every drop with its reason) and "
+        "OUT/stats.json (the paper's Figure 3 numbers). Masks and captions are cached in "
+        "--work: a rerun after a crash redoes only what is missing.")
+    rocs.add_argument("--images", required=True, help="image folder (the file_names of the "
+                      "instances file are relative to it)")
+    rocs.add_argument("--instances", required=True, help="COCO instances JSON")
+    rocs.add_argument("--out", required=True, help="output folder")
+    rocs.add_argument("--work", default="", help="cache folder (default: OUT/work)")
+    rocs.add_argument("--top-fraction", type=float, default=0.1,
+                      help="share of images kept as high-clutter (default 0.1)")
+    rocs.add_argument("--max-mask-area", type=float, default=0.05,
+                      help="largest share of the image a rare object's mask may cover "
+                           "(default 0.05)")
+    rocs.add_argument("--sam", required=True, help="SAM checkpoint file")
+    rocs.add_argument("--sam-type", default="vit_h", help="SAM variant: vit_h, vit_l, vit_b")
+    rocs.add_argument("--vlm", default="", help="image-text-to-text model folder")
+    rocs.add_argument("--vlm-replies", default="", help="JSON file of caption replies, keys "
+                      "'<image id>/<instance id>' and '<image id>/<instance id>/retry'")
+    rocs.add_argument("--vlm-trust-remote-code", action="store_true",
+                      help="let the VLM folder run its own modelling code (Ovis needs it)")
+    rocs.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")
+    rocs.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

@@ -10,13 +10,16 @@ uses segment-anything) and `ask(image, prompt) -> reply or None` (a VLM, or
 image). It writes OUT/rocs (the dataset), OUT/summary.json (images and objects kept and dropped
 at each step, each drop with its reason) and OUT/stats.json (Figure 3's numbers per stage).
 
-Still to come: the `python -m data_prep rocs` command with stage caches (a rerun skipping
-finished work), and GroundingDINO boxes for image sets without instance annotations.
+`python -m data_prep rocs` runs it with the stage caches in WORK (a rerun skips finished
+work). Still to come: GroundingDINO boxes for image sets without instance annotations.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,21 +30,69 @@ from data_prep import rocs_caption, rocs_select
 from data_prep.rocs_select import AnnotatedImage
 
 
-def _pixels(path: Path) -> np.ndarray:
-    with Image.open(path) as img:
-        return np.asarray(img.convert("RGB"))
+def _lazy_pixels(image: AnnotatedImage, path: Path) -> Callable[[], np.ndarray]:
+    """The image's RGB pixels, read on the first call (and checked against the instances
+    file's size)."""
+    loaded = []
+
+    def pixels() -> np.ndarray:
+        if not loaded:
+            with Image.open(path) as img:
+                array = np.asarray(img.convert("RGB"))
+            if array.shape[:2] != (image.height, image.width):
+                raise ValueError(f"image {image.id}: {path} is {array.shape[1]}x{array.shape[0]},"
+                                 f" the instances file says {image.width}x{image.height}")
+            loaded.append(array)
+        return loaded[0]
+    return pixels
 
 
-def mask_step(segment: Callable, pixels: np.ndarray, image: AnnotatedImage,
-              max_mask_area: float) -> tuple[list, list]:
+class StageCache:
+    """One JSON file per unit of work (`WORK/<stage>/<name>.json`, written atomically), valid
+    while its `key` (a hash of what produced it: the model's identity and the inputs) matches;
+    `computed` counts the units worked out in this run."""
+
+    def __init__(self, work: Path | None, stage: str, model_key: str):
+        self.folder = None if work is None else Path(work) / stage
+        self.model_key = model_key
+        self.computed = 0
+
+    def get(self, name: str, inputs, make: Callable[[], dict]) -> dict:
+        key = hashlib.sha256(json.dumps([self.model_key, inputs], default=str).encode()
+                             ).hexdigest()
+        path = None if self.folder is None else self.folder / f"{name}.json"
+        if path is not None and path.exists():
+            try:
+                cached = json.loads(path.read_text(encoding="utf-8"))
+            except json.JSONDecodeError:
+                cached = None  # torn by a crash: redo it
+            if isinstance(cached, dict) and cached.get("key") == key:
+                return cached["value"]
+        value = make()
+        self.computed += 1
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"key": key, "value": value}, default=str))
+            os.replace(tmp, path)
+        return value
+
+
+def mask_step(segment: Callable, pixels: Callable[[], np.ndarray], image: AnnotatedImage,
+              max_mask_area: float, cache: StageCache | None = None) -> tuple[list, list]:
     """(rare instances kept, [(instance, mask share)] dropped as visually dominant)."""
     rare = rocs_select.rare_instances(image)
     if not rare:
         return [], []
-    masks = segment(pixels, np.array([i.box for i in rare], np.float32))
+    boxes = [list(i.box) for i in rare]
+
+    def shares():
+        masks = segment(pixels(), np.array(boxes, np.float32))
+        return [rocs_select.mask_fraction(m) for m in masks]
+
+    cache = cache or StageCache(None, "masks", "")
     kept, dropped = [], []
-    for inst, mask in zip(rare, masks):
-        share = rocs_select.mask_fraction(mask)
+    for inst, share in zip(rare, cache.get(str(image.id), [image.file_name, boxes], shares)):
         if rocs_select.small_enough(share, max_mask_area):
             kept.append(inst)
         else:
@@ -52,44 +103,57 @@ def mask_step(segment: Callable, pixels: np.ndarray, image: AnnotatedImage,
 def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Callable,
                ask: Callable, out: str | Path, *, top_fraction: float = rocs_select.TOP_FRACTION,
                max_mask_area: float = rocs_select.MAX_MASK_AREA, ask_with_ids: bool = False,
+               work: str | Path | None = None, segment_key: str = "", ask_key: str = "",
                progress: bool = True) -> dict:
-    """Run the construction (see the module docstring); returns the summary."""
+    """Run the construction (see the module docstring); returns the summary.
+
+    With `work`, each image's mask shares and each object's caption are cached there, keyed by
+    `segment_key` / `ask_key` (the models' identities, e.g. a hash of the weights or of the
+    replies file) and the inputs: a rerun (after a crash, say) recomputes only what is missing
+    or stale. The returned summary also says what this run worked out (`computed`: masks
+    and captions); summary.json leaves that out, so a resumed run writes the same files."""
     from tqdm.auto import tqdm
 
     out, image_dir = Path(out), Path(image_dir)
     out.mkdir(parents=True, exist_ok=True)
+    mask_cache = StageCache(None if work is None else Path(work), "masks", segment_key)
+    caption_cache = StageCache(None if work is None else Path(work), "captions", ask_key)
     clutter = rocs_select.high_clutter(images, top_fraction)
     dropped: dict[str, list] = {"no_rare_object": [], "mask_too_large": [],
                                 rocs_caption.NO_REPLY: [], rocs_caption.MISSING_OBJECT: []}
-    rows, kept_pairs, rare_pairs = [], [], []
-    for image in tqdm(clutter, desc="rocs", unit="image", disable=not progress):
+    rows, kept_pairs, rare_pairs, candidates = [], [], [], []
+    # Stage 1: masks, image by image (an image is read only if its masks are not cached).
+    for image in tqdm(clutter, desc="rocs masks", unit="image", disable=not progress):
         path = image_dir / image.file_name
         if not path.exists():
             raise FileNotFoundError(f"image {image.id}: {path} not found (file_name "
                                     f"{image.file_name!r} under --images {image_dir})")
         rare_pairs += [(image, i) for i in rocs_select.rare_instances(image)]
-        pixels = _pixels(path)
-        if pixels.shape[:2] != (image.height, image.width):
-            raise ValueError(f"image {image.id}: {path} is {pixels.shape[1]}x{pixels.shape[0]}, "
-                             f"the instances file says {image.width}x{image.height}")
-        kept, too_large = mask_step(segment, pixels, image, max_mask_area)
+        pixels = _lazy_pixels(image, path)
+        kept, too_large = mask_step(segment, pixels, image, max_mask_area, mask_cache)
         dropped["mask_too_large"] += [{"image_id": image.id, "instance_id": i.id,
                                        "object": i.category, "mask_share": round(s, 6)}
                                       for i, s in too_large]
-        if not kept:
-            if not too_large:
-                dropped["no_rare_object"].append({"image_id": image.id})
-            continue
-        for inst in kept:
-            query = (image.id, inst.id) if ask_with_ids else Image.fromarray(pixels)
+        if not kept and not too_large:
+            dropped["no_rare_object"].append({"image_id": image.id})
+        candidates += [(image, path, inst) for inst in kept]
+    # Stage 2: a caption per surviving rare object.
+    for image, path, inst in tqdm(candidates, desc="rocs captions", unit="object",
+                                  disable=not progress):
+        def caption(image=image, inst=inst, pixels=_lazy_pixels(image, path)):
+            query = (image.id, inst.id) if ask_with_ids else Image.fromarray(pixels())
             got = rocs_caption.recaption(ask, query, inst.category)
-            if got.caption is None:
-                dropped[got.reason].append({"image_id": image.id, "instance_id": inst.id,
-                                            "object": inst.category, "replies": got.replies})
-                continue
-            kept_pairs.append((image, inst))
-            rows.append({"image": path, "image_id": image.id, "caption": got.caption,
-                         "object": inst.category, "box": inst.box})
+            return {"caption": got.caption, "reason": got.reason, "replies": list(got.replies)}
+
+        got = caption_cache.get(f"{image.id}_{inst.id}",
+                                [image.file_name, inst.category, list(inst.box)], caption)
+        if got["caption"] is None:
+            dropped[got["reason"]].append({"image_id": image.id, "instance_id": inst.id,
+                                           "object": inst.category, "replies": got["replies"]})
+            continue
+        kept_pairs.append((image, inst))
+        rows.append({"image": path, "image_id": image.id, "caption": got["caption"],
+                     "object": inst.category, "box": inst.box})
     kept_images = sorted({im.id for im, _ in kept_pairs})
     summary = {"images": len(images), "high_clutter": len(clutter),
                "kept_images": len(kept_images), "kept_captions": len(rows),
@@ -99,7 +163,13 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
              "high_clutter": rocs_select.figure_stats(clutter, rare_pairs),
              "rocs": rocs_select.figure_stats([im for im in clutter if im.id in kept_images],
                                               kept_pairs)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    (out / "stats.json").write_text(json.dumps(stats, indent=2) + "\n")
-    rocs_caption.write_rocs(out / "rocs", rows)
-    return summary
+    # the dataset first (into a fresh folder, then moved in place), the reports last
+    staging = out / "rocs.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    rocs_caption.write_rocs(staging, rows)
+    shutil.rmtree(out / "rocs", ignore_errors=True)
+    os.replace(staging, out / "rocs")
+    for name, value in (("stats.json", stats), ("summary.json", summary)):
+        (out / name).write_text(json.dumps(value, indent=2, default=str) + "\n")
+    return {**summary, "computed": {"masks": mask_cache.computed,
+                                    "captions": caption_cache.computed}}

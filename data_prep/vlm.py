@@ -136,11 +136,11 @@ class TransformersVLM:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
 
-    def __call__(self, images: list[Image.Image]) -> list[str]:
+    def __call__(self, images: list[Image.Image], prompt: str = PROMPT) -> list[str]:
         import torch
 
         message = [{"role": "user", "content": [{"type": "image"},
-                                                {"type": "text", "text": PROMPT}]}]
+                                                {"type": "text", "text": prompt}]}]
         chat = self.processor.apply_chat_template(message, add_generation_prompt=True,
                                                   tokenize=False)
         replies: list[str] = []

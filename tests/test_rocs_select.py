@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from data_prep import rocs_select as rs
 from data_prep.demo import load_annotations
 
@@ -296,3 +297,78 @@ def test_build_rocs_with_the_tiny_sam(tmp_path, images):
     from sclaro_jax.eval.data import load_split
     split = load_split(str(tmp_path / "out" / "rocs"))
     assert split.num_images == 4 and len(split.queries) == 6
+
+
+# ------------------------------------------------------------------ the command, SIGKILL
+KILL_AT_CAPTIONS = r'''
+import os, signal, sys
+import data_prep.rocs_caption as rc
+rc.recaption = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # dies as stage 2 starts
+from data_prep.__main__ import main
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def _rocs_cli(tmp_path, images, out):
+    from data_prep.segment import save_tiny_sam
+
+    if not (tmp_path / "img").exists():
+        _synthetic_images(tmp_path / "img")
+        save_tiny_sam(str(tmp_path / "sam.pth"))
+        replies = {}
+        for im in images:
+            for inst in rs.rare_instances(im):
+                replies[f"{im.id}/{inst.id}"] = f"A cluttered scene with a {inst.category}."
+        (tmp_path / "replies.json").write_text(json.dumps(replies))
+        _instances_file(tmp_path)
+    return ["rocs", "--images", str(tmp_path / "img"), "--instances",
+            str(tmp_path / "instances.json"), "--out", str(out), "--sam", str(tmp_path / "sam.pth"),
+            "--sam-type", "tiny", "--max-mask-area", "1.0", "--vlm-replies",
+            str(tmp_path / "replies.json"), "--device", "cpu", "--no-progress"]
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_cli_killed_after_the_masks_resumes_without_recomputing(tmp_path, images, capsys):
+    import subprocess
+    import sys
+
+    from data_prep.__main__ import main
+
+    whole = _rocs_cli(tmp_path, images, tmp_path / "whole")
+    assert main(whole) == 0
+    assert "computed 4 images' masks and 6 captions" in capsys.readouterr().out
+    argv = _rocs_cli(tmp_path, images, tmp_path / "killed")
+    proc = subprocess.run([sys.executable, "-c", KILL_AT_CAPTIONS, *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    work = tmp_path / "killed" / "work"
+    assert len(list((work / "masks").glob("*.json"))) == 4 and not (work / "captions").exists()
+    assert main(argv) == 0
+    assert "computed 0 images' masks and 6 captions" in capsys.readouterr().out
+    out = lambda d: {k: v for k, v in _files(d).items() if not k.startswith("work/")}  # noqa: E731
+    assert out(tmp_path / "killed") == out(tmp_path / "whole")  # byte for byte
+    assert main(argv) == 0
+    assert "computed 0 images' masks and 0 captions" in capsys.readouterr().out
+
+
+def test_cli_errors_name_what_is_wrong(tmp_path, images, capsys):
+    from data_prep.__main__ import main
+
+    argv = _rocs_cli(tmp_path, images, tmp_path / "out")
+    no_vlm = [a for a in argv if a != str(tmp_path / "replies.json") and a != "--vlm-replies"]
+    assert main(no_vlm) == 1
+    assert "error: pass one of --vlm DIR" in capsys.readouterr().err
+    no_sam = [str(tmp_path / "nope.pth") if a == str(tmp_path / "sam.pth") else a for a in argv]
+    assert main(no_sam) == 1
+    assert "error: --sam " in capsys.readouterr().err
+    raw = json.loads((tmp_path / "instances.json").read_text())
+    raw["annotations"][5]["bbox"] = "oops"
+    (tmp_path / "instances.json").write_text(json.dumps(raw))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'instances.json'}: annotations[5].bbox is 'oops'" in err
