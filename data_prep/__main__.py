@@ -114,9 +114,26 @@ def _rocs(args) -> int:
     if not os.path.isfile(args.sam):
         raise FileNotFoundError(f"--sam {args.sam}: no such file; pass a segment-anything "
                                 "checkpoint (e.g. sam_vit_h_4b8939.pth)")
-    images = rocs_select.read_instances(args.instances)
-    from data_prep.segment import SamSegmenter, load_sam
+    if bool(args.instances) == bool(args.detector):
+        raise ValueError("pass one of --instances FILE (a COCO instances JSON) or --detector "
+                         "DIR --classes ... (GroundingDINO boxes for images without annotations)")
     device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    work = args.work or os.path.join(args.out, "work")
+    if args.instances:
+        images = rocs_select.read_instances(args.instances)
+    else:
+        from data_prep.detect import GroundingDetector
+        from data_prep.rocs import detect_instances
+        classes = args.classes
+        if classes.startswith("@"):
+            with open(classes[1:], encoding="utf-8") as f:
+                classes = ",".join(line.strip() for line in f if line.strip())
+        images = detect_instances(args.images, [c.strip() for c in classes.split(",")
+                                                if c.strip()],
+                                  GroundingDetector(args.detector, device=device), work=work,
+                                  detector_key=os.path.abspath(args.detector),
+                                  progress=not args.no_progress)
+    from data_prep.segment import SamSegmenter, load_sam
     segment = SamSegmenter(load_sam(args.sam, args.sam_type, device), device=device)
     if args.vlm_replies:
         ask, ask_key = CaptionReplies(args.vlm_replies), file_sha256(args.vlm_replies)
@@ -125,7 +142,6 @@ def _rocs(args) -> int:
         vlm = TransformersVLM(args.vlm, device=device,
                               trust_remote_code=args.vlm_trust_remote_code)
         ask, ask_key = (lambda image, prompt: vlm([image], prompt)[0]), os.path.abspath(args.vlm)
-    work = args.work or os.path.join(args.out, "work")
     summary = build_rocs(images, args.images, segment, ask, args.out,
                          top_fraction=args.top_fraction, max_mask_area=args.max_mask_area,
                          ask_with_ids=bool(args.vlm_replies), work=work,
@@ -339,7 +355,11 @@ def main(argv=None) -> int:
         "--work: a rerun after a crash redoes only what is missing.")
     rocs.add_argument("--images", required=True, help="image folder (the file_names of the "
                       "instances file are relative to it)")
-    rocs.add_argument("--instances", required=True, help="COCO instances JSON")
+    rocs.add_argument("--instances", default="", help="COCO instances JSON")
+    rocs.add_argument("--detector", default="", help="for images without annotations: a "
+                      "grounding-dino-base folder (save_pretrained); with --classes")
+    rocs.add_argument("--classes", default="", help="class names to prompt --detector with: "
+                      "'cat,dog,...' or @FILE (one per line)")
     rocs.add_argument("--out", required=True, help="output folder")
     rocs.add_argument("--work", default="", help="cache folder (default: OUT/work)")
     rocs.add_argument("--top-fraction", type=float, default=0.1,

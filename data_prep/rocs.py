@@ -8,7 +8,8 @@ class-aware captions -> a `save_to_disk` folder that `python -m sclaro_jax.eval.
 uses segment-anything) and `ask(image, prompt) -> reply or None` (a VLM, or
 `rocs_caption.CaptionReplies`, which is asked with (image id, instance id) instead of the
 image). It writes OUT/rocs (the dataset), OUT/summary.json (images and objects kept and dropped
-at each step, each drop with its reason) and OUT/stats.json (Figure 3's numbers per stage).
+at each step, each drop with its reason), OUT/stats.json (Figure 3's numbers per stage) and
+OUT/stats.png (them as a figure).
 
 `python -m data_prep rocs` runs it with the stage caches in WORK (a rerun skips finished
 work). Still to come: GroundingDINO boxes for image sets without instance annotations.
@@ -76,6 +77,51 @@ class StageCache:
             tmp.write_text(json.dumps({"key": key, "value": value}, default=str))
             os.replace(tmp, path)
         return value
+
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
+
+
+def detect_instances(image_dir: str | Path, classes: list[str], detector: Callable, *,
+                     work: str | Path | None = None, detector_key: str = "",
+                     batch: int = 8, progress: bool = True) -> list[AnnotatedImage]:
+    """Instances for an image set without annotations (Flickr30K in the paper): every image
+    under `image_dir` (sorted paths; ids 1, 2, ... in that order) through `detector(images,
+    objects) -> [[Detection]]` (`data_prep.detect.GroundingDetector`) prompted with `classes`;
+    each detection becomes an instance of the class it was matched to. Cached per image in
+    WORK/boxes, keyed by `detector_key` and the class list."""
+    from tqdm.auto import tqdm
+
+    image_dir = Path(image_dir)
+    files = sorted(p for p in image_dir.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    if not files:
+        raise FileNotFoundError(f"--images {image_dir}: no images ({', '.join(IMAGE_SUFFIXES)})")
+    if not classes:
+        raise ValueError("--classes: no class names to prompt the detector with")
+    cache = StageCache(None if work is None else Path(work), "boxes", detector_key)
+    out = []
+    for start in tqdm(range(0, len(files), batch), desc="rocs boxes", unit="batch",
+                      disable=not progress):
+        chunk = files[start:start + batch]
+        found: dict[Path, list] = {}
+
+        def run_chunk():  # one detector call for the images of the chunk not cached yet
+            if not found:
+                opened = [Image.open(p).convert("RGB") for p in chunk]
+                for path, dets in zip(chunk, detector(opened, [classes] * len(chunk))):
+                    found[path] = [[list(map(float, d.box)), d.label] for d in dets]
+            return found
+
+        for k, path in enumerate(chunk):
+            rel = path.relative_to(image_dir).as_posix()
+            value = cache.get(f"{start + k + 1}", [rel, classes], lambda path=path: {
+                "size": list(Image.open(path).size), "boxes": run_chunk()[path]})
+            image_id = start + k + 1
+            instances = tuple(rocs_select.Instance(n, image_id, label, tuple(box))
+                              for n, (box, label) in enumerate(value["boxes"]))
+            out.append(AnnotatedImage(image_id, rel, value["size"][0], value["size"][1],
+                                      instances))
+    return out
 
 
 def mask_step(segment: Callable, pixels: Callable[[], np.ndarray], image: AnnotatedImage,
@@ -163,13 +209,48 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
              "high_clutter": rocs_select.figure_stats(clutter, rare_pairs),
              "rocs": rocs_select.figure_stats([im for im in clutter if im.id in kept_images],
                                               kept_pairs)}
+    if not rows:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        raise ValueError(f"no caption survived the selection: nothing to write (the reasons "
+                         f"are in {out / 'summary.json'})")
     # the dataset first (into a fresh folder, then moved in place), the reports last
     staging = out / "rocs.partial"
     shutil.rmtree(staging, ignore_errors=True)
     rocs_caption.write_rocs(staging, rows)
     shutil.rmtree(out / "rocs", ignore_errors=True)
     os.replace(staging, out / "rocs")
+    stats_figure(stats, out / "stats.png")
     for name, value in (("stats.json", stats), ("summary.json", summary)):
         (out / name).write_text(json.dumps(value, indent=2, default=str) + "\n")
     return {**summary, "computed": {"masks": mask_cache.computed,
                                     "captions": caption_cache.computed}}
+
+
+def stats_figure(stats: dict, path: str | Path) -> Path:
+    """Figure 3's layout for the stages of `stats`: objects per image and classes per image
+    (means) per stage, and for the rare objects the median box area and the share under 1% of
+    the image. A PNG (matplotlib, Agg backend)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    stages = list(stats)
+    fig, axes = plt.subplots(1, 3, figsize=(11, 3.2))
+    for ax, key, title in ((axes[0], "objects_per_image_mean", "objects per image (mean)"),
+                           (axes[1], "classes_per_image_mean", "classes per image (mean)")):
+        ax.bar(stages, [stats[s][key] for s in stages], color="#4c72b0")
+        ax.set_title(title)
+    rare = [s for s in stages if "rare_objects" in stats[s]]
+    x = np.arange(len(rare))
+    axes[2].bar(x - 0.2, [100 * stats[s]["rare_box_area_median"] for s in rare], 0.4,
+                label="median box area (% of image)")
+    axes[2].bar(x + 0.2, [100 * stats[s]["rare_under_1pct"] for s in rare], 0.4,
+                label="share under 1% of image (%)")
+    axes[2].set_xticks(x, rare)
+    axes[2].set_title("rare objects")
+    axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: same bytes
+    plt.close(fig)
+    return Path(path)
+

@@ -354,6 +354,21 @@ def test_cli_killed_after_the_masks_resumes_without_recomputing(tmp_path, images
     assert out(tmp_path / "killed") == out(tmp_path / "whole")  # byte for byte
     assert main(argv) == 0
     assert "computed 0 images' masks and 0 captions" in capsys.readouterr().out
+    assert (tmp_path / "whole" / "stats.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_output_evaluates_in_eval_rocs(tmp_path, images, tiny_hf):
+    """Tiny SAM + scripted replies -> Global, Global+CSLS and MINER on the written split."""
+    from data_prep.__main__ import main
+    from sclaro_jax.eval import rocs
+
+    assert main(_rocs_cli(tmp_path, images, tmp_path / "out")) == 0
+    out = tmp_path / "eval"
+    assert rocs.main(["--model", str(tiny_hf[0]), "--split", f"r={tmp_path / 'out' / 'rocs'}",
+                      "--out", str(out), "--no_progress", "--k", "2"]) == 0
+    record = json.loads((out / "results.json").read_text())
+    assert record["splits"]["r"]["images"] == 4 and record["splits"]["r"]["queries"] == 6
+    assert {"Global", "MINER"} <= set(record["results"]["r"])
 
 
 def test_cli_errors_name_what_is_wrong(tmp_path, images, capsys):
@@ -372,3 +387,55 @@ def test_cli_errors_name_what_is_wrong(tmp_path, images, capsys):
     assert main(argv) == 1
     err = capsys.readouterr().err
     assert f"{tmp_path / 'instances.json'}: annotations[5].bbox is 'oops'" in err
+
+
+def test_detector_instances_for_images_without_annotations(tmp_path):
+    """GroundingDINO (the tiny random model of the tests) in place of an instances file; the
+    boxes are cached, so a second call asks the detector nothing."""
+    from data_prep import detect
+    from data_prep.rocs import detect_instances
+
+    _synthetic_images(tmp_path / "img")
+    model = detect.save_tiny_model(str(tmp_path / "gdino"))
+    calls = []
+    base = detect.GroundingDetector(model, box_threshold=0.0, text_threshold=0.5)
+
+    def detector(images, objects):
+        calls.append(len(images))
+        return base(images, objects)
+
+    classes = ["man", "dog", "car"]
+    got = detect_instances(tmp_path / "img", classes, detector, work=tmp_path / "work",
+                           detector_key="tiny", batch=16, progress=False)
+    assert [im.file_name for im in got] == sorted(f"synthetic/{i}.png" for i in SYNTHETIC)
+    assert [im.id for im in got] == list(range(1, 31)) and sum(calls) == 30
+    assert all((im.width, im.height) == (100, 100) for im in got)
+    found = [i for im in got for i in im.instances]
+    assert found and all(i.category in classes for i in found)
+    assert all(0 <= i.box[0] <= i.box[2] <= 100 and 0 <= i.box[1] <= i.box[3] <= 100
+               for i in found)
+    calls.clear()
+    again = detect_instances(tmp_path / "img", classes, detector, work=tmp_path / "work",
+                             detector_key="tiny", batch=16, progress=False)
+    assert again == got and calls == []
+
+
+def test_cli_with_the_detector_path(tmp_path, images, capsys):
+    from data_prep import detect
+    from data_prep.__main__ import main
+
+    argv = _rocs_cli(tmp_path, images, tmp_path / "out")
+    i = argv.index("--instances")
+    model = detect.save_tiny_model(str(tmp_path / "gdino"))
+    (tmp_path / "classes.txt").write_text("man\ndog\n\ncar\n")
+    (tmp_path / "none.json").write_text("{}")
+    det = argv[:i] + argv[i + 2:] + ["--detector", model, "--classes",
+                                      f"@{tmp_path / 'classes.txt'}", "--top-fraction", "1"]
+    det[det.index(str(tmp_path / "replies.json"))] = str(tmp_path / "none.json")
+    assert main(det) == 1  # no reply for any object: nothing to write, said as such
+    assert "error: no caption survived the selection" in capsys.readouterr().err
+    assert len(list((tmp_path / "out" / "work" / "boxes").glob("*.json"))) == 30
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["high_clutter"] == 30 and summary["kept_captions"] == 0
+    assert main(argv + ["--detector", model, "--classes", "man"]) == 1
+    assert "pass one of --instances FILE" in capsys.readouterr().err
