@@ -51,11 +51,11 @@ def tiny_llava(tmp_path_factory):
     return folder
 
 
-def _greedy(model, processor, image, max_new_tokens):
+def _greedy(model, processor, image, max_new_tokens, prompt=PROMPT):
     """Greedy decoding by repeated full forward passes, prompt written out by hand."""
     import torch
 
-    inputs = processor(text=[f"user <image> {PROMPT} assistant"], images=[image],
+    inputs = processor(text=[f"user <image> {prompt} assistant"], images=[image],
                        return_tensors="pt")
     ids = inputs["input_ids"]
     new = []
@@ -83,3 +83,22 @@ def test_transformers_vlm_greedy_continuation(tiny_llava):
     expected = [_greedy(vlm.model, vlm.processor, image, 6) for image in images]
     assert replies == expected
     assert len(set(replies)) > 1  # the images matter, so the batch order is checked
+
+
+def test_another_prompt_and_rocs_captions_through_the_model(tiny_llava):
+    """The prompt is an argument (ROCS's class-aware captions ask their own); a random model's
+    replies never name the object, so the caption is asked twice and dropped with its reason."""
+    import numpy as np
+
+    from data_prep.rocs_caption import MISSING_OBJECT, caption_prompt, recaption
+
+    image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 24, 3), np.uint8))
+    vlm = TransformersVLM(str(tiny_llava), device="cpu", dtype="float32", max_new_tokens=5)
+    prompt = "w1 w2 w3 objects"
+    assert vlm([image], prompt) == [_greedy(vlm.model, vlm.processor, image, 5, prompt)]
+    got = recaption(lambda im, p: vlm([im], p)[0], image, "cup")
+    assert (got.caption, got.reason, got.attempts) == (None, MISSING_OBJECT, 2)
+    assert list(got.replies) == [
+        _greedy(vlm.model, vlm.processor, image, 5, caption_prompt("cup", retry=r))
+        for r in (False, True)]
+
