@@ -368,7 +368,7 @@ def test_cli_output_evaluates_in_eval_rocs(tmp_path, images, tiny_hf):
                       "--out", str(out), "--no_progress", "--k", "2"]) == 0
     record = json.loads((out / "results.json").read_text())
     assert record["splits"]["r"]["images"] == 4 and record["splits"]["r"]["queries"] == 6
-    assert {"Global", "MINER"} <= set(record["results"]["r"])
+    assert {"Global", "Global+CSLS", "MINER"} <= set(record["results"]["r"])
 
 
 def test_cli_errors_name_what_is_wrong(tmp_path, images, capsys):
