@@ -188,8 +188,6 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     mesh = sharding.make_mesh(config.sharding)
     step_fn, state = sharding.jit_step(make_train_step(graphdef, tx, config.seed), state, mesh,
                                        config.sharding)
-    if mesh is None:  # weights restored from a run are committed to a device, new heads not:
-        state = jax.device_put(state, jax.devices()[0])  # one placement, one compiled step
     manager = _manager(out, config)
     start = manager.latest_step() or 0
     if start:
@@ -233,10 +231,10 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
                     metrics_file.write(json.dumps(metrics) + "\n")
                     metrics_file.flush()
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-                if (done % config.checkpoint_every == 0 or done == steps or stop.requested
-                        or done == stop_at):
+                if done % config.checkpoint_every == 0:
                     manager.save(done, args=ocp.args.StandardSave(state), force=True)
-            if stop.requested and done not in manager.all_steps():
+            # the last step taken: the end, a stop_at, or a SIGINT / SIGTERM
+            if done > start and done not in manager.all_steps():
                 manager.save(done, args=ocp.args.StandardSave(state), force=True)
     finally:
         bar.close()
