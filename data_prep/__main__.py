@@ -117,7 +117,9 @@ def _rocs(args) -> int:
     if bool(args.instances) == bool(args.detector):
         raise ValueError("pass one of --instances FILE (a COCO instances JSON) or --detector "
                          "DIR --classes ... (GroundingDINO boxes for images without annotations)")
-    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     work = args.work or os.path.join(args.out, "work")
     if args.instances:
         images = rocs_select.read_instances(args.instances)

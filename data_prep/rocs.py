@@ -82,6 +82,11 @@ class StageCache:
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
+def _image_size(path: Path) -> list[int]:
+    with Image.open(path) as img:
+        return list(img.size)
+
+
 def detect_instances(image_dir: str | Path, classes: list[str], detector: Callable, *,
                      work: str | Path | None = None, detector_key: str = "",
                      batch: int = 8, progress: bool = True) -> list[AnnotatedImage]:
@@ -107,7 +112,10 @@ def detect_instances(image_dir: str | Path, classes: list[str], detector: Callab
 
         def run_chunk():  # one detector call for the images of the chunk not cached yet
             if not found:
-                opened = [Image.open(p).convert("RGB") for p in chunk]
+                opened = []
+                for p in chunk:
+                    with Image.open(p) as img:
+                        opened.append(img.convert("RGB"))
                 for path, dets in zip(chunk, detector(opened, [classes] * len(chunk))):
                     found[path] = [[list(map(float, d.box)), d.label] for d in dets]
             return found
@@ -115,7 +123,7 @@ def detect_instances(image_dir: str | Path, classes: list[str], detector: Callab
         for k, path in enumerate(chunk):
             rel = path.relative_to(image_dir).as_posix()
             value = cache.get(f"{start + k + 1}", [rel, classes], lambda path=path: {
-                "size": list(Image.open(path).size), "boxes": run_chunk()[path]})
+                "size": _image_size(path), "boxes": run_chunk()[path]})
             image_id = start + k + 1
             instances = tuple(rocs_select.Instance(n, image_id, label, tuple(box))
                               for n, (box, label) in enumerate(value["boxes"]))

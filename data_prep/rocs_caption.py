@@ -29,14 +29,17 @@ NO_REPLY = "vlm_no_reply"
 MISSING_OBJECT = "caption_missing_object"
 
 
+RETRY_NOTE = "Your previous description did not mention the {name}"
+
+
 def caption_prompt(name: str, retry: bool = False) -> str:
     """The class-aware re-captioning prompt for the rare object `name`."""
     prompt = (f"Describe this image in one or two sentences. Describe the scene as a whole, and "
               f"mention the {name} in it explicitly, by the word \"{name}\". Return only the "
               "description.")
     if retry:
-        prompt += (f" Your previous description did not mention the {name}: the description "
-                   f"must contain the word \"{name}\".")
+        prompt += (" " + RETRY_NOTE.format(name=name) + f": the description must contain the "
+                   f"word \"{name}\".")
     return prompt
 
 
@@ -96,7 +99,7 @@ class CaptionReplies:
 
     def __call__(self, image, prompt: str) -> str | None:
         image_id, instance_id = image
-        retry = "did not mention" in prompt
+        retry = RETRY_NOTE.split("{name}")[0] in prompt
         return self.replies.get(reply_key(image_id, instance_id, retry))
 
 

@@ -274,20 +274,21 @@ def batched_nms(boxes, scores, labels, iou_threshold: float, max_output: int, *,
 
 
 # --------------------------------------------------------------------------- box coder
+def _sizes_and_centres(boxes):
+    """(width, height, centre x, centre y) of boxes [..., 4], float32, as torchvision's BoxCoder
+    computes them."""
+    boxes = jnp.asarray(boxes, jnp.float32)
+    w = boxes[..., 2] - boxes[..., 0]
+    h = boxes[..., 3] - boxes[..., 1]
+    return w, h, boxes[..., 0] + 0.5 * w, boxes[..., 1] + 0.5 * h
+
+
 def encode_boxes(reference, proposals, weights=(1.0, 1.0, 1.0, 1.0)):
     """Regression targets of `reference` boxes [N, 4] relative to `proposals` [N, 4] -> [N, 4]:
     BoxCoder(weights).encode_single(reference, proposals). Any leading axes that broadcast."""
-    reference = jnp.asarray(reference, jnp.float32)
-    proposals = jnp.asarray(proposals, jnp.float32)
     wx, wy, ww, wh = (np.float32(w) for w in weights)
-    ex_w = proposals[..., 2] - proposals[..., 0]
-    ex_h = proposals[..., 3] - proposals[..., 1]
-    ex_x = proposals[..., 0] + 0.5 * ex_w
-    ex_y = proposals[..., 1] + 0.5 * ex_h
-    gt_w = reference[..., 2] - reference[..., 0]
-    gt_h = reference[..., 3] - reference[..., 1]
-    gt_x = reference[..., 0] + 0.5 * gt_w
-    gt_y = reference[..., 1] + 0.5 * gt_h
+    ex_w, ex_h, ex_x, ex_y = _sizes_and_centres(proposals)
+    gt_w, gt_h, gt_x, gt_y = _sizes_and_centres(reference)
     return jnp.stack([wx * (gt_x - ex_x) / ex_w, wy * (gt_y - ex_y) / ex_h,
                       ww * jnp.log(gt_w / ex_w), wh * jnp.log(gt_h / ex_h)], axis=-1)
 
@@ -297,12 +298,8 @@ def decode_boxes(deltas, boxes, weights=(1.0, 1.0, 1.0, 1.0), clip: float = DEFA
     bbox_xform_clip=clip).decode_single(deltas, boxes) (dw, dh clamped at `clip` before exp).
     Any leading axes that broadcast: per-class deltas [N, K, 4] on boxes [N, 1, 4] -> [N, K, 4]."""
     deltas = jnp.asarray(deltas, jnp.float32)
-    boxes = jnp.asarray(boxes, jnp.float32)
     wx, wy, ww, wh = (np.float32(w) for w in weights)
-    widths = boxes[..., 2] - boxes[..., 0]
-    heights = boxes[..., 3] - boxes[..., 1]
-    ctr_x = boxes[..., 0] + 0.5 * widths
-    ctr_y = boxes[..., 1] + 0.5 * heights
+    widths, heights, ctr_x, ctr_y = _sizes_and_centres(boxes)
     dx, dy = deltas[..., 0] / wx, deltas[..., 1] / wy
     dw = jnp.minimum(deltas[..., 2] / ww, np.float32(clip))
     dh = jnp.minimum(deltas[..., 3] / wh, np.float32(clip))
