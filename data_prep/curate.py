@@ -12,8 +12,12 @@ instances inside an image stay separate objects and relations. Actions: a user-c
 (`surface form<TAB>class`); Multi-Moments in Time's ground truth is kept as given. Label spaces
 are shared by all sources.
 
-Two passes: the first run writes `clusters.json` (and `action_candidates.tsv`) and stops so the
-clusters can be labelled; the second applies them. Every decision (raw -> standardised ->
+Two passes: the first run writes `clusters.json` (with a table `clusters.md`, hdbscan's
+condensed tree `clusters.tree.png`, and `action_candidates.tsv`) and stops so the clusters can
+be labelled; the second applies them and keeps `OUT/object_curation/` (names, labels, the
+fitted clusterer). `--extend` an earlier output maps a new source onto its vocabulary: curated
+names keep their labels, new names are suggested into curated clusters or clustered anew
+(`data_prep.curate_extend`). Every decision (raw -> standardised ->
 label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
 the form of appendix Table A3 to `OUT/statistics.json`. Only labels change: the output has the
 input's schema version, view size and originals policy, and every record's images and views
@@ -28,6 +32,7 @@ import json
 import os
 from typing import Iterator
 
+import numpy as np
 from tqdm import tqdm
 
 from data_prep import curate_rules as rules
@@ -125,7 +130,7 @@ class Curator:
 
 def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str = "",
            encoder: str | None = None, min_cluster_size: int | None = None,
-           min_samples: int | None = None,
+           min_samples: int | None = None, extend: str = "", min_strength: float | None = None,
            tagger=None, use_tagger: bool = True, action_lemmatizer: str = "wordnet",
            action_similarity: float = ACTION_SIMILARITY, overwrite: bool = False,
            progress: bool = True) -> dict:
@@ -136,8 +141,14 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     The first pass also writes the action candidates (`*.action_candidates.tsv`): actions
     whose lemmatised content words agree (`action_lemmatizer`: "wordnet", "porter" or "none",
     see `curate_rules.require_lemmatizer`), then actions whose embeddings (the object
-    encoder's) have cosine similarity >= `action_similarity` (0 turns this off)."""
-    from data_prep import curate_cluster
+    encoder's) have cosine similarity >= `action_similarity` (0 turns this off).
+
+    `extend`: an earlier curated output folder. Its names keep their labels; only this
+    dataset's new names go to the clusters file, as suggestions into curated clusters
+    (strength >= `min_strength`) or new clusters (`data_prep.curate_extend`). Without new
+    names there is no first pass. Either way the output keeps `object_curation/` for the next
+    extension."""
+    from data_prep import curate_cluster, curate_extend
     from data_prep.shards import write_dataset
     from sclaro_jax.data.dataset import open_dataset
     manifest = open_dataset(data_dir).manifest
@@ -158,9 +169,22 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     standard = rules.object_canonical_map(sorted(raw_names), tagger=tagger)
     std_names = sorted(set(standard.values()))
     os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
-    if not os.path.exists(clusters):
-        lemmatize = rules.require_lemmatizer(action_lemmatizer)  # before any slow work
+    text_encoder, prev = None, None
+    if extend:  # refused (other encoder, other hdbscan) before any slow work
         text_encoder = curate_cluster.TextEncoder(encoder or curate_cluster.default_model_path())
+        prev = curate_extend.load_curation(extend, text_encoder)
+        params = prev.meta["params"]
+    else:
+        params = {"min_cluster_size": curate_cluster.MIN_CLUSTER_SIZE,
+                  "min_samples": curate_cluster.MIN_SAMPLES}
+    params = {"min_cluster_size": min_cluster_size or params["min_cluster_size"],
+              "min_samples": min_samples or params["min_samples"]}
+    min_strength = curate_extend.MIN_STRENGTH if min_strength is None else min_strength
+    new_names = [n for n in std_names if prev is None or n not in prev.labels]
+    if not os.path.exists(clusters) and new_names:
+        lemmatize = rules.require_lemmatizer(action_lemmatizer)  # before any slow work
+        text_encoder = text_encoder or curate_cluster.TextEncoder(
+            encoder or curate_cluster.default_model_path())
         rows = action_candidate_rows(actions, lemmatize, text_encoder, action_similarity,
                                      progress=progress)
         cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
@@ -170,12 +194,22 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                     f"threshold {action_similarity}\n")
             for row in rows:
                 f.write("\t".join(row) + "\n")
-        info = curate_cluster.cluster_object_names(
-            std_names, clusters, encoder=text_encoder,
-            min_cluster_size=min_cluster_size or curate_cluster.MIN_CLUSTER_SIZE,
-            min_samples=min_samples or curate_cluster.MIN_SAMPLES, progress=progress)
-        raise NeedsLabels(clusters, len(info.get("clusters", [])), len(std_names))
-    labels = curate_cluster.read_curated(clusters)
+        if prev is None:
+            info = curate_cluster.cluster_object_names(std_names, clusters, encoder=text_encoder,
+                                                       progress=progress, **params)
+            raise NeedsLabels(clusters, len(info.get("clusters", [])), len(std_names))
+        doc = extend_clusters_file(prev, new_names, clusters, text_encoder, params,
+                                   min_strength, progress)
+        raise NeedsLabels(clusters, len(doc["clusters"]), len(new_names))
+    if prev is None:
+        labels = curate_cluster.read_curated(clusters)
+        if "extends" in json.loads(open(clusters, encoding="utf-8").read()):
+            raise ValueError(f"{clusters} was written by `--extend`; pass the same --extend "
+                             f"folder, or delete it to cluster this dataset on its own")
+    else:
+        labels = dict(prev.labels)
+        if new_names:
+            labels.update(curate_extend.read_extension(clusters, prev))
     unknown = [n for n in std_names if n not in labels]
     if unknown:
         raise ValueError(f"{clusters} does not list {len(unknown)} of the dataset's object "
@@ -193,8 +227,14 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                   view_size=None if v1 else manifest["view_size"],
                   keep_originals=v1 or bool(manifest.get("originals")),
                   view_quality=manifest.get("view_quality", schema.VIEW_QUALITY))
+    text_encoder = text_encoder or curate_cluster.TextEncoder(
+        encoder or curate_cluster.default_model_path())
+    save_object_curation(out_dir, prev, std_names, new_names, labels, text_encoder, params,
+                         progress)
     log = curator.log()
-    log["inputs"] = {"data": os.path.abspath(data_dir), "clusters": os.path.abspath(clusters),
+    log["inputs"] = {"data": os.path.abspath(data_dir),
+                     "clusters": os.path.abspath(clusters) if new_names else "",
+                     "extends": str(prev.folder.resolve()) if prev else "",
                      "action_map": os.path.abspath(action_map) if action_map else "",
                      "adjective_tagger": tagger_name,
                      "records": len(ids)}
@@ -203,6 +243,45 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
         with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1, sort_keys=True)
     return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
+
+
+def extend_clusters_file(prev, new_names: list[str], clusters: str, encoder, params: dict,
+                         min_strength: float, progress: bool = True) -> dict:
+    """An extension's first pass: suggestions for `new_names` into `prev`'s curated clusters,
+    the rest clustered among themselves; the clusters file and its report. Returns the doc."""
+    from data_prep import curate_cluster, curate_extend
+    from data_prep.curate_report import write_report
+    emb = encoder.encode(new_names, progress=progress)
+    suggestions, unfit = curate_extend.suggest(prev, new_names, emb, min_strength)
+    unfit_emb = emb[[new_names.index(n) for n in unfit]]
+    clusterer, unfit_labels = None, np.full(len(unfit), -1, np.int64)
+    if len(unfit) >= 2:
+        clusterer = curate_cluster.fit_clusterer(unfit_emb, **params)
+        unfit_labels = clusterer.labels_
+    doc = curate_cluster.write_json(clusters, curate_extend.extension_doc(
+        prev, suggestions, unfit, unfit_labels, unfit_emb, min_strength))
+    write_report(clusters, doc, unfit, unfit_labels, clusterer, header=(
+        f"Extending {prev.folder}: {len(suggestions)} of {len(new_names)} new names suggested "
+        f"into curated clusters (strength >= {min_strength}); the other {len(unfit)} clustered "
+        f"among themselves{' (the figure)' if clusterer is not None else ''}.\n\n"))
+    return doc
+
+
+def save_object_curation(out_dir: str, prev, std_names: list[str], new_names: list[str],
+                         labels: dict[str, str], encoder, params: dict,
+                         progress: bool = True) -> None:
+    """OUT/object_curation: this curation's names (and an extended one's earlier names), their
+    labels and a clusterer fit on all of them, for the next `--extend`."""
+    from data_prep import curate_cluster, curate_extend
+    if prev is None:
+        names, emb = list(std_names), encoder.encode(std_names, progress=progress)
+    else:
+        names = prev.names + new_names
+        emb = np.concatenate([prev.emb, encoder.encode(new_names, progress=progress)]
+                             if new_names else [prev.emb])
+    clusterer = curate_cluster.fit_clusterer(emb, **params) if len(names) >= 2 else None
+    curate_extend.save_curation(os.path.join(out_dir, curate_extend.STATE_DIR), names, emb,
+                                {n: labels[n] for n in names}, clusterer, encoder, params)
 
 
 def action_candidate_rows(actions: collections.Counter, lemmatize, encoder,
