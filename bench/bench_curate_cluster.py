@@ -1,15 +1,20 @@
 """`data_prep.curate_cluster` on 10,000 synthetic object names (adjective x noun): embedding
-time with all-MiniLM-L6-v2 on CPU, and HDBSCAN time on the float64 cosine-distance matrix.
+time with all-MiniLM-L6-v2 on CPU; HDBSCAN on the float64 cosine-distance matrix with the
+`hdbscan` library (what curation uses) and with scikit-learn's (what it used before), same
+labels; and `hdbscan.approximate_predict` for 1,000 new names (adjective x adjective x noun)
+through the saved clusterer, as `curate --extend` does.
 
-    python bench/bench_curate_cluster.py [--n 10000] [--batch-size 256] [--threads 2]
+    python bench/bench_curate_cluster.py [--n 10000] [--new 1000] [--batch-size 256] [--threads 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import pickle
 import resource
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -42,22 +47,51 @@ def synthetic_names(n: int) -> list[str]:
     return [names[i] for i in rng.choice(len(names), n, replace=False)]
 
 
+def new_names(n: int, seen: set[str]) -> list[str]:
+    adjectives, nouns = list(dict.fromkeys(ADJECTIVES)), list(dict.fromkeys(NOUNS))
+    rng = np.random.default_rng(1)
+    out: dict[str, None] = {}
+    while len(out) < n:
+        a, b = rng.choice(len(adjectives), 2, replace=False)
+        name = f"{adjectives[a]} {adjectives[b]} {nouns[rng.integers(len(nouns))]}"
+        if name not in seen:
+            out[name] = None
+    return list(out)
+
+
+def timed(fn, *args, **kw):
+    """(result, seconds, peak traced MiB above the start)."""
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    base = tracemalloc.get_traced_memory()[0]
+    t0 = time.perf_counter()
+    out = fn(*args, **kw)
+    seconds = time.perf_counter() - t0
+    peak = (tracemalloc.get_traced_memory()[1] - base) / 2**20
+    tracemalloc.stop()
+    return out, seconds, peak
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=10_000)
+    parser.add_argument("--new", type=int, default=1_000)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--min-cluster-size", type=int, default=None)
-    parser.add_argument("--min-samples", type=int, default=None)
+    parser.add_argument("--min-samples", type=int, default=None,
+                        help="hdbscan's convention (scikit-learn gets one more)")
     args = parser.parse_args()
 
+    import hdbscan
     import torch
+    from sklearn.cluster import HDBSCAN as SklearnHDBSCAN
 
     from data_prep.curate_cluster import (MIN_CLUSTER_SIZE, MIN_SAMPLES, TextEncoder,
-                                          cluster_embeddings, cosine_distances,
-                                          default_model_path)
+                                          cosine_distances, default_model_path, fit_clusterer)
     torch.set_num_threads(args.threads)
     names = synthetic_names(args.n)
+    extra = new_names(args.new, set(names))
     t0 = time.perf_counter()
     encoder = TextEncoder(default_model_path(), batch_size=args.batch_size)
     t_load = time.perf_counter() - t0
@@ -65,26 +99,42 @@ def main():
     t0 = time.perf_counter()
     emb = encoder.encode(names, progress=False)
     t_embed = time.perf_counter() - t0
+    extra_emb = encoder.encode(extra, progress=False)
 
-    t0 = time.perf_counter()
-    cosine_distances(emb)
-    t_dist = time.perf_counter() - t0
     mcs = args.min_cluster_size or MIN_CLUSTER_SIZE
     ms = args.min_samples or MIN_SAMPLES
+    dist, t_dist, _ = timed(cosine_distances, emb)
+    hdb, t_hdb, m_hdb = timed(lambda d: hdbscan.HDBSCAN(
+        min_cluster_size=mcs, min_samples=ms, metric="precomputed").fit(d), dist)
+    skl, t_skl, m_skl = timed(lambda d: SklearnHDBSCAN(
+        min_cluster_size=mcs, min_samples=ms + 1, metric="precomputed", copy=True).fit(d), dist)
+    same = np.array_equal(hdb.labels_, skl.labels_)
+    del dist, hdb, skl
+    clusterer, t_fit, m_fit = timed(fit_clusterer, emb, min_cluster_size=mcs, min_samples=ms)
+    blob = pickle.dumps(clusterer, protocol=5)
     t0 = time.perf_counter()
-    labels = cluster_embeddings(emb, min_cluster_size=mcs, min_samples=ms)
-    t_cluster = time.perf_counter() - t0
+    clusterer = pickle.loads(blob)
+    t_unpickle = time.perf_counter() - t0
+    (predicted, strength), t_pred, _ = timed(hdbscan.approximate_predict, clusterer, extra_emb)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    labels = clusterer.labels_
 
     print(f"{len(names)} names, e.g. {names[:3]}; torch threads {torch.get_num_threads()}, "
-          f"batch {args.batch_size}; HDBSCAN min_cluster_size={mcs} min_samples={ms}")
-    print(f"{labels.max() + 1} clusters, {int((labels < 0).sum())} noise names; "
-          f"peak RSS {peak_gib:.1f} GiB")
-    print("| names | load model (s) | embed (s) | names/s | cosine matrix (s) | "
-          "cluster_embeddings (s) |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {len(names)} | {t_load:.1f} | {t_embed:.1f} | {len(names) / t_embed:.0f} | "
-          f"{t_dist:.1f} | {t_cluster:.1f} |")
+          f"batch {args.batch_size}; HDBSCAN min_cluster_size={mcs} min_samples={ms} "
+          f"(scikit-learn {ms + 1})")
+    print(f"{labels.max() + 1} clusters, {int((labels < 0).sum())} noise names; hdbscan and "
+          f"scikit-learn labels {'identical' if same else 'DIFFER'}; peak RSS {peak_gib:.1f} GiB")
+    print(f"load model {t_load:.1f} s; embed {t_embed:.1f} s ({len(names) / t_embed:.0f} "
+          f"names/s); cosine matrix {t_dist:.1f} s")
+    print("| names | hdbscan fit (s) | its peak (MiB) | scikit-learn fit (s) | its peak (MiB) | "
+          "fit_clusterer (s) | its peak (MiB) | pickle (MB) | unpickle (s) | "
+          f"approximate_predict {len(extra)} (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| {len(names)} | {t_hdb:.1f} | {m_hdb:.0f} | {t_skl:.1f} | {m_skl:.0f} | "
+          f"{t_fit:.1f} | {m_fit:.0f} | {len(blob) / 1e6:.0f} | {t_unpickle:.2f} | "
+          f"{t_pred:.2f} |")
+    print(f"{len(extra)} new names, e.g. {extra[:2]}: {int((predicted >= 0).sum())} placed in "
+          f"a cluster, median strength {np.median(strength[predicted >= 0]):.2f}")
 
 
 if __name__ == "__main__":
