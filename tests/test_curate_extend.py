@@ -146,6 +146,32 @@ def test_extend_acceptance(minilm, curated, tmp_path):
         ce.suggest(cur, ["dog"], new_emb[:1])
 
 
+def test_leave_one_out_suggestions_behind_min_strength(minilm, tmp_path):
+    """Each name left out, the rest fit and curated, the name suggested: where MIN_STRENGTH
+    comes from (every right suggestion is above it)."""
+    encoder, emb, _ = minilm
+    outcome = {"right": [], "wrong": [], "unplaced": []}
+    for i, name in enumerate(NAMES):
+        keep = [j for j in range(len(NAMES)) if j != i]
+        rest = [NAMES[j] for j in keep]
+        cur = ce.Curation(tmp_path, rest, emb[keep], {n: TRUTH[n] for n in rest},
+                          None, None, {})
+        cur.clusterer = fit_clusterer(emb[keep])
+        cur.clusters = cur.clusterer.labels_
+        suggestions, _ = ce.suggest(cur, [name], emb[i:i + 1], min_strength=0.0)
+        if name not in suggestions:
+            outcome["unplaced"].append(name)
+            continue
+        label, strength = suggestions[name]
+        outcome["right" if label == TRUTH[name] else "wrong"].append(strength)
+    print(f"\nleave-one-out: {len(outcome['right'])} right (strength >= "
+          f"{min(outcome['right']):.3f}), {len(outcome['wrong'])} wrong (strength "
+          f"{min(outcome['wrong']):.2f}-{max(outcome['wrong']):.2f}), "
+          f"{len(outcome['unplaced'])} unplaced")
+    assert len(outcome["right"]) >= 75 and len(outcome["wrong"]) <= 6
+    assert min(outcome["right"]) >= ce.MIN_STRENGTH
+
+
 def test_exact_cosine_neighbours_match_scikit_learn():
     rng = np.random.default_rng(1)
     data, points = rng.normal(size=(300, 12)), rng.normal(size=(70, 12))
