@@ -253,7 +253,8 @@ def extend_clusters_file(prev, new_names: list[str], clusters: str, encoder, par
     from data_prep.curate_report import write_report
     emb = encoder.encode(new_names, progress=progress)
     suggestions, unfit = curate_extend.suggest(prev, new_names, emb, min_strength)
-    unfit_emb = emb[[new_names.index(n) for n in unfit]]
+    at = {n: i for i, n in enumerate(new_names)}
+    unfit_emb = emb[[at[n] for n in unfit]]
     clusterer, unfit_labels = None, np.full(len(unfit), -1, np.int64)
     if len(unfit) >= 2:
         clusterer = curate_cluster.fit_clusterer(unfit_emb, **params)

@@ -28,6 +28,7 @@ a sample of the saved names is embedded again and must match the saved vectors.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import pickle
@@ -65,6 +66,7 @@ class Curation:
     clusters: np.ndarray         # int64 [N], the clusterer's labels (-1 = noise)
     clusterer: object            # hdbscan.HDBSCAN with CosinePredictionData (or None)
     meta: dict
+    digest: str = ""             # sha256 of curation.json: what an extension file names
 
 
 def encoder_info(encoder) -> dict:
@@ -120,8 +122,9 @@ def state_folder(path) -> Path:
 
 def _read_meta(folder: Path) -> dict:
     path = folder / "curation.json"
+    raw = path.read_bytes()
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads(raw.decode("utf-8"))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -135,6 +138,7 @@ def _read_meta(folder: Path) -> dict:
     if len(meta["labels"]) != n or len(meta["clusters"]) != n:
         raise ValueError(f"{path}: {n} names, {len(meta['labels'])} labels and "
                          f"{len(meta['clusters'])} clusters")
+    meta["sha256"] = hashlib.sha256(raw).hexdigest()
     return meta
 
 
@@ -185,7 +189,8 @@ def load_curation(path, encoder) -> Curation:
         raise ValueError(f"{folder}: clusterer.pkl does not belong to curation.json "
                          f"(other cluster labels)")
     return Curation(folder, list(meta["names"]), emb,
-                    dict(zip(meta["names"], meta["labels"])), clusters, clusterer, meta)
+                    dict(zip(meta["names"], meta["labels"])), clusters, clusterer, meta,
+                    meta["sha256"])
 
 
 def suggest(cur: Curation, names: list[str], emb: np.ndarray,
@@ -247,7 +252,8 @@ def extension_doc(cur: Curation, suggestions: dict[str, tuple[str, float]],
                                                                           "noise": []}
     for c in new["clusters"]:
         clusters.append({**c, "id": len(clusters)})
-    return {"extends": str(cur.folder.resolve()), "min_strength": min_strength,
+    return {"extends": str(cur.folder.resolve()), "extends_sha256": cur.digest,
+            "min_strength": min_strength,
             "curated_labels": sorted(curated_names), "clusters": clusters,
             "noise": new["noise"]}
 
@@ -256,10 +262,12 @@ def read_extension(path, cur: Curation) -> dict[str, str]:
     """New name -> label from an extension clusters file after review (`read_curated`'s
     rules). A curated name in it is an error: curated names keep their label."""
     labels = cc.read_curated(path)
-    extends = json.loads(Path(path).read_text(encoding="utf-8")).get("extends")
-    if extends != str(cur.folder.resolve()):
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    if doc.get("extends_sha256") != cur.digest:  # content, not path: a moved folder is fine
         raise ValueError(f"{path} was not written for extending {cur.folder} (it extends "
-                         f"{extends or 'nothing'}): delete it to suggest again")
+                         f"{doc.get('extends') or 'nothing'}, curation.json sha256 "
+                         f"{str(doc.get('extends_sha256'))[:12]}; this one is "
+                         f"{cur.digest[:12]}): delete it to suggest again")
     clash = sorted(n for n in labels if n in cur.labels)
     if clash:
         raise ValueError(

@@ -138,7 +138,7 @@ def test_extend_acceptance(minilm, curated, tmp_path):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="'puppy' is already curated as 'dog'"):
         ce.read_extension(path, cur)
-    doc["extends"] = "/elsewhere"
+    doc["extends_sha256"] = "0" * 64
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="not written for extending"):
         ce.read_extension(path, cur)
@@ -347,9 +347,13 @@ def test_cli_extend_end_to_end(demo_dir, other_encoders, tmp_path, capsys):
     assert (tmp_path / "second.clusters.md").is_file()
     new_labels = read_curated(clusters2)
 
+    moved = tmp_path / "moved" / "first"          # the earlier curation moves between passes
+    moved.parent.mkdir()
+    shutil.move(out1, moved)
+    second_cmd[-1] = str(moved)
     assert main(second_cmd + flags) == 0
     log = json.loads((out2 / "curation_log.json").read_text())
-    assert log["inputs"]["extends"] == ext["extends"]
+    assert log["inputs"]["extends"] == str((moved / ce.STATE_DIR).resolve())
     for raw, entry in log["objects"].items():
         std = entry["standardised"]
         assert entry["label"] == (curated[std] if std in curated else new_labels[std])
