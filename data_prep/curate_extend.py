@@ -152,6 +152,8 @@ def check_encoder(folder: Path, meta: dict, emb: np.ndarray, encoder) -> None:
         raise CurationMismatch(f"{what}; the encoder given now, {encoder.path}, is {dim}-d: "
                                f"extending needs the same encoder (--encoder {saved['path']})")
     names = meta["names"]
+    if not names:
+        return  # nothing was curated: nothing to compare (the width matched)
     pick = np.unique(np.linspace(0, len(names) - 1, min(PROBES, len(names))).astype(int))
     again = encoder.encode([names[i] for i in pick], progress=False)
     cosine = np.sum(again.astype(np.float64) * emb[pick], axis=1)
@@ -212,7 +214,7 @@ def suggest(cur: Curation, names: list[str], emb: np.ndarray,
     if not names:
         return {}, []
     unit = cc._unit_rows(emb)
-    if cur.clusterer is None or cur.clusters.max() < 0:
+    if cur.clusterer is None or cur.clusters.max(initial=-1) < 0:
         return {}, names
     predicted, strength = approximate_predict(cur.clusterer, unit)
     saved = cur.emb.astype(np.float64)
