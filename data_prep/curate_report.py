@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from data_prep.durable_logs import write_replacing
+
 EXAMPLES = 6  # names shown per cluster in the table
 
 
@@ -100,10 +102,8 @@ def plot_tree(path, clusterer, file_ids: dict[int, int], title: str) -> list[str
             patch.height = float(np.ravel(patch.height)[0])
     ax.set_title(title)
     fig.tight_layout()
-    tmp = Path(str(path) + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    write_replacing(path, lambda f: fig.savefig(f, dpi=110, format="png"))
     plt.close(fig)
-    os.replace(tmp, path)
     return [t.get_text() for t in ax.texts]
 
 
@@ -120,9 +120,7 @@ def write_report(clusters_path, doc: dict, names: list[str], labels: np.ndarray,
         stability = {file_ids[k]: v for k, v in cluster_stability(clusterer).items()
                      if k in file_ids}
     text = f"# Clusters of {Path(clusters_path).name}\n\n{header}" + format_table(doc, stability)
-    tmp = table.with_name(table.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, table)
+    write_replacing(table, lambda f: f.write(text.encode("utf-8")))
     if not stability:
         figure.unlink(missing_ok=True)
         return table, None

@@ -1,6 +1,7 @@
 """Crash-safe append-only logs for resumable runs (`data_prep.annotate`'s caches): every append
 is flushed and fsynced before it returns, and on opening a torn or corrupt tail (an interrupted
-write) is cut off, so a killed run loses at most the entry in flight.
+write) is cut off, so a killed run loses at most the entry in flight. `write_replacing` is the
+whole-file counterpart (the curation files).
 """
 
 from __future__ import annotations
@@ -8,8 +9,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+
+def write_replacing(path, write) -> Path:
+    """Write `path` through `write(binary file)` under a temporary name, then rename it over
+    `path`: an interrupted write never leaves a torn file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+    os.replace(tmp, path)
+    return path
 
 
 def _cut_torn_tail(path: str, good: int, size: int) -> None:
