@@ -206,6 +206,9 @@ class ShardWriter:
         self._ids: set[str] = set()
         self._counts = collections.Counter()
         self._crops = collections.defaultdict(lambda: np.zeros(2, np.int64))
+        # split -> (objects, relations) per-image count -> records (the packed layout's plan)
+        self._hist = collections.defaultdict(lambda: (collections.Counter(),
+                                                      collections.Counter()))
         self._by_source = collections.defaultdict(collections.Counter)
         self._no_action = collections.Counter()
         self._vocab = {k: collections.Counter() for k in schema.VOCAB_FILES}
@@ -243,6 +246,8 @@ class ShardWriter:
         self._ids.add(sample.id)
         self._counts[sample.split] += 1
         self._crops[sample.split] += (len(sample.objects), len(sample.relations))
+        self._hist[sample.split][0][len(sample.objects)] += 1
+        self._hist[sample.split][1][len(sample.relations)] += 1
         self._by_source[sample.split][sample.source] += 1
         self._mask_kinds[sample.mask_kind] += 1
         if sample.action:  # "" = no action: kept, but not a class
@@ -308,6 +313,10 @@ class ShardWriter:
                 "objects": int(self._crops[split][0]),
                 "relations": int(self._crops[split][1]),
                 "no_action": self._no_action.get(split, 0),
+                # records with 0, 1, 2, ... objects (relations): sclaro_jax.data.packing
+                "count_histograms": {
+                    kind: [hist[n] for n in range(max(hist, default=0) + 1)]
+                    for kind, hist in zip(("objects", "relations"), self._hist[split])},
                 "by_source": dict(sorted(self._by_source[split].items())),
                 "shards": entries,
             }

@@ -9,9 +9,12 @@ parameters, drawn on the host and applied on the accelerator (`PHOTOMETRIC`): `j
 (apply ColorJitter), `jitter_order` [B, 4] (op indices in application order: 0 brightness,
 1 contrast, 2 saturation, 3 hue), `jitter_factors` [B, 4] (factor per op index; hue is a shift
 in [-0.5, 0.5]), `blur_sigma` [B] (GaussianBlur sigma of the global view; 0 = none).
-Per crop level (objects, relations; N the
-level's cap): pixels [B, N, S, S, 3], tokens [B, N, L], labels [B, N] (-1 = padding) and a bool
-mask [B, N].
+Per crop level (objects, relations), in one of two layouts (`packing.LAYOUTS`):
+- "caps" (N the level's per-image cap): pixels [B, N, S, S, 3], tokens [B, N, L], labels [B, N]
+  (-1 = padding) and a bool mask [B, N];
+- "packed" (`sclaro_jax.data.packing`; K the batch's planned size): the crops of all images
+  in one buffer, pixels [K, S, S, 3], tokens [K, L], labels [K], mask [K] and segments [K]
+  (the image index of each crop, -1 for padding).
 """
 
 from __future__ import annotations
@@ -45,14 +48,15 @@ class LevelFields:
     labels: str
     mask: str | None = None
     dropped: str | None = None
+    segments: str | None = None  # packed layout: the image index of each crop
 
 
 LEVELS = {
     "global": LevelFields(IMAGE, ACTION_TOKENS, ACTION_LABEL),
     "object": LevelFields("objects", "object_tokens", "object_labels", "object_mask",
-                          DROPPED_OBJECTS),
+                          DROPPED_OBJECTS, "object_segments"),
     "relation": LevelFields("relations", "relation_tokens", "relation_labels", "relation_mask",
-                            DROPPED_RELATIONS),
+                            DROPPED_RELATIONS, "relation_segments"),
 }
 CROP_LEVELS = ("object", "relation")
 
@@ -70,14 +74,26 @@ IDENTITY_PHOTOMETRIC = {JITTER: np.bool_(False), JITTER_ORDER: np.arange(4, dtyp
                         BLUR_SIGMA: np.float32(0)}
 
 
+def packed_layout(config) -> bool:
+    """Whether a PipelineConfig makes packed batches."""
+    return getattr(config, "layout", "caps") == "packed"
+
+
 def level_caps(config) -> dict[str, int]:
-    """Crop level -> its cap (`max_objects` / `max_relations` of a PipelineConfig)."""
+    """Crop level -> the most crops one image gives: `max_objects` / `max_relations` of a
+    PipelineConfig, or with the packed layout its sizes' largest per-image counts."""
+    if packed_layout(config):
+        if config.packed is None:
+            raise ValueError("layout='packed' without its sizes: make_loader plans them from "
+                             "the split (sclaro_jax.data.packing.plan)")
+        return config.packed.caps()
     return {"object": config.max_objects, "relation": config.max_relations}
 
 
-def batch_shapes(batch_size: int, config) -> dict[str, tuple]:
-    """The shape of every field of a batch (the same every step) for a PipelineConfig
-    (image_size, text_length, max_objects, max_relations)."""
+def batch_shapes(batch_size: int, config, tier: int = 0) -> dict[str, tuple]:
+    """The shape of every field of a batch for a PipelineConfig (image_size, text_length,
+    max_objects, max_relations; layout and packed sizes): the same every step with caps, one
+    set per `tier` of the packed sizes."""
     b, size, length = batch_size, config.image_size, config.text_length
     shapes = {name: (b,) for name, _ in PER_IMAGE}
     shapes[IMAGE] = (b, size, size, 3)
@@ -86,6 +102,11 @@ def batch_shapes(batch_size: int, config) -> dict[str, tuple]:
         shapes[name] = (b, *tail)
     for level, cap in level_caps(config).items():
         f = LEVELS[level]
+        if packed_layout(config):
+            k = config.packed.slots(level, tier)
+            shapes.update({f.pixels: (k, size, size, 3), f.tokens: (k, length), f.labels: (k,),
+                           f.mask: (k,), f.segments: (k,)})
+            continue
         shapes[f.pixels] = (b, cap, size, size, 3)
         shapes[f.tokens] = (b, cap, length)
         shapes[f.labels] = (b, cap)

@@ -18,10 +18,16 @@ black-canvas paste, Resize + CenterCrop), as before views were stored. The photo
 `batch.PHOTOMETRIC` fields (identity when not training). Texts are tokenised with the CLIP BPE
 (action word, object names, "subject predicate object"), memoised per worker.
 
-Static shapes (`sclaro_jax.data.batch`): objects [B, max_objects, S, S, 3] and relations
-[B, max_relations, ...] with boolean masks; objects/relations beyond the caps are dropped and
-counted (`dropped_objects`, `dropped_relations`; the train step logs their batch sums). The
-padding this costs is measured by bench/bench_padding.py.
+Static shapes (`sclaro_jax.data.batch`), in one of two crop layouts (`PipelineConfig.layout`):
+- "caps" (the default here; evaluators, notebooks): objects [B, max_objects, S, S, 3] and
+  relations [B, max_relations, ...] with boolean masks; objects/relations beyond the caps are
+  dropped and counted (`dropped_objects`, `dropped_relations`; the train step logs their batch
+  sums);
+- "packed" (the trainer's default, `sclaro_jax.data.packing`): per level every crop of the
+  batch in one buffer [K, S, S, 3] with the image index of each crop (`*_segments`) and a mask;
+  K is the smallest of at most three sizes planned from the split's counts that holds the
+  batch, so no crop is dropped and little is padding.
+The padding of both is measured by bench/bench_padding.py.
 
 Pixels come out as uint8 (normalise on the accelerator with `normalize`, i.e.
 `sclaro_jax.ops.normalize`; a quarter of the host-to-device bytes) or, for evaluation and
@@ -51,7 +57,8 @@ import grain.python as grain
 import numpy as np
 
 from sclaro_jax import ops
-from sclaro_jax.data import augment, batch as fields, decode, schema
+from sclaro_jax.data import augment, batch as fields, decode, packing, schema
+from sclaro_jax.data.collate import Collate, StoredViews, collate, empty_example  # noqa: F401
 from sclaro_jax.data.dataset import ShardedDataset, Vocab, open_dataset
 from sclaro_jax.data.sampler import GlobalBatchSampler
 
@@ -73,8 +80,18 @@ class PipelineConfig:
     pixels: str = "uint8"  # "uint8" or, with train=False only, "float32" (CLIP-normalised)
     fast_decode: bool = True  # v1: JPEG relation regions decoded at reduced scale (>= size)
     decoder: str = "auto"  # JPEG decoder (`decode.BACKENDS`): simplejpeg when installed
+    # Crop layout (`packing.LAYOUTS`): "caps" ([B, max_objects] / [B, max_relations]) or
+    # "packed" (every crop of the batch in one buffer per level; max_objects / max_relations
+    # are then unused: the sizes' own per-image maxima apply). `make_loader` plans `packed`
+    # from the split's count histograms when it is None.
+    layout: str = "caps"
+    packed: packing.PackedSizes | None = None
 
     def __post_init__(self):
+        if self.layout not in packing.LAYOUTS:
+            raise ValueError(f"layout {self.layout!r} is not one of {packing.LAYOUTS}")
+        if self.packed is not None and self.layout != "packed":
+            raise ValueError("PipelineConfig: packed sizes given with layout='caps'")
         if self.object_view not in OBJECT_VIEWS:
             raise ValueError(f"object_view {self.object_view!r} is not one of {OBJECT_VIEWS}")
         if self.pixels not in ("uint8", "float32"):
@@ -119,27 +136,11 @@ class _TextTable:
         return np.stack([self._cache[t] for t in texts])
 
 
-class StoredViews:
-    """One crop level's stored S x S views of a version-2 sample, still encoded: `decode_into`
-    decodes them straight into an array's first len(self) rows (`collate` passes the batch's
-    own rows, so the pixels are written once)."""
-
-    __slots__ = ("data", "whats", "backend")
-
-    def __init__(self, data: Sequence[bytes], whats: Sequence[str], backend: str):
-        self.data, self.whats, self.backend = data, whats, backend
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def decode_into(self, out: np.ndarray) -> np.ndarray:
-        for k, (data, what) in enumerate(zip(self.data, self.whats)):
-            decode.decode_array(data, what, out=out[k], backend=self.backend)
-        return out
-
-    def decode(self, size: int) -> np.ndarray:
-        """uint8 [len(self), size, size, 3]."""
-        return self.decode_into(np.empty((len(self), size, size, 3), np.uint8))
+def _taken(sample: schema.Sample, config: PipelineConfig) -> tuple[tuple, tuple]:
+    """The objects and relations of `sample` that its example carries (those past the level's
+    per-image cap are dropped and counted)."""
+    caps = fields.level_caps(config)
+    return sample.objects[:caps["object"]], sample.relations[:caps["relation"]]
 
 
 def sample_views(sample: schema.Sample, config: PipelineConfig,
@@ -180,8 +181,7 @@ def _stored_views(sample: schema.Sample, config: PipelineConfig, rng):
     params = augment.sample_params(rng, width, height, train=config.train)
     img = decode.decode_image(sample.train_image, f"{where}: train_image", size=(width, height),
                               backend=backend)
-    objects = sample.objects[:config.max_objects]
-    relations = sample.relations[:config.max_relations]
+    objects, relations = _taken(sample, config)
     photo = (sample.width, sample.height)
     if config.object_view == "crop":
         obj_views = StoredViews([o.view for o in objects],
@@ -204,8 +204,7 @@ def _original_views(sample: schema.Sample, config: PipelineConfig, rng):
                               size=(sample.width, sample.height))
     params = augment.sample_params(rng, *img.size, train=config.train)
     size = config.image_size
-    objects = sample.objects[:config.max_objects]
-    relations = sample.relations[:config.max_relations]
+    objects, relations = _taken(sample, config)
     view = augment.region_view if config.object_view == "crop" else augment.canvas_view
     obj_pixels = np.zeros((len(objects), size, size, 3), np.uint8)
     for k, o in enumerate(objects):
@@ -245,8 +244,7 @@ class SampleTransform(grain.RandomMapTransform):
             _, params, views = _stored_views(sample, c, rng)
         else:
             _, params, views = _original_views(sample, c, rng)
-        objects = sample.objects[:c.max_objects]
-        relations = sample.relations[:c.max_relations]
+        objects, relations = _taken(sample, c)
         objects_field, relations_field = fields.LEVELS["object"], fields.LEVELS["relation"]
         return {
             fields.IMAGE: views["image"],
@@ -272,105 +270,6 @@ class SampleTransform(grain.RandomMapTransform):
         }
 
 
-def empty_example(config: PipelineConfig) -> dict:
-    """The example a bad record becomes: no objects or relations, valid=False, bad_record=1."""
-    size, length = config.image_size, config.text_length
-    example = {name: np.zeros((), dtype) for name, dtype in fields.PER_IMAGE}
-    example.update({fields.IMAGE: np.zeros((size, size, 3), np.uint8),
-                    fields.ACTION_TOKENS: np.zeros((length,), np.int32),
-                    fields.ACTION_LABEL: np.int32(-1), fields.SOURCE: np.int32(-1),
-                    fields.SAMPLE_KEY: np.int64(-1), fields.BAD_RECORD: np.int32(1)})
-    example.update(augment.photometric_fields(augment.SampleParams(None, None, None)))
-    for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
-        example[f.pixels] = np.zeros((0, size, size, 3), np.uint8)
-        example[f.tokens] = np.zeros((0, length), np.int32)
-        example[f.labels] = np.zeros((0,), np.int32)
-    return example
-
-
-def _put(dst: np.ndarray, src) -> None:
-    """Write views (an array, or `StoredViews` decoded in place) into the batch's rows; float32
-    batches get them CLIP-normalised (`ops.normalize`), one view at a time while it is in cache
-    (padding stays 0.0, i.e. the mean colour)."""
-    if dst.dtype == np.uint8:
-        if isinstance(src, StoredViews):
-            src.decode_into(dst)
-        else:
-            dst[...] = src
-        return
-    if isinstance(src, StoredViews):
-        src = src.decode(dst.shape[-2])
-    for d, x in zip(dst.reshape(-1, *dst.shape[-3:]), src.reshape(-1, *src.shape[-3:])):
-        d[...] = ops.normalize(x)
-
-
-def _put_pixels(batch: dict, i: int, example: dict) -> None:
-    _put(batch[fields.IMAGE][i], example[fields.IMAGE])
-    for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
-        _put(batch[f.pixels][i, :len(example[f.pixels])], example[f.pixels])
-
-
-def collate(examples: Sequence[dict], config: PipelineConfig, *,
-            allocate=np.zeros) -> dict:
-    """Examples -> one batch with the static shapes of `sclaro_jax.data.batch.batch_shapes`.
-
-    Stored views (`StoredViews`) are decoded straight into the batch; an example whose view
-    does not decode becomes `empty_example` (valid=False, bad_record=1; a warning names it).
-    `allocate(shape, dtype)` makes the zero-filled pixel arrays (`Collate` passes Grain's
-    shared memory in worker processes)."""
-    b, size, length = len(examples), config.image_size, config.text_length
-    dtype = np.float32 if config.pixels == "float32" else np.uint8
-    caps = fields.level_caps(config)
-    batch = {fields.IMAGE: allocate((b, size, size, 3), dtype)}
-    for level, cap in caps.items():
-        batch[fields.LEVELS[level].pixels] = allocate((b, cap, size, size, 3), dtype)
-    examples = list(examples)
-    for i, e in enumerate(examples):
-        try:
-            _put_pixels(batch, i, e)
-        except schema.RecordError as err:
-            log.warning("skipping a bad record: %s", err)
-            examples[i] = empty_example(config)
-            for level in caps:
-                batch[fields.LEVELS[level].pixels][i] = 0
-            _put_pixels(batch, i, examples[i])
-    batch.update({name: np.stack([e[name] for e in examples]) for name, _ in fields.PER_IMAGE})
-    batch[fields.ACTION_TOKENS] = np.stack([e[fields.ACTION_TOKENS] for e in examples])
-    for name, dtype, _ in fields.PHOTOMETRIC:
-        batch[name] = np.stack([e[name] for e in examples]).astype(dtype, copy=False)
-    for level, cap in caps.items():
-        f = fields.LEVELS[level]
-        tokens = np.zeros((b, cap, length), np.int32)
-        labels = np.full((b, cap), -1, np.int32)
-        mask = np.zeros((b, cap), bool)
-        for i, e in enumerate(examples):
-            n = len(e[f.labels])
-            tokens[i, :n] = e[f.tokens]
-            labels[i, :n] = e[f.labels]
-            mask[i, :n] = True
-        batch.update({f.tokens: tokens, f.labels: labels, f.mask: mask})
-    return batch
-
-
-class Collate:
-    """`collate` as Grain's batch function. In Grain's worker processes Grain asks it
-    (`enable_shared_memory_output`) to allocate the pixel arrays in shared memory, so a batch
-    reaches the training process without being copied again."""
-
-    def __init__(self, config: PipelineConfig):
-        self.config = config
-        self.shared = False
-
-    def enable_shared_memory_output(self) -> None:
-        self.shared = True
-
-    def __call__(self, examples: Sequence[dict]) -> dict:
-        return collate(examples, self.config,
-                       allocate=grain.SharedMemoryArray if self.shared else np.zeros)
-
-
 def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                 config: PipelineConfig = PipelineConfig(), seed: int = 0,
                 shuffle: bool | None = None, num_epochs: int | None = None,
@@ -394,13 +293,22 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
     memory: 500 records of 8 + 8 views are ~230 MB per worker). bench/bench_input.py --tune
     measures these. The dataset's views must be `config.image_size` px
     (`ShardedDataset.check_view_size`: a `ViewSizeError` naming the reshard command
-    otherwise).
+    otherwise). With `config.layout="packed"` and no `config.packed`, the packed sizes are
+    planned for `batch_size` from the split's count histograms (`packing.plan`).
     """
     if isinstance(dataset, str):
         dataset = open_dataset(dataset)
     if batch_size < 1:
         raise ValueError("batch_size must be at least 1")
     dataset.check_view_size(config.image_size)
+    if fields.packed_layout(config) and config.packed is None:
+        config = dataclasses.replace(config, packed=packing.plan(
+            *packing.split_histograms(dataset, split), batch_size))
+        log.info("packed crop layout for %r at batch %d: %s", split, batch_size,
+                 config.packed.describe())
+    elif fields.packed_layout(config) and config.packed.batch_size != batch_size:
+        raise ValueError(f"packed sizes planned for batch {config.packed.batch_size}, the "
+                         f"loader's batch is {batch_size}")
     source = dataset.source(split)
     if shard_options is None:
         shard_options = grain.ShardByJaxProcess(drop_remainder=True)
