@@ -5,7 +5,9 @@ teacher / student pair of embeddings), the two KD directions built on it, and
 `scenarioclip_total` (L_total = lambda_CA * sum of the levels' InfoNCE + lambda_KD * L_KD) over
 embeddings the train step has already computed. Everything is computed in float32 whatever the
 embeddings' dtype. Masks select the valid rows / entries of the static-shape batches
-(`sclaro_jax.data.batch`); padding never contributes.
+(`sclaro_jax.data.batch`); padding never contributes. The crop levels come in either layout:
+caps ([B, N] per image) or packed ([K] crops of the whole batch with `segment_ids`, the image
+index of each crop; the KD terms' per-image means are then segment reductions).
 """
 
 from __future__ import annotations
@@ -72,33 +74,56 @@ def kd_term(teacher: jax.Array, student: jax.Array, log_scale: jax.Array,
     return t_s ** 2 * kl / teacher.shape[-1]
 
 
-def _mean_over_groups(terms: jax.Array, mask: jax.Array) -> jax.Array:
-    """[B, N] terms -> mean over each image's valid entries, then over images having any."""
+def _mean_over_groups(terms: jax.Array, mask: jax.Array, segment_ids: jax.Array | None = None,
+                      num_segments: int | None = None) -> jax.Array:
+    """Mean over each image's valid entries, then over the images that have any: `terms` and
+    `mask` [B, N] (caps), or [K] with `segment_ids` [K] naming each entry's image among
+    `num_segments` (packed)."""
     mask = mask.astype(bool)
-    count = jnp.sum(mask, axis=1)
-    per_image = jnp.sum(jnp.where(mask, terms, 0.0), axis=1) / jnp.maximum(count, 1)
+    terms = jnp.where(mask, terms, 0.0)
+    if segment_ids is None:
+        count = jnp.sum(mask, axis=1)
+        per_image = jnp.sum(terms, axis=1) / jnp.maximum(count, 1)
+    else:  # invalid entries go to an id past the last image, which segment_sum drops
+        ids = jnp.where(mask, segment_ids, num_segments)
+        count = jax.ops.segment_sum(mask.astype(jnp.int32), ids, num_segments)
+        per_image = jax.ops.segment_sum(terms, ids, num_segments) / jnp.maximum(count, 1)
     has = count > 0
     return jnp.sum(jnp.where(has, per_image, 0.0)) / jnp.maximum(jnp.sum(has), 1)
 
 
+def _owner(segment_ids: jax.Array, mask: jax.Array, num_segments: int) -> jax.Array:
+    """The image index of each packed entry, clipped into range (padding reads image 0)."""
+    return jnp.clip(jnp.where(mask, segment_ids, 0), 0, num_segments - 1)
+
+
 def kd_one_teacher_many_students(teacher: jax.Array, students: jax.Array, mask: jax.Array,
-                                 log_scale: jax.Array, teacher_temp: float = TEACHER_TEMPERATURE
-                                 ) -> jax.Array:
+                                 log_scale: jax.Array, teacher_temp: float = TEACHER_TEMPERATURE,
+                                 *, segment_ids: jax.Array | None = None) -> jax.Array:
     """Vision KD (global -> object, global -> relation): teacher [B, D] (EMA global image
-    embedding), students [B, N, D] (crop / region embeddings), mask [B, N]. No gradient reaches
-    the teacher."""
-    terms = kd_term(teacher[:, None, :], students, log_scale, teacher_temp)
-    return _mean_over_groups(terms, mask)
+    embedding), students [B, N, D] (crop / region embeddings), mask [B, N]; or, packed,
+    students [K, D] and mask [K] with `segment_ids` [K] (the image of each crop). No gradient
+    reaches the teacher."""
+    if segment_ids is None:
+        terms = kd_term(teacher[:, None, :], students, log_scale, teacher_temp)
+        return _mean_over_groups(terms, mask)
+    b = teacher.shape[0]
+    terms = kd_term(teacher[_owner(segment_ids, mask, b)], students, log_scale, teacher_temp)
+    return _mean_over_groups(terms, mask, segment_ids, b)
 
 
 def kd_many_teachers_one_student(teachers: jax.Array, mask: jax.Array, student: jax.Array,
-                                 log_scale: jax.Array, teacher_temp: float = TEACHER_TEMPERATURE
-                                 ) -> jax.Array:
+                                 log_scale: jax.Array, teacher_temp: float = TEACHER_TEMPERATURE,
+                                 *, segment_ids: jax.Array | None = None) -> jax.Array:
     """Text KD (object -> global, relation -> global): teachers [B, N, D] (EMA object / relation
-    text embeddings), mask [B, N], student [B, D] (global action text embedding). No gradient
-    reaches the teachers."""
-    terms = kd_term(teachers, student[:, None, :], log_scale, teacher_temp)
-    return _mean_over_groups(terms, mask)
+    text embeddings), mask [B, N], student [B, D] (global action text embedding); or, packed,
+    teachers [K, D] and mask [K] with `segment_ids` [K]. No gradient reaches the teachers."""
+    if segment_ids is None:
+        terms = kd_term(teachers, student[:, None, :], log_scale, teacher_temp)
+        return _mean_over_groups(terms, mask)
+    b = student.shape[0]
+    terms = kd_term(teachers, student[_owner(segment_ids, mask, b)], log_scale, teacher_temp)
+    return _mean_over_groups(terms, mask, segment_ids, b)
 
 
 def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
@@ -106,12 +131,15 @@ def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
                        kd_log_scale: jax.Array | None = None,
                        teacher_image: jax.Array | None = None,
                        teacher_texts: dict | None = None, kd_direction: str = "both",
-                       labels: dict | None = None) -> tuple[jax.Array, dict]:
+                       labels: dict | None = None, segments: dict | None = None
+                       ) -> tuple[jax.Array, dict]:
     """L_total = lambda_CA * (L_global + L_object + L_relation) + lambda_KD * L_KD
     (docs/design.md, section 2), from embeddings already computed.
 
     embeddings: level -> (image [B, D] or [B, N, D], text of the same shape); masks: level ->
     [B] (global: valid images with an action) or [B, N] (valid crops of valid images);
+    `segments` (the packed layout): crop level -> [K] image index of each crop, the crop
+    levels' embeddings then [K, D] and their masks [K] (labels [K] too);
     logit_scales: level -> the log scale []. `labels` (duplicate-aware, optional): level ->
     [B, N] int labels for the crop levels. KD (when `kd_log_scale` is given and lambda_kd is
     not 0): `teacher_image` [B, D] (the EMA global image embedding) distils into the crop
@@ -135,18 +163,23 @@ def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
         metrics[f"logit_scale_{level}"] = jnp.exp(logit_scales[level])
         l_ca = l_ca + loss
     l_kd = jnp.zeros((), jnp.float32)
+    segments = segments or {}
     if kd_log_scale is not None and lambda_kd:
         if kd_direction in ("both", "vision"):
             for level in CROP_LEVELS:
                 l_kd += kd_one_teacher_many_students(teacher_image, embeddings[level][0],
-                                                     masks[level], kd_log_scale)
+                                                     masks[level], kd_log_scale,
+                                                     segment_ids=segments.get(level))
         if kd_direction in ("both", "text"):
             # The student is the action text: images without an action sit these terms out.
-            with_action = masks["global"][:, None]
             for level in CROP_LEVELS:
+                seg = segments.get(level)
+                with_action = (masks["global"][:, None] if seg is None else masks["global"][
+                    _owner(seg, masks[level], masks["global"].shape[0])])
                 l_kd += kd_many_teachers_one_student(teacher_texts[level],
                                                      masks[level] & with_action,
-                                                     embeddings["global"][1], kd_log_scale)
+                                                     embeddings["global"][1], kd_log_scale,
+                                                     segment_ids=seg)
         metrics["kd_temperature"] = student_temperature(kd_log_scale)
     total = lambda_ca * l_ca + lambda_kd * l_kd
     metrics.update(loss=total, loss_ca=l_ca, loss_kd=l_kd)

@@ -263,7 +263,9 @@ def augment_batch(batch: dict) -> dict:
     """The batch with ColorJitter and GaussianBlur applied to the pixels of the three levels
     (`batch.LEVELS[...].pixels`, uint8): global views jitter then blur, object and relation
     views their sample's jitter. Other fields are returned as they are; a batch without the
-    PHOTOMETRIC fields is returned unchanged. Traceable (call it inside the jitted step)."""
+    PHOTOMETRIC fields is returned unchanged. Either crop layout: caps ([B, N] views) or packed
+    ([K] views, each with its image index in `*_segments`; padding slots get image 0's draw,
+    and stay padding). Traceable (call it inside the jitted step)."""
     if not has_fields(batch):
         return batch
     for level, f in fields.LEVELS.items():
@@ -276,16 +278,40 @@ def augment_batch(batch: dict) -> dict:
     order = jnp.asarray(batch[fields.JITTER_ORDER]).astype(jnp.int32)
     factors = jnp.asarray(batch[fields.JITTER_FACTORS]).astype(jnp.float32)
     sigma = jnp.asarray(batch[fields.BLUR_SIGMA]).astype(jnp.float32)
-    # The three levels' views of a sample side by side, so the jitter compiles once.
-    crops = [fields.LEVELS[level].pixels for level in fields.CROP_LEVELS]
-    views = jnp.concatenate([jnp.asarray(batch[fields.IMAGE])[:, None]]
-                            + [jnp.asarray(batch[name]) for name in crops], axis=1)
-    views = _batch_views(views, jitter, order, factors, sigma)
+    crops = [fields.LEVELS[level] for level in fields.CROP_LEVELS]
     out = dict(batch)
+    if crops[0].segments in batch:  # packed: every view of the batch in one row of views
+        b = jitter.shape[0]
+        owner = jnp.concatenate([jnp.arange(b)] + [
+            jnp.clip(jnp.asarray(batch[f.segments]), 0, b - 1) for f in crops])
+        views = jnp.concatenate([jnp.asarray(batch[fields.IMAGE])]
+                                + [jnp.asarray(batch[f.pixels]) for f in crops])
+        views = _packed_views(views, owner, jitter, order, factors, sigma)
+        out[fields.IMAGE] = views[:b]
+        start = b
+        for f in crops:
+            count = batch[f.pixels].shape[0]
+            out[f.pixels] = views[start:start + count]
+            start += count
+        return out
+    # The three levels' views of a sample side by side, so the jitter compiles once.
+    views = jnp.concatenate([jnp.asarray(batch[fields.IMAGE])[:, None]]
+                            + [jnp.asarray(batch[f.pixels]) for f in crops], axis=1)
+    views = _batch_views(views, jitter, order, factors, sigma)
     out[fields.IMAGE] = views[:, 0]
     start = 1
-    for name in crops:
-        count = batch[name].shape[1]
-        out[name] = views[:, start:start + count]
+    for f in crops:
+        count = batch[f.pixels].shape[1]
+        out[f.pixels] = views[:, start:start + count]
         start += count
     return out
+
+
+@jax.jit
+def _packed_views(views, owner, jitter, order, factors, sigma):
+    """Views [V, S, S, 3] of the packed layout, the B global views first; `owner` [V] the
+    sample of each: its jitter on every view, then the blur on the global views."""
+    jittered = jax.vmap(color_jitter)(views, order[owner], factors[owner])
+    views = jnp.where(jitter[owner][:, None, None, None], jittered, views)
+    b = sigma.shape[0]
+    return views.at[:b].set(jax.vmap(gaussian_blur)(views[:b], sigma))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -221,27 +221,62 @@ def ema_update(teacher: PyTree, params: PyTree, step: jax.Array, cfg: TrainConfi
         teacher, params)
 
 
-def level_inputs(batch: dict) -> dict:
-    """Level -> (CLIP-normalised pixels, tokens, mask): the global level's mask marks valid
-    images with an action text (batches without `has_action` count every valid image), a crop
-    level's its valid crops of valid images.
+class LevelInput(NamedTuple):
+    """One level's inputs to the towers: CLIP-normalised pixels, tokens, the mask of valid rows
+    and, for a crop level of a packed batch, the image index of each crop (else None)."""
+    pixels: jax.Array
+    tokens: jax.Array
+    mask: jax.Array
+    segments: jax.Array | None = None
+
+
+def level_inputs(batch: dict) -> dict[str, LevelInput]:
+    """Level -> `LevelInput`: the global level's mask marks valid images with an action text
+    (batches without `has_action` count every valid image), a crop level's its valid crops of
+    valid images. Crop levels come caps ([B, N]) or packed ([K] with `segments`).
 
     uint8 pixels get the batch's ColorJitter / GaussianBlur (`data.photometric.augment_batch`,
     when the batch carries the photometric fields), then `ops.normalize`. float32 pixels were
     CLIP-normalised on the host (`PipelineConfig(pixels="float32")`) and are used as they are."""
     if batch[fields.IMAGE].dtype == jnp.uint8:
         batch = photometric.augment_batch(batch)  # unchanged without the photometric fields
-    valid = batch[fields.VALID]
+    valid = jnp.asarray(batch[fields.VALID])
     has = batch.get(fields.HAS_ACTION)
     out = {}
     for level, f in fields.LEVELS.items():
+        segments = batch.get(f.segments) if f.segments else None
         if f.mask is None:
             mask = valid if has is None else valid & has
-        else:
+        elif segments is None:
             mask = batch[f.mask] & valid[:, None]
+        else:
+            mask = batch[f.mask] & valid[jnp.clip(segments, 0, valid.shape[0] - 1)]
         pixels = batch[f.pixels]
         pixels = ops.normalize(pixels) if pixels.dtype == jnp.uint8 else pixels
-        out[level] = pixels, batch[f.tokens], mask
+        out[level] = LevelInput(pixels, batch[f.tokens], mask, segments)
+    return out
+
+
+def crop_metrics(batch: dict) -> dict:
+    """Per crop level: real crops in the batch (`crops_objects`), the fraction of its slots that
+    are padding (`padding_objects`), and with the packed layout `packed_size` (slots of both
+    levels: the compiled size the step ran at)."""
+    valid = jnp.asarray(batch[fields.VALID])
+    out, slots = {}, 0
+    for level in fields.CROP_LEVELS:
+        f = fields.LEVELS[level]
+        mask = batch[f.mask]
+        if f.segments in batch:
+            real = mask & valid[jnp.clip(batch[f.segments], 0, valid.shape[0] - 1)]
+        else:
+            real = mask & valid[:, None]
+        name = "objects" if level == "object" else "relations"
+        crops = jnp.sum(real)
+        out[f"crops_{name}"] = crops
+        out[f"padding_{name}"] = 1.0 - crops / max(real.size, 1)
+        slots += real.size
+    if fields.LEVELS["object"].segments in batch:
+        out["packed_size"] = jnp.asarray(slots, jnp.int32)
     return out
 
 
@@ -259,7 +294,7 @@ def encode(model, teacher, inputs: dict, cfg: TrainConfig, shared: int) -> dict:
     (crop levels) as `cfg.kd_direction` needs them. With `shared` > 0 the crop levels' text
     runs its first `shared` blocks once for student and teacher (`text_prefix`)."""
     prefixes, embeddings = {}, {}
-    for level, (pixels, tokens, _) in inputs.items():
+    for level, (pixels, tokens, _, _) in inputs.items():
         pair = model.pair(level)
         img = pair.encode_image(pixels)
         if shared and level != "global":
@@ -272,11 +307,11 @@ def encode(model, teacher, inputs: dict, cfg: TrainConfig, shared: int) -> dict:
     if teacher is None:
         return out
     if cfg.kd_direction in ("both", "vision"):
-        out["teacher_image"] = teacher.pair("global").encode_image(inputs["global"][0])
+        out["teacher_image"] = teacher.pair("global").encode_image(inputs["global"].pixels)
     if cfg.kd_direction in ("both", "text"):
         out["teacher_texts"] = {}
         for level in losses.CROP_LEVELS:
-            pair, tokens = teacher.pair(level), inputs[level][1]
+            pair, tokens = teacher.pair(level), inputs[level].tokens
             out["teacher_texts"][level] = (pair.encode_text_from(prefixes[level], tokens, shared)
                                            if level in prefixes else pair.encode_text(tokens))
     return out
@@ -300,12 +335,14 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig, *,
     if cfg.duplicate_aware:
         labels = {level: batch[fields.LEVELS[level].labels] for level in losses.CROP_LEVELS}
     return losses.scenarioclip_total(
-        encoded["embeddings"], {level: mask for level, (_, _, mask) in inputs.items()},
+        encoded["embeddings"], {level: x.mask for level, x in inputs.items()},
         {level: model.logit_scale(level) for level in losses.LEVELS},
         lambda_ca=cfg.lambda_ca, lambda_kd=cfg.lambda_kd,
         kd_log_scale=None if teacher is None else model.kd_log_scale[...],
         teacher_image=encoded.get("teacher_image"), teacher_texts=encoded.get("teacher_texts"),
-        kd_direction=cfg.kd_direction, labels=labels)
+        kd_direction=cfg.kd_direction, labels=labels,
+        segments={level: inputs[level].segments for level in losses.CROP_LEVELS
+                  if inputs[level].segments is not None})
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: TrainConfig,
@@ -343,6 +380,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         metrics["lr"] = lr(state.step)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["bad_records"] = jnp.sum(batch[fields.BAD_RECORD])
+        metrics.update(crop_metrics(batch))
         for name in (fields.DROPPED_OBJECTS, fields.DROPPED_RELATIONS):
             metrics[name] = jnp.sum(batch[name])
         return TrainState(new_step, with_part(state.params, trainable),
