@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from sclaro_jax.checkpoint import build_model
+from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
@@ -63,11 +65,36 @@ def train_config(config, steps: int) -> core.TrainConfig:
     return core.TrainConfig(total_steps=steps, **{k: config.train[k] for k in recipe_keys(config)})
 
 
-def pipeline_config(config) -> PipelineConfig:
+def pipeline_config(config, dataset=None, host_batch: int | None = None,
+                    align: int = 1) -> PipelineConfig:
+    """The input pipeline of `config.data`. With the packed layout (`config.data.layout`, the
+    default) the packed sizes are planned for `host_batch` images (default: this host's share
+    of `config.data.batch_size`) from the train split's counts of `dataset` (default:
+    `config.data.dir`), at most `config.data.max_packed_sizes` of them, each a multiple of
+    `align` (the devices a host's slice is split over)."""
     d = config.data
+    layout = check_layout(config)
+    packed = None
+    if layout == "packed":
+        dataset = open_dataset(d.dir) if dataset is None else dataset
+        host_batch = host_batch or d.batch_size // jax.process_count()
+        packed = packing.plan(*packing.split_histograms(dataset, "train"), host_batch,
+                              align=align, max_sizes=d.get("max_packed_sizes", 3))
     return PipelineConfig(image_size=d.image_size, max_objects=d.max_objects,
                           max_relations=d.max_relations, text_length=d.text_length,
-                          object_view=d.object_view, train=True)
+                          object_view=d.object_view, train=True, layout=layout, packed=packed)
+
+
+def check_layout(config) -> str:
+    """`config.data.layout` ("packed" when absent), refused unless it is a known one."""
+    layout = config.data.get("layout", "packed")
+    if layout not in packing.LAYOUTS:
+        raise ValueError(f"config.data.layout {layout!r} is not one of {packing.LAYOUTS}")
+    sizes = config.data.get("max_packed_sizes", packing.MAX_TIERS)
+    if not 1 <= sizes <= packing.MAX_TIERS:
+        raise ValueError(f"config.data.max_packed_sizes is {sizes}; give 1 to "
+                         f"{packing.MAX_TIERS}")
+    return layout
 
 
 def total_steps(config, records: int) -> int:
@@ -137,6 +164,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     WORKDIR/config.json in more than `runs.SAFE_KEYS` is refused (`runs.ConfigDriftError`)
     unless `allow_config_change`."""
     recipe_keys(config)  # refuse unknown config.train keys before anything is written
+    check_layout(config)
     check_workdir(workdir)
     dataset = open_training_data(config, verify=verify_data)
     steps = total_steps(config, dataset.num_records("train"))
@@ -171,8 +199,11 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     step_fn, state = sharding.jit_step(core.make_train_step(graphdef, tx, tcfg), state, mesh,
                                        config.sharding)
     host_batch = config.data.batch_size // jax.process_count()
-    loader = make_loader(dataset, "train", host_batch, config=pipeline_config(config),
-                         seed=config.seed, worker_count=config.data.workers)
+    pcfg = pipeline_config(config, dataset, host_batch,
+                           align=jax.local_device_count() if mesh is not None else 1)
+    sizes = PackedSteps(pcfg.packed, host_batch)
+    loader = make_loader(dataset, "train", host_batch, config=pcfg, seed=config.seed,
+                         worker_count=config.data.workers)
     it = runs.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
     if start:
         step_dir = os.path.join(folder, str(start))
@@ -215,7 +246,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
                 if stop_everywhere(stop) if multi else stop.requested:
                     break
                 t_wait = time.perf_counter()
-                batch = next(it)
+                batch = sizes.agree(next(it), done + 1)
                 wait.add(time.perf_counter() - t_wait)
                 state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
                 n_last += config.data.batch_size
@@ -270,6 +301,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
             metrics_file.close()
         if writer is not None:
             writer.close()
+    sizes.summary()
     if stop.requested and done < steps:
         log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
                     steps, stop.requested)
@@ -284,6 +316,46 @@ def stop_everywhere(stop: runs.GracefulStop) -> bool:
     if np.max(flags) and stop.requested is None:
         stop.requested = "a signal to another process"
     return bool(np.max(flags))
+
+
+class PackedSteps:
+    """The packed sizes in a run: logs the plan, each size's first step (it compiles then) and
+    at the end how many steps ran at each size. With many processes, every step's batch is
+    grown to the largest tier any process needs (the global batch has one shape), and its
+    image indices are moved to the host's place in the global batch."""
+
+    def __init__(self, sizes: packing.PackedSizes | None, host_batch: int):
+        self.sizes = sizes
+        self.host_batch = host_batch
+        self.steps = collections.Counter()
+        if sizes is not None:
+            log.info("packed crop layout, %d images per host batch: %s (the last holds %d "
+                     "objects and %d relations per image: nothing is dropped)", host_batch,
+                     sizes.describe(), sizes.max_objects, sizes.max_relations)
+
+    def agree(self, batch: dict, step: int) -> dict:
+        if self.sizes is None:
+            return batch
+        tier = self.sizes.tier_of(batch)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            needed = int(np.max(multihost_utils.process_allgather(np.int32(tier))))
+            if needed > tier:
+                batch = packing.grow(batch, self.sizes, needed)
+                tier = needed
+            batch = packing.offset_segments(batch, jax.process_index() * self.host_batch)
+        if tier not in self.steps:
+            log.info("step %d is the first at packed size %d: %d object + %d relation slots "
+                     "(compiling it)", step, tier, self.sizes.objects[tier],
+                     self.sizes.relations[tier])
+        self.steps[tier] += 1
+        return batch
+
+    def summary(self) -> None:
+        if self.steps:
+            log.info("steps per packed size: %s", ", ".join(
+                f"{self.sizes.objects[t]} + {self.sizes.relations[t]} slots: {n}"
+                for t, n in sorted(self.steps.items())))
 
 
 class DataWait:
