@@ -46,8 +46,16 @@ def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
     rows = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1, 4))
     for field in ("step", "loss", "loss_ca", "loss_kd", "lr", "kd_temperature",
-                  "examples_per_sec", "data_wait_fraction"):
+                  "examples_per_sec", "data_wait_fraction", "crops_objects", "crops_relations",
+                  "padding_objects", "padding_relations", "packed_size"):
         assert all(np.isfinite(r[field]) for r in rows), field
+    # the packed layout (the default): every crop trained, its slots the one planned size of
+    # the demo (4 images x its largest counts, 7 objects and 6 relations)
+    assert all(r["dropped_objects"] == r["dropped_relations"] == 0 for r in rows)
+    assert {r["packed_size"] for r in rows} == {4 * 7 + 4 * 6}
+    for r in rows:
+        assert r["padding_objects"] == pytest.approx(1 - r["crops_objects"] / 28)
+        assert r["padding_relations"] == pytest.approx(1 - r["crops_relations"] / 24)
     assert all(0 <= r["data_wait_fraction"] <= 1 for r in rows)
     assert np.mean([r["loss"] for r in rows[-2:]]) < np.mean([r["loss"] for r in rows[:2]])
     assert rows[-1]["kd_temperature"] != rows[0]["kd_temperature"]
@@ -67,8 +75,9 @@ def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
     v1 = tmp_path / "v1"
     build_demo(str(v1), image_size=None, progress=False)
     workdir = tmp_path / "run"
-    result = subprocess.run(_train_cmd(workdir, v1), cwd=ROOT, capture_output=True, text=True,
-                            timeout=900)
+    result = subprocess.run(  # the same batch shapes: the uninterrupted run's compiled step
+        _train_cmd(workdir, v1) + [f"--config.compilation_cache={uninterrupted / 'jax_cache'}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     want = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
     got = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
@@ -76,6 +85,24 @@ def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
     ratios = [g["loss"] / w["loss"] for g, w in zip(got, want)]
     assert max(abs(r - 1) for r in ratios) <= 0.02, ratios
     assert ratios != [1.0] * len(ratios)  # the records differ, so the pixels do
+
+
+def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrupted, demo_dir,
+                                                                     tmp_path):
+    """The same 24-step demo run with the per-image caps layout (8 objects, 6 relations: the
+    demo's counts fit, nothing dropped) logs the packed run's losses to 1e-5."""
+    result = subprocess.run(_train_cmd(tmp_path, demo_dir) + ["--config.data.layout=caps"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    want = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
+    got = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    assert all("packed_size" not in r and r["dropped_objects"] == 0 for r in got)
+    for g, w in zip(got, want):
+        assert g["crops_objects"] == w["crops_objects"], g["step"]  # the same crops
+        assert g["padding_objects"] > w["padding_objects"]  # in more slots
+        for key in ("loss", "loss_ca", "loss_kd", "loss_object", "loss_relation"):
+            assert g[key] == pytest.approx(w[key], rel=1e-5), (g["step"], key)
 
 
 def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, demo_dir,
