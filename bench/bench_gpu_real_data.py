@@ -10,6 +10,14 @@ shards `bench_input.py` measures, written to --data if it holds none), texts of 
 the step applies the photometric augmentation the batches carry. One process compiles the step once, times it on a fixed device batch, then on
 batches from `make_loader` for each --workers value (uint8 batches, normalised in the step).
 Run it under `if __name__ == "__main__"` (Grain's workers start with spawn).
+
+    python bench/bench_gpu_real_data.py --counts demo --layout caps --layout packed
+
+`--counts demo` gives each record its demo photograph's own object / relation counts (real
+data leaves caps slots empty; "full" fills them). Each `--layout` (repeatable) is measured in
+turn: caps at --objects / --relations per image, packed at the sizes planned from the written
+split (every size compiled first). Per layout: examples/s, data_wait_fraction, useful crops/s,
+MFU and useful MFU (FLOPs of real crops only, `bench_gpu_train.crop_flops_line`).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_train import add_step_arguments  # noqa: E402
+from bench_gpu_train import _flops, _real, add_step_arguments, crop_flops_line  # noqa: E402
 
 
 def main():
@@ -38,40 +46,73 @@ def main():
     parser.add_argument("--buffer", type=int, default=2, help="per-worker buffer (batches)")
     parser.add_argument("--warmup", type=int, default=4, help="untimed real-data steps")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
     args = parser.parse_args()
+    # add_step_arguments' --layout is one value; here it may repeat
+    layouts = [v for k, v in zip(sys.argv, sys.argv[1:]) if k == "--layout"] + [
+        a.split("=", 1)[1] for a in sys.argv if a.startswith("--layout=")] or [args.layout]
     workers = args.workers or [max(1, (os.cpu_count() or 2) - 1)]
 
-    import jax
-    import jax.numpy as jnp
-
     from bench_input import build_shards
-    from sclaro_jax.data.pipeline import PipelineConfig, make_loader
-    from sclaro_jax.models import clip, scenarioclip
-    from sclaro_jax.train import core
+    from sclaro_jax.models import clip
 
     size = clip.config_from_preset(args.preset).vision.image_size
     data = args.data or os.path.join(tempfile.mkdtemp(), "shards")
     if not os.path.exists(os.path.join(data, "manifest.json")):
         t0 = time.perf_counter()
         build_shards(data, args.samples, n_obj=args.objects, n_rel=args.relations,
-                     view_size=size)
+                     view_size=size, demo_counts=args.counts == "demo")
         print(f"wrote {args.samples} records to {data} in {time.perf_counter() - t0:.1f} s",
               flush=True)
-    pcfg = PipelineConfig(image_size=size, max_objects=args.objects,
-                          max_relations=args.relations, text_length=32)
+    results = [measure(args, data, size, layout, workers) for layout in layouts]
+    print(json.dumps(results, indent=2), flush=True)
 
+
+def measure(args, data: str, size: int, layout: str, workers: list[int]) -> dict:
+    """One layout: the step on a fixed device batch, then fed by Grain with each worker
+    count."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from bench_train_step import every_size
+    from sclaro_jax.data import packing
+    from sclaro_jax.data.dataset import open_dataset
+    from sclaro_jax.data.pipeline import PipelineConfig, make_loader
+    from sclaro_jax.models import scenarioclip
+    from sclaro_jax.train import core
+
+    sizes = None
+    if layout == "packed":
+        sizes = packing.plan(*packing.split_histograms(open_dataset(data), "train"), args.batch)
+    pcfg = PipelineConfig(image_size=size, max_objects=args.objects,
+                          max_relations=args.relations, text_length=32, layout=layout,
+                          packed=sizes)
     model = scenarioclip.build("scenarioclip", preset=args.preset, dtype=jnp.dtype(args.dtype))
     cfg = core.TrainConfig(total_steps=10_000)
     graphdef, state, tx = core.init_state(model, cfg)
     del model
-    step = jax.jit(core.make_train_step(graphdef, tx, cfg),
-                   donate_argnums=0)
+    step = jax.jit(core.make_train_step(graphdef, tx, cfg), donate_argnums=0)
     first = next(iter(make_loader(data, "train", args.batch, config=pcfg, seed=0)))
+    line = crop_flops_line(lambda b: step.lower(state, b),
+                           first if sizes else packing.pack(first))
+    lowered = {}
+
+    def flops(batch):  # (the step's FLOPs as lowered at the batch's shape, its real crops')
+        shape = (batch["object_mask"].shape, batch["relation_mask"].shape)
+        if shape not in lowered:
+            lowered[shape] = _flops(step.lower(state, batch).cost_analysis())
+        k_o, k_r = _real(batch)
+        return lowered[shape], line[0] + line[1] * k_o + line[2] * k_r
+
     device_batch = jax.device_put(first)
     t0 = time.perf_counter()
     state, metrics = step(state, device_batch)
     jax.block_until_ready(metrics)
     compile_s = time.perf_counter() - t0
+    for b in (every_size(sizes, first) if sizes else []):
+        flops(b)
+        state, metrics = step(state, jax.device_put(b))  # every size compiled before timing
     for _ in range(3):
         state, metrics = step(state, device_batch)
     jax.block_until_ready(metrics)
@@ -80,10 +121,16 @@ def main():
         state, metrics = step(state, device_batch)
     jax.block_until_ready(metrics)
     device_s = (time.perf_counter() - t0) / args.steps
+    peak = args.peak_tflops * 1e12
+    f_all, f_real = flops(first)
     result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "cores": os.cpu_count(), "batch": args.batch, "objects": args.objects,
               "relations": args.relations, "dtype": args.dtype, "compile_s": compile_s,
-              "device_batch": {"step_s": device_s, "examples_per_sec": args.batch / device_s},
+              "layout": layout, "counts": args.counts,
+              "packed_sizes": sizes.describe() if sizes else None,
+              "device_batch": {"step_s": device_s, "examples_per_sec": args.batch / device_s,
+                               "mfu": f_all / device_s / peak,
+                               "useful_mfu": f_real / device_s / peak},
               "real_data": []}
     print(json.dumps(result), flush=True)
     for count in workers:
@@ -93,25 +140,30 @@ def main():
         for _ in range(args.warmup):
             state, metrics = step(state, jax.device_put(next(it)))
         jax.block_until_ready(metrics)
-        wait = 0.0
+        wait, done, crops = 0.0, [], 0
         t0 = time.perf_counter()
         for _ in range(args.steps):
             w0 = time.perf_counter()
             batch = next(it)
             wait += time.perf_counter() - w0
+            done.append(flops(batch))
+            crops += sum(_real(batch))
             state, metrics = step(state, jax.device_put(batch))
         jax.block_until_ready(metrics)
         wall = time.perf_counter() - t0
+        f_all, f_real = np.sum(done, axis=0)
         row = {"workers": count, "buffer": args.buffer, "step_s": wall / args.steps,
                "examples_per_sec": args.batch * args.steps / wall,
+               "useful_crops_per_sec": crops / wall,
                "data_wait_fraction": wait / wall,
                "of_device_batch_rate": device_s * args.steps / wall,
-               "loss": float(metrics["loss"]), "recompiles": step._cache_size() - 1}
+               "mfu": f_all / wall / peak, "useful_mfu": f_real / wall / peak,
+               "loss": float(metrics["loss"]),
+               "recompiles": step._cache_size() - (sizes.tiers if sizes else 1)}
         result["real_data"].append(row)
         print(json.dumps(row), flush=True)
         del it, loader
-    print(json.dumps(result, indent=2), flush=True)
-
+    return result
 
 if __name__ == "__main__":
     main()

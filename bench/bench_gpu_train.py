@@ -6,6 +6,17 @@ so the input pipeline is out of the measurement; see bench_input.py for that sid
 
 FLOPs per step come from XLA's cost analysis of the step as written (the lowered HLO: every dot
 at 2*M*N*K, backend-independent); MFU = FLOPs per step / step time / peak. The peak defaults to the dense bf16 figure of an H100/H200 SXM (989 TFLOP/s).
+
+Crop counts (`--counts`): "full" fills every one of the --objects / --relations slots of every
+image (the step's best case); "demo" draws each image's counts from the bundled demo's
+photographs, as real data leaves slots empty. `--layout caps` pads every image to the slots;
+`--layout packed` packs the batch's crops into the smallest planned size
+(`sclaro_jax.data.packing`; every size compiled before timing, a few batches cycled). Useful
+MFU counts only the FLOPs of real crops: the step's FLOPs are linear in the crop slots of each
+level (three lowerings give the line), evaluated at the real crop counts.
+
+    python bench/bench_gpu_train.py --counts demo --layout caps
+    python bench/bench_gpu_train.py --counts demo --layout packed
 """
 
 from __future__ import annotations
@@ -73,6 +84,62 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--objects", type=int, default=8)
     parser.add_argument("--relations", type=int, default=8)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--layout", choices=("caps", "packed"), default="caps")
+    parser.add_argument("--counts", choices=("full", "demo"), default="full",
+                        help="crops per image: every slot, or drawn from the demo's photographs")
+
+
+def step_batches(args, batches: int = 8, text_len: int = 32):
+    """(batches, packed sizes or None): `batches` synthetic batches of the step's config in its
+    layout (one when every slot is full)."""
+    import numpy as np
+
+    from bench_train_step import demo_counts, make_batch
+    from sclaro_jax.data import packing
+    caps = (args.objects, args.relations)
+    if args.counts == "full":
+        per_image = np.array([caps])
+        batches = 1
+    else:
+        per_image = np.minimum(demo_counts(), caps)
+    rng = np.random.default_rng(0)
+    out = [make_batch(args.preset, args.batch, seed=i, n_obj=caps[0], n_rel=caps[1],
+                      text_len=text_len, counts=per_image[rng.integers(0, len(per_image),
+                                                                       args.batch)])
+           for i in range(batches)]
+    if args.layout == "caps":
+        return out, None
+    sizes = packing.plan(*(packing.histogram(per_image[:, k]) for k in range(2)), args.batch)
+    return [packing.pack(b, {level: sizes.slots(level, sizes.tier(*_real(b)))
+                             for level in ("object", "relation")}) for b in out], sizes
+
+
+def _real(batch) -> tuple[int, int]:
+    """Real crops (objects, relations) of a batch of either layout."""
+    from sclaro_jax.data import batch as fields
+    return tuple(int(batch[fields.LEVELS[level].mask].sum()) for level in fields.CROP_LEVELS)
+
+
+def crop_flops_line(lower, packed_batch) -> tuple[float, float, float]:
+    """(a, b, c): the step's FLOPs at k_o object and k_r relation slots are a + b k_o + c k_r
+    (to the contrastive losses' k^2 terms, under a millionth), from three lowerings of a packed
+    batch cut or grown to (k, k), (2k, k), (k, 2k). `lower(batch)` -> the lowered step."""
+    import numpy as np
+
+    from sclaro_jax.data import batch as fields
+    k = max(8, min(_real(packed_batch)))
+
+    def at(k_o, k_r):
+        b = dict(packed_batch)
+        for level, n in zip(fields.CROP_LEVELS, (k_o, k_r)):
+            f = fields.LEVELS[level]
+            for name in (f.pixels, f.tokens, f.labels, f.mask, f.segments):
+                x = np.asarray(packed_batch[name])
+                b[name] = np.resize(x, (n, *x.shape[1:]))
+        return _flops(lower(b).cost_analysis())
+    base, more_o, more_r = at(k, k), at(2 * k, k), at(k, 2 * k)
+    slope_o, slope_r = (more_o - base) / k, (more_r - base) / k
+    return base - slope_o * k - slope_r * k, slope_o, slope_r
 
 
 def main():
@@ -98,15 +165,15 @@ def main():
     import numpy as np
     from flax import nnx
 
-    from bench_train_step import make_batch
+    from sclaro_jax.data import packing
     from sclaro_jax.models import scenarioclip
     from sclaro_jax.train import core
 
     if args.attention != "ours":
         use_fused_attention("cudnn" if args.attention == "cudnn" else None)
-    batch = make_batch(args.preset, args.batch, n_obj=args.objects, n_rel=args.relations,
-                       text_len=args.text_length)
-    batch = jax.device_put(batch)
+    host_batches, sizes = step_batches(args, text_len=args.text_length)
+    batches = [jax.device_put(b) for b in host_batches]
+    batch = batches[0]
     model = scenarioclip.build("scenarioclip", preset=args.preset, dtype=jnp.dtype(args.dtype))
     cfg = core.TrainConfig(total_steps=10_000)
     graphdef, state, tx = core.init_state(model, cfg)
@@ -116,7 +183,18 @@ def main():
     # FLOPs of the step as written (the HLO before backend passes: every dot and convolution at
     # 2*M*N*K). The compiled executable's own cost analysis is no use for MFU on GPU: GEMMs that
     # XLA hands to cuBLAS are custom calls, which it counts as zero FLOPs.
-    flops = _flops(lowered.cost_analysis())
+    line = crop_flops_line(lambda b: step.lower(state, b),
+                           packing.pack(host_batches[0]) if sizes is None else host_batches[0])
+
+    as_lowered = {}  # shape -> FLOPs of the step lowered at it (caps: one; packed: per size)
+    for b in host_batches:
+        shape = (b["object_mask"].shape, b["relation_mask"].shape)
+        if shape not in as_lowered:
+            as_lowered[shape] = _flops(step.lower(state, b).cost_analysis())
+    flops = float(np.mean([as_lowered[(b["object_mask"].shape, b["relation_mask"].shape)]
+                           for b in host_batches]))
+    useful = float(np.mean([line[0] + line[1] * k_o + line[2] * k_r
+                            for k_o, k_r in map(_real, host_batches)]))
 
     @jax.jit
     def forward(state, batch):
@@ -127,7 +205,9 @@ def main():
     if args.flops_only:
         print(json.dumps({"preset": args.preset, "batch": args.batch, "objects": args.objects,
                           "relations": args.relations, "dtype": args.dtype,
-                          "tflops_per_step": flops / 1e12, "forward_tflops": _flops(
+                          "layout": args.layout, "counts": args.counts,
+                          "tflops_per_step": flops / 1e12, "useful_tflops_per_step": useful / 1e12,
+                          "forward_tflops": _flops(
                               forward.lower(state, batch).cost_analysis()) / 1e12}))
         return
     t0 = time.perf_counter()
@@ -137,27 +217,40 @@ def main():
     fused_attention_calls = compiled.as_text().count("__cudnn$fmha")
     holder = {"state": state}
     del state
+    warm = batches
+    if sizes is not None:  # every planned size compiled before timing
+        from bench_train_step import every_size
+        warm = batches + [jax.device_put(b) for b in every_size(sizes, host_batches[0])]
+    cycle = {"i": 0}
 
     def one_step():
-        holder["state"], metrics = step(holder["state"], batch)
+        b = batches[cycle["i"] % len(batches)]
+        cycle["i"] += 1
+        holder["state"], metrics = step(holder["state"], b)
         return metrics
 
-    for _ in range(3):
-        metrics = one_step()
+    for b in warm:
+        holder["state"], metrics = step(holder["state"], b)
     jax.block_until_ready(metrics)
-    times = _timed(one_step, args.repeats, args.steps)
+    times = _timed(one_step, args.repeats, max(args.steps, len(batches)))
     dt = float(np.median(times))
     metrics = one_step()
     result = {
         "device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
         "flax": flax.__version__, "preset": args.preset, "batch": args.batch,
         "objects": args.objects, "relations": args.relations, "dtype": args.dtype,
+        "layout": args.layout, "counts": args.counts,
+        "packed_sizes": None if sizes is None else sizes.describe(),
         "step_s": dt, "step_s_repeats": times, "examples_per_sec": args.batch / dt,
-        "tflops_per_step": flops / 1e12, "achieved_tflops": flops / dt / 1e12,
+        "useful_crops_per_sec": float(np.mean([sum(_real(b)) for b in host_batches])) / dt,
+        "tflops_per_step": flops / 1e12, "useful_tflops_per_step": useful / 1e12,
+        "achieved_tflops": flops / dt / 1e12,
         "mfu": flops / dt / (args.peak_tflops * 1e12),
+        "useful_mfu": useful / dt / (args.peak_tflops * 1e12),
         "compiled_cost_analysis_tflops": compiled_flops / 1e12, "compile_s": compile_s,
         "attention": args.attention, "cudnn_fused_attention_calls": fused_attention_calls,
-        "loss": float(metrics["loss"]), "recompiles": step._cache_size() - 1,
+        "loss": float(metrics["loss"]),
+        "recompiles": step._cache_size() - (1 if sizes is None else sizes.tiers),
     }
     if args.breakdown:
         fwd_flops = _flops(forward.lower(holder["state"], batch).cost_analysis())

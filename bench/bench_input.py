@@ -53,9 +53,10 @@ NAMES = ["person", "dog", "ball", "chair", "table", "cup", "tree", "car"]
 
 
 def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
-                 view_size: int | None = None) -> None:
-    """Samples with n_obj objects / n_rel relations on 640x480 JPEGs of the demo photographs;
-    version-1 records, or with `view_size` version-2 records (views at that size, no
+                 view_size: int | None = None, demo_counts: bool = False) -> None:
+    """Samples with n_obj objects / n_rel relations on 640x480 JPEGs of the demo photographs
+    (`demo_counts`: each with its photograph's own object / relation counts, at most n_obj /
+    n_rel); version-1 records, or with `view_size` version-2 records (views at that size, no
     originals) made by the writer (`data_prep.views.with_views`)."""
     from data_prep import demo, focus
     from data_prep.shards import ShardWriter
@@ -68,15 +69,19 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
         img = img.resize((640, 480), Image.BICUBIC)
         buf = io.BytesIO()
         img.save(buf, "JPEG", quality=90)
+        k_obj, k_rel = n_obj, n_rel
+        if demo_counts:
+            k_obj = max(1, min(n_obj, len(entry["objects"])))
+            k_rel = min(n_rel, len(entry["relations"]))
         boxes = []
-        for _ in range(n_obj):
+        for _ in range(k_obj):
             w, h = rng.integers(60, 400), rng.integers(60, 320)
             x0, y0 = rng.integers(0, 640 - w), rng.integers(0, 480 - h)
             boxes.append((float(x0), float(y0), float(x0 + w), float(y0 + h)))
         rgb = np.asarray(img)
         regions = []
-        for k in range(n_rel):
-            a, b = k % n_obj, (k + 1) % n_obj
+        for k in range(k_rel):
+            a, b = k % k_obj, (k + 1) % k_obj
             region = focus.focused_region(rgb, demo.box_mask(boxes[a], 640, 480),
                                           demo.box_mask(boxes[b], 640, 480))
             regions.append((a, b, demo.encode_jpeg(region, 90)))

@@ -5,6 +5,16 @@ for KD, an EMA teacher copy, AdamW groups, fp32), same config and batch, in one 
     python bench/bench_train_step.py --preset tiny --batch 32 --rounds 10
     python bench/bench_train_step.py --preset ViT-B/32 --batch 8 --rounds 3
     python bench/bench_train_step.py --preset tiny --batch 32 --torch-batched-kd  # + PyTorch's floor
+    python bench/bench_train_step.py --layouts --preset tiny --batch 32 --rounds 10
+    python bench/bench_train_step.py --layouts --preset ViT-B/32 --batch 8 --rounds 4
+
+`--layouts` times our step on the two crop layouts instead, in one process, each round on the
+same crops (per-image counts drawn from the bundled demo's photographs): the caps layout at the
+recipe's 10 objects / 8 relations per image against the packed layout at its planned sizes
+(every size compiled before timing). It prints examples/s, useful crops/s (real crops, no
+padding) and each layout's peak memory, from a child process that runs each of its shapes:
+the process's peak (compilation included; XLA:CPU keeps each compiled size's code, about 0.2 GB
+for the tiny step) and the steps' own peak (every shape run again after the peak is reset).
 
 Both start from the same weights (a random transformers CLIPModel written with save_pretrained,
 loaded by `clip.from_hf`; our heads copied into the PyTorch heads), so the first step's losses
@@ -24,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -37,8 +48,9 @@ EMBED = 512
 
 
 def make_batch(preset: str, batch: int, seed: int = 0, n_obj: int = N_OBJ, n_rel: int = N_REL,
-               text_len: int = TEXT_LEN) -> dict:
-    """A synthetic caps batch, every object and relation valid (also used by bench_gpu_train)."""
+               text_len: int = TEXT_LEN, counts=None) -> dict:
+    """A synthetic caps batch of n_obj / n_rel slots per image, every slot valid, or with
+    `counts` [batch, 2] the first counts[i] of image i's slots (also used by bench_gpu_train)."""
     from sclaro_jax.models.clip import PRESETS
     size = PRESETS[preset].vision.image_size
     rng = np.random.default_rng(seed)
@@ -55,11 +67,14 @@ def make_batch(preset: str, batch: int, seed: int = 0, n_obj: int = N_OBJ, n_rel
         fields.ACTION_TOKENS: ids((batch,)),
         fields.HAS_ACTION: np.ones((batch,), bool), fields.VALID: np.ones((batch,), bool),
     }
-    for f, n in ((obj, n_obj), (rel, n_rel)):
-        out[f.pixels] = rng.integers(0, 256, (batch, n, size, size, 3), dtype=np.uint8)
-        out[f.tokens] = ids((batch, n))
-        out[f.mask] = np.ones((batch, n), bool)
-        out[f.labels] = np.zeros((batch, n), np.int32)
+    for k, (f, n) in enumerate(((obj, n_obj), (rel, n_rel))):
+        mask = np.ones((batch, n), bool) if counts is None else \
+            np.arange(n)[None, :] < np.asarray(counts)[:, k, None]
+        out[f.pixels] = rng.integers(0, 256, (batch, n, size, size, 3), dtype=np.uint8) * \
+            mask[..., None, None, None].astype(np.uint8)
+        out[f.tokens] = ids((batch, n)) * mask[..., None]
+        out[f.mask] = mask
+        out[f.labels] = np.where(mask, 0, -1).astype(np.int32)
     for name in (fields.BAD_RECORD, fields.DROPPED_OBJECTS, fields.DROPPED_RELATIONS):
         out[name] = np.zeros((batch,), np.int32)
     return out
@@ -251,21 +266,137 @@ def torch_side(folder: str, jax_model, embed: int, kd_loops: bool = True):
     return run
 
 
+# ---------------------------------------------------------------- caps against packed (--layouts)
+
+CAPS = (10, 8)  # the recipe's per-image caps (objects, relations)
+
+
+def demo_counts() -> np.ndarray:
+    """[n, 2] (objects, relations) of the bundled demo's photographs (its annotations file)."""
+    from data_prep.demo import load_annotations
+    return np.array([(len(e["objects"]), len(e["relations"])) for e in load_annotations()])
+
+
+def layout_batches(preset: str, batch: int, rounds: int, seed: int = 0):
+    """(packed sizes, [(caps batch, packed batch)] * rounds): images' counts drawn from the
+    demo's; caps at the recipe's 10 / 8 slots per image, packed at the smallest planned size
+    that holds the batch (the same crops, pixels and texts)."""
+    from sclaro_jax.data import packing
+    per_image = np.minimum(demo_counts(), CAPS)
+    sizes = packing.plan(*(packing.histogram(per_image[:, k]) for k in range(2)), batch)
+    rng = np.random.default_rng(seed)
+    out = []
+    for r in range(rounds):
+        counts = per_image[rng.integers(0, len(per_image), batch)]
+        caps = make_batch(preset, batch, seed=r, n_obj=CAPS[0], n_rel=CAPS[1], counts=counts)
+        tier = sizes.tier(*counts.sum(0))
+        out.append((caps, packing.pack(caps, {"object": sizes.objects[tier],
+                                              "relation": sizes.relations[tier]})))
+    return sizes, out
+
+
+def every_size(sizes, packed: dict) -> list[dict]:
+    """A packed batch grown to each planned size (to compile them all before timing)."""
+    from sclaro_jax.data import packing
+    have = sizes.tier_of(packed)
+    return [packing.grow(packed, sizes, t) for t in range(have, sizes.tiers)] + [
+        _shrunk(packed, sizes, t) for t in range(have)]
+
+
+def _shrunk(packed: dict, sizes, tier: int) -> dict:
+    """`packed` cut to a smaller size (its crops past the cut are lost: to compile only)."""
+    from sclaro_jax.data import batch as fields
+    out = dict(packed)
+    for level in fields.CROP_LEVELS:
+        f = fields.LEVELS[level]
+        k = sizes.slots(level, tier)
+        for name in (f.pixels, f.tokens, f.labels, f.mask, f.segments):
+            out[name] = packed[name][:k]
+    return out
+
+
+def _useful_crops(batch: dict) -> int:
+    from sclaro_jax.data import batch as fields
+    return int(sum(batch[fields.LEVELS[level].mask].sum() for level in fields.CROP_LEVELS))
+
+
+def compare_layouts(args) -> None:
+    """Our step on the caps and the packed layout, the same crops each round, in one run."""
+    folder = hf_folder(args.preset, args.tmp)
+    mem = {}
+    for side in ("caps", "packed"):  # each alone in a child process, before this one grows
+        out = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--batch",
+                              str(args.batch), "--embed", str(args.embed), "--child", side,
+                              "--tmp", args.tmp], capture_output=True, text=True)
+        line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+        got = json.loads(line[-1]) if line else {}
+        mem[side] = (got.get("peak_rss_gb", np.nan), got.get("step_peak_rss_gb", np.nan))
+        if not line:
+            print(out.stderr[-2000:])
+    sizes, batches = layout_batches(args.preset, args.batch, args.rounds)
+    steps = {}
+    for side in ("caps", "packed"):
+        run, _ = jax_side(folder, args.preset, args.embed)
+        warm = [batches[0][0]] if side == "caps" else every_size(sizes, batches[0][1])
+        for b in warm:
+            run(b)  # compiles each shape once
+        steps[side] = run
+    times = np.zeros((args.rounds, 2))
+    for r, (caps, packed) in enumerate(batches):
+        order = [0, 1] if r % 2 == 0 else [1, 0]
+        for i in order:
+            time.sleep(0.25)
+            t0 = time.perf_counter()
+            steps[("caps", "packed")[i]]((caps, packed)[i])
+            times[r, i] = time.perf_counter() - t0
+    crops = np.array([_useful_crops(c) for c, _ in batches])
+    slots = {"caps": args.batch * sum(CAPS),
+             "packed": np.mean([sizes.objects[sizes.tier_of(p)] + sizes.relations[
+                 sizes.tier_of(p)] for _, p in batches])}
+    print(f"{args.preset}, batch {args.batch}, counts drawn from the demo's photographs (caps "
+          f"{CAPS[0]} objects / {CAPS[1]} relations per image; packed sizes "
+          f"{sizes.describe()}), {args.rounds} paired rounds, {os.cpu_count()} cores")
+    print("| preset | batch | layout | s/step median (min) | examples/s | useful crops/s | "
+          "padding | peak RSS (GB): process / steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, side in enumerate(("caps", "packed")):
+        med = float(np.median(times[:, i]))
+        print(f"| {args.preset} | {args.batch} | {side} | {med:.3f} ({times[:, i].min():.3f}) | "
+              f"{args.batch / med:.2f} | {np.median(crops / times[:, i]):.1f} | "
+              f"{1 - crops.mean() / slots[side]:.1%} | {mem[side][0]:.2f} / {mem[side][1]:.2f} |")
+    print(f"packed / caps examples/s: {np.median(times[:, 0] / times[:, 1]):.2f}x (median of "
+          f"the rounds' ratios)")
+
+
 def child(args) -> None:
     """Run one side alone for 3 steps and print its peak RSS."""
     import torch
     torch.set_num_threads(os.cpu_count())
     folder = hf_folder(args.preset, args.tmp)
-    batch = make_batch(args.preset, args.batch)
+    batches = [make_batch(args.preset, args.batch)] * 3
+    if args.child in ("caps", "packed"):  # the --layouts comparison: every size it compiles
+        sizes, pairs = layout_batches(args.preset, args.batch, 1)
+        batches = [pairs[0][0]] * 3 if args.child == "caps" else every_size(sizes, pairs[0][1])
     if args.child == "torch":  # random heads: the weights do not matter for memory
         run = torch_side(folder, None, args.embed)
     else:
         run, _ = jax_side(folder, args.preset, args.embed)
-    for _ in range(3):
+    for batch in batches:
         run(batch)
+    out = {"peak_rss_gb": _hwm_gb()}
+    if args.child in ("caps", "packed"):  # again, every shape compiled: the steps' own peak
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        for batch in batches:
+            run(batch)
+        out["step_peak_rss_gb"] = _hwm_gb()
+    print(json.dumps(out))
+
+
+def _hwm_gb() -> float:
     # VmHWM, not ru_maxrss: the latter carries the forking parent's high-water mark over exec
     hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0]
-    print(json.dumps({"peak_rss_gb": int(hwm.split()[1]) / 2 ** 20}))
+    return int(hwm.split()[1]) / 2 ** 20
 
 
 def main():
@@ -277,11 +408,18 @@ def main():
     parser.add_argument("--torch-batched-kd", action="store_true",
                         help="also time the PyTorch step with its KD terms as batched tensor "
                              "ops (not the reference's way; a floor for PyTorch's step)")
-    parser.add_argument("--child", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", action="store_true",
+                        help="instead: our step on the caps layout against the packed one, "
+                             "batches with the demo's object / relation counts")
+    parser.add_argument("--child", choices=("jax", "torch", "caps", "packed"),
+                        help=argparse.SUPPRESS)
     parser.add_argument("--tmp", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child(args)
+    if args.layouts:
+        args.tmp = args.tmp or tempfile.mkdtemp(prefix="bench_step_")
+        return compare_layouts(args)
     import torch
 
     from timing import paired_timings
@@ -294,7 +432,8 @@ def main():
                               str(args.batch), "--embed", str(args.embed), "--child", side,
                               "--tmp", args.tmp], capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("{")]
-        mem[side] = json.loads(line[-1])["peak_rss_gb"] if line else float("nan")
+        got = json.loads(line[-1]) if line else {}
+        mem[side] = (got.get("peak_rss_gb", np.nan), got.get("step_peak_rss_gb", np.nan))
         if not line:
             print(out.stderr[-2000:])
     batch = make_batch(args.preset, args.batch)
