@@ -320,19 +320,24 @@ def _useful_crops(batch: dict) -> int:
     return int(sum(batch[fields.LEVELS[level].mask].sum() for level in fields.CROP_LEVELS))
 
 
+def child_memory(args, side: str) -> dict:
+    """The peak-memory figures of `side` run alone in a child process (see `child`)."""
+    out = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--batch",
+                          str(args.batch), "--embed", str(args.embed), "--child", side,
+                          "--tmp", args.tmp], capture_output=True, text=True)
+    line = [x for x in out.stdout.splitlines() if x.startswith("{")]
+    if not line:
+        print(out.stderr[-2000:])
+    return json.loads(line[-1]) if line else {}
+
+
 def compare_layouts(args) -> None:
     """Our step on the caps and the packed layout, the same crops each round, in one run."""
     folder = hf_folder(args.preset, args.tmp)
     mem = {}
     for side in ("caps", "packed"):  # each alone in a child process, before this one grows
-        out = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--batch",
-                              str(args.batch), "--embed", str(args.embed), "--child", side,
-                              "--tmp", args.tmp], capture_output=True, text=True)
-        line = [x for x in out.stdout.splitlines() if x.startswith("{")]
-        got = json.loads(line[-1]) if line else {}
+        got = child_memory(args, side)
         mem[side] = (got.get("peak_rss_gb", np.nan), got.get("step_peak_rss_gb", np.nan))
-        if not line:
-            print(out.stderr[-2000:])
     sizes, batches = layout_batches(args.preset, args.batch, args.rounds)
     steps = {}
     for side in ("caps", "packed"):
@@ -428,14 +433,7 @@ def main():
     folder = hf_folder(args.preset, args.tmp)
     mem = {}
     for side in ("jax", "torch"):  # each side alone, before this process grows
-        out = subprocess.run([sys.executable, __file__, "--preset", args.preset, "--batch",
-                              str(args.batch), "--embed", str(args.embed), "--child", side,
-                              "--tmp", args.tmp], capture_output=True, text=True)
-        line = [x for x in out.stdout.splitlines() if x.startswith("{")]
-        got = json.loads(line[-1]) if line else {}
-        mem[side] = (got.get("peak_rss_gb", np.nan), got.get("step_peak_rss_gb", np.nan))
-        if not line:
-            print(out.stderr[-2000:])
+        mem[side] = child_memory(args, side).get("peak_rss_gb", np.nan)
     batch = make_batch(args.preset, args.batch)
     jax_run, jax_model = jax_side(folder, args.preset, args.embed)
     torch_run = torch_side(folder, jax_model, args.embed)
