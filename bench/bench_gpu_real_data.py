@@ -33,12 +33,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_train import _flops, _real, add_step_arguments, crop_flops_line  # noqa: E402
+from bench_gpu_train import StepFlops, add_step_arguments  # noqa: E402
+from bench_train_step import real_crops  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     conflict_handler="resolve")
     add_step_arguments(parser)
+    parser.add_argument("--layout", action="append", choices=("caps", "packed"),
+                        help="crop layout, repeatable: each measured in turn (default caps)")
     parser.add_argument("--samples", type=int, default=1024, help="records to write")
     parser.add_argument("--data", default="", help="shard folder (written if empty)")
     parser.add_argument("--workers", type=int, action="append",
@@ -48,9 +52,7 @@ def main():
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     args = parser.parse_args()
-    # add_step_arguments' --layout is one value; here it may repeat
-    layouts = [v for k, v in zip(sys.argv, sys.argv[1:]) if k == "--layout"] + [
-        a.split("=", 1)[1] for a in sys.argv if a.startswith("--layout=")] or [args.layout]
+    layouts = args.layout or ["caps"]
     workers = args.workers or [max(1, (os.cpu_count() or 2) - 1)]
 
     from bench_input import build_shards
@@ -94,16 +96,7 @@ def measure(args, data: str, size: int, layout: str, workers: list[int]) -> dict
     del model
     step = jax.jit(core.make_train_step(graphdef, tx, cfg), donate_argnums=0)
     first = next(iter(make_loader(data, "train", args.batch, config=pcfg, seed=0)))
-    line = crop_flops_line(lambda b: step.lower(state, b),
-                           first if sizes else packing.pack(first))
-    lowered = {}
-
-    def flops(batch):  # (the step's FLOPs as lowered at the batch's shape, its real crops')
-        shape = (batch["object_mask"].shape, batch["relation_mask"].shape)
-        if shape not in lowered:
-            lowered[shape] = _flops(step.lower(state, batch).cost_analysis())
-        k_o, k_r = _real(batch)
-        return lowered[shape], line[0] + line[1] * k_o + line[2] * k_r
+    flops = StepFlops(lambda b: step.lower(state, b), first)
 
     device_batch = jax.device_put(first)
     t0 = time.perf_counter()
@@ -147,7 +140,7 @@ def measure(args, data: str, size: int, layout: str, workers: list[int]) -> dict
             batch = next(it)
             wait += time.perf_counter() - w0
             done.append(flops(batch))
-            crops += sum(_real(batch))
+            crops += sum(real_crops(batch))
             state, metrics = step(state, jax.device_put(batch))
         jax.block_until_ready(metrics)
         wall = time.perf_counter() - t0

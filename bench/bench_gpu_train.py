@@ -31,6 +31,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_train_step import real_crops, resized  # noqa: E402
+
 
 def use_fused_attention(implementation: str | None) -> None:
     """Swap the CLIP attention core for `jax.nn.dot_product_attention` (cuDNN's fused kernel
@@ -94,7 +96,7 @@ def step_batches(args, batches: int = 8, text_len: int = 32):
     layout (one when every slot is full)."""
     import numpy as np
 
-    from bench_train_step import demo_counts, make_batch
+    from bench_train_step import demo_counts, make_batch, pack_planned
     from sclaro_jax.data import packing
     caps = (args.objects, args.relations)
     if args.counts == "full":
@@ -110,36 +112,40 @@ def step_batches(args, batches: int = 8, text_len: int = 32):
     if args.layout == "caps":
         return out, None
     sizes = packing.plan(*(packing.histogram(per_image[:, k]) for k in range(2)), args.batch)
-    return [packing.pack(b, {level: sizes.slots(level, sizes.tier(*_real(b)))
-                             for level in ("object", "relation")}) for b in out], sizes
-
-
-def _real(batch) -> tuple[int, int]:
-    """Real crops (objects, relations) of a batch of either layout."""
-    from sclaro_jax.data import batch as fields
-    return tuple(int(batch[fields.LEVELS[level].mask].sum()) for level in fields.CROP_LEVELS)
+    return [pack_planned(b, sizes) for b in out], sizes
 
 
 def crop_flops_line(lower, packed_batch) -> tuple[float, float, float]:
     """(a, b, c): the step's FLOPs at k_o object and k_r relation slots are a + b k_o + c k_r
     (to the contrastive losses' k^2 terms, under a millionth), from three lowerings of a packed
     batch cut or grown to (k, k), (2k, k), (k, 2k). `lower(batch)` -> the lowered step."""
-    import numpy as np
-
-    from sclaro_jax.data import batch as fields
-    k = max(8, min(_real(packed_batch)))
+    k = max(8, min(real_crops(packed_batch)))
 
     def at(k_o, k_r):
-        b = dict(packed_batch)
-        for level, n in zip(fields.CROP_LEVELS, (k_o, k_r)):
-            f = fields.LEVELS[level]
-            for name in (f.pixels, f.tokens, f.labels, f.mask, f.segments):
-                x = np.asarray(packed_batch[name])
-                b[name] = np.resize(x, (n, *x.shape[1:]))
-        return _flops(lower(b).cost_analysis())
+        return _flops(lower(resized(packed_batch, {"object": k_o, "relation": k_r}))
+                      .cost_analysis())
     base, more_o, more_r = at(k, k), at(2 * k, k), at(k, 2 * k)
     slope_o, slope_r = (more_o - base) / k, (more_r - base) / k
     return base - slope_o * k - slope_r * k, slope_o, slope_r
+
+
+class StepFlops:
+    """`(all, useful)` FLOPs of the step on a batch of either layout: XLA's count for the step
+    lowered at the batch's shape (once per shape), and the crop line (`crop_flops_line`) at the
+    batch's real crops. `lower(batch)` -> the lowered step; `first` is a batch of the run."""
+
+    def __init__(self, lower, first: dict):
+        from sclaro_jax.data import packing
+        self.lower = lower
+        self.line = crop_flops_line(lower, packing.pack(first))  # pack keeps a packed batch
+        self.lowered: dict = {}
+
+    def __call__(self, batch: dict) -> tuple[float, float]:
+        shape = (batch["object_mask"].shape, batch["relation_mask"].shape)
+        if shape not in self.lowered:
+            self.lowered[shape] = _flops(self.lower(batch).cost_analysis())
+        k_o, k_r = real_crops(batch)
+        return self.lowered[shape], self.line[0] + self.line[1] * k_o + self.line[2] * k_r
 
 
 def main():
@@ -165,7 +171,6 @@ def main():
     import numpy as np
     from flax import nnx
 
-    from sclaro_jax.data import packing
     from sclaro_jax.models import scenarioclip
     from sclaro_jax.train import core
 
@@ -183,18 +188,8 @@ def main():
     # FLOPs of the step as written (the HLO before backend passes: every dot and convolution at
     # 2*M*N*K). The compiled executable's own cost analysis is no use for MFU on GPU: GEMMs that
     # XLA hands to cuBLAS are custom calls, which it counts as zero FLOPs.
-    line = crop_flops_line(lambda b: step.lower(state, b),
-                           packing.pack(host_batches[0]) if sizes is None else host_batches[0])
-
-    as_lowered = {}  # shape -> FLOPs of the step lowered at it (caps: one; packed: per size)
-    for b in host_batches:
-        shape = (b["object_mask"].shape, b["relation_mask"].shape)
-        if shape not in as_lowered:
-            as_lowered[shape] = _flops(step.lower(state, b).cost_analysis())
-    flops = float(np.mean([as_lowered[(b["object_mask"].shape, b["relation_mask"].shape)]
-                           for b in host_batches]))
-    useful = float(np.mean([line[0] + line[1] * k_o + line[2] * k_r
-                            for k_o, k_r in map(_real, host_batches)]))
+    step_flops = StepFlops(lambda b: step.lower(state, b), host_batches[0])
+    flops, useful = (float(x) for x in np.mean([step_flops(b) for b in host_batches], axis=0))
 
     @jax.jit
     def forward(state, batch):
@@ -242,7 +237,7 @@ def main():
         "layout": args.layout, "counts": args.counts,
         "packed_sizes": None if sizes is None else sizes.describe(),
         "step_s": dt, "step_s_repeats": times, "examples_per_sec": args.batch / dt,
-        "useful_crops_per_sec": float(np.mean([sum(_real(b)) for b in host_batches])) / dt,
+        "useful_crops_per_sec": float(np.mean([sum(real_crops(b)) for b in host_batches])) / dt,
         "tflops_per_step": flops / 1e12, "useful_tflops_per_step": useful / 1e12,
         "achieved_tflops": flops / dt / 1e12,
         "mfu": flops / dt / (args.peak_tflops * 1e12),

@@ -289,35 +289,44 @@ def layout_batches(preset: str, batch: int, rounds: int, seed: int = 0):
     for r in range(rounds):
         counts = per_image[rng.integers(0, len(per_image), batch)]
         caps = make_batch(preset, batch, seed=r, n_obj=CAPS[0], n_rel=CAPS[1], counts=counts)
-        tier = sizes.tier(*counts.sum(0))
-        out.append((caps, packing.pack(caps, {"object": sizes.objects[tier],
-                                              "relation": sizes.relations[tier]})))
+        out.append((caps, pack_planned(caps, sizes)))
     return sizes, out
 
 
-def every_size(sizes, packed: dict) -> list[dict]:
-    """A packed batch grown to each planned size (to compile them all before timing)."""
+def real_crops(batch: dict) -> tuple[int, int]:
+    """Real crops (objects, relations) of a batch of either layout."""
+    from sclaro_jax.data import batch as fields
+    return tuple(int(batch[fields.LEVELS[level].mask].sum()) for level in fields.CROP_LEVELS)
+
+
+def pack_planned(caps: dict, sizes) -> dict:
+    """A caps batch packed at the smallest planned size that holds its crops."""
     from sclaro_jax.data import packing
-    have = sizes.tier_of(packed)
-    return [packing.grow(packed, sizes, t) for t in range(have, sizes.tiers)] + [
-        _shrunk(packed, sizes, t) for t in range(have)]
+    tier = sizes.tier(*real_crops(caps))
+    return packing.pack(caps, {level: sizes.slots(level, tier) for level in ("object", "relation")})
 
 
-def _shrunk(packed: dict, sizes, tier: int) -> dict:
-    """`packed` cut to a smaller size (its crops past the cut are lost: to compile only)."""
+def resized(packed: dict, slots: dict[str, int]) -> dict:
+    """`packed` cut or grown (its crops repeated) to `slots[level]` slots: a batch of that
+    shape to compile or lower, not to train on."""
     from sclaro_jax.data import batch as fields
     out = dict(packed)
-    for level in fields.CROP_LEVELS:
+    for level, n in slots.items():
         f = fields.LEVELS[level]
-        k = sizes.slots(level, tier)
         for name in (f.pixels, f.tokens, f.labels, f.mask, f.segments):
-            out[name] = packed[name][:k]
+            x = np.asarray(packed[name])
+            out[name] = np.resize(x, (n, *x.shape[1:]))
     return out
 
 
-def _useful_crops(batch: dict) -> int:
-    from sclaro_jax.data import batch as fields
-    return int(sum(batch[fields.LEVELS[level].mask].sum() for level in fields.CROP_LEVELS))
+def every_size(sizes, packed: dict) -> list[dict]:
+    """A packed batch at each planned size (to compile them all before timing): grown with
+    padding to the larger sizes, cut to the smaller ones."""
+    from sclaro_jax.data import packing
+    have = sizes.tier_of(packed)
+    return [packing.grow(packed, sizes, t) for t in range(have, sizes.tiers)] + [
+        resized(packed, {level: sizes.slots(level, t) for level in ("object", "relation")})
+        for t in range(have)]
 
 
 def child_memory(args, side: str) -> dict:
@@ -354,7 +363,7 @@ def compare_layouts(args) -> None:
             t0 = time.perf_counter()
             steps[("caps", "packed")[i]]((caps, packed)[i])
             times[r, i] = time.perf_counter() - t0
-    crops = np.array([_useful_crops(c) for c, _ in batches])
+    crops = np.array([sum(real_crops(c)) for c, _ in batches])
     slots = {"caps": args.batch * sum(CAPS),
              "packed": np.mean([sizes.objects[sizes.tier_of(p)] + sizes.relations[
                  sizes.tier_of(p)] for _, p in batches])}
