@@ -6,6 +6,8 @@ but float32 and float64 may order two scores closer than 1e-6 differently, so on
 across gaps larger than 1e-6 is required to agree.
 """
 
+import random
+
 import jax
 import numpy as np
 import pytest
@@ -113,31 +115,90 @@ def embeddings(rng, *shape, dtype=np.float32):
 
 # ---------------------------------------------------------------- crops
 
-def test_fixed5_on_640x480_is_centre_then_corners():
-    boxes = crop_boxes(640, 480)
+def test_fixed5_on_640x480_keeps_the_aspect_corners_then_centre():
+    boxes = crop_boxes(640, 480)  # cw = 384, ch = 288: 36% of the image
+    np.testing.assert_array_equal(boxes, [[0, 0, 384, 288], [256, 0, 640, 288],
+                                          [0, 192, 384, 480], [256, 192, 640, 480],
+                                          [128, 96, 512, 384]])
+    assert boxes.dtype.kind == "i"
+    np.testing.assert_array_equal(crop_boxes(640, 480, "grid3x3")[[0, 4, 8]],
+                                  [[0, 0, 213, 160], [213, 160, 426, 320],
+                                   [426, 320, 639, 480]])
+
+
+def _authors_rule(w, h, kind, seed):
+    """The boxes each generator must give, worked out from the rule as the MINER authors
+    state it (int() truncation of the float products, Python's random for the random crops)."""
+    if kind == "fixed5":
+        cw, ch = max(1, int(0.6 * w)), max(1, int(0.6 * h))
+        xs = {"left": 0, "right": w - cw, "mid": (w - cw) // 2}
+        ys = {"top": 0, "bottom": h - ch, "mid": (h - ch) // 2}
+        order = [("left", "top"), ("right", "top"), ("left", "bottom"), ("right", "bottom"),
+                 ("mid", "mid")]
+        return [[xs[a], ys[b], xs[a] + cw, ys[b] + ch] for a, b in order]
+    if kind == "grid3x3":
+        cw, ch = w // 3, h // 3
+        return [[i * cw, j * ch, i * cw + cw, j * ch + ch] for j in range(3) for i in range(3)]
+    draw = random.Random(seed)
+    out = []
+    for _ in range(5):
+        r = draw.uniform(0.3, 0.7)
+        cw, ch = max(1, int(w * r)), max(1, int(h * r))
+        x = draw.randint(0, w - cw)
+        y = draw.randint(0, h - ch)
+        out.append([x, y, x + cw, y + ch])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fixed5", "grid3x3", "random"])
+def test_crop_boxes_equal_the_authors_rule_for_500_image_sizes(kind):
+    rng = np.random.default_rng(0)
+    sizes = [(1, 1), (2, 5), (3, 3), (4000, 3000), (1, 3000), (4000, 1)] + [
+        (int(w), int(h)) for w, h in zip(rng.integers(1, 4001, 494), rng.integers(1, 3001, 494))]
+    for i, (w, h) in enumerate(sizes):
+        if kind == "grid3x3" and min(w, h) < 3:
+            with pytest.raises(ValueError, match=f"at least 3 x 3 pixels, got {w} x {h}"):
+                crop_boxes(w, h, kind)
+            continue
+        got = crop_boxes(w, h, kind, seed=i)
+        np.testing.assert_array_equal(got, _authors_rule(w, h, kind, i), err_msg=f"{w} x {h}")
+        assert got[:, :2].min() >= 0 and (got[:, 2] <= w).all() and (got[:, 3] <= h).all()
+        assert (got[:, 2] > got[:, 0]).all() and (got[:, 3] > got[:, 1]).all()
+    assert len(sizes) == 500
+
+
+def test_fixed_crops_cover_ratio_squared_of_the_image_and_squares_do_not():
+    for w, h in [(640, 480), (1920, 1080), (1000, 1000)]:
+        area = lambda b: (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1]) / (w * h)
+        np.testing.assert_allclose(area(crop_boxes(w, h)), 0.36, atol=2e-3)
+        square = crop_boxes(w, h, shape="square")
+        np.testing.assert_allclose(area(square), 0.36 * min(w, h) / max(w, h), atol=2e-3)
+
+
+def test_square_shape_keeps_the_earlier_rule():
+    boxes = crop_boxes(640, 480, shape="square")  # s = 288, centre first
     np.testing.assert_array_equal(boxes, [[176, 96, 464, 384], [0, 0, 288, 288],
                                           [352, 0, 640, 288], [0, 192, 288, 480],
                                           [352, 192, 640, 480]])
-    assert boxes.dtype.kind == "i"
-
-
-def test_grid3x3_and_ratio():
-    np.testing.assert_array_equal(crop_boxes(640, 480, "grid3x3")[:, :2],
+    np.testing.assert_array_equal(crop_boxes(640, 480, "grid3x3", shape="square")[:, :2],
                                   [[x, y] for y in (0, 96, 192) for x in (0, 176, 352)])
-    boxes = crop_boxes(101, 200, "grid3x3", ratio=0.5)  # s = 50, x in linspace(0, 51, 3)
+    boxes = crop_boxes(101, 200, "grid3x3", ratio=0.5, shape="square")  # s = 50
     assert set(boxes[:, 2] - boxes[:, 0]) == {50} and sorted(set(boxes[:, 0])) == [0, 26, 51]
-    np.testing.assert_array_equal(crop_boxes(300, 300, ratio=1.0),
+    np.testing.assert_array_equal(crop_boxes(300, 300, ratio=1.0, shape="square"),
                                   np.tile([0, 0, 300, 300], (5, 1)))
-
-
-def test_random_crops_are_deterministic_squares_inside_the_image():
-    boxes = crop_boxes(640, 480, "random", n=50, seed=3)
-    np.testing.assert_array_equal(boxes, crop_boxes(640, 480, "random", n=50, seed=3))
-    assert not np.array_equal(boxes, crop_boxes(640, 480, "random", n=50, seed=4))
+    boxes = crop_boxes(640, 480, "random", n=50, seed=3, shape="square")
     side = boxes[:, 2] - boxes[:, 0]
     np.testing.assert_array_equal(side, boxes[:, 3] - boxes[:, 1])
     assert side.min() >= int(0.3 * 480) and side.max() <= int(0.7 * 480)
-    assert boxes[:, :2].min() >= 0 and boxes[:, 2].max() <= 640 and boxes[:, 3].max() <= 480
+
+
+def test_random_crops_are_deterministic_and_keep_the_aspect():
+    boxes = crop_boxes(640, 480, "random", n=50, seed=3)
+    np.testing.assert_array_equal(boxes, crop_boxes(640, 480, "random", n=50, seed=3))
+    assert not np.array_equal(boxes, crop_boxes(640, 480, "random", n=50, seed=4))
+    w, h = boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]
+    np.testing.assert_allclose(w / 640, h / 480, atol=1 / 480)  # one ratio for both sides
+    assert w.min() >= int(0.3 * 640) and w.max() <= int(0.7 * 640)
     assert len(crop_boxes(640, 480, "random")) == 5
 
 
@@ -149,6 +210,8 @@ def test_random_crops_are_deterministic_squares_inside_the_image():
     ((640, -1), {}, "positive"),
     ((640, 480, "random"), {"n": 0}, "positive integer"),
     ((640, 480, "fixed5"), {"n": 3}, "n applies"),
+    ((640, 480), {"shape": "round"}, "unknown crop shape"),
+    ((2, 480, "grid3x3"), {}, "at least 3 x 3 pixels"),
 ])
 def test_crop_boxes_errors(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -158,9 +221,9 @@ def test_crop_boxes_errors(args, kwargs, match):
 def test_crop_images_slices():
     image = np.arange(480 * 640 * 3, dtype=np.uint32).reshape(480, 640, 3).astype(np.uint8)
     crops = crop_images(image, crop_boxes(640, 480))
-    assert [c.shape for c in crops] == [(288, 288, 3)] * 5
-    np.testing.assert_array_equal(crops[0], image[96:384, 176:464])
-    np.testing.assert_array_equal(crops[4], image[192:480, 352:640])
+    assert [c.shape for c in crops] == [(288, 384, 3)] * 5
+    np.testing.assert_array_equal(crops[0], image[0:288, 0:384])
+    np.testing.assert_array_equal(crops[4], image[96:384, 128:512])
 
 
 # ---------------------------------------------------------------- top-k

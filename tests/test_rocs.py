@@ -148,6 +148,17 @@ def test_gallery_embeddings_crops_match_direct_encoding_and_cache_resumes(tmp_pa
     assert enc2.views == 3 * 6
     # other crop settings are another cache entry
     assert gallery.cache_key(enc, split, gallery.CropSpec("grid3x3")) != key
+    square = gallery.CropSpec("fixed5", shape="square")
+    assert gallery.cache_key(enc, split, square) != key
+    meta = json.loads((tmp_path / "c" / key / "meta.json").read_text())
+    assert meta["crops"]["shape"] == "aspect" and meta["crop_rule"].startswith("aspect-keeping")
+    # a cache made with the earlier square crops, put where the aspect crops' cache goes (a
+    # folder renamed by hand), is refused, naming the file and both rules
+    gallery.embed_split(enc, split, square, cache_dir=tmp_path / "s", progress=False)
+    (tmp_path / "s" / gallery.cache_key(enc, split, square)).rename(tmp_path / "s" / key)
+    with pytest.raises(gallery.CacheMismatchError, match=r"meta.json: the cached embeddings "
+                       r"were made with crops .*'square'.* not .*'aspect'"):
+        gallery.embed_split(enc, split, spec, cache_dir=tmp_path / "s", progress=False)
 
 
 # ------------------------------------------------------------------------------------------

@@ -25,7 +25,11 @@ from sclaro_jax import miner
 from sclaro_jax.eval.data import RetrievalSplit
 from sclaro_jax.eval.encoders import Encoder
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the crop rule (`CropSpec.shape`, aspect-keeping by default) recorded
+
+
+class CacheMismatchError(ValueError):
+    """A cache folder holds embeddings made with other settings than the ones asked for."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +40,18 @@ class CropSpec:
     ratio: float = 0.6
     n: int | None = None  # only for kind="random" (default 5)
     seed: int = 0
+    shape: str = "aspect"  # the MINER authors' rule; "square": their earlier one
 
     def boxes(self, width: int, height: int, index: int = 0) -> np.ndarray:
         seed = self.seed * 1_000_003 + index  # random crops differ per image, reproducibly
         return np.asarray(miner.crop_boxes(width, height, self.kind, self.ratio, n=self.n,
-                                           seed=seed))
+                                           seed=seed, shape=self.shape))
+
+    @property
+    def rule(self) -> str:
+        """The crop rule in words, as the cache's meta.json records it."""
+        from sclaro_jax.miner.crops import RULES
+        return RULES[self.shape]
 
     @property
     def count(self) -> int:
@@ -71,6 +82,26 @@ def cache_key(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None) -
     return hashlib.sha256(what.encode()).hexdigest()[:20]
 
 
+def _check_cache(folder: Path, meta: dict) -> None:
+    """Refuse a cache folder whose embeddings were made with another crop rule (a folder
+    copied or renamed by hand, or written by an older version without the rule)."""
+    path = folder / "meta.json"
+    if not path.exists():
+        if any(folder.glob("gallery-*.npy")):
+            raise CacheMismatchError(f"{folder} holds gallery embeddings without a meta.json "
+                                     f"saying how they were made; delete the folder")
+        return
+    try:
+        old = json.loads(path.read_text())
+    except ValueError as err:
+        raise CacheMismatchError(f"{path} is not JSON ({err}); delete {folder}") from None
+    for field in ("crops", "crop_rule"):
+        if old.get(field) != meta[field]:
+            raise CacheMismatchError(
+                f"{path}: the cached embeddings were made with {field} {old.get(field)!r}, "
+                f"not {meta[field]!r}; delete {folder} or use another --cache_dir")
+
+
 def _save_atomic(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp.npy")
     np.save(tmp, array)
@@ -89,10 +120,13 @@ def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None 
     if cache_dir is not None:
         folder = Path(cache_dir) / cache_key(encoder, split, crops)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "meta.json").write_text(json.dumps({
-            "encoder": encoder.name, "split": split.name, "source": split.source,
-            "images": split.num_images, "queries": len(split.queries),
-            "crops": None if crops is None else dataclasses.asdict(crops)}, indent=1))
+        meta = {"version": CACHE_VERSION, "encoder": encoder.name, "split": split.name,
+                "source": split.source, "images": split.num_images,
+                "queries": len(split.queries),
+                "crops": None if crops is None else dataclasses.asdict(crops),
+                "crop_rule": None if crops is None else crops.rule}
+        _check_cache(folder, meta)
+        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
     num_parts = -(-split.num_images // part_size)
     parts = []
     pool = concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1)

@@ -244,7 +244,13 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--crops", choices=("fixed5", "grid3x3", "random"), default="fixed5",
                    help="region generator")
     m.add_argument("--num_crops", type=int, default=None, help="crops per image (random)")
-    m.add_argument("--ratio", type=float, default=0.6, help="crop side / short image side")
+    m.add_argument("--ratio", type=float, default=0.6,
+                   help="fixed5: crop width / image width and crop height / image height "
+                        "(--crop_shape square: crop side / short image side)")
+    m.add_argument("--crop_shape", choices=("aspect", "square"), default="aspect",
+                   help="aspect: the MINER authors' aspect-keeping crops (each fixed crop "
+                        "0.6 w x 0.6 h, 36%% of the image); square: their earlier squares of "
+                        "side ratio x the short side, for comparison")
     m.add_argument("--crop_seed", type=int, default=0, help="seed of the random crops")
     m.add_argument("--alpha", type=float, default=0.4, help="weight of the crop score")
     m.add_argument("--pool", choices=("max", "mean"), default="max", help="pooling over crops")
@@ -292,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             shortlist_m=args.shortlist_m, qbnorm_beta=args.qbnorm_beta,
                             sinkhorn_tau=args.sinkhorn_tau, sinkhorn_iters=args.sinkhorn_iters,
                             dual_softmax_tau=args.dual_softmax_tau)
-        crops = CropSpec(args.crops, args.ratio, args.num_crops, args.crop_seed)
+        crops = CropSpec(args.crops, args.ratio, args.num_crops, args.crop_seed,
+                         args.crop_shape)
         crops.boxes(100, 100)  # validates kind / ratio / n before any work
         if settings.rescore in ("csls-bank", "qbnorm") and not args.bank:
             raise ValueError(f"--rescore {settings.rescore} needs --bank")
