@@ -214,32 +214,126 @@ _csls_combine = _jitted()(csls_combine)
 _DONATING_COMBINE: list[Callable] = []
 
 
+def _donating_combine() -> Callable:
+    """`csls_combine` compiled to write over its `scores` argument (donated)."""
+    if not _DONATING_COMBINE:
+        _DONATING_COMBINE.append(compile.jit(csls_combine, donate_argnums=0))
+    return _DONATING_COMBINE[0]
+
+# `csls` on a numpy array or a single-device CPU jax array runs the numba kernels of
+# `_cpu_csls` (one read of the matrix for both neighbourhood means, one pass for the
+# combination); False sends everything through the jnp form below (as on GPU and under a
+# caller's `jax.jit`), e.g. to compare the two.
+CPU_KERNEL = True
+
+
+def _cpu_input(x) -> bool:
+    """A numpy array, or a concrete jax array that lives whole on one CPU device."""
+    if isinstance(x, np.ndarray):
+        return True
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+    devices = x.devices()
+    return len(devices) == 1 and next(iter(devices)).platform == "cpu"
+
+
+def _aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
+    """An uninitialised float32 C-contiguous array whose data starts on an `alignment`-byte
+    boundary: `jax.device_put` aliases such an array on the CPU instead of copying it."""
+    size = int(np.prod(shape)) * 4
+    raw = np.empty(size + alignment, np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start:start + size].view(np.float32).reshape(shape)
+
+
+def _host_matrix(x, what: str) -> np.ndarray:
+    """`x` as a float32 2-D numpy array: a view where it already is one (a numpy array, or a
+    CPU jax array's buffer), one copy where the caller's dtype or strides force it."""
+    if isinstance(x, jax.Array):
+        # a view that lives as long as the numpy array (np.asarray would keep one on `x`
+        # itself, and XLA cannot donate a buffer that something else still references)
+        a = np.from_dlpack(x) if x.dtype in (jnp.float32, jnp.float16, jnp.float64) else \
+            np.asarray(x)
+    else:
+        a = np.asarray(x)
+    if a.ndim != 2:
+        raise ValueError(f"{what} must be a [rows, columns] matrix, got shape {a.shape}")
+    if a.dtype != np.float32:
+        a = a.astype(np.float32)
+    if not (a.flags.c_contiguous or a.flags.f_contiguous):
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def _csls_cpu(scores, k: int, bank_scores, donate: bool):
+    """`csls` through `_cpu_csls`: numpy in, numpy out; a jax array in, a jax array out (its own
+    buffer when donated, else a fresh aligned buffer that `jax.device_put` aliases)."""
+    from sclaro_jax.miner import _cpu_csls
+
+    if donate and isinstance(scores, jax.Array) and scores.dtype == jnp.float32:
+        # the means from a view that is gone before XLA's in-place combination on the donated
+        # buffer (faster than numba's in place)
+        r_q, r_i = _csls_means(scores, k, bank_scores)
+        return _donating_combine()(scores, r_q, r_i)
+    s = _host_matrix(scores, "scores")
+    r_q, r_i = _csls_means(s, k, bank_scores)
+    if not isinstance(scores, jax.Array):
+        out = np.empty(s.shape, np.float32, order="F" if not s.flags.c_contiguous else "C")
+        return _cpu_csls.combine(s, r_q, r_i, out)
+    out = _aligned_empty(s.shape)
+    return jax.device_put(_cpu_csls.combine(s, r_q, r_i, out))
+
+
+def _csls_means(scores, k: int, bank_scores) -> tuple[np.ndarray, np.ndarray]:
+    """(r_q, r_i) by `_cpu_csls.topk_means`: one read of `scores`, one of the bank if any."""
+    from sclaro_jax.miner import _cpu_csls
+
+    s = _host_matrix(scores, "scores")
+    if bank_scores is None:
+        return _cpu_csls.topk_means(s, k)
+    bank = _host_matrix(bank_scores, "bank_scores")
+    if bank.shape[1] != s.shape[1]:
+        raise ValueError(f"bank_scores must be [Qb, {s.shape[1]}] (one column per gallery "
+                         f"image, as scores), got {bank.shape}")
+    return _cpu_csls.topk_means(s, k, cols=False)[0], _cpu_csls.topk_means(bank, k, rows=False)[1]
+
+
 def csls(scores: jax.Array, k: int = 10, bank_scores: jax.Array | None = None, *,
          donate: bool = False) -> jax.Array:
     """Two-sided CSLS (MINER paper, section 4.3), `[Q, G]`, by `csls_combine`:
 
         CSLS_qi = 2 S_qi - r_q - r_i
-        r_q = mean of query q's k largest scores over the gallery (row top-k of S)
-        r_i = mean of image i's k largest scores over queries (column top-k)
+        r_q = mean of query q's min(k, G) largest scores over the gallery (row top-k of S)
+        r_i = mean of image i's min(k, Q) largest scores over queries (column top-k)
 
     Transductive (`bank_scores` None): r_i from `scores` itself. Inductive: r_i from the query
-    bank's scores `bank_scores [Qb, G]` against the same gallery. Traceable inside `jax.jit`.
+    bank's scores `bank_scores [Qb, G]` against the same gallery (min(k, Qb) of them). As in the
+    MINER authors' code, k is capped by each side's length. Traceable inside `jax.jit`.
+
+    On the CPU (a numpy array, or a jax array on one CPU device) the numba kernels of
+    `sclaro_jax.miner._cpu_csls` run: one read of the matrix for both means, one pass for the
+    combination. A numpy matrix is read where it lies (no copy unless it is not float32 or not
+    contiguous) and a numpy array is returned; a jax array gives a jax array. Elsewhere (GPU,
+    a caller's `jax.jit`, `CPU_KERNEL = False`) the jnp form: blocked top-k means
+    (`topk_mean`), then `csls_combine`.
 
     `donate=True` hands the `scores` buffer (a float32 jax array the caller no longer needs) to
     the output, so no fresh [Q, G] buffer is allocated: on a CPU, faulting in a new large
     output can cost more than the arithmetic (see bench/README.md). `scores` is deleted
-    afterwards. A numpy `scores` is put on the device once (not copied at all where JAX can
-    alias it: `_on_device`) and never donated.
+    afterwards. A numpy `scores` is never overwritten.
     """
+    if k < 1:
+        raise ValueError(f"k={k} must be at least 1")
+    if CPU_KERNEL and _cpu_input(scores) and (bank_scores is None or _cpu_input(bank_scores)):
+        return _csls_cpu(scores, k, bank_scores, donate)
     donate = donate and isinstance(scores, jax.Array)  # not a caller's numpy buffer
     scores = _on_device(scores)
-    r_q = topk_mean(scores, k, 1)
-    r_i = topk_mean(scores if bank_scores is None else bank_scores, k, 0)
+    r_q = topk_mean(scores, min(k, jnp.shape(scores)[1]), 1)
+    bank = scores if bank_scores is None else bank_scores
+    r_i = topk_mean(bank, min(k, jnp.shape(bank)[0]), 0)
     tracing = isinstance(scores, jax.core.Tracer)
     if donate and not tracing and scores.dtype == jnp.float32:
-        if not _DONATING_COMBINE:
-            _DONATING_COMBINE.append(compile.jit(csls_combine, donate_argnums=0))
-        return _DONATING_COMBINE[0](scores, r_q, r_i)
+        return _donating_combine()(scores, r_q, r_i)
     return _csls_combine(scores, r_q, r_i)
 
 

@@ -1,0 +1,178 @@
+"""Two-sided CSLS on the CPU at the memory bound: numba kernels behind `kernels.csls`.
+
+    CSLS_qi = 2 S_qi - r_q - r_i
+    r_q = mean of the min(k, G) largest S_q.   (a row's best images)
+    r_i = mean of the min(k, Q) largest S_.i   (a column's best queries; or a query bank's)
+
+Two passes over the matrix, where XLA's blocked top-k makes one per axis plus the combination:
+
+1. `_topk_means` reads S once and keeps, at the same time, every row's and every column's k
+   largest scores. The columns are cut into one stripe per thread; a thread walks its stripe
+   row by row, so it reads memory in order and its column state (a threshold per column, the
+   k best per column) stays in cache. Blocks of `BLOCK` scores are compared with the row's and
+   the columns' thresholds (the smallest of the k kept) in one vectorised test; only a block
+   holding a score above a threshold is looked at score by score, and after the first rows that
+   is rare: a score enters a list of k when it beats the k-th best seen so far. Each stripe
+   keeps its own k best per row; the stripes' lists are merged at the end.
+2. `_combine` writes 2 S - r_q - r_i, into a fresh buffer or over S itself.
+
+Sums are accumulated in float64 and divided once. The values are exact top-k means (ties do
+not matter: a mean of the k largest values is the same whichever tied element is taken). NaN
+scores are not supported (a NaN never enters a list).
+
+numba compiles the kernels on first use and caches them next to this file (or in numba's
+per-user cache where that folder is read-only): a few seconds once per machine.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+# Scores compared with the thresholds in one vectorised test (measured: 64 keeps the test as
+# fast as a plain read of the matrix, see bench/README.md, "CSLS against the authors' kernels").
+BLOCK = 64
+SUB = 16  # a block that holds such a score is looked at again in sub-blocks of SUB
+
+
+@njit(inline="always", boundscheck=False, nogil=True)
+def _replace_smallest(best, value):
+    """`best` is sorted ascending and `value` > best[0]: drop best[0], put `value` in its sorted
+    place (a new entry usually ranks low: few moves), return the new smallest."""
+    k = best.shape[0]
+    i = 0
+    while i + 1 < k and best[i + 1] < value:
+        best[i] = best[i + 1]
+        i += 1
+    best[i] = value
+    return best[0]
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
+    """float32 `s [Q, G]` (C-contiguous) -> (r_q [Q] or [0], r_i [G] or [0]), one read of `s`.
+
+    `rows` / `cols`: which of the two means to compute; `stripes`: column stripes, one per
+    thread."""
+    n_rows, n_cols = s.shape
+    neg = np.float32(-np.inf)
+    pos = np.float32(np.inf)
+    row_best = np.full((stripes, n_rows if rows else 1, max(k_rows, 1)), neg, np.float32)
+    col_best = np.full((n_cols if cols else 1, max(k_cols, 1)), neg, np.float32)
+    col_low = np.full(n_cols, neg if cols else pos, np.float32)
+    for t in prange(stripes):
+        c0 = t * n_cols // stripes
+        c1 = (t + 1) * n_cols // stripes
+        width = c1 - c0
+        full = width - width % BLOCK
+        low = col_low[c0:c1]
+        lanes = np.empty(BLOCK, np.float32)
+        lane_best = np.empty(max(k_rows, 1), np.float32)
+        prime = rows and full > 0 and k_rows <= BLOCK
+        for r in range(n_rows):
+            row = s[r, c0:c1]
+            best = row_best[t, r if rows else 0]
+            floor = neg if rows else pos
+            if prime:
+                # The k-th largest of the lane maxima (max over the blocks of each position)
+                # is a lower bound of the stripe's k-th largest score: scores below it never
+                # enter the row's list, which saves most insertions.
+                lanes[:] = row[0:BLOCK]
+                for c in range(BLOCK, full, BLOCK):
+                    for j in range(BLOCK):
+                        lanes[j] = max(lanes[j], row[c + j])
+                lane_best[:] = neg
+                lane_low = neg
+                for j in range(BLOCK):
+                    if lanes[j] > lane_low:
+                        lane_low = _replace_smallest(lane_best, lanes[j])
+                floor = np.nextafter(lane_low, neg)  # `v > floor` keeps scores equal to it
+            row_low = floor
+            for c in range(0, full, BLOCK):
+                block = row[c:c + BLOCK]
+                block_low = low[c:c + BLOCK]
+                hit = False
+                for j in range(BLOCK):
+                    hit |= (block[j] > row_low) | (block[j] > block_low[j])
+                if hit:
+                    for b in range(0, BLOCK, SUB):
+                        hit = False
+                        for j in range(b, b + SUB):
+                            hit |= (block[j] > row_low) | (block[j] > block_low[j])
+                        if not hit:
+                            continue
+                        for j in range(b, b + SUB):
+                            v = block[j]
+                            if v > row_low:
+                                row_low = max(_replace_smallest(best, v), floor)
+                            if v > block_low[j]:
+                                block_low[j] = _replace_smallest(col_best[c0 + c + j], v)
+            for j in range(full, width):
+                v = row[j]
+                if v > row_low:
+                    row_low = max(_replace_smallest(best, v), floor)
+                if v > low[j]:
+                    low[j] = _replace_smallest(col_best[c0 + j], v)
+    r_q = np.zeros(n_rows if rows else 0, np.float32)
+    if rows:
+        for r in prange(n_rows):
+            merged = np.sort(row_best[:, r, :].copy().ravel())
+            total = 0.0
+            for i in range(k_rows):
+                total += merged[merged.shape[0] - 1 - i]
+            r_q[r] = total / k_rows
+    r_i = np.zeros(n_cols if cols else 0, np.float32)
+    if cols:
+        for c in prange(n_cols):
+            total = 0.0
+            for i in range(k_cols):
+                total += col_best[c, i]
+            r_i[c] = total / k_cols
+    return r_q, r_i
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _combine(s, r_q, r_i, out):
+    """out = 2 s - r_q[:, None] - r_i[None, :] (float32, the order of `kernels.csls_combine`);
+    `out` may be `s`."""
+    n_rows, n_cols = s.shape
+    two = np.float32(2)
+    for r in prange(n_rows):
+        src = s[r]
+        dst = out[r]
+        a = r_q[r]
+        for c in range(n_cols):
+            dst[c] = two * src[c] - a - r_i[c]
+
+
+def _stripes(n_cols: int) -> int:
+    """One column stripe per numba thread, each at least 4 blocks wide."""
+    return max(1, min(numba.get_num_threads(), n_cols // (4 * BLOCK)))
+
+
+def topk_means(x: np.ndarray, k: int, rows: bool = True, cols: bool = True
+               ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(r_q, r_i) of a float32 2-D array in one read: mean of each row's min(k, G) largest
+    entries and of each column's min(k, Q) largest (None where not asked for). A C- or
+    Fortran-contiguous array is read where it lies; anything else is copied once."""
+    if not x.flags.c_contiguous:
+        if x.flags.f_contiguous:  # a transposed view: its rows are the columns of x.T
+            r_i, r_q = topk_means(x.T, k, rows=cols, cols=rows)
+            return r_q, r_i
+        x = np.ascontiguousarray(x)
+    n_rows, n_cols = x.shape
+    r_q, r_i = _topk_means(x, min(k, n_cols), min(k, n_rows), rows, cols, _stripes(n_cols))
+    return (r_q if rows else None), (r_i if cols else None)
+
+
+def combine(s: np.ndarray, r_q: np.ndarray, r_i: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """`out[...] = 2 s - r_q[:, None] - r_i` (out may be s); C- or Fortran-contiguous `s` and
+    `out` of the same order."""
+    if s.flags.c_contiguous and out.flags.c_contiguous:
+        _combine(s, r_q, r_i, out)
+    elif s.flags.f_contiguous and out.flags.f_contiguous:
+        _combine(s.T, r_i, r_q, out.T)
+    else:
+        raise ValueError("combine needs s and out both C- or both Fortran-contiguous")
+    return out
