@@ -8,8 +8,15 @@ top-k means on both axes, then 2S - r_q - r_i. (2) Fused + CSLS scoring of the R
 once, alternating the order; figures are medians over rounds after one compile call. Optionally
 (--sweep-blocks) the top-k block lengths on the CSLS matrix, and (--host-input) `csls` given
 the matrix as a numpy array (as numpy allocates it, and 64-byte aligned) against a device array.
+(3) With --authors-lib, the MINER authors' own C++ CSLS (built by you from their repository,
+AbdulmalikDS/ROCS, appendix/optimization/csls.cpp; it stays outside this one) against ours on
+numpy and on resident input, with a plain copy as the memory bound; --authors-gpu does the same
+with their torch version on a GPU, --authors-score makes their retrieval.py's numpy `score` the
+reference of (2).
 
     python bench/bench_miner.py                      # full size (memory: see bench/README.md)
+    g++ -O3 -march=native -fopenmp -shared -fPIC csls.cpp -o /tmp/libcsls.so   # in their repo
+    python bench/bench_miner.py --skip-csls --skip-rocs --authors-lib /tmp/libcsls.so
     python bench/bench_miner.py --queries 800 --images 3000 --rocs-queries 500 --rocs-images 300
     python bench/bench_miner.py --skip-csls --skip-rocs --host-input --images 8192 --repeats 5
 """
@@ -127,6 +134,161 @@ def host_input(s: np.ndarray, k: int, repeats: int) -> None:
               flush=True)
 
 
+def load_authors_lib(path: str):
+    """The MINER authors' C++ CSLS (repository AbdulmalikDS/ROCS, appendix/optimization/csls.cpp),
+    built by the user outside this repository, e.g.
+    `g++ -O3 -march=native -fopenmp -shared -fPIC csls.cpp -o libcsls.so`. It works in place:
+    `csls(float* sim, int rows, int cols, int k)`."""
+    import ctypes
+
+    if not Path(path).is_file():
+        raise SystemExit(f"--authors-lib {path}: no such file (build the authors' csls.cpp "
+                         "with g++ -O3 -march=native -fopenmp -shared -fPIC)")
+    lib = ctypes.CDLL(str(Path(path).resolve()))
+    lib.csls.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    lib.csls.restype = None
+    return lib
+
+
+def load_python_file(path: str, name: str, what: str):
+    """Function `name` of the Python file at `path` (e.g. the authors' retrieval.py)."""
+    import importlib.util
+
+    if not Path(path).is_file():
+        raise SystemExit(f"{what} {path}: no such file")
+    spec = importlib.util.spec_from_file_location(Path(path).stem + "_authors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise SystemExit(f"{what} {path}: no function {name!r} in it")
+    return getattr(module, name)
+
+
+def timed_rounds(contenders: dict[str, tuple[Callable[[], object], Callable[[object], object]]],
+                 repeats: int, skip_after_first: tuple[str, ...] = ()
+                 ) -> dict[str, list[float]]:
+    """Seconds of each contender over `repeats` rounds, the order reversed every other round.
+    A contender is (prepare, run): `prepare()` (untimed: a fresh copy to work in place on) makes
+    the argument of `run`, whose result is waited for. Names in `skip_after_first` run in the
+    first round only (the slow numpy reference)."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if r > 0 and name in skip_after_first:
+                continue
+            prepare, run = contenders[name]
+            arg = prepare()
+            if hasattr(arg, "block_until_ready"):
+                arg.block_until_ready()
+            t0 = time.perf_counter()
+            out = run(arg)
+            if hasattr(out, "block_until_ready"):
+                out.block_until_ready()
+            times[name].append(time.perf_counter() - t0)
+            del out, arg
+    return times
+
+
+def authors_table(queries: int, sizes: list[int], k: int, repeats: int, lib_path: str,
+                  numpy_rounds: int) -> None:
+    """CSLS side by side: the authors' numpy form, their C++ (in place on a fresh copy made
+    outside the timer), ours on numpy input (numpy out), ours on a device-resident matrix
+    (donated: the output is written over it; and not donated: a fresh output), and a plain copy
+    of the matrix into an existing buffer (one read and one write of it: the memory bound's
+    measure; CSLS needs at least two reads and one write, 1.5 copies)."""
+    import jax
+
+    from sclaro_jax.miner import csls
+
+    lib = load_authors_lib(lib_path)
+    rng = np.random.default_rng(0)
+    print(f"\n| CSLS k={k}, queries x gallery | their numpy (s) | their C++ (s) "
+          "| ours, numpy in (s) | ours / C++ | ours, resident, donated (s) | ours / C++ "
+          "| ours, resident (s) | plain copy (s) | bound: 1.5 copies (s) | max abs diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for images in sizes:
+        s = rng.standard_normal((queries, images), dtype=np.float32)
+        s *= np.float32(0.1)
+        device = jax.device_put(s) + 0  # an XLA-owned buffer, as a computed matrix is
+        sink = np.empty_like(s)
+        sink[...] = 1  # pages touched: the copy below measures memory, not page faults
+
+        def their_cpp(x):
+            lib.csls(x.ctypes.data, x.shape[0], x.shape[1], k)
+            return x
+
+        contenders = {
+            "numpy": (lambda: None, lambda _: numpy_csls(s, k)),
+            "cpp": (lambda: s.copy(), their_cpp),
+            "ours_numpy": (lambda: None, lambda _: csls(s, k=k)),
+            "ours_donated": (lambda: device + 0, lambda x: csls(x, k=k, donate=True)),
+            "ours_resident": (lambda: None, lambda _: csls(device, k=k)),
+            "copy": (lambda: None, lambda _: np.copyto(sink, s)),
+        }
+        # warm-up (compilations, numba's cache) and agreement
+        ref = their_cpp(s.copy())
+        diff = max(float(np.abs(np.asarray(csls(s, k=k)) - ref).max()),
+                   float(np.abs(np.asarray(csls(device + 0, k=k, donate=True)) - ref).max()),
+                   float(np.abs(np.asarray(csls(device, k=k)) - ref).max()))
+        del ref
+        times = timed_rounds(contenders, repeats,
+                             skip_after_first=("numpy",) if numpy_rounds <= 1 else ())
+        med = {name: float(np.median(ts)) for name, ts in times.items()}
+        print(f"| {queries:,} x {images:,} | {med['numpy']:.2f} | {med['cpp']:.3f} "
+              f"| {med['ours_numpy']:.3f} | {med['ours_numpy'] / med['cpp']:.2f}x "
+              f"| {med['ours_donated']:.3f} | {med['ours_donated'] / med['cpp']:.2f}x "
+              f"| {med['ours_resident']:.3f} | {med['copy']:.3f} | {1.5 * med['copy']:.3f} "
+              f"| {diff:.1e} |", flush=True)
+        print("  rounds (s): " + "; ".join(f"{name} " + ", ".join(f"{t:.3f}" for t in ts)
+                                           for name, ts in times.items()), flush=True)
+        del device, sink, s
+
+
+def authors_gpu_table(queries: int, sizes: list[int], k: int, repeats: int, path: str) -> None:
+    """On a GPU: the authors' torch `csls_gpu` (appendix/optimization/csls_gpu.py, a path the user
+    gives) on a resident torch matrix against ours on a resident jax matrix (donated), with a
+    plain device copy as the bandwidth measure."""
+    import jax
+
+    from sclaro_jax.miner import csls
+
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit("--authors-gpu needs torch with CUDA (their code is a torch function)")
+    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+        raise SystemExit("--authors-gpu needs a CUDA GPU visible to both torch and jax")
+    their = load_python_file(path, "csls_gpu", "--authors-gpu")
+    rng = np.random.default_rng(0)
+    print(f"\n| GPU CSLS k={k}, queries x gallery | their torch, resident (ms) "
+          "| ours, resident, donated (ms) | ours / theirs | device copy (ms) "
+          "| ours: bytes moved per second (2 reads + 1 write) |")
+    print("|---|---|---|---|---|---|")
+    for images in sizes:
+        s = rng.standard_normal((queries, images), dtype=np.float32) * np.float32(0.1)
+        t_mat = torch.from_numpy(s).cuda()
+        j_mat = jax.device_put(s)
+
+        def torch_run(_):
+            out = their(t_mat, k=k)
+            torch.cuda.synchronize()
+            return out
+
+        contenders = {"theirs": (lambda: None, torch_run),
+                      "ours": (lambda: j_mat + 0, lambda x: csls(x, k=k, donate=True)),
+                      "copy": (lambda: None, lambda _: j_mat + 0)}
+        for prepare, run in contenders.values():
+            run(prepare())
+        times = timed_rounds(contenders, max(repeats, 5))
+        med = {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
+        gbytes = s.nbytes / 1e9
+        print(f"| {queries:,} x {images:,} | {med['theirs']:.2f} | {med['ours']:.2f} "
+              f"| {med['ours'] / med['theirs']:.2f}x | {med['copy']:.2f} "
+              f"| {3 * gbytes / med['ours'] * 1e3:.0f} GB/s (copy: "
+              f"{2 * gbytes / med['copy'] * 1e3:.0f} GB/s) |", flush=True)
+
+
 def sweep_blocks(s, k: int, repeats: int) -> None:
     import jax
 
@@ -173,6 +335,21 @@ def main() -> None:
     parser.add_argument("--host-input", action="store_true",
                         help="also time csls on a numpy matrix (as is and 64-byte aligned) "
                              "against the same matrix on the device")
+    parser.add_argument("--authors-lib", metavar="PATH",
+                        help="a build of the MINER authors' C++ CSLS (their csls.cpp, built "
+                             "outside this repository): time numpy, theirs, ours on numpy input "
+                             "and ours on resident input side by side, with a plain copy as the "
+                             "memory bound, at --queries x each of --authors-images")
+    parser.add_argument("--authors-images", type=int, nargs="+", default=[8192, 32768],
+                        help="gallery sizes of the --authors-lib / --authors-gpu tables")
+    parser.add_argument("--numpy-rounds", type=int, default=1,
+                        help="rounds of the (slow) numpy form in the --authors-lib table: 1 "
+                             "times it once, more times it every round")
+    parser.add_argument("--authors-gpu", metavar="PATH",
+                        help="the authors' csls_gpu.py (torch): time it against ours on a GPU")
+    parser.add_argument("--authors-score", metavar="PATH",
+                        help="the authors' retrieval.py: its numpy `score` is the reference of "
+                             "the fused + CSLS measurement (else our transcription of it)")
     parser.add_argument("--skip-csls", action="store_true")
     parser.add_argument("--skip-rocs", action="store_true")
     args = parser.parse_args()
@@ -217,14 +394,24 @@ def main() -> None:
             # the fused matrix is an intermediate: its buffer becomes the output
             return csls(fused_scores(*dev, alpha=args.alpha), k=args.k, donate=True)
 
-        ref_t, ours_t, ref, out = rounds(
-            lambda: numpy_csls(numpy_fused(text, gallery, crops, args.alpha), args.k),
-            ours, args.repeats)
+        if args.authors_score:
+            score = load_python_file(args.authors_score, "score", "--authors-score")
+            reference = lambda: score(text, gallery, crops, alpha=args.alpha, k=args.k)  # noqa: E731
+        else:
+            reference = lambda: numpy_csls(numpy_fused(text, gallery, crops, args.alpha),  # noqa: E731
+                                           args.k)
+        ref_t, ours_t, ref, out = rounds(reference, ours, args.repeats)
         diff = float(np.abs(ref - out).max())
         del ref, out
         print(f"| fused (max of {args.crops} crops) + CSLS k={args.k} | {args.rocs_queries} x "
               f"{args.rocs_images}, dim {args.dim} | {ref_t:.2f} | {ours_t:.3f} "
               f"| {ref_t / ours_t:.1f}x | {diff:.1e} | {peak_rss_gib():.2f} |", flush=True)
+    if args.authors_lib:
+        authors_table(args.queries, args.authors_images, args.k, args.repeats, args.authors_lib,
+                      args.numpy_rounds)
+    if args.authors_gpu:
+        authors_gpu_table(args.queries, args.authors_images, args.k, args.repeats,
+                          args.authors_gpu)
     if args.host_input:
         if s is None:
             s = rng.standard_normal((args.queries, args.images), dtype=np.float32)
