@@ -113,6 +113,14 @@ def jax_side(folder: str, preset: str, embed: int, share_frozen_text: bool = Tru
     def run(batch):
         holder["state"], metrics = step(holder["state"], batch)
         return float(metrics["loss"])  # waits for the step to finish
+
+    def step_bytes(batch) -> int:
+        """What XLA's buffer assignment gives the compiled step at `batch`'s shapes: its
+        arguments, temporaries and outputs (the outputs that alias the donated state once)."""
+        m = step.lower(holder["state"], batch).compile().memory_analysis()
+        return (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
+                - m.alias_size_in_bytes)
+    run.step_bytes = step_bytes
     return run, model
 
 
@@ -346,7 +354,8 @@ def compare_layouts(args) -> None:
     mem = {}
     for side in ("caps", "packed"):  # each alone in a child process, before this one grows
         got = child_memory(args, side)
-        mem[side] = (got.get("peak_rss_gb", np.nan), got.get("step_peak_rss_gb", np.nan))
+        mem[side] = [got.get(k, np.nan) for k in ("peak_rss_gb", "held_rss_gb",
+                                                  "step_growth_gb", "xla_step_gb")]
     sizes, batches = layout_batches(args.preset, args.batch, args.rounds)
     steps = {}
     for side in ("caps", "packed"):
@@ -371,21 +380,24 @@ def compare_layouts(args) -> None:
           f"{CAPS[0]} objects / {CAPS[1]} relations per image; packed sizes "
           f"{sizes.describe()}), {args.rounds} paired rounds, {os.cpu_count()} cores")
     print("| preset | batch | layout | s/step median (min) | examples/s | useful crops/s | "
-          "padding | peak RSS (GB): process / steps |")
-    print("|---|---|---|---|---|---|---|---|")
+          "padding | peak RSS (GB) | held after compiling (GB) | step memory (GB): RSS growth / "
+          "XLA |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for i, side in enumerate(("caps", "packed")):
         med = float(np.median(times[:, i]))
         print(f"| {args.preset} | {args.batch} | {side} | {med:.3f} ({times[:, i].min():.3f}) | "
               f"{args.batch / med:.2f} | {np.median(crops / times[:, i]):.1f} | "
-              f"{1 - crops.mean() / slots[side]:.1%} | {mem[side][0]:.2f} / {mem[side][1]:.2f} |")
+              f"{1 - crops.mean() / slots[side]:.1%} | {mem[side][0]:.2f} | {mem[side][1]:.2f} | "
+              f"{mem[side][2]:.3f} / {mem[side][3]:.3f} |")
     print(f"packed / caps examples/s: {np.median(times[:, 0] / times[:, 1]):.2f}x (median of "
           f"the rounds' ratios)")
 
 
 def child(args) -> None:
     """Run one side alone for 3 steps and print its peak RSS."""
-    import torch
-    torch.set_num_threads(os.cpu_count())
+    if args.child not in ("caps", "packed"):  # the layouts' children leave torch out
+        import torch
+        torch.set_num_threads(os.cpu_count())
     folder = hf_folder(args.preset, args.tmp)
     batches = [make_batch(args.preset, args.batch)] * 3
     if args.child in ("caps", "packed"):  # the --layouts comparison: every size it compiles
@@ -399,18 +411,31 @@ def child(args) -> None:
         run(batch)
     out = {"peak_rss_gb": _hwm_gb()}
     if args.child in ("caps", "packed"):  # again, every shape compiled: the steps' own peak
+        held = _rss_gb("VmRSS")  # the process with its state and compiled steps resident
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
         for batch in batches:
             run(batch)
+        out["held_rss_gb"] = held
         out["step_peak_rss_gb"] = _hwm_gb()
+        out["step_growth_gb"] = out["step_peak_rss_gb"] - held
+        out["xla_step_gb"] = max(run.step_bytes(b) for b in batches) / 2 ** 30
     print(json.dumps(out))
 
 
 def _hwm_gb() -> float:
     # VmHWM, not ru_maxrss: the latter carries the forking parent's high-water mark over exec
-    hwm = [line for line in open("/proc/self/status") if line.startswith("VmHWM")][0]
-    return int(hwm.split()[1]) / 2 ** 20
+    return _rss_gb("VmHWM")
+
+
+def _rss_gb(field: str) -> float:
+    import ctypes
+    import gc
+    if field == "VmRSS":  # what is held, not what the allocator kept of freed memory
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    line = [x for x in open("/proc/self/status") if x.startswith(field + ":")][0]
+    return int(line.split()[1]) / 2 ** 20
 
 
 def main():
