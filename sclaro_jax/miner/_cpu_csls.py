@@ -26,6 +26,8 @@ per-user cache where that folder is read-only): a few seconds once per machine.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numba
 import numpy as np
 from numba import njit, prange
@@ -176,3 +178,31 @@ def combine(s: np.ndarray, r_q: np.ndarray, r_i: np.ndarray, out: np.ndarray) ->
     else:
         raise ValueError("combine needs s and out both C- or both Fortran-contiguous")
     return out
+
+
+def aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
+    """An uninitialised float32 C-contiguous array whose data starts on an `alignment`-byte
+    boundary: `jax.device_put` aliases such an array on the CPU instead of copying it."""
+    size = int(np.prod(shape)) * 4
+    raw = np.empty(size + alignment, np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start:start + size].view(np.float32).reshape(shape)
+
+
+def host_matrix(x, what: str) -> np.ndarray:
+    """`x` as a float32 2-D numpy array: a view where it already is one (a numpy array, or a
+    CPU jax array's buffer), one copy where the caller's dtype or strides force it."""
+    if isinstance(x, jax.Array):
+        # a view that lives as long as the numpy array (np.asarray would keep one on `x`
+        # itself, and XLA cannot donate a buffer that something else still references)
+        a = np.from_dlpack(x) if x.dtype in (jnp.float32, jnp.float16, jnp.float64) else \
+            np.asarray(x)
+    else:
+        a = np.asarray(x)
+    if a.ndim != 2:
+        raise ValueError(f"{what} must be a [rows, columns] matrix, got shape {a.shape}")
+    if a.dtype != np.float32:
+        a = a.astype(np.float32)
+    if not (a.flags.c_contiguous or a.flags.f_contiguous):
+        a = np.ascontiguousarray(a)
+    return a

@@ -237,34 +237,6 @@ def _cpu_input(x) -> bool:
     return len(devices) == 1 and next(iter(devices)).platform == "cpu"
 
 
-def _aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
-    """An uninitialised float32 C-contiguous array whose data starts on an `alignment`-byte
-    boundary: `jax.device_put` aliases such an array on the CPU instead of copying it."""
-    size = int(np.prod(shape)) * 4
-    raw = np.empty(size + alignment, np.uint8)
-    start = (-raw.ctypes.data) % alignment
-    return raw[start:start + size].view(np.float32).reshape(shape)
-
-
-def _host_matrix(x, what: str) -> np.ndarray:
-    """`x` as a float32 2-D numpy array: a view where it already is one (a numpy array, or a
-    CPU jax array's buffer), one copy where the caller's dtype or strides force it."""
-    if isinstance(x, jax.Array):
-        # a view that lives as long as the numpy array (np.asarray would keep one on `x`
-        # itself, and XLA cannot donate a buffer that something else still references)
-        a = np.from_dlpack(x) if x.dtype in (jnp.float32, jnp.float16, jnp.float64) else \
-            np.asarray(x)
-    else:
-        a = np.asarray(x)
-    if a.ndim != 2:
-        raise ValueError(f"{what} must be a [rows, columns] matrix, got shape {a.shape}")
-    if a.dtype != np.float32:
-        a = a.astype(np.float32)
-    if not (a.flags.c_contiguous or a.flags.f_contiguous):
-        a = np.ascontiguousarray(a)
-    return a
-
-
 def _csls_cpu(scores, k: int, bank_scores, donate: bool):
     """`csls` through `_cpu_csls`: numpy in, numpy out; a jax array in, a jax array out (its own
     buffer when donated, else a fresh aligned buffer that `jax.device_put` aliases)."""
@@ -275,12 +247,12 @@ def _csls_cpu(scores, k: int, bank_scores, donate: bool):
         # buffer (faster than numba's in place)
         r_q, r_i = _csls_means(scores, k, bank_scores)
         return _donating_combine()(scores, r_q, r_i)
-    s = _host_matrix(scores, "scores")
+    s = _cpu_csls.host_matrix(scores, "scores")
     r_q, r_i = _csls_means(s, k, bank_scores)
     if not isinstance(scores, jax.Array):
         out = np.empty(s.shape, np.float32, order="F" if not s.flags.c_contiguous else "C")
         return _cpu_csls.combine(s, r_q, r_i, out)
-    out = _aligned_empty(s.shape)
+    out = _cpu_csls.aligned_empty(s.shape)
     return jax.device_put(_cpu_csls.combine(s, r_q, r_i, out))
 
 
@@ -288,10 +260,10 @@ def _csls_means(scores, k: int, bank_scores) -> tuple[np.ndarray, np.ndarray]:
     """(r_q, r_i) by `_cpu_csls.topk_means`: one read of `scores`, one of the bank if any."""
     from sclaro_jax.miner import _cpu_csls
 
-    s = _host_matrix(scores, "scores")
+    s = _cpu_csls.host_matrix(scores, "scores")
     if bank_scores is None:
         return _cpu_csls.topk_means(s, k)
-    bank = _host_matrix(bank_scores, "bank_scores")
+    bank = _cpu_csls.host_matrix(bank_scores, "bank_scores")
     if bank.shape[1] != s.shape[1]:
         raise ValueError(f"bank_scores must be [Qb, {s.shape[1]}] (one column per gallery "
                          f"image, as scores), got {bank.shape}")
