@@ -358,6 +358,21 @@ def test_csls_cpu_kernel_tiny_and_tied_matrices():
     assert np.isneginf(ours[~finite]).all()
 
 
+@pytest.mark.parametrize("k", [1, 2, 5])
+def test_csls_cpu_kernel_across_its_first_rows_phase(k):
+    """Past the first 2 x 64 x k rows the columns' lists leave the compare-exchange phase for
+    thresholds: rows before, at and after that row (ties included) give numpy's means."""
+    from sclaro_jax.miner import _cpu_csls
+
+    rng = np.random.default_rng(k)
+    x = np.round(rng.standard_normal((2 * 64 * k + 70, 300)), 1).astype(np.float32)
+    x[2 * 64 * k] = 9.0  # the first row after the phase beats every column's list
+    r_q, r_i = _cpu_csls.topk_means(x, k)
+    np.testing.assert_allclose(r_q, np.sort(x, 1)[:, -k:].mean(1), atol=1e-6)
+    np.testing.assert_allclose(r_i, np.sort(x, 0)[-k:].mean(0), atol=1e-6)
+    np.testing.assert_allclose(csls(x, k=k), ref_csls(x, k), atol=ATOL)
+
+
 def test_csls_cpu_kernel_reads_numpy_in_place_and_returns_numpy(scores):
     """numpy in, numpy out, nothing put on the device (the transfer guard refuses any
     host-to-device copy), the caller's matrix untouched; a CPU jax array gives a jax array."""

@@ -10,10 +10,11 @@ Two passes over the matrix, where XLA's blocked top-k makes one per axis plus th
    largest scores. The columns are cut into one stripe per thread; a thread walks its stripe
    row by row, so it reads memory in order and its column state (a threshold per column, the
    k best per column) stays in cache. Blocks of `BLOCK` scores are compared with the row's and
-   the columns' thresholds (the smallest of the k kept) in one vectorised test; only a block
-   holding a score above a threshold is looked at score by score, and after the first rows that
-   is rare: a score enters a list of k when it beats the k-th best seen so far. Each stripe
-   keeps its own k best per row; the stripes' lists are merged at the end.
+   the columns' thresholds (the smallest of the k kept) in one test; only a block holding a
+   score above a threshold is looked at score by score, and that is rare: a score enters a
+   list of k when it beats the k-th best seen so far. The first 2 x BLOCK x k rows, where it is
+   not rare, go into the columns' lists by branch-free compare-exchanges instead (SIMD code).
+   Each stripe keeps its own k best per row; the stripes' lists are merged at the end.
 2. `_combine` writes 2 S - r_q - r_i, into a fresh buffer or over S itself.
 
 Sums are accumulated in float64 and divided once. The values are exact top-k means (ties do
@@ -32,10 +33,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-# Scores compared with the thresholds in one vectorised test (measured: 64 keeps the test as
-# fast as a plain read of the matrix, see bench/README.md, "CSLS against the authors' kernels").
+# Scores compared with the thresholds in one test (measured fastest of 32-128, see
+# bench/README.md, "CSLS against the authors' kernels").
 BLOCK = 64
-SUB = 16  # a block that holds such a score is looked at again in sub-blocks of SUB
 
 
 @njit(inline="always", boundscheck=False, nogil=True)
@@ -49,6 +49,33 @@ def _replace_smallest(best, value):
         i += 1
     best[i] = value
     return best[0]
+
+
+@njit(inline="never", cache=True, boundscheck=False, nogil=True, fastmath={"nsz"})
+def _insert_columns(levels, row, carry):
+    """Insert `row` into every column's k best at once: `levels [k, width]`, each column sorted
+    descending down the levels, one compare-exchange per level (max stays, min moves down).
+    Branch-free, so LLVM turns it into SIMD code: cheaper than testing thresholds while most
+    scores still enter a list (the first rows)."""
+    carry[:] = row
+    for i in range(levels.shape[0]):
+        level = levels[i]
+        for j in range(carry.shape[0]):
+            a = level[j]
+            b = carry[j]
+            level[j] = max(a, b)
+            carry[j] = min(a, b)
+
+
+@njit(inline="always", boundscheck=False, nogil=True)
+def _levels_to_lists(levels, col_best, low):
+    """`levels [k, width]` (descending) -> `col_best [width, k]` (ascending), `low` their
+    smallest."""
+    k = levels.shape[0]
+    for j in range(levels.shape[1]):
+        for i in range(k):
+            col_best[j, i] = levels[k - 1 - i, j]
+        low[j] = col_best[j, 0]
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
@@ -72,8 +99,20 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
         lanes = np.empty(BLOCK, np.float32)
         lane_best = np.empty(max(k_rows, 1), np.float32)
         prime = rows and full > 0 and k_rows <= BLOCK
+        # The first rows go into the columns' lists by `_insert_columns` (no thresholds yet:
+        # nearly every block would be looked at score by score), until a block of BLOCK
+        # scores beats a column's threshold with odds of about one in two.
+        cold = min(n_rows, 2 * BLOCK * k_cols) if cols and k_cols <= BLOCK else 0
+        levels = np.full((k_cols if cold else 1, width if cold else 1), neg, np.float32)
+        carry = np.empty(width if cold else 1, np.float32)
+        if cold:
+            low[:] = pos
         for r in range(n_rows):
             row = s[r, c0:c1]
+            if r < cold:
+                _insert_columns(levels, row, carry)
+            elif r == cold and cold:  # from here on, thresholds and sorted lists of k
+                _levels_to_lists(levels, col_best[c0:c1], low)
             best = row_best[t, r if rows else 0]
             floor = neg if rows else pos
             if prime:
@@ -98,24 +137,20 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
                 for j in range(BLOCK):
                     hit |= (block[j] > row_low) | (block[j] > block_low[j])
                 if hit:
-                    for b in range(0, BLOCK, SUB):
-                        hit = False
-                        for j in range(b, b + SUB):
-                            hit |= (block[j] > row_low) | (block[j] > block_low[j])
-                        if not hit:
-                            continue
-                        for j in range(b, b + SUB):
-                            v = block[j]
-                            if v > row_low:
-                                row_low = max(_replace_smallest(best, v), floor)
-                            if v > block_low[j]:
-                                block_low[j] = _replace_smallest(col_best[c0 + c + j], v)
+                    for j in range(BLOCK):
+                        v = block[j]
+                        if v > row_low:
+                            row_low = max(_replace_smallest(best, v), floor)
+                        if v > block_low[j]:
+                            block_low[j] = _replace_smallest(col_best[c0 + c + j], v)
             for j in range(full, width):
                 v = row[j]
                 if v > row_low:
                     row_low = max(_replace_smallest(best, v), floor)
                 if v > low[j]:
                     low[j] = _replace_smallest(col_best[c0 + j], v)
+        if cold == n_rows and cold:
+            _levels_to_lists(levels, col_best[c0:c1], low)
     r_q = np.zeros(n_rows if rows else 0, np.float32)
     if rows:
         for r in prange(n_rows):
