@@ -109,10 +109,6 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
             low[:] = pos
         for r in range(n_rows):
             row = s[r, c0:c1]
-            if r < cold:
-                _insert_columns(levels, row, carry)
-            elif r == cold and cold:  # from here on, thresholds and sorted lists of k
-                _levels_to_lists(levels, col_best[c0:c1], low)
             best = row_best[t, r if rows else 0]
             floor = neg if rows else pos
             if prime:
@@ -149,8 +145,10 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
                     row_low = max(_replace_smallest(best, v), floor)
                 if v > low[j]:
                     low[j] = _replace_smallest(col_best[c0 + j], v)
-        if cold == n_rows and cold:
-            _levels_to_lists(levels, col_best[c0:c1], low)
+            if r < cold:  # the columns' part of this row (their thresholds are +inf so far)
+                _insert_columns(levels, row, carry)
+                if r == cold - 1:  # from the next row on, thresholds and sorted lists of k
+                    _levels_to_lists(levels, col_best[c0:c1], low)
     r_q = np.zeros(n_rows if rows else 0, np.float32)
     if rows:
         for r in prange(n_rows):
