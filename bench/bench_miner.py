@@ -190,6 +190,13 @@ def timed_rounds(contenders: dict[str, tuple[Callable[[], object], Callable[[obj
     return times
 
 
+def csls_matrix(rng: np.random.Generator, queries: int, images: int) -> np.ndarray:
+    """The scores the CSLS measurements time: float32 Gaussian with std 0.1."""
+    s = rng.standard_normal((queries, images), dtype=np.float32)
+    s *= np.float32(0.1)
+    return s
+
+
 def authors_table(queries: int, sizes: list[int], k: int, repeats: int, lib_path: str,
                   numpy_rounds: int) -> None:
     """CSLS side by side: the authors' numpy form, their C++ (in place on a fresh copy made
@@ -208,8 +215,7 @@ def authors_table(queries: int, sizes: list[int], k: int, repeats: int, lib_path
           "| ours, resident (s) | plain copy (s) | bound: 1.5 copies (s) | max abs diff |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for images in sizes:
-        s = rng.standard_normal((queries, images), dtype=np.float32)
-        s *= np.float32(0.1)
+        s = csls_matrix(rng, queries, images)
         device = jax.device_put(s) + 0  # an XLA-owned buffer, as a computed matrix is
         sink = np.empty_like(s)
         sink[...] = 1  # pages touched: the copy below measures memory, not page faults
@@ -266,7 +272,7 @@ def authors_gpu_table(queries: int, sizes: list[int], k: int, repeats: int, path
           "| ours: bytes moved per second (2 reads + 1 write) |")
     print("|---|---|---|---|---|---|")
     for images in sizes:
-        s = rng.standard_normal((queries, images), dtype=np.float32) * np.float32(0.1)
+        s = csls_matrix(rng, queries, images)
         t_mat = torch.from_numpy(s).cuda()
         j_mat = jax.device_put(s)
 
@@ -365,8 +371,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     s = None
     if not args.skip_csls:
-        s = rng.standard_normal((args.queries, args.images), dtype=np.float32)
-        s *= np.float32(0.1)
+        s = csls_matrix(rng, args.queries, args.images)
         s_dev = jax.device_put(s)
         ref_t, ours_t, ref, ours = rounds(lambda: numpy_csls(s, args.k),
                                           lambda: csls(s_dev, k=args.k), args.repeats)
@@ -414,8 +419,7 @@ def main() -> None:
                           args.authors_gpu)
     if args.host_input:
         if s is None:
-            s = rng.standard_normal((args.queries, args.images), dtype=np.float32)
-            s *= np.float32(0.1)
+            s = csls_matrix(rng, args.queries, args.images)
         host_input(s, args.k, args.repeats)
     if args.sweep_blocks:
         if s is None:
