@@ -112,13 +112,16 @@ class ReferenceDataset:
         self.source = grain.ArrayRecordDataSource(paths)
         norm = T.Normalize((0.48145466, 0.4578275, 0.40821073),
                            (0.26862954, 0.26130258, 0.27577711))
-        jitter = T.RandomApply([T.ColorJitter(0.2, 0.2, 0.2, 0.05)], p=0.2)
+        def jitter(b, h):
+            return T.RandomApply([T.ColorJitter(b, b, b, h)], p=0.2)
+
         bicubic = T.InterpolationMode.BICUBIC
         self.global_tf = T.Compose([
-            T.RandomResizedCrop(224, scale=(0.8, 1.0), interpolation=bicubic), jitter,
+            T.RandomResizedCrop(224, scale=(0.8, 1.0), interpolation=bicubic), jitter(0.2, 0.05),
             T.RandomApply([T.GaussianBlur(9, (0.1, 1.5))], p=0.1), T.ToTensor(), norm])
-        self.region_tf = T.Compose([T.Resize(224, interpolation=bicubic), T.CenterCrop(224),
-                                    jitter, T.ToTensor(), norm])
+        self.object_tf, self.relation_tf = (
+            T.Compose([T.Resize(224, interpolation=bicubic), T.CenterCrop(224), jitter(b, h),
+                       T.ToTensor(), norm]) for b, h in ((0.15, 0.03), (0.10, 0.02)))
 
     def __len__(self):
         return len(self.source)
@@ -130,9 +133,9 @@ class ReferenceDataset:
 
         s = schema.decode(self.source[i])
         image = Image.open(io.BytesIO(s.image)).convert("RGB")
-        objects = torch.stack([self.region_tf(image.crop(o.box)) for o in s.objects])
+        objects = torch.stack([self.object_tf(image.crop(o.box)) for o in s.objects])
         relations = torch.stack([
-            self.region_tf(Image.open(io.BytesIO(r.region)).convert("RGB"))
+            self.relation_tf(Image.open(io.BytesIO(r.region)).convert("RGB"))
             for r in s.relations])
         return (self.global_tf(image), objects, relations, s.action,
                 [o.name for o in s.objects], [r.text for r in s.relations])

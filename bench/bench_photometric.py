@@ -26,16 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def photometric_fields(batch: int, seed: int = 0) -> dict:
-    """Drawn parameters, every sample on: ColorJitter(0.2, 0.2, 0.2, 0.05), blur sigma 0.1-1.5."""
-    from sclaro_jax.data import batch as fields
-    rng = np.random.default_rng(seed)
-    factors = np.concatenate([rng.uniform(0.8, 1.2, (batch, 3)),
-                              rng.uniform(-0.05, 0.05, (batch, 1))], axis=1)
-    return {fields.JITTER: np.ones(batch, bool),
-            fields.JITTER_ORDER: np.stack([rng.permutation(4) for _ in range(batch)]
-                                          ).astype(np.int32),
-            fields.JITTER_FACTORS: factors.astype(np.float32),
-            fields.BLUR_SIGMA: rng.uniform(0.1, 1.5, batch).astype(np.float32)}
+    """Drawn parameters, every sample's jitter on at every level (the reference's strengths per
+    level) and its global view blurred (sigma 0.1-1.5)."""
+    from sclaro_jax.data import augment, batch as fields
+    drawn = [augment.photometric_fields(augment.sample_params(
+        np.random.default_rng([seed, i]), 640, 480, train=True, jitter_p=1.0, blur_p=1.0))
+        for i in range(batch)]
+    return {name: np.stack([d[name] for d in drawn]) for name, _, _ in fields.PHOTOMETRIC}
 
 
 def pixels_batch(batch: int, n_obj: int, n_rel: int, size: int, seed: int = 0) -> dict:

@@ -12,6 +12,8 @@ index of each crop; the KD terms' per-image means are then segment reductions).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -19,6 +21,9 @@ from sclaro_jax.ops import l2_normalize
 
 MAX_LOGIT_SCALE = 100.0
 TEACHER_TEMPERATURE = 0.07
+# The reference clamps the teacher's probabilities at 1e-8 before its KLDivLoss (0: Eq. 8 as
+# written, no floor).
+TEACHER_PROB_FLOOR = 1e-8
 LEVELS = ("global", "object", "relation")
 CROP_LEVELS = ("object", "relation")
 KD_DIRECTIONS = ("both", "vision", "text")
@@ -58,17 +63,22 @@ def student_temperature(log_scale: jax.Array) -> jax.Array:
 
 
 def kd_term(teacher: jax.Array, student: jax.Array, log_scale: jax.Array,
-            teacher_temp: float = TEACHER_TEMPERATURE) -> jax.Array:
+            teacher_temp: float = TEACHER_TEMPERATURE,
+            teacher_floor: float = TEACHER_PROB_FLOOR) -> jax.Array:
     """Appendix Eq. 8: T_s^2 * KL(softmax(z_t / T_t) || softmax(z_s / T_s)) / D over the last
     axis (broadcasting teacher against student), with T_s = `student_temperature(log_scale)`.
 
     The division by D = the feature size is the reference's `KLDivLoss(reduction='batchmean')`
     applied to one 1-D embedding (batchmean divides by the first dimension, here the features).
-    No gradient reaches the teacher.
+    As the reference, the teacher's probabilities are clamped below at `teacher_floor` (1e-8,
+    not renormalised: p_t = max(softmax(z_t / T_t), floor)); `teacher_floor=0` is Eq. 8 as
+    written. No gradient reaches the teacher.
     """
     t_s = student_temperature(log_scale)
     teacher = jax.lax.stop_gradient(teacher.astype(jnp.float32))
     log_p_t = jax.nn.log_softmax(teacher / teacher_temp, axis=-1)
+    if teacher_floor > 0:
+        log_p_t = jnp.maximum(log_p_t, math.log(teacher_floor))
     log_p_s = jax.nn.log_softmax(student.astype(jnp.float32) / t_s, axis=-1)
     kl = jnp.sum(jnp.exp(log_p_t) * (log_p_t - log_p_s), axis=-1)
     return t_s ** 2 * kl / teacher.shape[-1]
@@ -99,30 +109,34 @@ def _owner(segment_ids: jax.Array, mask: jax.Array, num_segments: int) -> jax.Ar
 
 def kd_one_teacher_many_students(teacher: jax.Array, students: jax.Array, mask: jax.Array,
                                  log_scale: jax.Array, teacher_temp: float = TEACHER_TEMPERATURE,
-                                 *, segment_ids: jax.Array | None = None) -> jax.Array:
+                                 *, segment_ids: jax.Array | None = None,
+                                 teacher_floor: float = TEACHER_PROB_FLOOR) -> jax.Array:
     """Vision KD (global -> object, global -> relation): teacher [B, D] (EMA global image
     embedding), students [B, N, D] (crop / region embeddings), mask [B, N]; or, packed,
     students [K, D] and mask [K] with `segment_ids` [K] (the image of each crop). No gradient
     reaches the teacher."""
     if segment_ids is None:
-        terms = kd_term(teacher[:, None, :], students, log_scale, teacher_temp)
+        terms = kd_term(teacher[:, None, :], students, log_scale, teacher_temp, teacher_floor)
         return _mean_over_groups(terms, mask)
     b = teacher.shape[0]
-    terms = kd_term(teacher[_owner(segment_ids, mask, b)], students, log_scale, teacher_temp)
+    terms = kd_term(teacher[_owner(segment_ids, mask, b)], students, log_scale, teacher_temp,
+                    teacher_floor)
     return _mean_over_groups(terms, mask, segment_ids, b)
 
 
 def kd_many_teachers_one_student(teachers: jax.Array, mask: jax.Array, student: jax.Array,
                                  log_scale: jax.Array, teacher_temp: float = TEACHER_TEMPERATURE,
-                                 *, segment_ids: jax.Array | None = None) -> jax.Array:
+                                 *, segment_ids: jax.Array | None = None,
+                                 teacher_floor: float = TEACHER_PROB_FLOOR) -> jax.Array:
     """Text KD (object -> global, relation -> global): teachers [B, N, D] (EMA object / relation
     text embeddings), mask [B, N], student [B, D] (global action text embedding); or, packed,
     teachers [K, D] and mask [K] with `segment_ids` [K]. No gradient reaches the teachers."""
     if segment_ids is None:
-        terms = kd_term(teachers, student[:, None, :], log_scale, teacher_temp)
+        terms = kd_term(teachers, student[:, None, :], log_scale, teacher_temp, teacher_floor)
         return _mean_over_groups(terms, mask)
     b = student.shape[0]
-    terms = kd_term(teachers, student[_owner(segment_ids, mask, b)], log_scale, teacher_temp)
+    terms = kd_term(teachers, student[_owner(segment_ids, mask, b)], log_scale, teacher_temp,
+                    teacher_floor)
     return _mean_over_groups(terms, mask, segment_ids, b)
 
 
@@ -131,8 +145,8 @@ def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
                        kd_log_scale: jax.Array | None = None,
                        teacher_image: jax.Array | None = None,
                        teacher_texts: dict | None = None, kd_direction: str = "both",
-                       labels: dict | None = None, segments: dict | None = None
-                       ) -> tuple[jax.Array, dict]:
+                       labels: dict | None = None, segments: dict | None = None,
+                       kd_teacher_floor: float = TEACHER_PROB_FLOOR) -> tuple[jax.Array, dict]:
     """L_total = lambda_CA * (L_global + L_object + L_relation) + lambda_KD * L_KD
     (docs/design.md, section 2), from embeddings already computed.
 
@@ -146,7 +160,8 @@ def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
     image embeddings ("vision", Eq. 8 via `kd_one_teacher_many_students`); `teacher_texts`
     level -> [B, N, D] (EMA crop text embeddings) distil into the global action text ("text",
     via `kd_many_teachers_one_student`; images without an action sit these terms out).
-    `kd_direction` picks "both", "vision" or "text". Returns (total, metrics): loss, loss_ca,
+    `kd_direction` picks "both", "vision" or "text"; `kd_teacher_floor` the teacher
+    probabilities' floor (`kd_term`). Returns (total, metrics): loss, loss_ca,
     loss_kd, loss_<level>, logit_scale_<level> and, with KD, kd_temperature.
     """
     if kd_direction not in KD_DIRECTIONS:
@@ -169,7 +184,8 @@ def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
             for level in CROP_LEVELS:
                 l_kd += kd_one_teacher_many_students(teacher_image, embeddings[level][0],
                                                      masks[level], kd_log_scale,
-                                                     segment_ids=segments.get(level))
+                                                     segment_ids=segments.get(level),
+                                                     teacher_floor=kd_teacher_floor)
         if kd_direction in ("both", "text"):
             # The student is the action text: images without an action sit these terms out.
             for level in CROP_LEVELS:
@@ -179,7 +195,8 @@ def scenarioclip_total(embeddings: dict, masks: dict, logit_scales: dict, *,
                 l_kd += kd_many_teachers_one_student(teacher_texts[level],
                                                      masks[level] & with_action,
                                                      embeddings["global"][1], kd_log_scale,
-                                                     segment_ids=seg)
+                                                     segment_ids=seg,
+                                                     teacher_floor=kd_teacher_floor)
         metrics["kd_temperature"] = student_temperature(kd_log_scale)
     total = lambda_ca * l_ca + lambda_kd * l_kd
     metrics.update(loss=total, loss_ca=l_ca, loss_kd=l_kd)

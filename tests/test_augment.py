@@ -6,10 +6,12 @@ import os
 import numpy as np
 import pytest
 import skimage
+import torch
+import torchvision.transforms as T
 import torchvision.transforms.functional as F
 from PIL import Image
 
-from sclaro_jax.data import augment, batch as fields
+from sclaro_jax.data import augment, batch as fields, photometric
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +34,48 @@ def test_random_resized_crop_box_follows_torchvision_bounds():
 
 def test_sample_params_probabilities_and_eval():
     rng = np.random.default_rng(1)
-    draws = [augment.sample_params(rng, 640, 480, train=True) for _ in range(4000)]
+    draws = [augment.sample_params(np.random.default_rng([1, i]), 640, 480, train=True)
+             for i in range(4000)]
     assert abs(np.mean([d.jitter is not None for d in draws]) - 0.2) < 0.025
+    assert abs(np.mean([d.object_jitter is not None for d in draws]) - 0.2) < 0.025
     assert abs(np.mean([d.blur_sigma is not None for d in draws]) - 0.1) < 0.02
-    factors = np.array([[f for _, f in sorted(d.jitter)] for d in draws if d.jitter])
-    assert factors[:, :3].min() >= 0.8 and factors[:, :3].max() <= 1.2
-    assert np.abs(factors[:, 3]).max() <= 0.05
+    for level, got in (("global", [d.jitter for d in draws]),
+                       ("object", [d.object_jitter for d in draws]),
+                       ("relation", [d.relation_jitter for d in draws])):
+        factors = np.array([[f for _, f in sorted(j)] for j in got if j])
+        b, c, s, h = augment.JITTER_STRENGTHS[level]
+        assert factors[:, :3].min() >= 1 - b and factors[:, :3].max() <= 1 + b
+        assert np.abs(factors[:, 3]).max() <= h
+        assert factors[:, :3].min() < 1 - 0.9 * b and np.abs(factors[:, 3]).max() > 0.9 * h
     assert augment.sample_params(rng, 640, 480, train=False) == augment.SampleParams(
         None, None, None)
+
+
+def test_crop_levels_share_one_draw_from_the_start_of_the_samples_stream():
+    """The reference's structure (`temp_seed(s)` around every view's transform): the object
+    crops and relation regions take the stream's first draws (decision, order, four uniforms)
+    at their own strengths; the global view's first draw is RandomResizedCrop's scale, its
+    jitter comes after."""
+    seen = set()
+    for i in range(400):
+        params = augment.sample_params(np.random.default_rng([2, i]), 640, 480, train=True)
+        assert params == augment.sample_params(np.random.default_rng([2, i]), 640, 480,
+                                               train=True)
+        first = augment.Draws.from_generator(np.random.default_rng([2, i]))
+        applied = not np.float32(0.2) < np.float32(first.unit())
+        assert (params.object_jitter is not None) == applied
+        assert (params.relation_jitter is not None) == applied
+        if applied:
+            objects, relations = params.object_jitter, params.relation_jitter
+            assert [op for op, _ in objects] == [op for op, _ in relations]
+            for (op, fo), (_, fr) in zip(objects, relations):
+                # one uniform u per op: fo = lo_o + u (hi_o - lo_o), fr = lo_r + u (hi_r - lo_r)
+                so, sr = (augment.JITTER_STRENGTHS[k][op] for k in ("object", "relation"))
+                u_o = (fo + so) / (2 * so) if op == 3 else (fo - 1 + so) / (2 * so)
+                u_r = (fr + sr) / (2 * sr) if op == 3 else (fr - 1 + sr) / (2 * sr)
+                assert abs(u_o - u_r) < 1e-5, (i, op, fo, fr)
+        seen.add((applied, params.jitter is not None))
+    assert seen == {(True, True), (True, False), (False, True), (False, False)}
 
 
 def test_resize_centre_crop_equals_torchvision_two_steps(photo):
@@ -81,26 +117,115 @@ def test_resize_centre_crop_of_a_downscaled_copy_covers_the_photographs_view(pho
 
 
 def test_photometric_fields_carry_the_draw(photo):
-    rng = np.random.default_rng(7)
-    seen_jitter = seen_blur = False
-    for _ in range(60):
-        params = augment.sample_params(rng, *photo.size, train=True)
+    seen_jitter = seen_blur = seen_crops = False
+    for i in range(80):
+        params = augment.sample_params(np.random.default_rng([7, i]), *photo.size, train=True)
         f = augment.photometric_fields(params)
         assert {k: (v.dtype, v.shape) for k, v in f.items()} == {
             name: (np.dtype(dtype), shape) for name, dtype, shape in fields.PHOTOMETRIC}
-        assert bool(f[fields.JITTER]) == (params.jitter is not None)
-        if params.jitter:
-            seen_jitter = True
-            assert f[fields.JITTER_ORDER].tolist() == [op for op, _ in params.jitter]
-            np.testing.assert_allclose(f[fields.JITTER_FACTORS],
-                                       [factor for _, factor in sorted(params.jitter)],
-                                       rtol=1e-6)
-        else:
-            assert f[fields.JITTER_ORDER].tolist() == [0, 1, 2, 3]
-            assert f[fields.JITTER_FACTORS].tolist() == [1, 1, 1, 0]
+        for flag, order, level_factors in (
+                (fields.JITTER, fields.JITTER_ORDER,
+                 ((fields.JITTER_FACTORS, params.jitter),)),
+                (fields.CROP_JITTER, fields.CROP_JITTER_ORDER,
+                 ((fields.OBJECT_JITTER_FACTORS, params.object_jitter),
+                  (fields.RELATION_JITTER_FACTORS, params.relation_jitter)))):
+            for name, drawn in level_factors:
+                assert bool(f[flag]) == (drawn is not None)
+                if drawn:
+                    assert f[order].tolist() == [op for op, _ in drawn]
+                    np.testing.assert_array_equal(
+                        f[name], np.array([factor for _, factor in sorted(drawn)], np.float32))
+                else:
+                    assert f[order].tolist() == [0, 1, 2, 3]
+                    assert f[name].tolist() == [1, 1, 1, 0]
+        seen_jitter |= params.jitter is not None
+        seen_crops |= params.object_jitter is not None
         seen_blur |= params.blur_sigma is not None
         assert f[fields.BLUR_SIGMA] == np.float32(params.blur_sigma or 0)
-    assert seen_jitter and seen_blur
-    identity = augment.photometric_fields(augment.sample_params(rng, 9, 9, train=False))
+    assert seen_jitter and seen_blur and seen_crops
+    identity = augment.photometric_fields(augment.sample_params(None, 9, 9, train=False))
     for name, value in fields.IDENTITY_PHOTOMETRIC.items():
         np.testing.assert_array_equal(identity[name], value)
+
+
+class TorchDraws:
+    """torch's global generator answering `augment.sample_params`'s calls, as torchvision's
+    transforms make them."""
+
+    def unit(self):
+        return torch.rand(1).item()
+
+    def randint(self, low, high):
+        return int(torch.randint(low, high, size=(1,)).item())
+
+    def randperm(self, n):
+        return torch.randperm(n).tolist()
+
+
+def _reference_transforms(size):
+    """The official code's per-level training transforms (PIL in, PIL out; ToTensor and
+    Normalize left off)."""
+    bicubic = T.InterpolationMode.BICUBIC
+
+    def crops(b, h):
+        return T.Compose([T.Resize(size, bicubic), T.CenterCrop(size),
+                          T.RandomApply([T.ColorJitter(b, b, b, h)], p=0.2)])
+
+    return {"global": T.Compose([
+        T.RandomResizedCrop(size, scale=(0.8, 1.0), interpolation=bicubic),
+        T.RandomApply([T.ColorJitter(0.2, 0.2, 0.2, 0.05)], p=0.2),
+        T.RandomApply([T.GaussianBlur(9, sigma=(0.1, 1.5))], p=0.1)]),
+        "object": crops(0.15, 0.03), "relation": crops(0.10, 0.02)}
+
+
+def test_views_equal_the_reference_transforms_under_its_seeding(photo):
+    """With torch's stream in place of numpy's, one sample's draws are the reference's: each
+    view's transform under `torch.manual_seed(s)` (its `temp_seed`), the global view, two
+    object crops and two relation regions, give the same apply-decisions and the same pixels
+    from `sample_params` + the device's `augment_batch` (the blur within 1 grey level)."""
+    size = 32
+    ref = _reference_transforms(size)
+    regions = {"object": [(0, 0, 60, 50), (30, 10, 96, 64)],
+               "relation": [(5, 5, 90, 40), (20, 0, 70, 64)]}
+    cases = set()
+    torch_state = torch.random.get_rng_state()
+    try:
+        for seed in range(60):
+            def stream():
+                torch.manual_seed(seed)
+                return TorchDraws()
+
+            params = augment.sample_params(stream, *photo.size, train=True)
+            torch.manual_seed(seed)
+            want_global = np.asarray(ref["global"](photo))
+            # the views' geometry as torchvision makes it; the photometric part from our draw
+            views = {level: [np.asarray(F.center_crop(F.resize(
+                photo.crop(box), size, F.InterpolationMode.BICUBIC), size)) for box in boxes]
+                for level, boxes in regions.items()}
+            want = {}
+            for level, boxes in regions.items():
+                want[level] = []
+                for box in boxes:
+                    torch.manual_seed(seed)
+                    want[level].append(np.asarray(ref[level](photo.crop(box))))
+            batch = {fields.IMAGE: augment.global_view(photo, params, size)[None],
+                     "objects": np.stack(views["object"])[None],
+                     "relations": np.stack(views["relation"])[None],
+                     **{k: v[None] for k, v in augment.photometric_fields(params).items()}}
+            out = photometric.augment_batch(batch)
+            blurred = params.blur_sigma is not None
+            diff = np.abs(np.asarray(out[fields.IMAGE][0], int) - want_global)
+            assert diff.max() <= (1 if blurred else 0), (seed, params)
+            crops_on = params.object_jitter is not None
+            for level, name in (("object", "objects"), ("relation", "relations")):
+                for j in range(2):
+                    np.testing.assert_array_equal(out[name][0, j], want[level][j],
+                                                  err_msg=f"seed {seed} {level} {j}")
+                    # the reference's decision, seen in its pixels
+                    assert (not np.array_equal(want[level][j], views[level][j])) == crops_on
+            cases.add((params.jitter is not None, crops_on, blurred))
+    finally:
+        torch.random.set_rng_state(torch_state)
+    # global jitter with and without the crops', and the crops' alone; a blurred global view
+    assert {(True, False), (True, True), (False, True)} <= {c[:2] for c in cases}, cases
+    assert any(c[2] for c in cases), cases

@@ -52,11 +52,14 @@ def test_clip_contrastive_duplicate_aware_labels():
     np.testing.assert_allclose(float(got), total / 6, rtol=1e-5)
 
 
-def _torch_kd_pair(teacher_vec, student_vec, log_scale, t_t=0.07):
-    """The reference: KLDivLoss(batchmean) on one 1-D embedding pair, times T_s^2."""
+def _torch_kd_pair(teacher_vec, student_vec, log_scale, t_t=0.07, floor=1e-8):
+    """The reference: the teacher's softmax clamped to [1e-8, 1], KLDivLoss(batchmean) on one
+    1-D embedding pair, times T_s^2 (`floor=None`: no clamp, Eq. 8 as written)."""
     t_s = 1.0 / float(np.clip(np.exp(log_scale), 1, 100))
     log_p_s = F.log_softmax(torch.from_numpy(student_vec) / t_s, dim=-1)
     p_t = F.softmax(torch.from_numpy(teacher_vec) / t_t, dim=-1)
+    if floor is not None:
+        p_t = p_t.clamp(min=floor, max=1.0)
     return float(F.kl_div(log_p_s, p_t, reduction="batchmean")) * t_s ** 2
 
 
@@ -128,11 +131,26 @@ def test_losses_are_float32_for_bf16_inputs():
 
 
 def test_kd_term_is_eq8_for_one_pair():
+    """The default clamps the teacher's probabilities at 1e-8 as the reference does;
+    `teacher_floor=0` is Eq. 8 as written."""
     rng = np.random.default_rng(4)
     t, s = rng.normal(size=(2, 24)).astype(np.float32)
     for log_scale in (np.log(1 / 0.07), 0.5):
-        got = losses.kd_term(t, s, jnp.float32(log_scale))
-        np.testing.assert_allclose(float(got), _torch_kd_pair(t, s, log_scale), rtol=1e-5)
+        for floor in (1e-8, None):
+            got = losses.kd_term(t, s, jnp.float32(log_scale), teacher_floor=floor or 0.0)
+            np.testing.assert_allclose(float(got), _torch_kd_pair(t, s, log_scale, floor=floor),
+                                       rtol=1e-5)
+        np.testing.assert_allclose(float(losses.kd_term(t, s, jnp.float32(log_scale))),
+                                   _torch_kd_pair(t, s, log_scale), rtol=1e-5)
+    # where the student agrees with the teacher on its likely features and is far below it on
+    # the rest, the floor's terms 1e-8 (log 1e-8 - log p_s) are all of the loss
+    t = np.array([1.0, 0.5, 0.0] + [-3.0] * 5, np.float32)
+    s = np.array([1.0, 0.5, 0.0] + [-300.0] * 5, np.float32)
+    l0 = jnp.float32(np.log(1 / 0.07))
+    got = float(losses.kd_term(t, s, l0))
+    # (float32 rounding of the first three features' near-zero terms: 1e-4 of this small loss)
+    np.testing.assert_allclose(got, _torch_kd_pair(t, s, np.log(1 / 0.07)), rtol=1e-3)
+    assert got > 1e-7 and abs(float(losses.kd_term(t, s, l0, teacher_floor=0.0))) < 1e-3 * got
 
 
 def _total_inputs(seed=5, b=4, n=3, d=8):

@@ -124,42 +124,61 @@ def test_blur_matches_torchvision(photos, sigma):
     assert worst <= 1
 
 
-def _batch(photos, jitter, order, factors, sigma, n=2):
+def _batch(photos, jitter, order, factors, sigma, n=2, crops=None):
     """A B-sample batch: global views, n object and n relation views per sample (crops of
-    the photographs, 32x32)."""
+    the photographs, 32x32). `crops`: (decision, order, object factors, relation factors) of
+    the crop levels per sample (default: the global view's draw at every level)."""
     b = len(jitter)
     views = [photos[i % 3][8 * j:8 * j + 32, 4 * j:4 * j + 32] for i in range(b)
              for j in range(1 + 2 * n)]
     views = np.stack(views).reshape(b, 1 + 2 * n, 32, 32, 3)
+    crop_jitter, crop_order, obj_factors, rel_factors = crops or (jitter, order, factors, factors)
     batch = {fields.IMAGE: views[:, 0], "objects": views[:, 1:1 + n],
              "relations": views[:, 1 + n:], fields.JITTER: np.array(jitter),
              fields.JITTER_ORDER: np.array(order, np.int32),
              fields.JITTER_FACTORS: np.array(factors, F32),
-             fields.BLUR_SIGMA: np.array(sigma, F32), fields.VALID: np.ones(b, bool)}
+             fields.BLUR_SIGMA: np.array(sigma, F32), fields.VALID: np.ones(b, bool),
+             fields.CROP_JITTER: np.array(crop_jitter),
+             fields.CROP_JITTER_ORDER: np.array(crop_order, np.int32),
+             fields.OBJECT_JITTER_FACTORS: np.array(obj_factors, F32),
+             fields.RELATION_JITTER_FACTORS: np.array(rel_factors, F32)}
     return batch
 
 
 def test_augment_batch_equals_per_sample_torchvision(photos):
+    """Each view gets its own level's draw: the global view its jitter and blur, the object
+    crops and relation regions the crop levels' decision and order with their own factors."""
     jitter = [True, False, True, False]
     order = [[3, 0, 2, 1], [0, 1, 2, 3], [1, 2, 0, 3], [2, 3, 1, 0]]
     factors = [[1.15, 0.85, 1.1, -0.04], [1.2, 1.2, 1.2, 0.3], [0.82, 1.19, 0.9, 0.05],
                [0.9, 0.9, 0.9, 0.01]]
     sigma = [0.0, 1.2, 0.6, 0.0]
-    batch = _batch(photos, jitter, order, factors, sigma)
+    crop_jitter = [True, True, False, False]
+    crop_order = [[1, 3, 0, 2], [2, 0, 3, 1], [0, 1, 2, 3], [3, 2, 1, 0]]
+    level_factors = {"objects": [[0.86, 1.14, 0.9, 0.03], [1.1, 0.88, 1.05, -0.02],
+                                 [1.2, 1.2, 1.2, 0.2], [0.5, 0.5, 0.5, 0.1]],
+                     "relations": [[0.91, 1.09, 0.93, 0.02], [1.07, 0.92, 1.03, -0.013],
+                                   [1.2, 1.2, 1.2, 0.2], [0.5, 0.5, 0.5, 0.1]]}
+    batch = _batch(photos, jitter, order, factors, sigma,
+                   crops=(crop_jitter, crop_order, level_factors["objects"],
+                          level_factors["relations"]))
     out = P.augment_batch(batch)
     worst = 0
     for i in range(4):
-        def want(x, blur):
-            y = tv_chain(x, order[i], np.array(factors[i], F32)) if jitter[i] else x
-            return tv_blur(y, float(F32(sigma[i]))) if blur and sigma[i] > 0 else y
-        worst = max(worst, max_diff(out[fields.IMAGE][i], want(batch[fields.IMAGE][i], True)))
+        want = tv_chain(batch[fields.IMAGE][i], order[i], np.array(factors[i], F32)) \
+            if jitter[i] else batch[fields.IMAGE][i]
+        want = tv_blur(want, float(F32(sigma[i]))) if sigma[i] > 0 else want
+        worst = max(worst, max_diff(out[fields.IMAGE][i], want))
         for name in ("objects", "relations"):
             for j in range(2):
                 got, x = out[name][i, j], batch[name][i, j]
-                worst = max(worst, max_diff(got, want(x, False)))
-                if not jitter[i]:
+                if crop_jitter[i]:
+                    want = tv_chain(x, crop_order[i], np.array(level_factors[name][i], F32))
+                    assert max_diff(got, want) == 0, (i, name, j)
+                    assert max_diff(got, x) > 0
+                else:
                     np.testing.assert_array_equal(got, x)
-    assert worst <= 1
+    assert worst <= 1  # the blur: separable sums may round the other way
     np.testing.assert_array_equal(out[fields.IMAGE][3], batch[fields.IMAGE][3])  # off, sigma 0
     assert out[fields.VALID] is batch[fields.VALID]
 

@@ -51,6 +51,14 @@ def _batch(seed=0, batch_size=B, augment=False):
             axis=1).astype(np.float32)
         out[fields.BLUR_SIGMA] = np.where(draw.uniform(size=batch_size) < 0.5,
                                           draw.uniform(0.1, 1.5, batch_size), 0).astype(np.float32)
+        out[fields.CROP_JITTER] = draw.uniform(size=batch_size) < 0.5
+        out[fields.CROP_JITTER_ORDER] = np.stack([draw.permutation(4) for _ in range(batch_size)]
+                                                 ).astype(np.int32)
+        units = draw.uniform(size=(batch_size, 4))
+        for name, s, h in ((fields.OBJECT_JITTER_FACTORS, 0.15, 0.03),
+                           (fields.RELATION_JITTER_FACTORS, 0.10, 0.02)):
+            out[name] = np.concatenate([1 - s + 2 * s * units[:, :3], h * (2 * units[:, 3:] - 1)],
+                                       axis=1).astype(np.float32)
     return out
 
 
@@ -90,6 +98,7 @@ def test_level_inputs_augment_uint8_pixels_then_normalise():
     from sclaro_jax.data import photometric
     batch = _batch(0, augment=True)
     batch[fields.JITTER][:2] = [True, False]
+    batch[fields.CROP_JITTER][:2] = [True, False]
     batch[fields.BLUR_SIGMA][:2] = [0.0, 0.0]
     inputs = jax.jit(core.level_inputs)(batch)
     augmented = photometric.augment_batch(batch)

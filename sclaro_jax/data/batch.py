@@ -6,9 +6,12 @@ module. Per image (leading axis B): `image` [B, S, S, 3] (uint8, or float32 CLIP
 `action_tokens` [B, L], `action_label`, `has_action`, `source`, `sample_key`, `valid`,
 `bad_record`, `dropped_objects`, `dropped_relations`, and the photometric augmentation's
 parameters, drawn on the host and applied on the accelerator (`PHOTOMETRIC`): `jitter` [B]
-(apply ColorJitter), `jitter_order` [B, 4] (op indices in application order: 0 brightness,
-1 contrast, 2 saturation, 3 hue), `jitter_factors` [B, 4] (factor per op index; hue is a shift
-in [-0.5, 0.5]), `blur_sigma` [B] (GaussianBlur sigma of the global view; 0 = none).
+(apply ColorJitter to the global view), `jitter_order` [B, 4] (op indices in application
+order: 0 brightness, 1 contrast, 2 saturation, 3 hue), `jitter_factors` [B, 4] (factor per op
+index; hue is a shift in [-0.5, 0.5]), `blur_sigma` [B] (GaussianBlur sigma of the global view;
+0 = none); `crop_jitter` [B] and `crop_jitter_order` [B, 4] (the one decision and order of all
+the sample's object crops and relation regions), `object_jitter_factors` and
+`relation_jitter_factors` [B, 4] (their factors at each level's strengths).
 Per crop level (objects, relations), in one of two layouts (`packing.LAYOUTS`):
 - "caps" (N the level's per-image cap): pixels [B, N, S, S, 3], tokens [B, N, L], labels [B, N]
   (-1 = padding) and a bool mask [B, N];
@@ -37,6 +40,10 @@ JITTER = "jitter"
 JITTER_ORDER = "jitter_order"
 JITTER_FACTORS = "jitter_factors"
 BLUR_SIGMA = "blur_sigma"
+CROP_JITTER = "crop_jitter"
+CROP_JITTER_ORDER = "crop_jitter_order"
+OBJECT_JITTER_FACTORS = "object_jitter_factors"
+RELATION_JITTER_FACTORS = "relation_jitter_factors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +73,19 @@ PER_IMAGE = ((ACTION_LABEL, np.int32), (HAS_ACTION, np.bool_), (SOURCE, np.int32
              (DROPPED_OBJECTS, np.int32), (DROPPED_RELATIONS, np.int32))
 
 # (field, dtype, shape after B) of the photometric augmentation parameters; an example without
-# augmentation has jitter=False, the identity order, factors (1, 1, 1, 0) and blur_sigma=0.
+# augmentation has jitter=False, the identity order, factors (1, 1, 1, 0) and blur_sigma=0
+# (and the same for the crop levels' fields).
 PHOTOMETRIC = ((JITTER, np.bool_, ()), (JITTER_ORDER, np.int32, (4,)),
-               (JITTER_FACTORS, np.float32, (4,)), (BLUR_SIGMA, np.float32, ()))
+               (JITTER_FACTORS, np.float32, (4,)), (BLUR_SIGMA, np.float32, ()),
+               (CROP_JITTER, np.bool_, ()), (CROP_JITTER_ORDER, np.int32, (4,)),
+               (OBJECT_JITTER_FACTORS, np.float32, (4,)),
+               (RELATION_JITTER_FACTORS, np.float32, (4,)))
 IDENTITY_PHOTOMETRIC = {JITTER: np.bool_(False), JITTER_ORDER: np.arange(4, dtype=np.int32),
                         JITTER_FACTORS: np.array([1, 1, 1, 0], np.float32),
-                        BLUR_SIGMA: np.float32(0)}
+                        BLUR_SIGMA: np.float32(0), CROP_JITTER: np.bool_(False),
+                        CROP_JITTER_ORDER: np.arange(4, dtype=np.int32),
+                        OBJECT_JITTER_FACTORS: np.array([1, 1, 1, 0], np.float32),
+                        RELATION_JITTER_FACTORS: np.array([1, 1, 1, 0], np.float32)}
 
 
 def packed_layout(config) -> bool:

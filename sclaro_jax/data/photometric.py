@@ -2,11 +2,11 @@
 section 2) as torchvision applies them to the reference code's PIL images.
 
 The host draws the parameters (`augment.sample_params`) and every batch carries them
-(`batch.PHOTOMETRIC`: `jitter`, `jitter_order`, `jitter_factors`, `blur_sigma`);
-`augment_batch` applies them inside the jitted step, uint8 in, uint8 out, static shapes:
-the global view gets the jitter then the blur, the object crops and relation regions the
-jitter of their sample (no blur), as the reference transforms do. A sample with
-`jitter=False` keeps its pixels bit for bit, and so does a view with `blur_sigma=0`.
+(`batch.PHOTOMETRIC`); `augment_batch` applies them inside the jitted step, uint8 in, uint8
+out, static shapes: the global view gets its jitter then the blur, the object crops and
+relation regions their sample's crop jitter (one decision and order, each level's factors; no
+blur), as the reference transforms do. A view whose jitter is off keeps its pixels bit for
+bit, and so does a global view with `blur_sigma=0`.
 
 The target is torchvision's PIL path (`torchvision.transforms.functional` on a PIL image),
 which quantises to uint8 after every op:
@@ -244,14 +244,29 @@ def gaussian_blur(image: jax.Array, sigma) -> jax.Array:
 
 
 def _sample_views(views, jitter, order, factors, sigma):
-    """One sample's views [V, S, S, 3] (view 0 the global one): the jitter on every view when
-    `jitter`, then the blur on view 0."""
-    jittered = jax.vmap(color_jitter, in_axes=(0, None, None))(views, order, factors)
-    views = jnp.where(jitter, jittered, views)
+    """One sample's views [V, S, S, 3] (view 0 the global one) with each view's jitter draw
+    (`jitter` [V], `order` [V, 4], `factors` [V, 4]), then the blur on view 0."""
+    jittered = jax.vmap(color_jitter)(views, order, factors)
+    views = jnp.where(jitter[:, None, None, None], jittered, views)
     return views.at[0].set(gaussian_blur(views[0], sigma))
 
 
 _batch_views = jax.jit(jax.vmap(_sample_views))
+
+
+def _level_draws(batch) -> dict[str, tuple]:
+    """Level -> its (decision [B], order [B, 4], factors [B, 4]): the global view's own draw;
+    the object crops and relation regions one decision and order, each level's factors."""
+    def get(name, dtype):
+        return jnp.asarray(batch[name]).astype(dtype)
+
+    crop_jitter = get(fields.CROP_JITTER, bool)
+    crop_order = get(fields.CROP_JITTER_ORDER, jnp.int32)
+    return {"global": (get(fields.JITTER, bool), get(fields.JITTER_ORDER, jnp.int32),
+                       get(fields.JITTER_FACTORS, jnp.float32)),
+            "object": (crop_jitter, crop_order, get(fields.OBJECT_JITTER_FACTORS, jnp.float32)),
+            "relation": (crop_jitter, crop_order,
+                         get(fields.RELATION_JITTER_FACTORS, jnp.float32))}
 
 
 def has_fields(batch) -> bool:
@@ -261,11 +276,11 @@ def has_fields(batch) -> bool:
 
 def augment_batch(batch: dict) -> dict:
     """The batch with ColorJitter and GaussianBlur applied to the pixels of the three levels
-    (`batch.LEVELS[...].pixels`, uint8): global views jitter then blur, object and relation
-    views their sample's jitter. Other fields are returned as they are; a batch without the
-    PHOTOMETRIC fields is returned unchanged. Either crop layout: caps ([B, N] views) or packed
-    ([K] views, each with its image index in `*_segments`; padding slots get image 0's draw,
-    and stay padding). Traceable (call it inside the jitted step)."""
+    (`batch.LEVELS[...].pixels`, uint8): global views their jitter then the blur, object and
+    relation views their sample's crop jitter at their level's factors. Other fields are
+    returned as they are; a batch without the PHOTOMETRIC fields is returned unchanged. Either
+    crop layout: caps ([B, N] views) or packed ([K] views, each with its image index in
+    `*_segments`; padding slots get image 0's draw, and stay padding). Traceable (call it inside the jitted step)."""
     if not has_fields(batch):
         return batch
     for level, f in fields.LEVELS.items():
@@ -274,19 +289,19 @@ def augment_batch(batch: dict) -> dict:
             raise TypeError(f"photometric.augment_batch: batch field {f.pixels!r} ({level} "
                             f"level) is {dtype}, not uint8; the augmentation works on the "
                             "pipeline's uint8 pixels (PipelineConfig(pixels='uint8'))")
-    jitter = jnp.asarray(batch[fields.JITTER]).astype(bool)
-    order = jnp.asarray(batch[fields.JITTER_ORDER]).astype(jnp.int32)
-    factors = jnp.asarray(batch[fields.JITTER_FACTORS]).astype(jnp.float32)
+    draws = _level_draws(batch)
     sigma = jnp.asarray(batch[fields.BLUR_SIGMA]).astype(jnp.float32)
     crops = [fields.LEVELS[level] for level in fields.CROP_LEVELS]
     out = dict(batch)
     if crops[0].segments in batch:  # packed: every view of the batch in one row of views
-        b = jitter.shape[0]
-        owner = jnp.concatenate([jnp.arange(b)] + [
-            jnp.clip(jnp.asarray(batch[f.segments]), 0, b - 1) for f in crops])
+        b = sigma.shape[0]
+        owners = [jnp.arange(b)] + [jnp.clip(jnp.asarray(batch[f.segments]), 0, b - 1)
+                                    for f in crops]
+        per_view = [jnp.concatenate([d[i][owner] for d, owner in
+                                     zip(draws.values(), owners)]) for i in range(3)]
         views = jnp.concatenate([jnp.asarray(batch[fields.IMAGE])]
                                 + [jnp.asarray(batch[f.pixels]) for f in crops])
-        views = _packed_views(views, owner, jitter, order, factors, sigma)
+        views = _packed_views(views, *per_view, sigma)
         out[fields.IMAGE] = views[:b]
         start = b
         for f in crops:
@@ -295,9 +310,13 @@ def augment_batch(batch: dict) -> dict:
             start += count
         return out
     # The three levels' views of a sample side by side, so the jitter compiles once.
+    counts = [1] + [batch[f.pixels].shape[1] for f in crops]
     views = jnp.concatenate([jnp.asarray(batch[fields.IMAGE])[:, None]]
                             + [jnp.asarray(batch[f.pixels]) for f in crops], axis=1)
-    views = _batch_views(views, jitter, order, factors, sigma)
+    per_view = [jnp.concatenate([jnp.repeat(d[i][:, None], n, axis=1)
+                                 for d, n in zip(draws.values(), counts)], axis=1)
+                for i in range(3)]
+    views = _batch_views(views, *per_view, sigma)
     out[fields.IMAGE] = views[:, 0]
     start = 1
     for f in crops:
@@ -308,10 +327,10 @@ def augment_batch(batch: dict) -> dict:
 
 
 @jax.jit
-def _packed_views(views, owner, jitter, order, factors, sigma):
-    """Views [V, S, S, 3] of the packed layout, the B global views first; `owner` [V] the
-    sample of each: its jitter on every view, then the blur on the global views."""
-    jittered = jax.vmap(color_jitter)(views, order[owner], factors[owner])
-    views = jnp.where(jitter[owner][:, None, None, None], jittered, views)
+def _packed_views(views, jitter, order, factors, sigma):
+    """Views [V, S, S, 3] of the packed layout, the B global views first, each with its jitter
+    draw (`jitter` [V], `order` [V, 4], `factors` [V, 4]), then the blur on the global views."""
+    jittered = jax.vmap(color_jitter)(views, order, factors)
+    views = jnp.where(jitter[:, None, None, None], jittered, views)
     b = sigma.shape[0]
     return views.at[:b].set(jax.vmap(gaussian_blur)(views[:b], sigma))

@@ -6,9 +6,9 @@
     batch = next(it)             # dict of numpy arrays, the same shapes every step
     state = it.get_state()       # bytes; `it.set_state(state)` resumes exactly there
 
-Per sample (one record), on the host: geometry only. One set of augmentation parameters per
-sample, shared by its three levels (`augment.sample_params`, drawn with Grain's per-record rng
-from the seed and the record's position). Version-2 records (stored views): the global view is
+Per sample (one record), on the host: geometry only. The sample's augmentation parameters
+(`augment.sample_params`: every view's draws as the reference makes them, from one stream per
+sample drawn with Grain's per-record rng from the seed and the record's position). Version-2 records (stored views): the global view is
 RandomResizedCrop (train) or Resize + CenterCrop (eval) of the stored `train_image`; the object
 and relation views are the stored S x S JPEGs, decoded by `collate` straight into the batch
 (`sclaro_jax.data.decode`: simplejpeg when installed, else PIL). Version-1 records (originals):

@@ -55,6 +55,8 @@ class TrainConfig:
     lambda_ca: float = 1.0
     lambda_kd: float = 1.0  # 0 gives ScenarioCLIP w/o KD
     kd_direction: str = "both"  # "both", "vision" (global->crops) or "text" (crops->global)
+    # the teacher probabilities' floor in the KD loss, as the reference (0: Eq. 8 as written)
+    kd_teacher_floor: float = losses.TEACHER_PROB_FLOOR
     duplicate_aware: bool = False  # same-label crops are not negatives of each other
     frozen_vision_layers: int = 6
     frozen_text_layers: int = 10
@@ -340,7 +342,7 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig, *,
         lambda_ca=cfg.lambda_ca, lambda_kd=cfg.lambda_kd,
         kd_log_scale=None if teacher is None else model.kd_log_scale[...],
         teacher_image=encoded.get("teacher_image"), teacher_texts=encoded.get("teacher_texts"),
-        kd_direction=cfg.kd_direction, labels=labels,
+        kd_direction=cfg.kd_direction, labels=labels, kd_teacher_floor=cfg.kd_teacher_floor,
         segments={level: inputs[level].segments for level in losses.CROP_LEVELS
                   if inputs[level].segments is not None})
 
