@@ -248,6 +248,15 @@ def test_predicate_table_flags_merged_prepositions():
         "sitting\t5\tsitting on (3); Sitting under (1); is sitting (1)\t(none) / on / under"]
 
 
+def test_predicate_map_keep_prepositions_then_overrides():
+    raws = ["sitting on", "sitting under", "is sitting on"]
+    assert set(cr.predicate_map(raws, keep_prepositions=True).values()) == {
+        "sitting on", "sitting under"}
+    got = cr.predicate_map(raws, keep_prepositions=True,
+                           overrides=_overrides("merge sitting on, sitting under -> sitting"))
+    assert set(got.values()) == {"sitting"}
+
+
 def _overrides(text):
     return cr.RelationOverrides("/o.txt", "0", cr.parse_overrides(text, "/o.txt"))
 
