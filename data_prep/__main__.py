@@ -88,6 +88,8 @@ def _curate(args) -> int:
                         action_lemmatizer=args.action_lemmatizer,
                         action_similarity=(ACTION_SIMILARITY if args.action_similarity is None
                                            else args.action_similarity),
+                        relation_overrides=args.relation_overrides,
+                        keep_prepositions=args.relation_keep_prepositions,
                         overwrite=args.overwrite, progress=not args.no_progress)
     except NeedsLabels as e:
         print(e)
@@ -291,11 +293,14 @@ def main(argv=None) -> int:
         "object names, then apply your cluster labels)",
         "Objects: colour words and adjectives stripped (NLTK POS tagger), plurals folded, names "
         "embedded and clustered with HDBSCAN into a clusters file you label; relations: cluster "
-        "labels for subject/object, stopwords removed from the predicate; actions: your "
-        "surface-form -> class map. The first run writes the clusters file and exits with "
-        "status 3 (with OUT.clusters.md, a table per cluster, and OUT.clusters.tree.png, "
-        "hdbscan's condensed tree); label it and rerun. OUT/object_curation keeps the names, "
-        "labels and fitted clusterer, so a later --extend OUT maps a new source onto them.")
+        "labels for subject/object, stopwords removed from the predicate, then your "
+        "--relation-overrides; actions: your surface-form -> class map. The first run writes "
+        "the clusters file and exits with status 3 (with OUT.clusters.md, a table per cluster, "
+        "and OUT.clusters.tree.png, hdbscan's condensed tree); label it and rerun. Every run "
+        "writes OUT.clusters.predicate_table.tsv beside the clusters file (each predicate, its "
+        "count, the raw predicates merged into it, flagged where they differ by a spatial "
+        "preposition) for the overrides. OUT/object_curation keeps the names, labels and "
+        "fitted clusterer, so a later --extend OUT maps a new source onto them.")
     cur.add_argument("--data", required=True, help="a SCLARO dataset folder (e.g. annotate's "
                                                    "or the demo's output)")
     cur.add_argument("--out", required=True, help="the curated dataset folder to write")
@@ -333,6 +338,18 @@ def main(argv=None) -> int:
                      help="cosine similarity of two actions' embeddings at which the first "
                           "pass suggests merging them; 0 turns it off (default: "
                           "data_prep.curate.ACTION_SIMILARITY, 0.7)")
+    cur.add_argument("--relation-overrides", default="", metavar="FILE",
+                     help="the manual pass over the predicate vocabulary: lines 'keep RAW[, "
+                          "RAW...]' (those raw predicates keep their whole text, e.g. keep "
+                          "sitting on, sitting under), 'rename OLD -> NEW', 'merge A, B -> C' "
+                          "(OLD, A, B: predicates of the rule, the table's first column); '#' "
+                          "starts a comment. Checked against the data before any slow work; "
+                          "recorded with its sha256 in the manifest and curation_log.json")
+    cur.add_argument("--relation-keep-prepositions", action="store_true",
+                     help="keep a spatial preposition (on, under, in, behind, next to, in "
+                          "front of, on top of, ...) that follows the predicate's verb: "
+                          "'sitting on' and 'sitting under' stay apart. Default off: the "
+                          "appendix's rule drops them with the other stopwords")
     cur.add_argument("--overwrite", action="store_true")
     cur.add_argument("--no-progress", action="store_true")
 

@@ -8,7 +8,12 @@ occur (`data_prep.curate_rules`); (3) the standardised names embedded (MiniLM / 
 clustered with HDBSCAN (`data_prep.curate_cluster`) into a clusters file that a person labels.
 Relations: subject and object replaced by their cluster labels, stopwords removed from the
 predicate; the relation vocabulary is the set of distinct canonical triplets, while repeated
-instances inside an image stay separate objects and relations. Actions: a user-curated map
+instances inside an image stay separate objects and relations. Every run writes the predicate
+table (`*.predicate_table.tsv` beside the clusters file: each predicate, its count, the raw
+predicates merged into it, flagged where they differ by a spatial preposition) for the manual
+pass, whose keep / rename / merge lines (`relation_overrides`, `data_prep.curate_predicates`)
+are applied after the rule and recorded with the file's sha256 in the log and the manifest;
+`keep_prepositions` keeps spatial prepositions after the verb. Actions: a user-curated map
 (`surface form<TAB>class`); Multi-Moments in Time's ground truth is kept as given. Label spaces
 are shared by all sources.
 
@@ -20,8 +25,8 @@ names keep their labels, new names are suggested into curated clusters or cluste
 (`data_prep.curate_extend`). Every decision (raw -> standardised ->
 label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
 the form of appendix Table A3 to `OUT/statistics.json`. Only labels change: the output has the
-input's schema version, view size and originals policy, and every record's images and views
-pass through unchanged.
+input's schema version, view size, originals policy and creation time (so the same inputs write
+the same bytes), and every record's images and views pass through unchanged.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data_prep import curate_rules as rules
+from data_prep.durable_logs import write_replacing
 from sclaro_jax.data import schema
 
 # Cosine similarity at which two actions are suggested for merging. With all-MiniLM-L6-v2,
@@ -78,12 +84,14 @@ def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Samp
 
 class Curator:
     """Applies the maps to one sample at a time: raw object name -> standardised (`standard`)
-    -> cluster label (`object_labels`), predicates without stopwords, actions through
+    -> cluster label (`object_labels`), predicates through `predicate_map` (raw -> vocabulary
+    predicate, `curate_predicates.predicate_map`; default: stopwords removed), actions through
     `action_map`; keeps what the log and the statistics need (names, not images)."""
 
     def __init__(self, object_labels: dict[str, str], standard: dict[str, str],
-                 action_map: dict[str, str]):
+                 action_map: dict[str, str], predicate_map: dict[str, str] | None = None):
         self.object_labels, self.standard, self.action_map = object_labels, standard, action_map
+        self.predicate_map = predicate_map
         self.predicates: dict[str, str] = {}
         self.actions: dict[str, str] = {}
         self.rows: list[dict] = []  # per sample: source, action, object labels, triplet texts
@@ -98,7 +106,9 @@ class Curator:
         for r in s.relations:
             pred = self.predicates.get(r.predicate)
             if pred is None:
-                pred = self.predicates[r.predicate] = rules.normalise_predicate(r.predicate)
+                pred = self.predicates[r.predicate] = (
+                    self.predicate_map[r.predicate] if self.predicate_map is not None
+                    else rules.normalise_predicate(r.predicate))
             text = schema.triplet_text(objects[r.subject].name, pred, objects[r.object].name)
             relations.append(dataclasses.replace(r, predicate=pred, text=text))
         action = rules.canonical_action(s.action, self.action_map,
@@ -132,7 +142,8 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
            encoder: str | None = None, min_cluster_size: int | None = None,
            min_samples: int | None = None, extend: str = "", min_strength: float | None = None,
            tagger=None, use_tagger: bool = True, action_lemmatizer: str = "wordnet",
-           action_similarity: float = ACTION_SIMILARITY, overwrite: bool = False,
+           action_similarity: float = ACTION_SIMILARITY, relation_overrides: str = "",
+           keep_prepositions: bool = False, overwrite: bool = False,
            progress: bool = True) -> dict:
     """Curate `data_dir` into `out_dir`. Raises NeedsLabels after writing the clusters file
     on the first pass. `tagger` (tokens -> [(token, tag)]) replaces NLTK's POS tagger;
@@ -143,24 +154,39 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     see `curate_rules.require_lemmatizer`), then actions whose embeddings (the object
     encoder's) have cosine similarity >= `action_similarity` (0 turns this off).
 
+    Predicates: the appendix's stopword rule, with `keep_prepositions` spatial prepositions
+    after the verb kept, then the keep / rename / merge lines of the `relation_overrides` file
+    (`data_prep.curate_predicates`; checked against the dataset's predicates before any slow
+    work). Every run writes the predicate table beside the clusters file
+    (`*.predicate_table.tsv`); the second also as `OUT/predicate_table.tsv`, and the rule and
+    the overrides (file, sha256, entries) under "relation_curation" in the manifest and the log.
+
     `extend`: an earlier curated output folder. Its names keep their labels; only this
     dataset's new names go to the clusters file, as suggestions into curated clusters
     (strength >= `min_strength`) or new clusters (`data_prep.curate_extend`). Without new
     names there is no first pass. Either way the output keeps `object_curation/` for the next
     extension."""
-    from data_prep import curate_cluster, curate_extend
+    from data_prep import curate_cluster, curate_extend, curate_predicates
     from data_prep.shards import write_dataset
     from sclaro_jax.data.dataset import open_dataset
     manifest = open_dataset(data_dir).manifest
     # pass A over the records: the labels only (images are never all held in memory)
     ids, raw_names, actions = [], set(), collections.Counter()
+    raw_predicates = collections.Counter()
     for s in iter_samples(data_dir, progress):
         ids.append(s.id)
         raw_names.update(o.name for o in s.objects)
         actions[s.action] += 1
+        raw_predicates.update(r.predicate for r in s.relations)
     if not ids:
         raise ValueError(f"{data_dir}: the dataset has no records")
     clusters = clusters or out_dir.rstrip("/") + ".clusters.json"
+    overrides = (curate_predicates.read_overrides(relation_overrides) if relation_overrides
+                 else None)
+    predicate_map = curate_predicates.predicate_map(
+        raw_predicates, keep_prepositions=keep_prepositions, overrides=overrides)
+    relation_doc = relation_curation_doc(keep_prepositions, overrides)
+    table = predicate_table_text(data_dir, raw_predicates, predicate_map, relation_doc)
     tagger_name = "none" if not use_tagger else ("custom" if tagger is not None else "nltk")
     if use_tagger and tagger is None:
         tagger = rules.require_tagger()  # MissingNLTKData names the install command
@@ -169,6 +195,8 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     standard = rules.object_canonical_map(sorted(raw_names), tagger=tagger)
     std_names = sorted(set(standard.values()))
     os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
+    write_replacing(os.path.splitext(clusters)[0] + ".predicate_table.tsv",
+                    lambda f: f.write(table.encode("utf-8")))
     text_encoder, prev = None, None
     if extend:  # refused (other encoder, other hdbscan) before any slow work
         text_encoder = curate_cluster.TextEncoder(encoder or curate_cluster.default_model_path())
@@ -216,7 +244,7 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                          f"names (e.g. {unknown[:5]}): it was made for other data; delete it "
                          f"to cluster again")
     curator = Curator(labels, standard,
-                      rules.load_action_map(action_map) if action_map else {})
+                      rules.load_action_map(action_map) if action_map else {}, predicate_map)
     # pass B: rewrite and stream into the writer
     rule = manifest.get("split_rule", {})
     v1 = manifest["schema_version"] == 1  # the output keeps the input's version and views
@@ -226,7 +254,9 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                   overwrite=overwrite, progress=progress,
                   view_size=None if v1 else manifest["view_size"],
                   keep_originals=v1 or bool(manifest.get("originals")),
-                  view_quality=manifest.get("view_quality", schema.VIEW_QUALITY))
+                  view_quality=manifest.get("view_quality", schema.VIEW_QUALITY),
+                  created=manifest.get("created"),
+                  manifest_extra={"relation_curation": relation_doc})
     text_encoder = text_encoder or curate_cluster.TextEncoder(
         encoder or curate_cluster.default_model_path())
     save_object_curation(out_dir, prev, std_names, new_names, labels, text_encoder, params,
@@ -237,12 +267,47 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                      "extends": str(prev.folder.resolve()) if prev else "",
                      "action_map": os.path.abspath(action_map) if action_map else "",
                      "adjective_tagger": tagger_name,
+                     "relation_overrides": overrides.path if overrides else "",
                      "records": len(ids)}
+    log["relation_curation"] = relation_doc
     statistics = curator.statistics()
     for name, doc in (("curation_log.json", log), ("statistics.json", statistics)):
-        with open(os.path.join(out_dir, name), "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1, sort_keys=True)
+        text = json.dumps(doc, indent=1, sort_keys=True)
+        write_replacing(os.path.join(out_dir, name), lambda f: f.write(text.encode("utf-8")))
+    write_replacing(os.path.join(out_dir, PREDICATE_TABLE),
+                    lambda f: f.write(table.encode("utf-8")))
     return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
+
+
+PREDICATE_TABLE = "predicate_table.tsv"
+
+
+def relation_curation_doc(keep_prepositions: bool, overrides) -> dict:
+    """How the predicates were curated, as the manifest and the log record it."""
+    return {"rule": "stopwords removed from the predicate (NLTK English list, the appendix's "
+                    "rule)" + ("; spatial prepositions after the verb kept"
+                               if keep_prepositions else ""),
+            "keep_prepositions": bool(keep_prepositions),
+            "overrides": overrides.as_dict() if overrides else None,
+            "predicate_table": PREDICATE_TABLE}
+
+
+def predicate_table_text(data_dir: str, raw_counts, predicate_map: dict[str, str],
+                         relation_doc: dict) -> str:
+    """The predicate table (`curate_predicates.format_predicate_table`) with a header naming
+    the data, the rule and the overrides file."""
+    from data_prep import curate_predicates
+    rows = curate_predicates.predicate_table(raw_counts, predicate_map)
+    ov = relation_doc["overrides"]
+    return curate_predicates.format_predicate_table(rows, header=(
+        f"predicate table of {os.path.abspath(data_dir)}: {sum(raw_counts.values())} "
+        f"relations, {len(raw_counts)} raw predicates -> {len(rows)} predicates",
+        f"rule: {relation_doc['rule']}",
+        f"overrides: {ov['file']} (sha256 {ov['sha256']}, {len(ov['entries'])} entries)" if ov
+        else "overrides: none (keep / rename / merge lines in a file given to "
+             "--relation-overrides; see data_prep.curate_predicates)",
+        "rows whose raw predicates differ by a spatial preposition come first, with the "
+        "prepositions merged in the last column"))
 
 
 def extend_clusters_file(prev, new_names: list[str], clusters: str, encoder, params: dict,

@@ -2,6 +2,13 @@
 become their cluster labels, stopwords leave the predicate, so "air conditioner mounted on
 wall" and "air conditioner mounted wall" are one vocabulary entry. The vocabulary is
 deduplicated; within one image every instance is kept.
+
+NLTK's stopwords include spatial prepositions, so the rule also merges "sitting on" and
+"sitting under" into "sitting". `keep_prepositions=True` (`curate
+--relation-keep-prepositions`, off by default) keeps a spatial preposition
+(`SPATIAL_PREPOSITIONS`) that follows a kept word of the predicate, its verb; the appendix's
+"final pass of manual curation" has its tool in `data_prep.curate_predicates` (the predicate
+table and the overrides file).
 """
 
 from __future__ import annotations
@@ -15,21 +22,74 @@ from sclaro_jax.data.schema import triplet_text
 Triplet = tuple[str, str, str]
 
 
+# Spatial prepositions, multi-word ones matched first (longest match). Most single words are
+# NLTK stopwords; "behind", "near", "beside" are not, and stay under either rule.
+SPATIAL_PREPOSITIONS: tuple[str, ...] = (
+    "in front of", "on top of", "in back of", "inside of", "out of", "next to", "close to",
+    "on", "in", "at", "by", "under", "over", "above", "below", "behind", "beside", "near",
+    "inside", "outside", "underneath", "beneath", "between", "among", "across", "along",
+    "against", "around", "through", "into", "onto", "off", "atop", "within", "beyond",
+    "toward", "towards", "past",
+)
+_SPATIAL = frozenset(tuple(p.split()) for p in SPATIAL_PREPOSITIONS)
+_SPATIAL_LONGEST = max(len(p) for p in _SPATIAL)
+
+
+def _spatial_at(words: Sequence[str], i: int) -> int:
+    """Length in words of the longest spatial preposition starting at `words[i]` (0: none)."""
+    for n in range(min(_SPATIAL_LONGEST, len(words) - i), 0, -1):
+        if tuple(words[i:i + n]) in _SPATIAL:
+            return n
+    return 0
+
+
 @functools.lru_cache(maxsize=1 << 16)
-def _normalise_predicate(predicate: str, stopwords: frozenset[str]) -> str:
+def spatial_phrases(predicate: str) -> tuple[str, ...]:
+    """The spatial prepositions of a predicate (normalised), in order, longest match first:
+    "is sitting on top of" -> ("on top of",), "sitting" -> ()."""
+    words = normalise_text(predicate).split()
+    out, i = [], 0
+    while i < len(words):
+        n = _spatial_at(words, i)
+        if n:
+            out.append(" ".join(words[i:i + n]))
+        i += n or 1
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _normalise_predicate(predicate: str, stopwords: frozenset[str],
+                         keep_prepositions: bool = False) -> str:
     text = normalise_text(predicate)
-    kept = [w for w in text.split() if w not in stopwords]
+    words = text.split()
+    kept: list[str] = []
+    i = 0
+    while i < len(words):
+        n = _spatial_at(words, i) if keep_prepositions and kept else 0
+        if n:  # a spatial preposition after a kept word (the verb)
+            kept.extend(words[i:i + n])
+            i += n
+            continue
+        if words[i] not in stopwords:
+            kept.append(words[i])
+        i += 1
     return " ".join(kept) if kept else text
 
 
-def normalise_predicate(predicate: str, stopwords: Iterable[str] = STOPWORDS) -> str:
+def normalise_predicate(predicate: str, stopwords: Iterable[str] = STOPWORDS,
+                        keep_prepositions: bool = False) -> str:
     """Normalised predicate without stopwords: "mounted on" -> "mounted", "is next to" ->
     "next", "in front of" -> "front". If only stopwords remain the normalised predicate is kept
     whole ("on" stays "on", "out of" stays); an empty predicate stays "".
+
+    `keep_prepositions`: a spatial preposition (`SPATIAL_PREPOSITIONS`, longest match) that
+    comes after a kept word, the predicate's verb, stays whole: "is sitting on" -> "sitting
+    on", "sitting under" -> "sitting under", "parked in front of" -> "parked in front of".
+    Without a word before it the rule is unchanged ("in front of" -> "front", "on" -> "on").
     """
     if not isinstance(stopwords, frozenset):
         stopwords = frozenset(stopwords)
-    return _normalise_predicate(predicate, stopwords)
+    return _normalise_predicate(predicate, stopwords, bool(keep_prepositions))
 
 
 def _object_label(name: str, object_map: Mapping[str, str]) -> str:

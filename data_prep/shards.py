@@ -369,9 +369,10 @@ def write_dataset(samples: Iterable[schema.Sample], out_dir: str, *, ids: Iterab
                   split_seed: int = 42, fractions=(0.7, 0.1, 0.2), records_per_shard: int = 1000,
                   overwrite: bool = False, progress: bool = True,
                   view_size: int | None = schema.DEFAULT_VIEW_SIZE, keep_originals: bool = False,
-                  view_quality: int = schema.VIEW_QUALITY) -> dict:
+                  view_quality: int = schema.VIEW_QUALITY, created: str | None = None,
+                  manifest_extra: dict | None = None) -> dict:
     """Assign the deterministic split over `ids`, then write `samples` (split filled in) with
-    a `ShardWriter(view_size=, keep_originals=, view_quality=)`.
+    a `ShardWriter(view_size=, keep_originals=, view_quality=, created=, manifest_extra=)`.
 
     `ids` lists every sample id up front (the split needs the whole set); `samples` may be a
     generator, so images never all sit in memory at once.
@@ -381,7 +382,8 @@ def write_dataset(samples: Iterable[schema.Sample], out_dir: str, *, ids: Iterab
     rule = {"method": "sha256(seed:id) rank", "seed": split_seed, "fractions": list(fractions)}
     with ShardWriter(out_dir, records_per_shard=records_per_shard, overwrite=overwrite,
                      split_rule=rule, view_size=view_size, keep_originals=keep_originals,
-                     view_quality=view_quality) as writer:
+                     view_quality=view_quality, created=created,
+                     manifest_extra=manifest_extra) as writer:
         for sample in tqdm(samples, total=len(ids), desc="writing shards", unit="sample",
                            disable=not progress):
             if sample.id not in split_of:

@@ -29,7 +29,7 @@ RECOVERY_NOTES = (
     "objects_from_string", "object_from_dict", "object_dropped:", "duplicate_object",
     "objects_truncated",
     "relations_from_string", "relation_unwrapped", "relation_from_string", "relation_from_dict",
-    "relation_dropped:", "relation_object_added", "duplicate_relation",
+    "relation_joined", "relation_dropped:", "relation_object_added", "duplicate_relation",
 )
 
 # Normalised key (lowercase, "_"/"-" as spaces, surrounding spaces, quotes, "*" and ":" cut)
@@ -312,7 +312,9 @@ def _triplet(item: Any, objects: list[str], notes: Notes) -> tuple[str, str, str
     if not isinstance(item, list):
         notes.add("relation_dropped:not_text")
         return None
-    if len(item) != 3:
+    if len(item) > 3 and all(isinstance(p, str) for p in item):
+        item = _join_middle(item, objects, notes)
+    if item is None or len(item) != 3:
         notes.add("relation_dropped:arity")
         return None
     if not all(isinstance(p, str) for p in item):
@@ -323,6 +325,23 @@ def _triplet(item: Any, objects: list[str], notes: Notes) -> tuple[str, str, str
         notes.add("relation_dropped:empty")
         return None
     return tuple(parts)
+
+
+def _join_middle(tokens: list[str], objects: list[str], notes: Notes) -> list[str] | None:
+    """A relation of four or more tokens, ["man", "sitting", "on", "chair"] ->
+    ["man", "sitting on", "chair"]: taken only when the first and last tokens are listed
+    objects and no middle token is one (["cyclist", "riding", "bicycle", "on", "road"] chains
+    two relations and stays dropped)."""
+    seen = Notes()
+    names = [_unwrap(t, seen) for t in tokens]
+    middle = [n for n in names[1:-1] if n]
+    if (not _find(objects, names[0]) or not _find(objects, names[-1]) or not middle
+            or any(_find(objects, n) for n in middle)):
+        return None
+    for code in seen:  # "<sitting>" "<on>": the brackets are noted once the relation is kept
+        notes.add(code)
+    notes.add("relation_joined")
+    return [tokens[0], " ".join(middle), tokens[-1]]
 
 
 ANGLE_TRIPLET = re.compile(r"<([^<>]+)>\s*<([^<>]+)>\s*<([^<>]+)>")

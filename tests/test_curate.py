@@ -2,6 +2,7 @@
 records rewritten with canonical labels, decisions logged, Table A3 statistics."""
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -106,3 +107,68 @@ def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_p
     assert main(base + ["--no-pos-tagger", "--action-lemmatizer", "porter"]) == 3
     assert "clusters" in capsys.readouterr().out
     assert (tmp_path / "o.clusters.json").exists()
+
+
+def _tree_bytes(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_relation_overrides_keep_opposite_prepositions_apart(demo_dir, tmp_path):
+    demo, _ = read_samples(str(demo_dir), progress=False)
+    opposite = {0: "sitting on", 1: "sitting under", 2: "Sitting on"}  # sample -> predicate
+
+    def with_predicate(s, predicate):
+        r = s.relations[0]
+        text = schema.triplet_text(s.objects[r.subject].name, predicate,
+                                   s.objects[r.object].name)
+        first = dataclasses.replace(r, predicate=predicate, text=text)
+        return dataclasses.replace(s, relations=(first,) + s.relations[1:])
+
+    raw = [with_predicate(s, opposite[i]) if i in opposite else s for i, s in enumerate(demo)]
+    src, clusters = tmp_path / "raw", tmp_path / "clusters.json"
+    shards.write_dataset(raw, str(src), ids=[s.id for s in demo], progress=False)
+    with pytest.raises(NeedsLabels):  # the paper's rule: one "sitting", flagged in the table
+        curate(str(src), str(tmp_path / "o"), clusters=str(clusters), tagger=fake_tagger,
+               action_lemmatizer="porter", progress=False)
+    table = (tmp_path / "clusters.predicate_table.tsv").read_text().splitlines()
+    assert "sitting\t3\tSitting on (1); sitting on (1); sitting under (1)\ton / under" in table
+    overrides = tmp_path / "overrides.txt"
+    overrides.write_text("# keep opposite relations apart\nkeep sitting on, sitting under\n")
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        curate(str(src), str(out), clusters=str(clusters), tagger=fake_tagger,
+               relation_overrides=str(overrides), progress=False)
+    out = outs[0]
+    table = (out / "predicate_table.tsv").read_text()
+    assert table == (tmp_path / "clusters.predicate_table.tsv").read_text()
+    assert "sitting on\t2\tSitting on (1); sitting on (1)\t\n" in table
+    assert "sitting under\t1\tsitting under (1)\t\n" in table
+    vocab = schema.read_vocab(out / "predicates.txt")
+    assert {"sitting on", "sitting under"} <= set(vocab) and "sitting" not in vocab
+    after, manifest = read_samples(str(out), progress=False)
+    by_id = {s.id: s for s in after}
+    for i, predicate in opposite.items():
+        assert by_id[demo[i].id].relations[0].predicate == predicate.lower()
+    recorded = manifest["relation_curation"]
+    assert recorded["keep_prepositions"] is False
+    assert recorded["overrides"]["file"] == str(overrides)
+    assert recorded["overrides"]["sha256"] == hashlib.sha256(overrides.read_bytes()).hexdigest()
+    assert recorded["overrides"]["entries"] == [
+        {"line": 2, "action": "keep", "predicates": ["sitting on", "sitting under"], "to": ""}]
+    log = json.loads((out / "curation_log.json").read_text())
+    assert log["relation_curation"] == recorded
+    assert log["predicates"]["Sitting on"] == "sitting on"
+    # the same inputs and the same file: the same bytes
+    assert _tree_bytes(outs[0]) == _tree_bytes(outs[1])
+
+
+def test_cli_refuses_a_bad_overrides_file_before_clustering(demo_dir, tmp_path, capsys):
+    overrides = tmp_path / "overrides.txt"
+    overrides.write_text("keep in front of\nrename sitting -> seated\n")
+    base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress",
+            "--no-pos-tagger", "--action-lemmatizer", "porter"]
+    assert main(base + ["--relation-overrides", str(overrides)]) == 1
+    err = capsys.readouterr().err
+    assert f"{overrides} line 2: 'rename sitting -> seated': unknown predicate 'sitting'" in err
+    assert not (tmp_path / "o.clusters.json").exists()

@@ -1,5 +1,7 @@
 """data_prep.curate_rules: the appendix's label-curation rules on hand-made cases."""
 
+import hashlib
+
 import numpy as np
 import pytest
 
@@ -216,6 +218,89 @@ def test_normalise_predicate(predicate, expected):
 
 def test_normalise_predicate_custom_stopwords():
     assert cr.normalise_predicate("mounted on", stopwords={"mounted"}) == "on"
+
+
+@pytest.mark.parametrize("predicate, expected", [
+    ("sitting on", "sitting on"),
+    ("Is sitting under", "sitting under"),
+    ("is sitting on top of the", "sitting on top of"),
+    ("parked in front of", "parked in front of"),
+    ("mounted on the wall", "mounted on wall"),
+    ("in front of", "front"),  # no verb before it: the appendix's rule
+    ("is next to", "next"),
+    ("on", "on"),
+])
+def test_keep_prepositions_after_the_verb(predicate, expected):
+    assert cr.normalise_predicate(predicate, keep_prepositions=True) == expected
+
+
+def test_predicate_table_flags_merged_prepositions():
+    raws = {"sitting on": 3, "Sitting under": 1, "is sitting": 1, "holding": 2, "next to": 1}
+    mapping = cr.predicate_map(raws)
+    assert mapping["sitting on"] == mapping["Sitting under"] == "sitting"
+    rows = cr.predicate_table(raws, mapping)
+    assert rows[0] == {"predicate": "sitting", "count": 5, "spatial": ["(none)", "on", "under"],
+                       "raw": [("sitting on", 3), ("Sitting under", 1), ("is sitting", 1)]}
+    assert [r["spatial"] for r in rows[1:]] == [[], []]
+    text = cr.format_predicate_table(rows, header=["h"])
+    assert text.splitlines()[:3] == [
+        "# h", "predicate\tcount\traw predicates (count)\tspatial prepositions merged",
+        "sitting\t5\tsitting on (3); Sitting under (1); is sitting (1)\t(none) / on / under"]
+
+
+def test_predicate_map_keep_prepositions_then_overrides():
+    raws = ["sitting on", "sitting under", "is sitting on"]
+    assert set(cr.predicate_map(raws, keep_prepositions=True).values()) == {
+        "sitting on", "sitting under"}
+    got = cr.predicate_map(raws, keep_prepositions=True,
+                           overrides=_overrides("merge sitting on, sitting under -> sitting"))
+    assert set(got.values()) == {"sitting"}
+
+
+def _overrides(text):
+    return cr.RelationOverrides("/o.txt", "0", cr.parse_overrides(text, "/o.txt"))
+
+
+def test_overrides_keep_rename_merge():
+    raws = ["sitting on", "Sitting Under", "in front of", "next to", "beside", "holding"]
+    got = cr.predicate_map(raws, overrides=_overrides(
+        "# the manual pass\n\nkeep sitting on, sitting under\nrename front -> in front of\n"
+        "merge next, beside -> beside\n"))
+    assert got == {"sitting on": "sitting on", "Sitting Under": "sitting under",
+                   "in front of": "in front of", "next to": "beside", "beside": "beside",
+                   "holding": "holding"}
+    entry = _overrides("\n merge  next, Beside -> near ").entries[0]
+    assert entry.as_dict() == {"line": 2, "action": "merge", "predicates": ["next", "beside"],
+                               "to": "near"}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("kep sitting on", "line 1: 'kep sitting on': unknown action 'kep'"),
+    ("# c\nkeep sitting over", "line 2: 'keep sitting over': unknown predicate 'sitting over'"),
+    ("rename sitting on -> x", "unknown predicate 'sitting on'"),  # rule's forms only
+    ("rename front", "rename needs 'OLD -> NEW'"),
+    ("rename front, next -> x", "rename takes one predicate"),
+    ("merge front -> x", "merge takes two or more"),
+    ("rename front -> ,", "an empty predicate"),
+    ("keep sitting on\nkeep sitting on", "line 2: 'keep sitting on': 'sitting on' is already "
+                                          "kept on line 1"),
+    ("rename front -> x\nmerge front, next -> y", "line 2: 'merge front, next -> y': 'front' "
+                                                  "is already renamed on line 1"),
+    ("rename front -> next\nrename next -> near", "its target 'next' is renamed again on "
+                                                 "line 2"),
+])
+def test_overrides_errors_name_file_line_and_entry(text, message):
+    with pytest.raises(cr.OverridesError, match="^/o.txt line") as info:
+        cr.predicate_map(["sitting on", "in front of", "next to"], overrides=_overrides(text))
+    assert message in str(info.value)
+
+
+def test_read_overrides_hashes_the_bytes(tmp_path):
+    path = tmp_path / "o.txt"
+    path.write_bytes(b"keep sitting on\n")
+    got = cr.read_overrides(str(path))
+    assert got.sha256 == hashlib.sha256(b"keep sitting on\n").hexdigest()
+    assert got.path == str(path) and got.entries[0].predicates == ("sitting on",)
 
 
 def test_appendix_relation_example():

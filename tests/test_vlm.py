@@ -117,6 +117,17 @@ def test_string_relation_takes_longest_prefix_and_suffix():
     assert got["relations"] == [("tennis player", "swinging", "tennis racket")]
 
 
+def test_four_token_relation_joins_its_middle():
+    got = parse_response('{"objects": ["man", "chair"], '
+                         '"relations": [["man", "sitting", "on", "chair"]]}')
+    assert got["relations"] == [("man", "sitting on", "chair")]
+    assert "relation_joined" in got["notes"]
+    # ends that are not listed objects, or a listed object inside: still dropped
+    for tokens in (["man", "sitting", "on", "sofa"], ["man", "on", "chair", "near", "man"]):
+        got = parse_response(json.dumps({"objects": ["man", "chair"], "relations": [tokens]}))
+        assert got["relations"] == [] and "relation_dropped:arity" in got["notes"], tokens
+
+
 def test_string_relation_needs_a_predicate_between_objects():
     got = parse_response('{"objects": ["man", "horse"], "relations": ["man horse", "man"]}')
     assert got["relations"] == []
