@@ -522,47 +522,51 @@ def test_classes_coco80_is_one_list_and_unknown_names_are_errors(tmp_path):
 
 def test_cli_classes_coco80_with_the_tiny_grounding_dino(tmp_path, capsys):
     """`--detector` with `--classes coco80`: the tiny GroundingDINO (64 text tokens) gets the 80
-    names in several prompts; the rare objects it finds are captioned from a replies file, one
-    reply too short twice (dropped with its word count)."""
+    names in several prompts. A first run without replies drops every rare object with
+    vlm_no_reply (so summary.json names them); a second, from the cached boxes and masks, has
+    a reply for each, one too short twice (dropped with its word count)."""
+    from PIL import Image
+
     from data_prep import detect
     from data_prep.__main__ import main
-    from data_prep.rocs import COCO80, detect_instances, prompt_groups
+    from data_prep.rocs import COCO80, prompt_groups
     from data_prep.segment import save_tiny_sam
 
     rng = np.random.default_rng(1)
     (tmp_path / "img").mkdir()
-    for k in range(3):
-        from PIL import Image
+    for k in range(2):
         Image.fromarray(rng.integers(0, 256, (100, 100, 3), dtype=np.uint8)).save(
             tmp_path / "img" / f"{k}.png")
     model = detect.save_tiny_model(str(tmp_path / "gdino"))
     save_tiny_sam(str(tmp_path / "sam.pth"))
-    base = detect.GroundingDetector(model)
-    tokens = len(base.processor.tokenizer(detect.make_prompt(list(COCO80)))["input_ids"])
-    groups = prompt_groups(list(COCO80), base)
-    assert tokens > 64 and len(groups) > 1 and sum(groups, []) == list(COCO80)
-    assert all(len(base.processor.tokenizer(detect.make_prompt(g))["input_ids"]) <= 64
-               for g in groups)
-    images = detect_instances(tmp_path / "img", list(COCO80), base, progress=False)
-    rare = [(im.id, i) for im in images for i in rs.rare_instances(im)]
-    assert rare and {i.category for _, i in rare} <= set(COCO80)
-    replies = {f"{image_id}/{i.id}": f"A cluttered scene with many things and a {i.category} "
-               "in it." for image_id, i in rare}
-    short = f"{rare[0][0]}/{rare[0][1].id}"
-    replies[short] = replies[short + "/retry"] = f"A {rare[0][1].category}."
-    (tmp_path / "replies.json").write_text(json.dumps(replies))
+    tokenizer = detect.GroundingDetector(model).processor.tokenizer
+    count = lambda names: len(tokenizer(detect.make_prompt(names))["input_ids"])  # noqa: E731
+    groups = prompt_groups(list(COCO80), detect.GroundingDetector(model))
+    assert count(list(COCO80)) > 64 and len(groups) > 1 and sum(groups, []) == list(COCO80)
+    assert all(count(g) <= 64 for g in groups)
+    (tmp_path / "replies.json").write_text("{}")
     argv = ["rocs", "--images", str(tmp_path / "img"), "--detector", model, "--classes",
             "coco80", "--out", str(tmp_path / "out"), "--sam", str(tmp_path / "sam.pth"),
             "--sam-type", "tiny", "--top-fraction", "1", "--max-mask-area", "1.0",
             "--vlm-replies", str(tmp_path / "replies.json"), "--device", "cpu", "--no-progress"]
+    assert main(argv) == 1
+    assert "no caption survived" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rare = summary["dropped"][rc.NO_REPLY]
+    assert rare and {d["object"] for d in rare} <= set(COCO80)
+    replies = {f"{d['image_id']}/{d['instance_id']}": f"A cluttered scene with many things and "
+               f"a {d['object']} in it." for d in rare}
+    short = f"{rare[0]['image_id']}/{rare[0]['instance_id']}"
+    replies[short] = replies[short + "/retry"] = f"A {rare[0]['object']}."
+    (tmp_path / "replies.json").write_text(json.dumps(replies))
     assert main(argv) == 0, capsys.readouterr().err
+    assert "computed 0 images' masks" in capsys.readouterr().out  # boxes and masks cached
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["kept_captions"] == len(rare) - 1
-    words = len(rare[0][1].category.split()) + 1
+    words = len(rare[0]["object"].split()) + 1
     assert [(d["image_id"], d["instance_id"], d["reason"])
             for d in summary["dropped"]["caption_words"]] == [
-        (rare[0][0], rare[0][1].id, f"caption_words:{words} (8-18)")]
-    assert "1 caption_words" in capsys.readouterr().out
+        (rare[0]["image_id"], rare[0]["instance_id"], f"caption_words:{words} (8-18)")]
 
 
 def test_cli_classes_and_caption_words_errors(tmp_path, images, capsys):
