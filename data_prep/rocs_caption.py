@@ -5,8 +5,9 @@ Captions: the VLM gets the system prompt `SYSTEM_PROMPT` and the user prompt `US
 with the rare object's class name for its placeholder "{rare class}" (`caption_prompt`), the
 MINER paper's appendix J.1 prompts: one neutral, factual MS COCO-style sentence that names the
 object. A reply is checked (`check_caption`): it must name the object (`rocs_select.
-caption_names`) and have between `CAPTION_WORDS` words (8-18 by default: the union of the
-user prompt's "roughly 8-16" and the system prompt's "roughly 10-18"). A reply that fails is
+caption_names`) and have a word count within `CAPTION_WORDS` (8-18 by default, both ends
+included: the union of the user prompt's "roughly 8-16" and the system prompt's "roughly
+10-18"). A reply that fails is
 asked again once, the user prompt followed by a note saying what to fix; a second failure drops
 the object with the reason of that second reply (`caption_missing_object`, or
 "caption_words:N (LO-HI)" with the reply's word count N) and the replies, an image without a
