@@ -3,6 +3,7 @@
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -107,7 +108,7 @@ def _curate(args) -> int:
 
 def _rocs(args) -> int:
     from data_prep import rocs_select
-    from data_prep.rocs import build_rocs
+    from data_prep.rocs import build_rocs, class_list
     from data_prep.rocs_caption import CaptionReplies
     from sclaro_jax.data.schema import file_sha256
 
@@ -121,6 +122,11 @@ def _rocs(args) -> int:
     if bool(args.instances) == bool(args.detector):
         raise ValueError("pass one of --instances FILE (a COCO instances JSON) or --detector "
                          "DIR --classes ... (GroundingDINO boxes for images without annotations)")
+    if args.classes and not args.detector:
+        raise ValueError("--classes names what --detector looks for; with --instances the "
+                         "classes are the instances file's")
+    classes = class_list(args.classes) if args.detector else []
+    words = _word_range(args.caption_words)
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -130,12 +136,7 @@ def _rocs(args) -> int:
     else:
         from data_prep.detect import GroundingDetector
         from data_prep.rocs import detect_instances
-        classes = args.classes
-        if classes.startswith("@"):
-            with open(classes[1:], encoding="utf-8") as f:
-                classes = ",".join(line.strip() for line in f if line.strip())
-        images = detect_instances(args.images, [c.strip() for c in classes.split(",")
-                                                if c.strip()],
+        images = detect_instances(args.images, classes,
                                   GroundingDetector(args.detector, device=device), work=work,
                                   detector_key=os.path.abspath(args.detector),
                                   progress=not args.no_progress)
@@ -147,12 +148,13 @@ def _rocs(args) -> int:
         from data_prep.vlm import TransformersVLM
         vlm = TransformersVLM(args.vlm, device=device,
                               trust_remote_code=args.vlm_trust_remote_code)
-        ask, ask_key = (lambda image, prompt: vlm([image], prompt)[0]), os.path.abspath(args.vlm)
+        ask, ask_key = ((lambda image, prompt, system: vlm([image], prompt, system)[0]),
+                        os.path.abspath(args.vlm))
     summary = build_rocs(images, args.images, segment, ask, args.out,
                          top_fraction=args.top_fraction, max_mask_area=args.max_mask_area,
                          ask_with_ids=bool(args.vlm_replies), work=work,
                          segment_key=f"{args.sam_type}:{file_sha256(args.sam)}",
-                         ask_key=ask_key, progress=not args.no_progress)
+                         ask_key=ask_key, caption_words=words, progress=not args.no_progress)
     drops = ", ".join(f"{len(v)} {k}" for k, v in summary["dropped"].items())
     done = summary["computed"]
     print(f"{summary['images']} images, {summary['high_clutter']} high-clutter: kept "
@@ -162,6 +164,15 @@ def _rocs(args) -> int:
     print(f"wrote {os.path.join(args.out, 'rocs')} (open it with python -m sclaro_jax.eval.rocs "
           f"--split NAME={os.path.join(args.out, 'rocs')}), summary.json and stats.json")
     return 0
+
+
+def _word_range(value: str) -> tuple[int, int]:
+    """--caption-words "LO-HI" -> (LO, HI)."""
+    match = re.fullmatch(r"\s*(\d+)\s*-\s*(\d+)\s*", value)
+    if not match or not 0 < int(match[1]) <= int(match[2]):
+        raise ValueError(f"--caption-words {value!r}: expected LO-HI with 0 < LO <= HI, "
+                         "e.g. 8-18")
+    return int(match[1]), int(match[2])
 
 
 def _command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
@@ -382,8 +393,9 @@ def main(argv=None) -> int:
         "instances file",
         "MINER section 3: the top --top-fraction of images by object count; in each, the "
         "objects whose class appears once; of those, the ones whose SAM mask covers at most "
-        "--max-mask-area of the image; a VLM caption naming each (asked again once if it does "
-        "not, then dropped). Writes OUT/rocs (a datasets folder that python -m "
+        "--max-mask-area of the image; a VLM caption of each, one COCO-style sentence (the "
+        "paper's appendix J prompts) that names it in --caption-words words (asked again once "
+        "if it does not, then dropped). Writes OUT/rocs (a datasets folder that python -m "
         "sclaro_jax.eval.rocs reads), OUT/summary.json (every drop with its reason) and "
         "OUT/stats.json (the paper's Figure 3 numbers). Masks and captions are cached in "
         "--work: a rerun after a crash redoes only what is missing.")
@@ -393,6 +405,7 @@ def main(argv=None) -> int:
     rocs.add_argument("--detector", default="", help="for images without annotations: a "
                       "grounding-dino-base folder (save_pretrained); with --classes")
     rocs.add_argument("--classes", default="", help="class names to prompt --detector with: "
+                      "coco80 (the 80 COCO class names, the MINER paper's SAM 3 prompts), "
                       "'cat,dog,...' or @FILE (one per line)")
     rocs.add_argument("--out", required=True, help="output folder")
     rocs.add_argument("--work", default="", help="cache folder (default: OUT/work)")
@@ -406,6 +419,10 @@ def main(argv=None) -> int:
     rocs.add_argument("--vlm", default="", help="image-text-to-text model folder")
     rocs.add_argument("--vlm-replies", default="", help="JSON file of caption replies, keys "
                       "'<image id>/<instance id>' and '<image id>/<instance id>/retry'")
+    rocs.add_argument("--caption-words", default="8-18", metavar="LO-HI",
+                      help="word counts a caption may have (default 8-18: the MINER prompts "
+                           "ask for roughly 8-16 and 10-18 words); a reply outside is asked "
+                           "again once, then dropped with the reason caption_words")
     rocs.add_argument("--vlm-trust-remote-code", action="store_true",
                       help="let the VLM folder run its own modelling code (Ovis needs it)")
     rocs.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")

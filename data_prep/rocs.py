@@ -11,8 +11,12 @@ image). It writes OUT/rocs (the dataset), OUT/summary.json (images and objects k
 at each step, each drop with its reason), OUT/stats.json (Figure 3's numbers per stage) and
 OUT/stats.png (them as a figure).
 
+For image sets without instance annotations (Flickr30K in the paper), `detect_instances`
+gives GroundingDINO boxes for a class list, e.g. `COCO80`: the paper prompts SAM 3 with the 80
+COCO class names (appendix J.2); SAM 3 is not a package here, GroundingDINO stands in for it.
+
 `python -m data_prep rocs` runs it with the stage caches in WORK (a rerun skips finished
-work). Still to come: GroundingDINO boxes for image sets without instance annotations.
+work).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +34,46 @@ from PIL import Image
 
 from data_prep import rocs_caption, rocs_select
 from data_prep.rocs_select import AnnotatedImage
+
+# The 80 MS COCO class names (the detection categories, in category-id order): the object
+# prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper
+# rephrases six of them for open-vocabulary detection without saying which in the text we
+# have, so all 80 are the canonical names.
+COCO80 = (
+    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat",
+    "traffic light", "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog",
+    "horse", "sheep", "cow", "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella",
+    "handbag", "tie", "suitcase", "frisbee", "skis", "snowboard", "sports ball", "kite",
+    "baseball bat", "baseball glove", "skateboard", "surfboard", "tennis racket", "bottle",
+    "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple", "sandwich",
+    "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
+    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "mouse", "remote",
+    "keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book",
+    "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush")
+CLASS_LISTS = {"coco80": COCO80}  # the named values of `python -m data_prep rocs --classes`
+
+
+def class_list(value: str) -> list[str]:
+    """`--classes` as class names: a named list (`CLASS_LISTS`, e.g. "coco80"), "@FILE" (one
+    name a line, blank lines skipped) or "name,name,...". A lone word ending in digits (such
+    as "coco91") is taken for a list name and must be one of `CLASS_LISTS`."""
+    value = value.strip()
+    if value.lower() in CLASS_LISTS:
+        return list(CLASS_LISTS[value.lower()])
+    if value.startswith("@"):
+        try:
+            with open(value[1:], encoding="utf-8") as f:
+                names = [line.strip() for line in f if line.strip()]
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--classes {value}: no such file") from None
+    elif re.fullmatch(r"[A-Za-z_]+\d+", value):
+        raise ValueError(f"--classes {value}: unknown class list (named lists: "
+                         f"{', '.join(CLASS_LISTS)}; or pass 'name,name,...' or @FILE)")
+    else:
+        names = [c.strip() for c in value.split(",") if c.strip()]
+    if not names:
+        raise ValueError(f"--classes {value!r}: no class names to prompt the detector with")
+    return names
 
 
 def _lazy_pixels(image: AnnotatedImage, path: Path) -> Callable[[], np.ndarray]:
@@ -87,14 +132,37 @@ def _image_size(path: Path) -> list[int]:
         return list(img.size)
 
 
+def prompt_groups(classes: list[str], detector) -> list[list[str]]:
+    """`classes` in order, cut into runs whose GroundingDINO prompt (`detect.make_prompt`) fits
+    the detector's `model.config.max_text_len` tokens (its `processor.tokenizer` counts them):
+    the 80 COCO names do not fit one prompt of the tiny test model (64 tokens). A detector
+    without those attributes gets all the classes in one prompt."""
+    from data_prep.detect import make_prompt
+
+    tokenizer = getattr(getattr(detector, "processor", None), "tokenizer", None)
+    config = getattr(getattr(detector, "model", None), "config", None)
+    max_len = getattr(config, "max_text_len", None)
+    if tokenizer is None or max_len is None:
+        return [list(classes)]
+    groups: list[list[str]] = []
+    for name in classes:
+        if groups and len(tokenizer(make_prompt(groups[-1] + [name]))["input_ids"]) <= max_len:
+            groups[-1].append(name)
+        else:  # a name too long alone still gets its prompt: the detector says it is too long
+            groups.append([name])
+    return groups
+
+
 def detect_instances(image_dir: str | Path, classes: list[str], detector: Callable, *,
                      work: str | Path | None = None, detector_key: str = "",
                      batch: int = 8, progress: bool = True) -> list[AnnotatedImage]:
     """Instances for an image set without annotations (Flickr30K in the paper): every image
     under `image_dir` (sorted paths; ids 1, 2, ... in that order) through `detector(images,
-    objects) -> [[Detection]]` (`data_prep.detect.GroundingDetector`) prompted with `classes`;
-    each detection becomes an instance of the class it was matched to. Cached per image in
-    WORK/boxes, keyed by `detector_key` and the class list."""
+    objects) -> [[Detection]]` (`data_prep.detect.GroundingDetector`) prompted with `classes`
+    (in as many prompts as its text length needs, `prompt_groups`; an image's detections are
+    those of all its prompts, highest score first); each detection becomes an instance of the
+    class it was matched to. Cached per image in WORK/boxes, keyed by `detector_key` and the
+    class list."""
     from tqdm.auto import tqdm
 
     image_dir = Path(image_dir)
@@ -103,6 +171,7 @@ def detect_instances(image_dir: str | Path, classes: list[str], detector: Callab
         raise FileNotFoundError(f"--images {image_dir}: no images ({', '.join(IMAGE_SUFFIXES)})")
     if not classes:
         raise ValueError("--classes: no class names to prompt the detector with")
+    groups = prompt_groups(classes, detector)
     cache = StageCache(None if work is None else Path(work), "boxes", detector_key)
     out = []
     for start in tqdm(range(0, len(files), batch), desc="rocs boxes", unit="batch",
@@ -110,14 +179,19 @@ def detect_instances(image_dir: str | Path, classes: list[str], detector: Callab
         chunk = files[start:start + batch]
         found: dict[Path, list] = {}
 
-        def run_chunk():  # one detector call for the images of the chunk not cached yet
+        def run_chunk():  # one detector call per prompt for the chunk's images not cached yet
             if not found:
                 opened = []
                 for p in chunk:
                     with Image.open(p) as img:
                         opened.append(img.convert("RGB"))
-                for path, dets in zip(chunk, detector(opened, [classes] * len(chunk))):
-                    found[path] = [[list(map(float, d.box)), d.label] for d in dets]
+                dets: dict[Path, list] = {path: [] for path in chunk}
+                for group in groups:
+                    for path, got in zip(chunk, detector(opened, [group] * len(chunk))):
+                        dets[path] += got
+                for path in chunk:
+                    ranked = sorted(dets[path], key=lambda d: -d.score)  # stable: ties in order
+                    found[path] = [[list(map(float, d.box)), d.label] for d in ranked]
             return found
 
         for k, path in enumerate(chunk):
@@ -158,13 +232,15 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
                ask: Callable, out: str | Path, *, top_fraction: float = rocs_select.TOP_FRACTION,
                max_mask_area: float = rocs_select.MAX_MASK_AREA, ask_with_ids: bool = False,
                work: str | Path | None = None, segment_key: str = "", ask_key: str = "",
+               caption_words: tuple[int, int] = rocs_caption.CAPTION_WORDS,
                progress: bool = True) -> dict:
     """Run the construction (see the module docstring); returns the summary.
 
     With `work`, each image's mask shares and each object's caption are cached there, keyed by
     `segment_key` / `ask_key` (the models' identities, e.g. a hash of the weights or of the
     replies file) and the inputs: a rerun (after a crash, say) recomputes only what is missing
-    or stale. The returned summary also says what this run worked out (`computed`: masks
+    or stale (a caption's key also holds the prompts and `caption_words`, the accepted word
+    counts). The returned summary also says what this run worked out (`computed`: masks
     and captions); summary.json leaves that out, so a resumed run writes the same files."""
     from tqdm.auto import tqdm
 
@@ -174,7 +250,9 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
     caption_cache = StageCache(None if work is None else Path(work), "captions", ask_key)
     clutter = rocs_select.high_clutter(images, top_fraction)
     dropped: dict[str, list] = {"no_rare_object": [], "mask_too_large": [],
-                                rocs_caption.NO_REPLY: [], rocs_caption.MISSING_OBJECT: []}
+                                **{kind: [] for kind in rocs_caption.REASONS}}
+    caption_words = tuple(caption_words)
+    prompts = [rocs_caption.SYSTEM_PROMPT, rocs_caption.USER_PROMPT, list(caption_words)]
     rows, kept_pairs, rare_pairs, candidates = [], [], [], []
     # Stage 1: masks, image by image (an image is read only if its masks are not cached).
     for image in tqdm(clutter, desc="rocs masks", unit="image", disable=not progress):
@@ -196,14 +274,16 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
                                   disable=not progress):
         def caption(image=image, inst=inst, pixels=_lazy_pixels(image, path)):
             query = (image.id, inst.id) if ask_with_ids else Image.fromarray(pixels())
-            got = rocs_caption.recaption(ask, query, inst.category)
+            got = rocs_caption.recaption(ask, query, inst.category, words=caption_words)
             return {"caption": got.caption, "reason": got.reason, "replies": list(got.replies)}
 
         got = caption_cache.get(f"{image.id}_{inst.id}",
-                                [image.file_name, inst.category, list(inst.box)], caption)
+                                [image.file_name, inst.category, list(inst.box), prompts],
+                                caption)
         if got["caption"] is None:
-            dropped[got["reason"]].append({"image_id": image.id, "instance_id": inst.id,
-                                           "object": inst.category, "replies": got["replies"]})
+            dropped[rocs_caption.reason_kind(got["reason"])].append(
+                {"image_id": image.id, "instance_id": inst.id, "object": inst.category,
+                 "reason": got["reason"], "replies": got["replies"]})
             continue
         kept_pairs.append((image, inst))
         rows.append({"image": path, "image_id": image.id, "caption": got["caption"],
@@ -212,7 +292,7 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
     summary = {"images": len(images), "high_clutter": len(clutter),
                "kept_images": len(kept_images), "kept_captions": len(rows),
                "top_fraction": top_fraction, "max_mask_area": max_mask_area,
-               "dropped": dropped}
+               "caption_words": list(caption_words), "dropped": dropped}
     stats = {"all": rocs_select.figure_stats(images),
              "high_clutter": rocs_select.figure_stats(clutter, rare_pairs),
              "rocs": rocs_select.figure_stats([im for im in clutter if im.id in kept_images],

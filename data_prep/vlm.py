@@ -136,11 +136,16 @@ class TransformersVLM:
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
 
-    def __call__(self, images: list[Image.Image], prompt: str = PROMPT) -> list[str]:
+    def __call__(self, images: list[Image.Image], prompt: str = PROMPT,
+                 system: str | None = None) -> list[str]:
+        """One reply per image to `prompt` (the user turn, after the image), with `system` as
+        a system turn before it when given (ROCS captions have one; Stage 1 has none)."""
         import torch
 
         message = [{"role": "user", "content": [{"type": "image"},
                                                 {"type": "text", "text": prompt}]}]
+        if system is not None:
+            message.insert(0, {"role": "system", "content": [{"type": "text", "text": system}]})
         chat = self.processor.apply_chat_template(message, add_generation_prompt=True,
                                                   tokenize=False)
         replies: list[str] = []

@@ -169,13 +169,40 @@ from data_prep import rocs_caption as rc  # noqa: E402
 
 
 def _asker(replies):
-    """ask(image, prompt) answering from `replies` in turn; records the prompts."""
+    """ask(image, prompt, system) answering from `replies` in turn; records the prompts."""
     calls = []
 
-    def ask(image, prompt):
-        calls.append(prompt)
+    def ask(image, prompt, system):
+        calls.append((system, prompt))
         return replies[len(calls) - 1] if len(calls) <= len(replies) else None
     return ask, calls
+
+
+def test_caption_prompts_are_the_papers():
+    """MINER appendix J.1: a system prompt for one neutral, factual MS COCO-style sentence of
+    roughly 10-18 words naming the highlighted object, without extra adjectives, lists,
+    chained clauses or meta phrases; a user prompt for one such sentence of roughly 8-16 words
+    that clearly includes the rare class (the paper's placeholder "{rare class}")."""
+    system = " ".join(rc.SYSTEM_PROMPT.split())
+    for phrase in ("one neutral, factual MS COCO-style sentence", "roughly 10-18 words",
+                   "naturally names the highlighted object", "extra adjectives, lists, "
+                   "chained clauses and meta phrases"):
+        assert phrase in system, phrase
+    assert "{rare class}" not in system and "two sentences" not in system
+    assert rc.USER_PROMPT == ("Write one natural, neutral MS COCO-style sentence of roughly "
+                              "8-16 words that clearly includes the {rare class}.")
+    assert rc.caption_prompt("traffic light") == rc.USER_PROMPT.replace("{rare class}",
+                                                                        "traffic light")
+    assert rc.CAPTION_WORDS == (8, 18)
+    ask, calls = _asker(["A kitchen counter with a red cup next to the sink."])
+    rc.recaption(ask, None, "cup")
+    assert calls == [(rc.SYSTEM_PROMPT, rc.caption_prompt("cup"))]
+
+
+@pytest.mark.parametrize("caption,words", [
+    ("A man's red-and-white hat, on a table.", 7), ("", 0), ("Two dogs -- one cat.", 4)])
+def test_caption_words(caption, words):
+    assert rc.caption_words(caption) == words
 
 
 def test_recaption_retries_once_then_drops_with_its_reason():
@@ -183,25 +210,55 @@ def test_recaption_retries_once_then_drops_with_its_reason():
     got = rc.recaption(ask, None, "cup")
     assert (got.caption, got.reason, got.attempts) == (
         "A kitchen with a red cup on the counter.", None, 1)
-    ask, calls = _asker(["A busy kitchen.", '{"caption": "A busy kitchen with two cups."}'])
+    # no object named, then named: kept at the second attempt
+    ask, calls = _asker(["A busy kitchen with people cooking at the stove.",
+                         '{"caption": "A busy kitchen with two cups on the counter."}'])
     got = rc.recaption(ask, None, "cup")
-    assert (got.caption, got.reason, got.attempts) == ("A busy kitchen with two cups.", None, 2)
-    assert "did not mention the cup" in calls[1] and "did not mention" not in calls[0]
-    ask, calls = _asker(["A busy kitchen.", "Caption: a kitchen with a cupboard."])
+    assert (got.caption, got.reason, got.attempts) == (
+        "A busy kitchen with two cups on the counter.", None, 2)
+    assert "did not mention the cup" in calls[1][1] and "previous" not in calls[0][1]
+    ask, calls = _asker(["A busy kitchen with people cooking at the stove.",
+                         "Caption: a kitchen with a cupboard and a stove by the window."])
     got = rc.recaption(ask, None, "cup")
     assert (got.caption, got.reason, got.attempts) == (None, rc.MISSING_OBJECT, 2)
-    assert got.replies == ("A busy kitchen.", "Caption: a kitchen with a cupboard.")
+    assert got.replies == ("A busy kitchen with people cooking at the stove.",
+                           "Caption: a kitchen with a cupboard and a stove by the window.")
     ask, _ = _asker([])
     assert rc.recaption(ask, None, "cup").reason == rc.NO_REPLY
 
 
+def test_captions_outside_the_word_range_are_retried_then_dropped():
+    long = ("A crowded kitchen with a red cup, a kettle, plates, bowls, knives, spoons and "
+            "forks on the wide wooden counter near the window.")
+    assert rc.caption_words(long) == 23
+    ask, calls = _asker(["A red cup.", long])
+    got = rc.recaption(ask, None, "cup")
+    assert (got.caption, got.reason, got.attempts) == (None, "caption_words:23 (8-18)", 2)
+    assert rc.reason_kind(got.reason) == rc.WORD_COUNT
+    assert "Your previous caption had 3 words: write one sentence of 8 to 18 words" in calls[1][1]
+    ask, calls = _asker(["A red cup.", "A red cup on a kitchen counter by the window."])
+    got = rc.recaption(ask, None, "cup")
+    assert (got.caption, got.reason, got.attempts) == (
+        "A red cup on a kitchen counter by the window.", None, 2)
+    # the range is a parameter; both ends are accepted
+    ask, _ = _asker(["A red cup."])
+    assert rc.recaption(ask, None, "cup", words=(3, 3)).caption == "A red cup."
+    ask, _ = _asker(["A red cup.", "A red cup."])
+    assert rc.recaption(ask, None, "cup", words=(4, 30)).reason == "caption_words:3 (4-30)"
+    # the object is checked first: a short reply that names nothing is missing its object
+    ask, _ = _asker(["A kitchen.", "A kitchen."])
+    assert rc.recaption(ask, None, "cup").reason == rc.MISSING_OBJECT
+    with pytest.raises(ValueError, match="expected 0 < LO <= HI"):
+        rc.recaption(ask, None, "cup", words=(9, 8))
+
+
 def test_caption_replies_file(tmp_path):
     path = tmp_path / "replies.json"
-    path.write_text(json.dumps({"7/3": "a dog", "7/3/retry": "a cat next to a dog",
-                                "8/1": "a cup"}))
+    path.write_text(json.dumps({"7/3": "a dog", "7/3/retry": "a cat sitting next to a dog on "
+                                "the sofa", "8/1": "a cup on a table next to the open window"}))
     ask = rc.CaptionReplies(path)
-    assert rc.recaption(ask, (7, 3), "cat").caption == "a cat next to a dog"
-    assert rc.recaption(ask, (8, 1), "cup").caption == "a cup"
+    assert rc.recaption(ask, (7, 3), "cat").caption == "a cat sitting next to a dog on the sofa"
+    assert rc.recaption(ask, (8, 1), "cup").caption == "a cup on a table next to the open window"
     assert rc.recaption(ask, (9, 9), "cup").reason == rc.NO_REPLY
     path.write_text("[1, 2]")
     with pytest.raises(ValueError, match="expected a JSON object"):
@@ -274,7 +331,9 @@ def test_build_rocs_end_to_end_with_scripted_replies(tmp_path, images, tiny_hf):
     drops = summary["dropped"]
     assert [d["image_id"] for d in drops["no_rare_object"]] == [102]
     assert sorted(d["object"] for d in drops["mask_too_large"]) == ["dog", "kite", "lamp"]
-    assert [(d["object"], len(d["replies"])) for d in drops[rc.MISSING_OBJECT]] == [("clock", 2)]
+    assert [(d["object"], d["reason"], len(d["replies"])) for d in drops[rc.MISSING_OBJECT]] == [
+        ("clock", rc.MISSING_OBJECT, 2)]
+    assert drops[rc.WORD_COUNT] == [] and summary["caption_words"] == [8, 18]
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["high_clutter"]["rare_objects"] == 6 and stats["rocs"]["rare_objects"] == 2
     assert stats["rocs"]["images"] == 2 and stats["all"]["images"] == 44
@@ -290,7 +349,10 @@ def test_build_rocs_with_the_tiny_sam(tmp_path, images):
     from data_prep.segment import SamSegmenter, build_tiny_sam
 
     _synthetic_images(tmp_path / "img")
-    ask = lambda image, prompt: "a scene with " + prompt.split("mention the ")[1].split(" in it")[0]  # noqa: E731
+    def ask(image, prompt, system):
+        assert system == rc.SYSTEM_PROMPT
+        name = prompt.split("clearly includes the ")[1].split(".")[0]
+        return f"A cluttered scene with many things and a {name} in it."
     summary = build_rocs(images, tmp_path / "img", SamSegmenter(build_tiny_sam()), ask,
                          tmp_path / "out", max_mask_area=1.0, progress=False)
     assert summary["kept_captions"] == 6  # every rare object: no mask rule, named captions
@@ -318,7 +380,8 @@ def _rocs_cli(tmp_path, images, out):
         replies = {}
         for im in images:
             for inst in rs.rare_instances(im):
-                replies[f"{im.id}/{inst.id}"] = f"A cluttered scene with a {inst.category}."
+                replies[f"{im.id}/{inst.id}"] = (f"A cluttered scene with many things and a "
+                                                 f"{inst.category} in it.")
         (tmp_path / "replies.json").write_text(json.dumps(replies))
         _instances_file(tmp_path)
     return ["rocs", "--images", str(tmp_path / "img"), "--instances",
@@ -439,3 +502,90 @@ def test_cli_with_the_detector_path(tmp_path, images, capsys):
     assert summary["high_clutter"] == 30 and summary["kept_captions"] == 0
     assert main(argv + ["--detector", model, "--classes", "man"]) == 1
     assert "pass one of --instances FILE" in capsys.readouterr().err
+
+
+def test_classes_coco80_is_one_list_and_unknown_names_are_errors(tmp_path):
+    from data_prep.rocs import CLASS_LISTS, COCO80, class_list
+
+    assert len(COCO80) == len(set(COCO80)) == 80 and CLASS_LISTS["coco80"] is COCO80
+    assert COCO80[:3] == ("person", "bicycle", "car") and COCO80[-1] == "toothbrush"
+    assert class_list("coco80") == list(COCO80) and class_list("man, dog") == ["man", "dog"]
+    (tmp_path / "c.txt").write_text("man\n\ndog\n")
+    assert class_list(f"@{tmp_path / 'c.txt'}") == ["man", "dog"]
+    with pytest.raises(ValueError, match="--classes coco91: unknown class list .*coco80"):
+        class_list("coco91")
+    with pytest.raises(FileNotFoundError, match="--classes @nope.txt: no such file"):
+        class_list("@nope.txt")
+    with pytest.raises(ValueError, match="no class names"):
+        class_list(" , ")
+
+
+def test_cli_classes_coco80_with_the_tiny_grounding_dino(tmp_path, capsys):
+    """`--detector` with `--classes coco80`: the tiny GroundingDINO (64 text tokens) gets the 80
+    names in several prompts. A first run without replies drops every rare object with
+    vlm_no_reply (so summary.json names them); a second, from the cached boxes and masks, has
+    a reply for each, one too short twice (dropped with its word count)."""
+    from PIL import Image
+
+    from data_prep import detect
+    from data_prep.__main__ import main
+    from data_prep.rocs import COCO80, prompt_groups
+    from data_prep.segment import save_tiny_sam
+
+    rng = np.random.default_rng(1)
+    (tmp_path / "img").mkdir()
+    for k in range(2):
+        Image.fromarray(rng.integers(0, 256, (100, 100, 3), dtype=np.uint8)).save(
+            tmp_path / "img" / f"{k}.png")
+    model = detect.save_tiny_model(str(tmp_path / "gdino"))
+    save_tiny_sam(str(tmp_path / "sam.pth"))
+    tokenizer = detect.GroundingDetector(model).processor.tokenizer
+    count = lambda names: len(tokenizer(detect.make_prompt(names))["input_ids"])  # noqa: E731
+    groups = prompt_groups(list(COCO80), detect.GroundingDetector(model))
+    assert count(list(COCO80)) > 64 and len(groups) > 1 and sum(groups, []) == list(COCO80)
+    assert all(count(g) <= 64 for g in groups)
+    (tmp_path / "replies.json").write_text("{}")
+    argv = ["rocs", "--images", str(tmp_path / "img"), "--detector", model, "--classes",
+            "coco80", "--out", str(tmp_path / "out"), "--sam", str(tmp_path / "sam.pth"),
+            "--sam-type", "tiny", "--top-fraction", "1", "--max-mask-area", "1.0",
+            "--vlm-replies", str(tmp_path / "replies.json"), "--device", "cpu", "--no-progress"]
+    assert main(argv) == 1
+    assert "no caption survived" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    rare = summary["dropped"][rc.NO_REPLY]
+    assert rare and {d["object"] for d in rare} <= set(COCO80)
+    replies = {f"{d['image_id']}/{d['instance_id']}": f"A cluttered scene with many things and "
+               f"a {d['object']} in it." for d in rare}
+    short = f"{rare[0]['image_id']}/{rare[0]['instance_id']}"
+    replies[short] = replies[short + "/retry"] = f"A {rare[0]['object']}."
+    (tmp_path / "replies.json").write_text(json.dumps(replies))
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "computed 0 images' masks" in capsys.readouterr().out  # boxes and masks cached
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["kept_captions"] == len(rare) - 1
+    words = len(rare[0]["object"].split()) + 1
+    assert [(d["image_id"], d["instance_id"], d["reason"])
+            for d in summary["dropped"]["caption_words"]] == [
+        (rare[0]["image_id"], rare[0]["instance_id"], f"caption_words:{words} (8-18)")]
+
+
+def test_cli_classes_and_caption_words_errors(tmp_path, images, capsys):
+    from data_prep.__main__ import main
+
+    argv = _rocs_cli(tmp_path, images, tmp_path / "out")
+    i = argv.index("--instances")
+    det = argv[:i] + argv[i + 2:] + ["--detector", str(tmp_path / "gdino")]
+    assert main(det + ["--classes", "coco91"]) == 1
+    assert "error: --classes coco91: unknown class list (named lists: coco80" in (
+        capsys.readouterr().err)
+    assert main(argv + ["--classes", "coco80"]) == 1
+    assert "error: --classes names what --detector looks for" in capsys.readouterr().err
+    assert main(argv + ["--caption-words", "18-8"]) == 1
+    assert "error: --caption-words '18-8': expected LO-HI" in capsys.readouterr().err
+    import contextlib
+    import io
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text), pytest.raises(SystemExit):
+        main(["rocs", "--help"])
+    text = " ".join(help_text.getvalue().split())
+    assert "coco80 (the 80 COCO class names" in text and "--caption-words LO-HI" in text

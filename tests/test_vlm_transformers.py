@@ -51,11 +51,12 @@ def tiny_llava(tmp_path_factory):
     return folder
 
 
-def _greedy(model, processor, image, max_new_tokens, prompt=PROMPT):
+def _greedy(model, processor, image, max_new_tokens, prompt=PROMPT, system=None):
     """Greedy decoding by repeated full forward passes, prompt written out by hand."""
     import torch
 
-    inputs = processor(text=[f"user <image> {prompt} assistant"], images=[image],
+    turn = "" if system is None else f"system {system} "
+    inputs = processor(text=[f"{turn}user <image> {prompt} assistant"], images=[image],
                        return_tensors="pt")
     ids = inputs["input_ids"]
     new = []
@@ -86,19 +87,23 @@ def test_transformers_vlm_greedy_continuation(tiny_llava):
 
 
 def test_another_prompt_and_rocs_captions_through_the_model(tiny_llava):
-    """The prompt is an argument (ROCS's class-aware captions ask their own); a random model's
-    replies never name the object, so the caption is asked twice and dropped with its reason."""
+    """The prompt is an argument (ROCS's class-aware captions ask their own, with a system
+    turn); a random model's replies never name the object, so the caption is asked twice and
+    dropped with its reason."""
     import numpy as np
 
-    from data_prep.rocs_caption import MISSING_OBJECT, caption_prompt, recaption
+    from data_prep.rocs_caption import (MISSING_OBJECT, SYSTEM_PROMPT, caption_prompt,
+                                        recaption)
 
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 24, 3), np.uint8))
     vlm = TransformersVLM(str(tiny_llava), device="cpu", dtype="float32", max_new_tokens=5)
     prompt = "w1 w2 w3 objects"
     assert vlm([image], prompt) == [_greedy(vlm.model, vlm.processor, image, 5, prompt)]
-    got = recaption(lambda im, p: vlm([im], p)[0], image, "cup")
+    assert vlm([image], prompt, "w4 w5") == [
+        _greedy(vlm.model, vlm.processor, image, 5, prompt, "w4 w5")]
+    got = recaption(lambda im, p, system: vlm([im], p, system)[0], image, "cup")
     assert (got.caption, got.reason, got.attempts) == (None, MISSING_OBJECT, 2)
     assert list(got.replies) == [
-        _greedy(vlm.model, vlm.processor, image, 5, caption_prompt("cup", retry=r))
-        for r in (False, True)]
-
+        _greedy(vlm.model, vlm.processor, image, 5, caption_prompt("cup", retry=r),
+                SYSTEM_PROMPT)
+        for r in (None, MISSING_OBJECT)]
