@@ -189,6 +189,35 @@ def test_make_batch_pastes_rare_classes_inside_the_image(demo_dir):
     np.testing.assert_array_equal(again["image"], batch["image"])  # drawn from (seed, step)
 
 
+@pytest.mark.parametrize("prob", [0.0, 0.3, 1.0])
+def test_copy_paste_rate_is_the_config_value(demo_dir, prob):
+    """Over 800 draws the fraction of images that received pasted instances matches
+    copy_paste_prob (binomial test); the other images are the examples unchanged."""
+    from scipy import stats
+
+    config = train.default_config("demo")
+    config.copy_paste_prob = prob
+    examples, classes = data.load_examples(demo_dir, "train")
+    examples = [data.resize_for_detection(ex, 32) for ex in examples]
+    cfg = train.detector_config(config, len(classes))
+    rare = data.rare_classes(data.class_instance_counts(examples, len(classes)), 2)
+    donors = data.rare_donors(examples, rare)
+    assert 0 < len(donors) < len(examples)
+    pasted = 0
+    for step in range(100):
+        indices = np.random.default_rng(step).integers(0, len(examples), 8)
+        batch = train.make_batch(examples, indices, cfg, config, rare, step, donors)
+        pasted += int(batch["pasted"].sum())
+        for k in np.flatnonzero(~batch["pasted"]):
+            ex = examples[indices[k]]
+            np.testing.assert_array_equal(batch["image"][k], ex.image)
+            assert batch["labels"][k][batch["valid"][k]].tolist() == ex.labels.tolist()
+    if prob in (0.0, 1.0):
+        assert pasted == 800 * prob
+    else:
+        assert stats.binomtest(pasted, 800, prob).pvalue > 1e-3, pasted / 800
+
+
 def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, demo_dir):
     rpn, roi, patch, name = cli.backbones(str(tiny_hf[0]), "global", "object", False)
     assert roi is None and patch == 8 and name.startswith("CLIP (")
