@@ -273,3 +273,116 @@ def test_pad_targets_pads_and_truncates_keeping_the_first():
     assert l.tolist() == [3, 1, 4] and v.all()
     b, l, v = data.pad_targets(np.zeros((0, 4)), np.zeros(0), 2)
     assert not v.any() and b.shape == (2, 4)
+
+
+# ----------------------------------------------------------------- ViTDet input (longest side)
+
+def _rectangle_example(height, width, box):
+    """Black image with a white rectangle exactly at the whole-pixel `box`."""
+    image = np.zeros((height, width, 3), np.uint8)
+    x0, y0, x1, y1 = box
+    image[y0:y1, x0:x1] = 255
+    return DetectionExample("r", image, [box], [2])
+
+
+@pytest.mark.parametrize("height, width, size", [(60, 90, 45), (90, 60, 45), (30, 20, 64),
+                                                 (37, 53, 32)])
+def test_longest_side_resize_against_numpy(height, width, size):
+    box = [width // 4, height // 3, width // 4 + width // 2, height // 3 + height // 2]
+    example = _rectangle_example(height, width, box)
+    out = data.resize_for_detection(example, size, "longest_side")
+    # independent: the long side becomes `size`, aspect kept, rounded half up
+    s = size / max(height, width)
+    new_w, new_h = int(np.floor(width * s + 0.5)), int(np.floor(height * s + 0.5))
+    assert max(new_w, new_h) == size
+    assert out.image.shape == (size, size, 3) and out.image.dtype == np.uint8
+    assert out.content_size == (new_h, new_w) and out.original_size == (height, width)
+    np.testing.assert_allclose(out.scale, (new_w / width, new_h / height))
+    expected = np.array(box, np.float64) * np.array([new_w / width, new_h / height] * 2)
+    np.testing.assert_allclose(out.boxes, [expected], rtol=1e-6)
+    # padding: bottom / right only, the pad pixel, never inside a target box
+    np.testing.assert_array_equal(out.image[new_h:], np.broadcast_to(data.PAD_PIXEL,
+                                                                     (size - new_h, size, 3)))
+    np.testing.assert_array_equal(out.image[:, new_w:], np.broadcast_to(
+        data.PAD_PIXEL, (size, size - new_w, 3)))
+    assert (out.boxes[:, 2] <= new_w).all() and (out.boxes[:, 3] <= new_h).all()
+    # the content is the picture: the white rectangle lies where the scaled box says (1 px)
+    content = out.image[:new_h, :new_w, 0]
+    rows, cols = np.nonzero(content > 127)
+    np.testing.assert_allclose([cols.min(), rows.min(), cols.max() + 1, rows.max() + 1],
+                               expected, atol=1.0)
+    np.testing.assert_array_equal(content, np.asarray(Image.fromarray(example.image).resize(
+        (new_w, new_h), Image.BILINEAR))[..., 0])
+
+
+def test_longest_side_at_its_own_size_pads_only():
+    rng = np.random.default_rng(0)
+    image = rng.integers(0, 256, (40, 64, 3), dtype=np.uint8)
+    boxes = np.array([[0, 0, 64, 40], [3.5, 2.25, 10, 39]], np.float32)
+    out = data.resize_for_detection(DetectionExample("p", image, boxes, [0, 1]), 64,
+                                    "longest_side")
+    np.testing.assert_array_equal(out.image[:40], image)
+    assert (out.image[40:] == np.array(data.PAD_PIXEL, np.uint8)).all()
+    np.testing.assert_array_equal(out.boxes, boxes)
+
+
+def test_pad_pixel_normalises_to_about_zero():
+    from sclaro_jax import ops
+
+    assert np.abs(np.asarray(ops.normalize(np.array(data.PAD_PIXEL, np.float32)))).max() < 0.01
+
+
+@pytest.mark.parametrize("mode", data.RESIZE_MODES)
+def test_boxes_to_original_inverts_the_resize(mode):
+    rng = np.random.default_rng(1)
+    height, width = 75, 130
+    xy = rng.uniform(0, [width, height], (20, 2))
+    wh = rng.uniform(1, 30, (20, 2))
+    boxes = data.clip_boxes(np.concatenate([xy, xy + wh], 1), width, height)
+    example = DetectionExample("o", np.zeros((height, width, 3), np.uint8), boxes,
+                               np.zeros(20, np.int32))
+    out = data.resize_for_detection(example, 64, mode)
+    back, keep = data.boxes_to_original(out.boxes, out)
+    assert keep.all()
+    np.testing.assert_allclose(back, boxes, atol=1e-4)
+    # a detection reaching into the padding ends at the picture's edge; one inside it is dropped
+    ch, cw = out.content
+    pred = np.array([[10, 5, 64, 64], [0, 63.5, 64, 64]], np.float32)
+    back, keep = data.boxes_to_original(pred, out)
+    sx, sy = cw / width, ch / height
+    np.testing.assert_allclose(back[0], [10 / sx, 5 / sy, width, height], rtol=1e-5)
+    assert keep.tolist() == [True, mode == "squash"]
+
+
+def test_copy_paste_into_a_padded_image_stays_in_the_picture():
+    rng = np.random.default_rng(2)
+    target = data.resize_for_detection(_target(rng), 64, "longest_side")
+    ch, cw = target.content
+    assert (ch, cw) != (64, 64)
+    donors = [data.resize_for_detection(d, 64, "longest_side") for d in _donors(rng)]
+    pasted = 0
+    for seed in range(20):
+        out, count = data.copy_paste_count(target, donors, RARE, np.random.default_rng(seed))
+        pasted += count
+        np.testing.assert_array_equal(out.image[ch:], target.image[ch:])  # padding untouched
+        np.testing.assert_array_equal(out.image[:, cw:], target.image[:, cw:])
+        assert (out.boxes[:, 2] <= cw).all() and (out.boxes[:, 3] <= ch).all()
+        assert out.content_size == target.content_size
+        assert out.original_size == target.original_size
+    assert pasted > 0
+
+
+def test_resize_mode_errors():
+    example = DetectionExample("e", np.zeros((4, 4, 3), np.uint8), np.zeros((0, 4)), [])
+    with pytest.raises(ValueError, match="unknown resize mode"):
+        data.resize_for_detection(example, 8, "crop")
+    with pytest.raises(ValueError, match="resized already"):
+        data.resize_for_detection(data.resize_for_detection(example, 8), 8)
+
+
+def test_rare_donors():
+    examples = [DetectionExample(str(i), np.zeros((2, 2, 3), np.uint8),
+                                 np.ones((len(lab), 4)) * [0, 0, 1, 1], lab)
+                for i, lab in enumerate([[0], [1, 2], [], [2, 2], [0, 1]])]
+    assert data.rare_donors(examples, np.array([False, False, True])).tolist() == [1, 3]
+    assert data.rare_donors(examples, np.zeros(3, bool)).tolist() == []

@@ -163,3 +163,34 @@ def test_markdown_table():
         "|---|---:|---:|---:|---:|---:|---:|\n"
         "| CLIP ViT-B/32 | 12.3 | 25.0 | 10.0 | 0.0 | 5.7 | 100.0 |\n"
         "| ScenarioCLIP | 20.0 | 40.0 | 15.0 | - | - | - |\n")
+
+
+@pytest.mark.parametrize("mode", ["squash", "longest_side"])
+def test_detections_are_scored_in_the_original_pixels(mode):
+    """The ground truth's own boxes, detected in the resized input (plus a box lying in the
+    padding), mapped back by eval.detect's `original_detections`: the boxes are the originals
+    and AP is 1 against the original ground truth."""
+    from sclaro_jax.detection import data
+    from sclaro_jax.eval.detect import original_detections
+
+    rng = np.random.default_rng(3)
+    originals, resized = [], []
+    for i, (h, w) in enumerate([(120, 200), (200, 90), (64, 64)]):
+        gt = _random_boxes(rng, 4, size=min(h, w))
+        ex = data.DetectionExample(str(i), np.zeros((h, w, 3), np.uint8), gt,
+                                   rng.integers(0, NUM_CLASSES - 1, 4))
+        originals.append(ex)
+        resized.append(data.resize_for_detection(ex, 64, mode))
+    detections = []
+    for ex in resized:
+        boxes = np.concatenate([ex.boxes, [[0, 63.9, 64, 64]]])  # the last one in the padding
+        detections.append((boxes, np.ones(len(boxes)), np.concatenate([ex.labels, [0]])))
+    mapped = original_detections(detections, resized)
+    for (boxes, scores, labels), ex, r in zip(mapped, originals, resized):
+        in_padding = r.content[0] < 64
+        assert len(boxes) == len(ex.boxes) + (not in_padding)
+        np.testing.assert_allclose(boxes[:len(ex.boxes)], ex.boxes, atol=1e-3)
+    ground_truth = [(ex.boxes, ex.labels) for ex in originals]
+    metrics = coco_evaluate(ground_truth, [(b[:4], s[:4], l[:4]) for b, s, l in mapped],
+                            NUM_CLASSES)
+    assert metrics["AP"] == pytest.approx(1.0)

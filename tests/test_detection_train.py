@@ -102,6 +102,7 @@ def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
     (["--set", "epochz=3"], "unknown key 'epochz'"),
     (["--set", "epochs"], "expected KEY=VALUE"),
     (["--config", "nosuch"], "config file not found: nosuch"),
+    (["--set", "input_resize=crop"], "unknown resize mode 'crop'"),
 ])
 def test_cli_errors_are_one_line(argv, message, demo_dir, tiny_hf, capsys):
     base = {"--workdir": str(tiny_hf[0]), "--data": demo_dir}
@@ -111,6 +112,23 @@ def test_cli_errors_are_one_line(argv, message, demo_dir, tiny_hf, capsys):
     assert cli.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_cli_runs_with_the_vitdet_input(tiny_hf, demo_dir, tmp_path):
+    """input_resize=longest_side end to end (a few steps): trains on padded inputs, evaluates
+    in the loaded images' pixels, and records the setting."""
+    out = tmp_path / "run"
+    sets = ["epochs=1", "batch_size=4", "input_resize=longest_side", "eval_batch_size=4",
+            "detector.image_size=64", "detector.rpn_pre_nms_top_n_train=64",
+            "detector.rpn_post_nms_top_n_train=32", "detector.box_batch_size_per_image=16"]
+    argv = ["--workdir", str(tiny_hf[0]), "--data", demo_dir, "--config", "demo", "--out",
+            str(out), "--no-progress"] + [x for kv in sets for x in ("--set", kv)]
+    assert cli.main(argv) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["config"]["input_resize"] == "longest_side" and results["steps"] == 3
+    assert all(0 <= v <= 1 for k, v in results["metrics"].items() if v == v)
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(x["copy_paste_rate"] == 0.0 for x in lines)  # the demo recipe pastes nothing
 
 
 def test_help_lists_the_levels(capsys):
@@ -187,6 +205,35 @@ def test_make_batch_pastes_rare_classes_inside_the_image(demo_dir):
     assert all(rare[c] for a in added for c in a)  # only rare classes were pasted
     again = train.make_batch(examples, np.arange(4), cfg, config, rare, step=3)
     np.testing.assert_array_equal(again["image"], batch["image"])  # drawn from (seed, step)
+
+
+@pytest.mark.parametrize("prob", [0.0, 0.3, 1.0])
+def test_copy_paste_rate_is_the_config_value(demo_dir, prob):
+    """Over 800 draws the fraction of images that received pasted instances matches
+    copy_paste_prob (binomial test); the other images are the examples unchanged."""
+    from scipy import stats
+
+    config = train.default_config("demo")
+    config.copy_paste_prob = prob
+    examples, classes = data.load_examples(demo_dir, "train")
+    examples = [data.resize_for_detection(ex, 32) for ex in examples]
+    cfg = train.detector_config(config, len(classes))
+    rare = data.rare_classes(data.class_instance_counts(examples, len(classes)), 2)
+    donors = data.rare_donors(examples, rare)
+    assert 0 < len(donors) < len(examples)
+    pasted = 0
+    for step in range(100):
+        indices = np.random.default_rng(step).integers(0, len(examples), 8)
+        batch = train.make_batch(examples, indices, cfg, config, rare, step, donors)
+        pasted += int(batch["pasted"].sum())
+        for k in np.flatnonzero(~batch["pasted"]):
+            ex = examples[indices[k]]
+            np.testing.assert_array_equal(batch["image"][k], ex.image)
+            assert batch["labels"][k][batch["valid"][k]].tolist() == ex.labels.tolist()
+    if prob in (0.0, 1.0):
+        assert pasted == 800 * prob
+    else:
+        assert stats.binomtest(pasted, 800, prob).pvalue > 1e-3, pasted / 800
 
 
 def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, demo_dir):

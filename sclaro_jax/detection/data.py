@@ -12,6 +12,11 @@ Conventions:
   from them.
 - Sampling is deterministic in (seed, step) (`InstanceAwareSampler`), so a resumed run draws
   the same batches; `copy_paste` takes an explicit `np.random.Generator`.
+- Detection input (`resize_for_detection`): "squash" resizes to size x size (aspect not kept);
+  "longest_side" (ViTDet's) resizes so the long side equals size, aspect kept, and pads the
+  bottom / right to size x size. The example then records its content region
+  (`content_size`, the unpadded top-left part) and the size of the image it came from
+  (`original_size`); `boxes_to_original` maps detections back to that image's pixels.
 
 Everything here is numpy + PIL; no JAX.
 """
@@ -29,15 +34,27 @@ from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import DatasetError, open_dataset
 
 OCCLUDED = 0.9  # copy_paste removes boxes at least this much covered by pasted patches
+RESIZE_MODES = ("squash", "longest_side")
+# The padding pixel of "longest_side": CLIP's mean colour in uint8 (round(255 * mean)), so the
+# padding normalises to about 0, as in ViTDet / detectron2, which pad the normalised image with 0.
+PAD_PIXEL = (123, 117, 104)
 
 
 @dataclasses.dataclass
 class DetectionExample:
-    """One image with its boxes (x0, y0, x1, y1 pixels of `image`) and class indices."""
+    """One image with its boxes (x0, y0, x1, y1 pixels of `image`) and class indices.
+
+    `content_size` (height, width): the top-left part of `image` that holds the picture, the
+    rest being padding (None: the whole image). `original_size` (height, width): the size of the
+    image this one was resized from, whose pixels `boxes_to_original` maps back to (None: not
+    resized). The boxes scale by (content width / original width, content height / original
+    height) from the original to this image."""
     id: str
     image: np.ndarray  # uint8 [H, W, 3]
     boxes: np.ndarray  # float32 [K, 4]
     labels: np.ndarray  # int32 [K]
+    content_size: tuple | None = None
+    original_size: tuple | None = None
 
     def __post_init__(self):
         self.boxes = np.asarray(self.boxes, np.float32).reshape(-1, 4)
@@ -45,6 +62,20 @@ class DetectionExample:
         if len(self.boxes) != len(self.labels):
             raise ValueError(f"example {self.id!r}: {len(self.boxes)} boxes but "
                              f"{len(self.labels)} labels")
+
+    @property
+    def content(self) -> tuple[int, int]:
+        """(height, width) of the content region (the whole image when not padded)."""
+        return tuple(self.content_size) if self.content_size is not None \
+            else tuple(self.image.shape[:2])
+
+    @property
+    def scale(self) -> tuple[float, float]:
+        """(sx, sy): pixels of this image per pixel of the original ((1, 1) if not resized)."""
+        if self.original_size is None:
+            return 1.0, 1.0
+        (ch, cw), (oh, ow) = self.content, self.original_size
+        return cw / ow, ch / oh
 
 
 def clip_boxes(boxes: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -160,6 +191,15 @@ class InstanceAwareSampler:
                           p=self.weights).astype(np.int64)
 
 
+def rare_donors(examples: Sequence[DetectionExample], rare: np.ndarray) -> np.ndarray:
+    """int64 indices of the examples holding at least one box of a class marked in `rare`
+    (bool [C]): the donors of class-targeted copy-paste."""
+    rare = np.asarray(rare, bool)
+    return np.array([i for i, e in enumerate(examples)
+                     if np.any(rare[e.labels[(e.labels >= 0) & (e.labels < len(rare))]])],
+                    np.int64)
+
+
 def rare_classes(counts: np.ndarray, threshold: int = 50) -> np.ndarray:
     """bool [C]: classes seen at least once but fewer than `threshold` times in `counts`."""
     counts = np.asarray(counts)
@@ -197,21 +237,29 @@ def copy_paste(target: DetectionExample, donors: Sequence[DetectionExample], rar
     Between 1 and `max_pastes` instances (fewer when fewer exist) are drawn without replacement
     from the donors' boxes whose class is marked in `rare` (bool [C]). Each is cropped from its
     donor at whole pixels (floor of x0/y0, ceil of x1/y1), scaled down with PIL bilinear when
-    larger than the target image (aspect kept, to fit), and pasted at a uniformly random
-    position fully inside the target image; its box (the donor box at its sub-pixel place in
+    larger than the target's content region (aspect kept, to fit), and pasted at a uniformly
+    random position fully inside that region (the whole image unless padded, never the padding); its box (the donor box at its sub-pixel place in
     the patch) and label are appended. Target boxes, and earlier pasted boxes, that end up at
     least 90% (`OCCLUDED`) covered by later patches are REMOVED. Returns a new example (`target`
     is not modified); with no rare donor instance, a copy of `target`.
     """
+    return copy_paste_count(target, donors, rare, rng, max_pastes)[0]
+
+
+def copy_paste_count(target: DetectionExample, donors: Sequence[DetectionExample],
+                     rare: np.ndarray, rng: np.random.Generator, max_pastes: int = 3
+                     ) -> tuple[DetectionExample, int]:
+    """`copy_paste` and the number of instances it pasted (0: `target` unchanged)."""
     rare = np.asarray(rare, bool)
-    height, width = target.image.shape[:2]
+    height, width = target.content
     candidates = [(d, k) for d, donor in enumerate(donors)
                   for k in range(len(donor.labels))
                   if 0 <= donor.labels[k] < len(rare) and rare[donor.labels[k]]
                   and _nonempty(clip_boxes(donor.boxes[k], *donor.image.shape[1::-1]))[0]]
     image = target.image.copy()
     if not candidates or max_pastes < 1 or height == 0 or width == 0:
-        return DetectionExample(target.id, image, target.boxes.copy(), target.labels.copy())
+        return dataclasses.replace(target, image=image, boxes=target.boxes.copy(),
+                                   labels=target.labels.copy()), 0
     count = min(int(rng.integers(1, max_pastes + 1)), len(candidates))
     chosen = rng.choice(len(candidates), size=count, replace=False)
     patches, boxes, labels = [], [], []
@@ -246,21 +294,69 @@ def copy_paste(target: DetectionExample, donors: Sequence[DetectionExample], rar
         keep_pasted[i] = _coverage(boxes[i][None], covered)[0] < OCCLUDED
         px, py, cw, ch = patches[i]
         covered[py:py + ch, px:px + cw] = True
-    keep_old = _coverage(target.boxes, covered) < OCCLUDED
+    if len(target.boxes):
+        keep_old = _coverage(clip_boxes(target.boxes, width, height), covered) < OCCLUDED
+    else:
+        keep_old = np.zeros(0, bool)
     new_boxes = np.concatenate([target.boxes[keep_old],
                                 np.array(boxes, np.float32).reshape(-1, 4)[keep_pasted]])
     new_labels = np.concatenate([target.labels[keep_old],
                                  np.array(labels, np.int32)[keep_pasted]])
-    return DetectionExample(target.id, image, new_boxes, new_labels)
+    return dataclasses.replace(target, image=image, boxes=new_boxes, labels=new_labels), count
 
 
-def resize_for_detection(example: DetectionExample, size: int) -> DetectionExample:
-    """The example resized (PIL bilinear) to `size` x `size`, aspect NOT kept; boxes scaled by
-    (size / W, size / H) accordingly."""
+def resize_for_detection(example: DetectionExample, size: int, mode: str = "squash"
+                         ) -> DetectionExample:
+    """The (unpadded) example as a `size` x `size` detection input, PIL bilinear.
+
+    mode "squash": resized to size x size, aspect NOT kept; boxes scaled by (size / W,
+    size / H). mode "longest_side" (ViTDet's test-time input): resized to (w, h) =
+    (round(W * s), round(H * s)), s = size / max(W, H), so the long side is `size` and the
+    aspect is kept, then pasted at the top-left of a size x size canvas of `PAD_PIXEL`; boxes
+    scaled by (w / W, h / H), so they lie in the content region and never in the padding. The
+    result records `content_size` (h, w) and `original_size` (H, W)."""
+    if mode not in RESIZE_MODES:
+        raise ValueError(f"unknown resize mode {mode!r}; known: {', '.join(RESIZE_MODES)}")
+    if example.original_size is not None:
+        raise ValueError(f"example {example.id!r} is resized already; resize the original")
     height, width = example.image.shape[:2]
-    image = np.asarray(Image.fromarray(example.image).resize((size, size), Image.BILINEAR))
-    scale = np.array([size / width, size / height, size / width, size / height], np.float32)
-    return DetectionExample(example.id, image, example.boxes * scale, example.labels.copy())
+    if mode == "squash":
+        new_w = new_h = int(size)
+    else:
+        s = size / max(width, height)
+        new_w = min(size, max(1, int(math.floor(width * s + 0.5))))
+        new_h = min(size, max(1, int(math.floor(height * s + 0.5))))
+    resized = np.asarray(Image.fromarray(example.image).resize((new_w, new_h), Image.BILINEAR))
+    if (new_h, new_w) == (size, size):
+        image = resized
+    else:
+        image = np.empty((size, size, 3), np.uint8)
+        image[...] = np.asarray(PAD_PIXEL, np.uint8)
+        image[:new_h, :new_w] = resized
+    scale = np.array([new_w / width, new_h / height] * 2, np.float64)
+    boxes = clip_boxes(example.boxes.astype(np.float64) * scale, new_w, new_h)
+    return DetectionExample(example.id, image, boxes, example.labels.copy(),
+                            content_size=(new_h, new_w), original_size=(height, width))
+
+
+def boxes_to_original(boxes: np.ndarray, example: DetectionExample, min_size: float = 1e-2
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """Detections in `example`'s pixels -> (boxes float32 [K, 4] in the pixels of the image it
+    was resized from, keep bool [K]).
+
+    Each box is clipped to the content region (so a box reaching into the padding ends at the
+    picture's edge), boxes then narrower or lower than `min_size` detection pixels are marked
+    not kept (torchvision's small-box rule, applied after its clip to the unpadded image), and
+    the rest is divided by `example.scale` and clipped to the original image."""
+    ch, cw = example.content
+    boxes = clip_boxes(boxes, cw, ch).astype(np.float64)
+    keep = ((boxes[:, 2] - boxes[:, 0]) >= min_size) & ((boxes[:, 3] - boxes[:, 1]) >= min_size)
+    sx, sy = example.scale
+    boxes = boxes / np.array([sx, sy, sx, sy])
+    if example.original_size is not None:
+        oh, ow = example.original_size
+        boxes = clip_boxes(boxes, ow, oh)
+    return boxes.astype(np.float32), keep
 
 
 def pad_targets(boxes: np.ndarray, labels: np.ndarray, max_boxes: int

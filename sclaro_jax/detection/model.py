@@ -44,7 +44,7 @@ class DetectorConfig:
     detections per image)."""
 
     num_classes: int                      # foreground classes; logit 0 is the background
-    image_size: int = 224                 # detection input, square (images are resized to it)
+    image_size: int = 224                 # detection input, square (squashed, or long side + pad)
     strides: tuple = (4, 8, 16, 32)       # RoI levels P2-P5; the RPN also sees P6 (stride 64)
     pyramid_dim: int = 256                # simple feature pyramid channels
     fpn_dim: int = 256

@@ -5,7 +5,10 @@ The recipe (`default_config`; the appendix protocol): 10 epochs of AdamW, the pr
 encoders at `backbone_lr` 1e-5 and the pyramids, FPN and heads at `head_lr` 1e-4, 5% linear
 warm-up then cosine decay to 0; training images drawn by the instance-aware sampler
 (`data.InstanceAwareSampler`) with class-targeted copy-paste for classes with fewer than
-`copy_paste_threshold` (50) training instances; inference with score threshold 1e-4, NMS 0.5
+`copy_paste_threshold` (50) training instances, applied to each drawn image with probability
+`copy_paste_prob` (0.5; the run logs the measured rate as `copy_paste_rate`); the input made
+by `input_resize` ("squash" to image_size x image_size, the default, or ViTDet's
+"longest_side": long side to image_size, aspect kept, padded bottom / right); inference with score threshold 1e-4, NMS 0.5
 and 300 detections per image (`model.DetectorConfig`).
 
 Exact resume: a step's images, copy-paste draws and the samplers' JAX key depend only on
@@ -14,7 +17,8 @@ stopped (SIGINT / SIGTERM save a checkpoint after the current step) and restarte
 same steps as an uninterrupted one.
 
 Run folder (`out`): `checkpoints/` (orbax), `metrics.jsonl` (step, the four losses, loss,
-examples_per_sec), `results.json` and `results.md` (written by `sclaro_jax.eval.detect`).
+examples_per_sec, copy_paste_rate: the fraction of the images since the last line that received
+pasted instances), `results.json` and `results.md` (written by `sclaro_jax.eval.detect`).
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ def default_config(variant: str | None = None) -> ml_collections.ConfigDict:
     c.seed = 0
     c.dtype = "auto"  # bfloat16 compute on a GPU / TPU, float32 on a CPU
     c.sharding = "none"  # none | dp | fsdp, as the trainer
-    c.copy_paste_threshold = 50
-    c.copy_paste_prob = 0.5
+    c.input_resize = "squash"  # squash | longest_side (ViTDet's resize + pad); data.RESIZE_MODES
+    c.copy_paste_threshold = 50  # classes with fewer training instances are pasted
+    c.copy_paste_prob = 0.5  # P(a drawn training image receives 1..copy_paste_max pasted instances)
     c.copy_paste_max = 3
     c.train_split = "train"
     c.eval_split = "test"
@@ -147,24 +152,33 @@ def make_train_step(graphdef, tx, seed: int):
     return step
 
 
-def make_batch(examples, indices, cfg: DetectorConfig, config, rare, step: int) -> dict:
+def make_batch(examples, indices, cfg: DetectorConfig, config, rare, step: int,
+               donors: np.ndarray | None = None) -> dict:
     """The host batch of `indices` (examples already at the detection size), copy-paste drawn
-    from (seed, step)."""
+    from (seed, step): each image, with probability `config.copy_paste_prob`, receives 1 to
+    `config.copy_paste_max` instances of `rare` classes taken from up to 8 examples drawn
+    (without replacement) from `donors` (`data.rare_donors(examples, rare)`, computed here
+    when None), so every draw pastes at least one instance. `pasted` (bool [B]): which images
+    received instances (the train loop removes it before the step)."""
     rng = np.random.default_rng([config.seed, step, 1])
-    images, boxes, labels, valid = [], [], [], []
+    if donors is None:
+        donors = data.rare_donors(examples, rare)
+    images, boxes, labels, valid, pasted = [], [], [], [], []
     for i in indices:
         ex = examples[i]
-        if rare.any() and rng.random() < config.copy_paste_prob:
-            donors = [examples[j] for j in rng.choice(len(examples), size=min(8, len(examples)),
-                                                      replace=False)]
-            ex = data.copy_paste(ex, donors, rare, rng, max_pastes=config.copy_paste_max)
+        count = 0
+        if len(donors) and rng.random() < config.copy_paste_prob:
+            chosen = rng.choice(donors, size=min(8, len(donors)), replace=False)
+            ex, count = data.copy_paste_count(ex, [examples[j] for j in chosen], rare, rng,
+                                              max_pastes=config.copy_paste_max)
         b, lab, v = data.pad_targets(ex.boxes, ex.labels, cfg.max_boxes)
         images.append(ex.image)
         boxes.append(b)
         labels.append(lab)
         valid.append(v)
+        pasted.append(count > 0)
     return {"image": np.stack(images), "boxes": np.stack(boxes), "labels": np.stack(labels),
-            "valid": np.stack(valid)}
+            "valid": np.stack(valid), "pasted": np.array(pasted, bool)}
 
 
 def _manager(out: str, config) -> ocp.CheckpointManager:
@@ -203,6 +217,7 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
         return graphdef, state, info
     counts = data.class_instance_counts(examples, num_classes)
     rare = data.rare_classes(counts, config.copy_paste_threshold)
+    donors = data.rare_donors(examples, rare)
     sampler = data.InstanceAwareSampler(data.instance_aware_weights(examples, num_classes),
                                         config.seed)
     stop = runs.GracefulStop()
@@ -211,12 +226,13 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     bar = tqdm(total=steps, initial=start, desc="detect train", unit="step", disable=not progress)
     try:
         with stop, open(metrics_path, "a", encoding="utf-8") as metrics_file:
-            t_last, n_last = time.perf_counter(), 0
+            t_last, n_last, n_pasted = time.perf_counter(), 0, 0
             for step in range(start, steps):
                 if stop.requested or (stop_at is not None and step >= stop_at):
                     break
                 batch = make_batch(examples, sampler.indices(step, config.batch_size), cfg,
-                                   config, rare, step)
+                                   config, rare, step, donors)
+                n_pasted += int(batch.pop("pasted").sum())
                 state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
                 done, n_last = step + 1, n_last + config.batch_size
                 bar.update(1)
@@ -226,8 +242,9 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
                         raise FloatingPointError(f"detection loss became {metrics['loss']} at "
                                                  f"step {done}; lower head_lr / backbone_lr")
                     now = time.perf_counter()
-                    metrics.update(step=done, examples_per_sec=n_last / (now - t_last))
-                    t_last, n_last = now, 0
+                    metrics.update(step=done, examples_per_sec=n_last / (now - t_last),
+                                   copy_paste_rate=n_pasted / max(1, n_last))
+                    t_last, n_last, n_pasted = now, 0, 0
                     metrics_file.write(json.dumps(metrics) + "\n")
                     metrics_file.flush()
                     bar.set_postfix(loss=f"{metrics['loss']:.3f}")

@@ -5,7 +5,9 @@
 Trains a Faster R-CNN + FPN (`sclaro_jax.detection`) on the SCLARO dataset DIR's training
 split (boxes + canonical object labels) and evaluates it on `--split` with COCO-style AP, AP50,
 AP75 and AP over rare / common / frequent classes (pycocotools; the groups by the number of
-training images that hold the class, LVIS's rule: 1-10 rare, 11-100 common, more frequent).
+training images that hold the class, LVIS's rule: 1-10 rare, 11-100 common, more frequent),
+in the pixels of the loaded images: detections are mapped back from the detection input
+(`input_resize`: squash, or ViTDet's long-side resize + pad).
 
 Backbones, from `--workdir`:
 - a ScenarioCLIP training workdir: the `--level-rpn` encoder (global by default) feeds the RPN,
@@ -27,6 +29,8 @@ import logging
 import sys
 from pathlib import Path
 from typing import Sequence
+
+import numpy as np
 
 LEVELS = ("global", "object", "relation")
 
@@ -122,6 +126,19 @@ def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool, dtype
                             "checkpoints/) nor a Hugging Face CLIPModel folder")
 
 
+def original_detections(detections, examples) -> list[tuple]:
+    """Detections (boxes, scores, labels) per resized example -> the same in the pixels of the
+    images they were resized from (`data.boxes_to_original`: clipped to the content region,
+    boxes under 1e-2 detection pixels dropped, scaled back)."""
+    from sclaro_jax.detection import data
+
+    out = []
+    for (boxes, scores, labels), ex in zip(detections, examples, strict=True):
+        boxes, keep = data.boxes_to_original(boxes, ex)
+        out.append((boxes[keep], np.asarray(scores)[keep], np.asarray(labels)[keep]))
+    return out
+
+
 def run(args) -> dict:
     import jax.numpy as jnp
 
@@ -142,17 +159,18 @@ def run(args) -> dict:
     if not train_examples:
         raise ValueError(f"{args.data}: the {config.train_split!r} split holds no boxes")
     cfg = train.detector_config(config, len(classes))
-    size = cfg.image_size
-    train_examples = [data.resize_for_detection(ex, size) for ex in train_examples]
-    eval_examples = [data.resize_for_detection(ex, size) for ex in eval_examples]
+    size, mode = cfg.image_size, config.input_resize
+    train_examples = [data.resize_for_detection(ex, size, mode) for ex in train_examples]
+    originals = eval_examples
+    eval_examples = [data.resize_for_detection(ex, size, mode) for ex in eval_examples]
     model = Detector(cfg, rpn, patch, roi, dtype=dtype, seed=config.seed)
     graphdef, state, info = train.train(config, str(out), model, train_examples, len(classes),
                                         progress=not args.no_progress)
-    # IoU is unchanged by the per-axis resize, so AP in detection pixels is AP in the originals.
-    detections = train.predict(graphdef, state["params"], eval_examples,
-                               config.eval_batch_size)
+    detections = original_detections(
+        train.predict(graphdef, state["params"], eval_examples, config.eval_batch_size),
+        eval_examples)
     groups = data.class_frequency_groups(data.class_image_counts(train_examples, len(classes)))
-    metrics = evaluate.coco_evaluate([(ex.boxes, ex.labels) for ex in eval_examples],
+    metrics = evaluate.coco_evaluate([(ex.boxes, ex.labels) for ex in originals],
                                      detections, len(classes), groups=groups,
                                      max_dets=cfg.detections_per_img)
     results = {"model": name, "metrics": metrics, "split": split,
