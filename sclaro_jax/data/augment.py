@@ -23,8 +23,9 @@ seed (`temp_seed(s)`), so each view reads the sample's random stream from its st
 `sample_params` draws a sample's stream from a numpy Generator (`Draws`: 64 uniform 24-bit
 fractions, scaled in float32 as torch's `uniform_` scales its `rand`) and reads it from its
 start for each view. Given torch's own stream instead (any object with `unit`, `randint` and
-`randperm`), it returns the reference's parameters exactly. Random parameters follow torchvision's algorithms
-(`RandomResizedCrop.get_params`, `ColorJitter.get_params`, `GaussianBlur.get_params`).
+`randperm`), it returns the reference's parameters exactly. Random parameters follow
+torchvision's algorithms (`RandomResizedCrop.get_params`, `ColorJitter.get_params`,
+`GaussianBlur.get_params`).
 
 Resize + CenterCrop is one bicubic resample of exactly the part of the region that the two-step
 transform keeps (`resize_centre_crop`: the same pixels, no full-size intermediate).

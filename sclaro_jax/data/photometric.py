@@ -280,7 +280,8 @@ def augment_batch(batch: dict) -> dict:
     relation views their sample's crop jitter at their level's factors. Other fields are
     returned as they are; a batch without the PHOTOMETRIC fields is returned unchanged. Either
     crop layout: caps ([B, N] views) or packed ([K] views, each with its image index in
-    `*_segments`; padding slots get image 0's draw, and stay padding). Traceable (call it inside the jitted step)."""
+    `*_segments`; padding slots get image 0's draw, and stay padding). Traceable (call it inside
+    the jitted step)."""
     if not has_fields(batch):
         return batch
     for level, f in fields.LEVELS.items():

@@ -8,15 +8,16 @@
 
 Per sample (one record), on the host: geometry only. The sample's augmentation parameters
 (`augment.sample_params`: every view's draws as the reference makes them, from one stream per
-sample drawn with Grain's per-record rng from the seed and the record's position). Version-2 records (stored views): the global view is
-RandomResizedCrop (train) or Resize + CenterCrop (eval) of the stored `train_image`; the object
-and relation views are the stored S x S JPEGs, decoded by `collate` straight into the batch
-(`sclaro_jax.data.decode`: simplejpeg when installed, else PIL). Version-1 records (originals):
-every view made from the photograph and the focused regions (box crops or the reference's
-black-canvas paste, Resize + CenterCrop), as before views were stored. The photometric part
-(ColorJitter, GaussianBlur) is applied on the accelerator: each example carries its draw as the
-`batch.PHOTOMETRIC` fields (identity when not training). Texts are tokenised with the CLIP BPE
-(action word, object names, "subject predicate object"), memoised per worker.
+sample drawn with Grain's per-record rng from the seed and the record's position). Version-2
+records (stored views): the global view is RandomResizedCrop (train) or Resize + CenterCrop
+(eval) of the stored `train_image`; the object and relation views are the stored S x S JPEGs,
+decoded by `collate` straight into the batch (`sclaro_jax.data.decode`: simplejpeg when
+installed, else PIL). Version-1 records (originals): every view made from the photograph and the
+focused regions (box crops or the reference's black-canvas paste, Resize + CenterCrop), as
+before views were stored. The photometric part (ColorJitter, GaussianBlur) is applied on the
+accelerator: each example carries its draw as the `batch.PHOTOMETRIC` fields (identity when not
+training). Texts are tokenised with the CLIP BPE (action word, object names, "subject predicate
+object"), memoised per worker.
 
 Static shapes (`sclaro_jax.data.batch`), in one of two crop layouts (`PipelineConfig.layout`):
 - "caps" (the default here; evaluators, notebooks): objects [B, max_objects, S, S, 3] and

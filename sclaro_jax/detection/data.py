@@ -238,9 +238,10 @@ def copy_paste(target: DetectionExample, donors: Sequence[DetectionExample], rar
     from the donors' boxes whose class is marked in `rare` (bool [C]). Each is cropped from its
     donor at whole pixels (floor of x0/y0, ceil of x1/y1), scaled down with PIL bilinear when
     larger than the target's content region (aspect kept, to fit), and pasted at a uniformly
-    random position fully inside that region (the whole image unless padded, never the padding); its box (the donor box at its sub-pixel place in
-    the patch) and label are appended. Target boxes, and earlier pasted boxes, that end up at
-    least 90% (`OCCLUDED`) covered by later patches are REMOVED. Returns a new example (`target`
+    random position fully inside that region (the whole image unless padded, never the
+    padding); its box (the donor box at its sub-pixel place in the patch) and label are
+    appended. Target boxes, and earlier pasted boxes, that end up at least 90% (`OCCLUDED`)
+    covered by later patches are REMOVED. Returns a new example (`target`
     is not modified); with no rare donor instance, a copy of `target`.
     """
     return copy_paste_count(target, donors, rare, rng, max_pastes)[0]

@@ -6,10 +6,10 @@ encoders at `backbone_lr` 1e-5 and the pyramids, FPN and heads at `head_lr` 1e-4
 warm-up then cosine decay to 0; training images drawn by the instance-aware sampler
 (`data.InstanceAwareSampler`) with class-targeted copy-paste for classes with fewer than
 `copy_paste_threshold` (50) training instances, applied to each drawn image with probability
-`copy_paste_prob` (0.5; the run logs the measured rate as `copy_paste_rate`); the input made
-by `input_resize` ("squash" to image_size x image_size, the default, or ViTDet's
-"longest_side": long side to image_size, aspect kept, padded bottom / right); inference with score threshold 1e-4, NMS 0.5
-and 300 detections per image (`model.DetectorConfig`).
+`copy_paste_prob` (0.5; the run logs the measured rate as `copy_paste_rate`); the input made by
+`input_resize` ("squash" to image_size x image_size, the default, or ViTDet's "longest_side":
+long side to image_size, aspect kept, padded bottom / right); inference with score threshold
+1e-4, NMS 0.5 and 300 detections per image (`model.DetectorConfig`).
 
 Exact resume: a step's images, copy-paste draws and the samplers' JAX key depend only on
 (seed, step), and a checkpoint holds the parameters, the optimiser state and the step, so a run
