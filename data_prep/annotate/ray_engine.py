@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from data_prep import annotate_stages as stages
+from data_prep.annotate import stages
 from data_prep.source_items import SourceItem
 
 log = logging.getLogger("data_prep.annotate")

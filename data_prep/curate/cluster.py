@@ -375,7 +375,7 @@ def cluster_object_names(names: list[str], out_json: str, *, model_path: str | N
     the curator's table and condensed-tree figure beside it (`data_prep.curate_report`).
     `encoder` (a loaded `TextEncoder`) or model_path (None -> `default_model_path()`). Returns
     the written document."""
-    from data_prep.curate_report import write_report
+    from data_prep.curate.report import write_report
 
     names = list(names)
     _check_unique(names, "cluster_object_names")

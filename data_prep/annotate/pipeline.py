@@ -42,10 +42,10 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
-from data_prep import annotate_stages as stages
-from data_prep.annotate_stages import (load_detector, load_segmenter, load_vlm,
+from data_prep.annotate import stages
+from data_prep.annotate.stages import (load_detector, load_segmenter, load_vlm,
                                        pick_device)
-from data_prep.annotate_keys import (HashMemo, StageInputs, check_run_key, config_key,
+from data_prep.annotate.keys import (HashMemo, StageInputs, check_run_key, config_key,
                                      replies_for)
 from data_prep.durable_logs import JsonLog
 from sclaro_jax.data import schema
@@ -373,7 +373,7 @@ def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | No
         if models is not None:
             raise ValueError("the ray engine loads the configured models in its stage actors; "
                              "models= is for engine='local'")
-        from data_prep import annotate_ray
+        from data_prep.annotate import ray_engine as annotate_ray
         annotate_ray.check_ray()
     if models is None:
         check_model_flags(cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterable, Sequence
 
-from data_prep.curate_text import (MissingNLTKData, fold_plurals, normalise_text,
+from data_prep.curate.text import (MissingNLTKData, fold_plurals, normalise_text,
                                    singular_candidates)
 
 Tagger = Callable[[list[str]], list[tuple[str, str]]]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable, Mapping, Sequence
 
-from data_prep.curate_text import STOPWORDS, normalise_text
+from data_prep.curate.text import STOPWORDS, normalise_text
 from sclaro_jax.data.schema import triplet_text
 
 Triplet = tuple[str, str, str]

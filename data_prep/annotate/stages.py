@@ -30,7 +30,7 @@ import uuid
 import numpy as np
 from PIL import Image
 
-from data_prep.annotate_keys import sha256_file
+from data_prep.annotate.keys import sha256_file
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")

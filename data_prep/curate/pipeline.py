@@ -40,7 +40,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data_prep import curate_rules as rules
+from data_prep.curate import rules
 from data_prep.durable_logs import write_replacing
 from sclaro_jax.data import schema
 
@@ -166,7 +166,8 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
     (strength >= `min_strength`) or new clusters (`data_prep.curate_extend`). Without new
     names there is no first pass. Either way the output keeps `object_curation/` for the next
     extension."""
-    from data_prep import curate_cluster, curate_extend, curate_predicates
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
+    from data_prep.curate import predicates as curate_predicates
     from data_prep.shards import write_dataset
     from sclaro_jax.data.dataset import open_dataset
     manifest = open_dataset(data_dir).manifest
@@ -296,7 +297,7 @@ def predicate_table_text(data_dir: str, raw_counts, predicate_map: dict[str, str
                          relation_doc: dict) -> str:
     """The predicate table (`curate_predicates.format_predicate_table`) with a header naming
     the data, the rule and the overrides file."""
-    from data_prep import curate_predicates
+    from data_prep.curate import predicates as curate_predicates
     rows = curate_predicates.predicate_table(raw_counts, predicate_map)
     ov = relation_doc["overrides"]
     return curate_predicates.format_predicate_table(rows, header=(
@@ -314,8 +315,8 @@ def extend_clusters_file(prev, new_names: list[str], clusters: str, encoder, par
                          min_strength: float, progress: bool = True) -> dict:
     """An extension's first pass: suggestions for `new_names` into `prev`'s curated clusters,
     the rest clustered among themselves; the clusters file and its report. Returns the doc."""
-    from data_prep import curate_cluster, curate_extend
-    from data_prep.curate_report import write_report
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
+    from data_prep.curate.report import write_report
     emb = encoder.encode(new_names, progress=progress)
     suggestions, unfit = curate_extend.suggest(prev, new_names, emb, min_strength)
     at = {n: i for i, n in enumerate(new_names)}
@@ -335,7 +336,7 @@ def save_object_curation(out_dir: str, prev, std_names: list[str], new_names: li
                          progress: bool = True) -> None:
     """OUT/object_curation: this curation's names (and an extended one's earlier names), their
     labels and a clusterer fit on all of them, for the next `--extend`."""
-    from data_prep import curate_cluster, curate_extend
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
     if prev is None:
         names, emb = list(std_names), encoder.encode(std_names, progress=progress)
     else:

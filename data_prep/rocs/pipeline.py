@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data_prep import rocs_caption, rocs_select
-from data_prep.rocs_select import AnnotatedImage
+from data_prep.rocs import caption as rocs_caption, selection as rocs_select
+from data_prep.rocs.selection import AnnotatedImage
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
 # prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper
