@@ -31,6 +31,7 @@ import numpy as np
 from PIL import Image
 
 from data_prep.annotate.keys import sha256_file
+from data_prep.durable_logs import write_replacing
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")
@@ -264,12 +265,8 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
               "stage_seconds": {s: round(v, 4) for s, v in stage_seconds.items()},
               "stage_images": dict(stage_images), "run": run, "engine": engine,
               "started": round(started, 3), "landed": round(time.time(), 3)}
-    tmp = f"{marker_path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(marker, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker_path)
+    write_replacing(marker_path, lambda f: json.dump(marker, f, sort_keys=True), text=True,
+                    fsync=True, unique=True)
     _fsync_dir(folder)
     return marker
 

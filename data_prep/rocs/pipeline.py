@@ -33,6 +33,7 @@ import numpy as np
 from PIL import Image
 
 from data_prep.rocs import caption as rocs_caption, selection as rocs_select
+from data_prep.durable_logs import write_replacing
 from data_prep.rocs.selection import AnnotatedImage
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
@@ -118,9 +119,8 @@ class StageCache:
         self.computed += 1
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "value": value}, default=str))
-            os.replace(tmp, path)
+            write_replacing(path, lambda f: f.write(json.dumps({"key": key, "value": value},
+                                                               default=str)), text=True)
         return value
 
 
