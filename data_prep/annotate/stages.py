@@ -1,7 +1,7 @@
 """The three annotation stages as functions of one block (a fixed chunk of `batch_size` images),
 and the block files both engines write. `data_prep.annotate` (`--engine local`, one process)
-and `data_prep.annotate_ray` (`--engine ray`, a Ray Data pipeline) call the same functions, so
-their records are the same bytes.
+and `data_prep.annotate.ray_engine` (`--engine ray`, a Ray Data pipeline) call the same
+functions, so their records are the same bytes.
 
 A finished block is two files in `WORK/blocks/`:
 
@@ -9,7 +9,7 @@ A finished block is two files in `WORK/blocks/`:
                           source order), one ArrayRecord shard
     NNNNNN.json           its marker: every image's decision (kept / excluded / failed and the
                           reason), the stage inputs it was made from (content hashes, see
-                          `data_prep.annotate_keys`), the shard's size and sha256, the VLM repairs
+                          `data_prep.annotate.keys`), the shard's size and sha256, the VLM repairs
                           and dropped relations, and the stage seconds it took
 
 Each file is written under a temporary name and renamed into place, the shard first. A block
@@ -291,7 +291,7 @@ def finished_blocks(work: str, chunks: list, memo) -> tuple[list[dict], list[str
     """The markers of the blocks whose files are complete (marker for these images, shard of the
     recorded size and checksum), and one line per block whose files are not and why. Whether a
     marker was made from the current inputs is `StageInputs.fresh("segment", markers)`'s to say.
-    `memo` is a `data_prep.annotate_keys.HashMemo`: a shard is hashed again only when its stat
+    `memo` is a `data_prep.annotate.keys.HashMemo`: a shard is hashed again only when its stat
     changed."""
     intact, notes = [], []
     for k, chunk in chunks:

@@ -1,6 +1,6 @@
 """SCLARO label curation, objects (appendix, label-curation paragraphs), three steps; this
 module does the first two, the embedding + HDBSCAN clustering of step three lives in
-`data_prep.curate_cluster` and consumes `object_canonical_map`'s values:
+`data_prep.curate.cluster` and consumes `object_canonical_map`'s values:
   1. `consistent_objects`: per sample, the names every stage agrees on (VLM objects and
      GroundingDINO detections), unioned over samples.
   2. `object_canonical_map`: strip colour descriptors (a predefined list, `COLOURS`) and

@@ -4,14 +4,14 @@
 Objects: (1) the names both the VLM and GroundingDINO produced (a record's objects are the
 detections of stage-1 names, so that intersection is what the records hold), unioned over
 samples; (2) colour words and adjectives stripped, plurals folded into singulars when both
-occur (`data_prep.curate_rules`); (3) the standardised names embedded (MiniLM / BERT) and
-clustered with HDBSCAN (`data_prep.curate_cluster`) into a clusters file that a person labels.
+occur (`data_prep.curate.rules`); (3) the standardised names embedded (MiniLM / BERT) and
+clustered with HDBSCAN (`data_prep.curate.cluster`) into a clusters file that a person labels.
 Relations: subject and object replaced by their cluster labels, stopwords removed from the
 predicate; the relation vocabulary is the set of distinct canonical triplets, while repeated
 instances inside an image stay separate objects and relations. Every run writes the predicate
 table (`*.predicate_table.tsv` beside the clusters file: each predicate, its count, the raw
 predicates merged into it, flagged where they differ by a spatial preposition) for the manual
-pass, whose keep / rename / merge lines (`relation_overrides`, `data_prep.curate_predicates`)
+pass, whose keep / rename / merge lines (`relation_overrides`, `data_prep.curate.predicates`)
 are applied after the rule and recorded with the file's sha256 in the log and the manifest;
 `keep_prepositions` keeps spatial prepositions after the verb. Actions: a user-curated map
 (`surface form<TAB>class`); Multi-Moments in Time's ground truth is kept as given. Label spaces
@@ -22,7 +22,7 @@ condensed tree `clusters.tree.png`, and `action_candidates.tsv`) and stops so th
 be labelled; the second applies them and keeps `OUT/object_curation/` (names, labels, the
 fitted clusterer). `--extend` an earlier output maps a new source onto its vocabulary: curated
 names keep their labels, new names are suggested into curated clusters or clustered anew
-(`data_prep.curate_extend`). Every decision (raw -> standardised ->
+(`data_prep.curate.extend`). Every decision (raw -> standardised ->
 label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
 the form of appendix Table A3 to `OUT/statistics.json`. Only labels change: the output has the
 input's schema version, view size, originals policy and creation time (so the same inputs write
@@ -156,14 +156,14 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
 
     Predicates: the appendix's stopword rule, with `keep_prepositions` spatial prepositions
     after the verb kept, then the keep / rename / merge lines of the `relation_overrides` file
-    (`data_prep.curate_predicates`; checked against the dataset's predicates before any slow
+    (`data_prep.curate.predicates`; checked against the dataset's predicates before any slow
     work). Every run writes the predicate table beside the clusters file
     (`*.predicate_table.tsv`); the second also as `OUT/predicate_table.tsv`, and the rule and
     the overrides (file, sha256, entries) under "relation_curation" in the manifest and the log.
 
     `extend`: an earlier curated output folder. Its names keep their labels; only this
     dataset's new names go to the clusters file, as suggestions into curated clusters
-    (strength >= `min_strength`) or new clusters (`data_prep.curate_extend`). Without new
+    (strength >= `min_strength`) or new clusters (`data_prep.curate.extend`). Without new
     names there is no first pass. Either way the output keeps `object_curation/` for the next
     extension."""
     from data_prep.curate import cluster as curate_cluster, extend as curate_extend
@@ -306,7 +306,7 @@ def predicate_table_text(data_dir: str, raw_counts, predicate_map: dict[str, str
         f"rule: {relation_doc['rule']}",
         f"overrides: {ov['file']} (sha256 {ov['sha256']}, {len(ov['entries'])} entries)" if ov
         else "overrides: none (keep / rename / merge lines in a file given to "
-             "--relation-overrides; see data_prep.curate_predicates)",
+             "--relation-overrides; see data_prep.curate.predicates)",
         "rows whose raw predicates differ by a spatial preposition come first, with the "
         "prepositions merged in the last column"))
 

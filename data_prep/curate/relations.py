@@ -7,7 +7,7 @@ NLTK's stopwords include spatial prepositions, so the rule also merges "sitting 
 "sitting under" into "sitting". `keep_prepositions=True` (`curate
 --relation-keep-prepositions`, off by default) keeps a spatial preposition
 (`SPATIAL_PREPOSITIONS`) that follows a kept word of the predicate, its verb; the appendix's
-"final pass of manual curation" has its tool in `data_prep.curate_predicates` (the predicate
+"final pass of manual curation" has its tool in `data_prep.curate.predicates` (the predicate
 table and the overrides file).
 """
 

@@ -1,15 +1,15 @@
 """SCLARO label curation: the deterministic rules (appendix, label-curation paragraphs), in one
 namespace. Each rule lives in the module of what it curates:
 
-  `data_prep.curate_objects`    colours and adjectives stripped, plurals folded (steps 1-2 of
-                                three; step 3, the clustering, is `data_prep.curate_cluster`)
-  `data_prep.curate_relations`  cluster labels for subject / object, stopwords out of the
+  `data_prep.curate.objects`    colours and adjectives stripped, plurals folded (steps 1-2 of
+                                three; step 3, the clustering, is `data_prep.curate.cluster`)
+  `data_prep.curate.relations`  cluster labels for subject / object, stopwords out of the
                                 predicate (optionally keeping spatial prepositions after the
                                 verb), the deduplicated relation vocabulary
-  `data_prep.curate_predicates` the manual pass over predicates: the predicate table and the
+  `data_prep.curate.predicates` the manual pass over predicates: the predicate table and the
                                 keep / rename / merge overrides file
-  `data_prep.curate_actions`    the curator's action table and the merge suggestions for it
-  `data_prep.curate_text`       what they share: text normalisation, stopwords, plurals
+  `data_prep.curate.actions`    the curator's action table and the merge suggestions for it
+  `data_prep.curate.text`       what they share: text normalisation, stopwords, plurals
 
 and the per-source statistics of the curated labels (appendix Table A3) are here. Everything is
 pure Python with dict lookups; per-name work is done once per distinct name.
