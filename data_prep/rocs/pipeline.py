@@ -301,7 +301,13 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         raise ValueError(f"no caption survived the selection: nothing to write (the reasons "
                          f"are in {out / 'summary.json'})")
-    # the dataset first (into a fresh folder, then moved in place), the reports last
+    _write_outputs(out, rows, stats, summary)
+    return {**summary, "computed": {"masks": mask_cache.computed,
+                                    "captions": caption_cache.computed}}
+
+
+def _write_outputs(out: Path, rows: list[dict], stats: dict, summary: dict) -> None:
+    """The dataset first (into a fresh folder, then moved in place), the reports last."""
     staging = out / "rocs.partial"
     shutil.rmtree(staging, ignore_errors=True)
     rocs_caption.write_rocs(staging, rows)
@@ -310,8 +316,6 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
     stats_figure(stats, out / "stats.png")
     for name, value in (("stats.json", stats), ("summary.json", summary)):
         (out / name).write_text(json.dumps(value, indent=2, default=str) + "\n")
-    return {**summary, "computed": {"masks": mask_cache.computed,
-                                    "captions": caption_cache.computed}}
 
 
 def stats_figure(stats: dict, path: str | Path) -> Path:
