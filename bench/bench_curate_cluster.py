@@ -1,4 +1,4 @@
-"""`data_prep.curate_cluster` on 10,000 synthetic object names (adjective x noun): embedding
+"""`data_prep.curate.cluster` on 10,000 synthetic object names (adjective x noun): embedding
 time with all-MiniLM-L6-v2 on CPU; HDBSCAN on the float64 cosine-distance matrix with the
 `hdbscan` library (what curation uses) and with scikit-learn's (what it used before), same
 labels; and `hdbscan.approximate_predict` for 1,000 new names (adjective x adjective x noun)
@@ -87,7 +87,7 @@ def main():
     import torch
     from sklearn.cluster import HDBSCAN as SklearnHDBSCAN
 
-    from data_prep.curate_cluster import (MIN_CLUSTER_SIZE, MIN_SAMPLES, TextEncoder,
+    from data_prep.curate.cluster import (MIN_CLUSTER_SIZE, MIN_SAMPLES, TextEncoder,
                                           cosine_distances, default_model_path, fit_clusterer)
     torch.set_num_threads(args.threads)
     names = synthetic_names(args.n)

@@ -1,4 +1,4 @@
-"""`data_prep.curate_rules` on synthetic raw labels: objects (colours, adjectives, plurals, two
+"""`data_prep.curate.rules` on synthetic raw labels: objects (colours, adjectives, plurals, two
 stages per image), relations and actions, --n of each (default 100,000), one run, seconds per
 step. The adjective step uses a dict-based fake tagger, not nltk.pos_tag (its data is not
 installed here), so the figure excludes the real tagger's cost (one call per distinct name).
@@ -75,7 +75,7 @@ def raw_object(rng: random.Random) -> str:
 
 
 def main():
-    from data_prep import curate_rules as cr
+    from data_prep.curate import rules as cr
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=100_000, help="labels of each kind")

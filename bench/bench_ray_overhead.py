@@ -84,7 +84,7 @@ def main():
     from ray.data import DataContext
     from ray.data.datasource import Datasink
 
-    from data_prep.annotate_ray import SINK_CPUS, start_ray
+    from data_prep.annotate.ray_engine import SINK_CPUS, start_ray
 
     class NullSink(Datasink):
         def write(self, blocks, ctx):

@@ -275,6 +275,6 @@ def test_actors_that_do_not_fit_the_cluster_are_refused(setup, cluster, tmp_path
 
 
 def test_concurrency_flags():
-    from data_prep.annotate_ray import parse_concurrency
+    from data_prep.annotate.ray_engine import parse_concurrency
     assert parse_concurrency(["2", "sam=1"]) == {"vlm": 2, "detect": 2, "segment": 1}
     assert parse_concurrency(["detector=3"]) == {"detect": 3}

@@ -215,7 +215,7 @@ def test_replies_keyed_by_other_ids_are_refused_with_the_id_format(run, setup, t
 
 
 def test_weight_digests_follow_content_not_stat(tmp_path, monkeypatch):
-    from data_prep import annotate_keys
+    from data_prep.annotate import keys as annotate_keys
     folder = tmp_path / "model"
     (folder / "sub").mkdir(parents=True)
     (folder / "config.json").write_text("{}")

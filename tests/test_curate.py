@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from data_prep import curate_rules, shards, views
+from data_prep import shards, views
+from data_prep.curate import rules as curate_rules
 from data_prep.__main__ import main
 from data_prep.curate import NeedsLabels, curate, read_samples
 from sclaro_jax.data import schema

@@ -12,7 +12,7 @@ import torch
 from scipy.spatial.distance import cdist
 from sklearn.cluster import HDBSCAN
 
-from data_prep.curate_cluster import (TextEncoder, cluster_embeddings, cluster_object_names,
+from data_prep.curate.cluster import (TextEncoder, cluster_embeddings, cluster_object_names,
                                       default_model_path, read_curated, write_clusters)
 
 WASTE = ["garbage truck", "trash can", "waste bin", "trash bag", "garbage bags"]
@@ -316,7 +316,7 @@ def test_action_candidates_with_minilm(minilm):
     similarity >= 0.7 (curate.ACTION_SIMILARITY) for the actions those left alone."""
     import collections
 
-    from data_prep import curate_rules
+    from data_prep.curate import rules as curate_rules
     from data_prep.curate import ACTION_SIMILARITY, action_candidate_rows
     actions = collections.Counter({"taking a photograph": 5, "Taking photos": 2,
                                    "taking a photo": 3, "taking a selfie": 1, "eating": 4,

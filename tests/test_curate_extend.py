@@ -1,5 +1,5 @@
 """Object clustering on the hdbscan library: its quality on a hand-labelled list, the curator's
-report, and curation that grows with the data (`data_prep.curate_extend`, `curate --extend`):
+report, and curation that grows with the data (`data_prep.curate.extend`, `curate --extend`):
 new names suggested onto a curated vocabulary, curated labels untouched, and the refusals."""
 
 import json
@@ -13,10 +13,10 @@ from scipy.spatial.distance import cdist
 from sklearn.metrics import adjusted_rand_score
 from sklearn.neighbors import NearestNeighbors
 
-from data_prep import curate_extend as ce
-from data_prep.curate_cluster import (ExactCosineNeighbours, TextEncoder, cluster_object_names,
+from data_prep.curate import extend as ce
+from data_prep.curate.cluster import (ExactCosineNeighbours, TextEncoder, cluster_object_names,
                                       default_model_path, fit_clusterer)
-from data_prep.curate_report import cluster_stability, plot_tree, selected_nodes
+from data_prep.curate.report import cluster_stability, plot_tree, selected_nodes
 
 # Hand-labelled before any clustering was run: names a curator would merge (synonyms,
 # plurals, hyponyms), one group per curated label. The paper's own example is the first group.
@@ -297,7 +297,7 @@ def test_cli_extend_end_to_end(demo_dir, other_encoders, tmp_path, capsys):
     from data_prep import shards
     from data_prep.__main__ import main
     from data_prep.curate import read_samples
-    from data_prep.curate_cluster import read_curated
+    from data_prep.curate.cluster import read_curated
     from sclaro_jax.data import schema
 
     flags = ["--no-pos-tagger", "--action-lemmatizer", "porter", "--no-progress"]

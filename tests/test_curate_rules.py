@@ -1,12 +1,12 @@
-"""data_prep.curate_rules: the appendix's label-curation rules on hand-made cases."""
+"""data_prep.curate.rules: the appendix's label-curation rules on hand-made cases."""
 
 import hashlib
 
 import numpy as np
 import pytest
 
-from data_prep import curate_objects
-from data_prep import curate_rules as cr
+from data_prep.curate import objects as curate_objects
+from data_prep.curate import rules as cr
 
 # A dict-based stand-in for nltk.pos_tag (nltk's tagger data is not installed here); unknown
 # words are nouns.

@@ -181,3 +181,106 @@ def test_data_prep_help():
 def test_eval_cli_help(module):
     result = _run("-m", module, "--help")
     assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stderr[-2000:]
+
+
+# data_prep's wings: each imports only itself and the shared modules at the top of data_prep,
+# and no shared module reaches into a wing, so no wing reaches another, not even through a
+# shared module. data_prep.__main__ assembles the wings' command lines and is exempt.
+WINGS = ("data_prep.annotate", "data_prep.curate", "data_prep.rocs")
+WING_EXEMPT = ("data_prep.__main__",)
+DATA_PREP_COMMANDS = ("demo", "annotate", "curate", "reshard", "rocs")
+
+
+def package_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """The import graph (`imports_of`) of the package folder `root/package`."""
+    modules = {}
+    for path in sorted((root / package).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return {name: imports_of(path, name, set(modules)) for name, path in modules.items()}
+
+
+def wing_crossings(graph: dict[str, set[str]], wings=WINGS, exempt=WING_EXEMPT) -> list[str]:
+    """Every import chain, direct or through other modules of `graph`, from a module of the
+    wings' package to a module of a wing it is not in (a shared module is in none)."""
+    package = wings[0].split(".")[0]
+
+    def wing(name):
+        return next((w for w in wings if _under(name, w)), None)
+
+    out = []
+    for start in sorted(graph):
+        if start in exempt or not _under(start, package):
+            continue
+        parent, todo = {start: None}, [start]  # breadth-first: the shortest chain to each module
+        while todo:
+            node = todo.pop(0)
+            for child in sorted(graph[node]):
+                if child in graph and child not in parent:
+                    parent[child] = node
+                    todo.append(child)
+        for reached in sorted(parent):
+            if wing(reached) not in (None, wing(start)) or (wing(start) is None and wing(reached)):
+                chain = [reached]
+                while parent[chain[-1]] is not None:
+                    chain.append(parent[chain[-1]])
+                out.append(" -> ".join(reversed(chain)))
+    return out
+
+
+def test_wing_checker_finds_a_crossing_through_a_shared_module(tmp_path):
+    files = {"data_prep/__init__.py": "", "data_prep/shards.py": "import json\n",
+             "data_prep/__main__.py": "from data_prep.annotate import run\n"
+                                      "from data_prep.curate import run\n",
+             "data_prep/annotate/__init__.py": "", "data_prep/curate/__init__.py": "",
+             "data_prep/rocs/__init__.py": "",
+             "data_prep/annotate/run.py": "from data_prep import shards\nfrom . import keys\n",
+             "data_prep/annotate/keys.py": "", "data_prep/curate/run.py": "import data_prep.shards\n"}
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert wing_crossings(package_graph(tmp_path, "data_prep")) == []
+    # planted: a shared module that, inside a function, reaches into the curate wing
+    (tmp_path / "data_prep/shards.py").write_text("def f():\n    from data_prep.curate import run\n")
+    assert wing_crossings(package_graph(tmp_path, "data_prep")) == [
+        "data_prep.annotate.run -> data_prep.shards -> data_prep.curate.run",
+        "data_prep.shards -> data_prep.curate.run"]
+    # planted: one wing importing another directly
+    (tmp_path / "data_prep/shards.py").write_text("")
+    (tmp_path / "data_prep/rocs/__init__.py").write_text("from data_prep.annotate.keys import x\n")
+    assert wing_crossings(package_graph(tmp_path, "data_prep")) == [
+        "data_prep.rocs -> data_prep.annotate.keys"]
+
+
+def test_data_prep_wings_import_only_shared_modules():
+    graph = package_graph(ROOT, "data_prep")
+    assert all(w in graph for w in WINGS)
+    found = wing_crossings(graph)
+    assert not found, "data_prep wings reach each other:\n" + "\n".join(found)
+
+
+def test_data_prep_old_flat_module_names_still_import():
+    import importlib
+
+    from data_prep._moved import MOVED
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from data_prep.curate import NeedsLabels, curate  # noqa: F401  (the flat modules' API)
+    from data_prep.curate_rules import MissingNLTKData  # noqa: F401
+    from data_prep.focus import focused_region  # noqa: F401
+    from data_prep.rocs import COCO80, build_rocs  # noqa: F401
+    from data_prep.rocs_select import AnnotatedImage  # noqa: F401
+    from data_prep.vlm import parse_response  # noqa: F401
+    from data_prep.annotate import AnnotateConfig, annotate  # noqa: F401
+    from data_prep.annotate_stages import write_block  # noqa: F401
+
+
+@pytest.mark.parametrize("command", DATA_PREP_COMMANDS)
+def test_data_prep_command_help(command, capsys):
+    from data_prep.__main__ import main
+    with pytest.raises(SystemExit) as done:
+        main([command, "--help"])
+    assert done.value.code == 0
+    assert f"usage: python -m data_prep {command}" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""ROCS construction's selection steps (`data_prep.rocs_select`) on a COCO instances file for
+"""ROCS construction's selection steps (`data_prep.rocs.selection`) on a COCO instances file for
 the demo photographs plus synthetic cluttered images (44 in all), against expectations worked
 out by hand below; the instances file's errors; Figure 3's numbers."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from data_prep import rocs_select as rs
+from data_prep.rocs import selection as rs
 from data_prep.demo import load_annotations
 
 # Synthetic cluttered images (id: [(class, count), ...]); 100 x 100 px.
@@ -165,7 +165,7 @@ def test_unreadable_instances_files(tmp_path):
 
 
 # ------------------------------------------------------------- captions and the output folder
-from data_prep import rocs_caption as rc  # noqa: E402
+from data_prep.rocs import caption as rc  # noqa: E402
 
 
 def _asker(replies):
@@ -364,7 +364,7 @@ def test_build_rocs_with_the_tiny_sam(tmp_path, images):
 # ------------------------------------------------------------------ the command, SIGKILL
 KILL_AT_CAPTIONS = r'''
 import os, signal, sys
-import data_prep.rocs_caption as rc
+import data_prep.rocs.caption as rc
 rc.recaption = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # dies as stage 2 starts
 from data_prep.__main__ import main
 sys.exit(main(sys.argv[1:]))

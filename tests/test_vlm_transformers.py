@@ -92,7 +92,7 @@ def test_another_prompt_and_rocs_captions_through_the_model(tiny_llava):
     dropped with its reason."""
     import numpy as np
 
-    from data_prep.rocs_caption import (MISSING_OBJECT, SYSTEM_PROMPT, caption_prompt,
+    from data_prep.rocs.caption import (MISSING_OBJECT, SYSTEM_PROMPT, caption_prompt,
                                         recaption)
 
     image = Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 24, 3), np.uint8))

@@ -31,6 +31,8 @@ import json
 import logging
 import os
 
+from data_prep.durable_logs import write_replacing
+
 log = logging.getLogger("data_prep.annotate")
 
 CACHE_VERSION = 2  # 2: entries carry their inputs' content hashes
@@ -63,9 +65,7 @@ def check_run_key(work: str, key: dict, has_work: bool) -> None:
                 f"another --work folder or delete it to start over")
         log.warning("%s: an earlier run with other settings (%s) finished no chunk; starting "
                     "over with these settings", work, changed)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(key, f, indent=1, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    write_replacing(path, lambda f: json.dump(key, f, indent=1, sort_keys=True), text=True)
 
 
 def replies_for(cfg, stage1, ids: list) -> dict | None:
@@ -141,9 +141,8 @@ class HashMemo:
 
     def save(self) -> None:
         if self.dirty:
-            with open(self.path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(self.memo, f, indent=1, sort_keys=True)
-            os.replace(self.path + ".tmp", self.path)
+            write_replacing(self.path, lambda f: json.dump(self.memo, f, indent=1,
+                                                            sort_keys=True), text=True)
             self.dirty = False
 
 

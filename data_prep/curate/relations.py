@@ -7,7 +7,7 @@ NLTK's stopwords include spatial prepositions, so the rule also merges "sitting 
 "sitting under" into "sitting". `keep_prepositions=True` (`curate
 --relation-keep-prepositions`, off by default) keeps a spatial preposition
 (`SPATIAL_PREPOSITIONS`) that follows a kept word of the predicate, its verb; the appendix's
-"final pass of manual curation" has its tool in `data_prep.curate_predicates` (the predicate
+"final pass of manual curation" has its tool in `data_prep.curate.predicates` (the predicate
 table and the overrides file).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from typing import Iterable, Mapping, Sequence
 
-from data_prep.curate_text import STOPWORDS, normalise_text
+from data_prep.curate.text import STOPWORDS, normalise_text
 from sclaro_jax.data.schema import triplet_text
 
 Triplet = tuple[str, str, str]

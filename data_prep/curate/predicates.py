@@ -32,8 +32,8 @@ import hashlib
 import os
 from typing import Iterable, Mapping
 
-from data_prep.curate_relations import normalise_predicate, spatial_phrases
-from data_prep.curate_text import STOPWORDS, normalise_text
+from data_prep.curate.relations import normalise_predicate, spatial_phrases
+from data_prep.curate.text import STOPWORDS, normalise_text
 
 ACTIONS = ("keep", "rename", "merge")
 TABLE_COLUMNS = ("predicate", "count", "raw predicates (count)", "spatial prepositions merged")

@@ -9,19 +9,19 @@
     Stage 3  SAM: one mask per box; per relation the closest subject/object instance pair by
              box-centre distance and its focused-region image (`data_prep.segment`).
 
-Two engines run the same stage code (`data_prep.annotate_stages`): `--engine local` (the
+Two engines run the same stage code (`data_prep.annotate.stages`): `--engine local` (the
 default) runs the stages one after another in this process; `--engine ray` runs them as a Ray
-Data pipeline with a pool of actors per stage (`data_prep.annotate_ray`), on one multi-GPU node
-or a Ray cluster. Both write the same records and the same summary.
+Data pipeline with a pool of actors per stage (`data_prep.annotate.ray_engine`), on one
+multi-GPU node or a Ray cluster. Both write the same records and the same summary.
 
 Resumable. Work goes in fixed blocks of `batch_size` images (the same blocks on every run, so a
 model always sees the same batches). A finished block is one ArrayRecord shard of its records
 plus a marker with every image's decision and the shard's checksum (`WORK/blocks/`, see
-`data_prep.annotate_stages`); a rerun with the same work folder skips the finished blocks,
+`data_prep.annotate.stages`); a rerun with the same work folder skips the finished blocks,
 whichever engine wrote them. The local engine also caches stages 1 and 2 per block
 (`vlm.jsonl`, `detect.jsonl`, fsynced JSON lines; a torn last line is cut off), so a killed run
 loses at most the block in flight and no image is sent to a model twice once its result is on
-disk. Cache entries are keyed by content (`data_prep.annotate_keys`): an edited reply or changed
+disk. Cache entries are keyed by content (`data_prep.annotate.keys`): an edited reply or changed
 weights redo the stages they feed, and the run says so. When every block has landed the
 records are written as shards with `data_prep.shards.write_dataset` (schema version 2 with
 `image_size` px training views; the originals only with `keep_originals`, while the block
@@ -42,10 +42,10 @@ from typing import Callable, Iterable
 
 from tqdm import tqdm
 
-from data_prep import annotate_stages as stages
-from data_prep.annotate_stages import (load_detector, load_segmenter, load_vlm,
+from data_prep.annotate import stages
+from data_prep.annotate.stages import (load_detector, load_segmenter, load_vlm,
                                        pick_device)
-from data_prep.annotate_keys import (HashMemo, StageInputs, check_run_key, config_key,
+from data_prep.annotate.keys import (HashMemo, StageInputs, check_run_key, config_key,
                                      replies_for)
 from data_prep.durable_logs import JsonLog
 from sclaro_jax.data import schema
@@ -79,7 +79,7 @@ class AnnotateConfig:
     keep_originals: bool = False  # also store the full-size photographs and regions
     overwrite: bool = False
     progress: bool = True
-    # --engine ray (data_prep.annotate_ray); none of these change the records
+    # --engine ray (data_prep.annotate.ray_engine); none of these change the records
     engine: str = "local"  # local | ray
     ray_address: str = ""  # "" = start Ray on this machine; "auto" or HOST:PORT = a cluster
     vlm_gpus: float = 1.0  # GPUs per stage actor (fractions share a GPU)
@@ -373,7 +373,7 @@ def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | No
         if models is not None:
             raise ValueError("the ray engine loads the configured models in its stage actors; "
                              "models= is for engine='local'")
-        from data_prep import annotate_ray
+        from data_prep.annotate import ray_engine as annotate_ray
         annotate_ray.check_ray()
     if models is None:
         check_model_flags(cfg)

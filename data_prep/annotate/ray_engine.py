@@ -3,7 +3,7 @@
 The source becomes a Ray dataset with one row per image (block, id, path, ...) and one Ray block
 per annotation block (the same fixed chunks of `--batch-size` images as `--engine local`).
 Each stage is a `map_batches` over an actor class that loads its model once per actor and runs
-the stage function of `data_prep.annotate_stages` on one whole block at a time:
+the stage function of `data_prep.annotate.stages` on one whole block at a time:
 
     vlm      stage 1 (reads the images, asks the VLM, parses and triages the replies)
     detector stage 2 (GroundingDINO on the images that kept objects and relations)
@@ -32,12 +32,12 @@ import time
 
 import numpy as np
 
-from data_prep import annotate_stages as stages
+from data_prep.annotate import stages
 from data_prep.source_items import SourceItem
 
 log = logging.getLogger("data_prep.annotate")
 
-# stage key (as in data_prep.annotate_keys) -> the name users give it, its GPU setting
+# stage key (as in data_prep.annotate.keys) -> the name users give it, its GPU setting
 STAGES = {"vlm": ("vlm", "vlm_gpus"), "detect": ("detector", "detector_gpus"),
           "segment": ("sam", "sam_gpus")}
 STAGE_NAMES = {"vlm": "vlm", "detector": "detect", "detect": "detect", "sam": "segment",

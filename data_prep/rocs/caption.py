@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from data_prep.rocs_select import caption_names
+from data_prep.rocs.selection import caption_names
 from data_prep.vlm import load_replies
 
 NO_REPLY = "vlm_no_reply"

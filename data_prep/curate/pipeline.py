@@ -4,14 +4,14 @@
 Objects: (1) the names both the VLM and GroundingDINO produced (a record's objects are the
 detections of stage-1 names, so that intersection is what the records hold), unioned over
 samples; (2) colour words and adjectives stripped, plurals folded into singulars when both
-occur (`data_prep.curate_rules`); (3) the standardised names embedded (MiniLM / BERT) and
-clustered with HDBSCAN (`data_prep.curate_cluster`) into a clusters file that a person labels.
+occur (`data_prep.curate.rules`); (3) the standardised names embedded (MiniLM / BERT) and
+clustered with HDBSCAN (`data_prep.curate.cluster`) into a clusters file that a person labels.
 Relations: subject and object replaced by their cluster labels, stopwords removed from the
 predicate; the relation vocabulary is the set of distinct canonical triplets, while repeated
 instances inside an image stay separate objects and relations. Every run writes the predicate
 table (`*.predicate_table.tsv` beside the clusters file: each predicate, its count, the raw
 predicates merged into it, flagged where they differ by a spatial preposition) for the manual
-pass, whose keep / rename / merge lines (`relation_overrides`, `data_prep.curate_predicates`)
+pass, whose keep / rename / merge lines (`relation_overrides`, `data_prep.curate.predicates`)
 are applied after the rule and recorded with the file's sha256 in the log and the manifest;
 `keep_prepositions` keeps spatial prepositions after the verb. Actions: a user-curated map
 (`surface form<TAB>class`); Multi-Moments in Time's ground truth is kept as given. Label spaces
@@ -22,7 +22,7 @@ condensed tree `clusters.tree.png`, and `action_candidates.tsv`) and stops so th
 be labelled; the second applies them and keeps `OUT/object_curation/` (names, labels, the
 fitted clusterer). `--extend` an earlier output maps a new source onto its vocabulary: curated
 names keep their labels, new names are suggested into curated clusters or clustered anew
-(`data_prep.curate_extend`). Every decision (raw -> standardised ->
+(`data_prep.curate.extend`). Every decision (raw -> standardised ->
 label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
 the form of appendix Table A3 to `OUT/statistics.json`. Only labels change: the output has the
 input's schema version, view size, originals policy and creation time (so the same inputs write
@@ -40,7 +40,7 @@ from typing import Iterator
 import numpy as np
 from tqdm import tqdm
 
-from data_prep import curate_rules as rules
+from data_prep.curate import rules
 from data_prep.durable_logs import write_replacing
 from sclaro_jax.data import schema
 
@@ -156,21 +156,115 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
 
     Predicates: the appendix's stopword rule, with `keep_prepositions` spatial prepositions
     after the verb kept, then the keep / rename / merge lines of the `relation_overrides` file
-    (`data_prep.curate_predicates`; checked against the dataset's predicates before any slow
+    (`data_prep.curate.predicates`; checked against the dataset's predicates before any slow
     work). Every run writes the predicate table beside the clusters file
     (`*.predicate_table.tsv`); the second also as `OUT/predicate_table.tsv`, and the rule and
     the overrides (file, sha256, entries) under "relation_curation" in the manifest and the log.
 
     `extend`: an earlier curated output folder. Its names keep their labels; only this
     dataset's new names go to the clusters file, as suggestions into curated clusters
-    (strength >= `min_strength`) or new clusters (`data_prep.curate_extend`). Without new
+    (strength >= `min_strength`) or new clusters (`data_prep.curate.extend`). Without new
     names there is no first pass. Either way the output keeps `object_curation/` for the next
     extension."""
-    from data_prep import curate_cluster, curate_extend, curate_predicates
-    from data_prep.shards import write_dataset
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
+    from data_prep.curate import predicates as curate_predicates
     from sclaro_jax.data.dataset import open_dataset
     manifest = open_dataset(data_dir).manifest
-    # pass A over the records: the labels only (images are never all held in memory)
+    ids, raw_names, actions, raw_predicates = _scan_labels(data_dir, progress)
+    clusters = clusters or out_dir.rstrip("/") + ".clusters.json"
+    overrides = (curate_predicates.read_overrides(relation_overrides) if relation_overrides
+                 else None)
+    predicate_map = curate_predicates.predicate_map(
+        raw_predicates, keep_prepositions=keep_prepositions, overrides=overrides)
+    relation_doc = relation_curation_doc(keep_prepositions, overrides)
+    table = predicate_table_text(data_dir, raw_predicates, predicate_map, relation_doc)
+    tagger, tagger_name = _adjective_tagger(tagger, use_tagger)
+    standard = rules.object_canonical_map(sorted(raw_names), tagger=tagger)
+    std_names = sorted(set(standard.values()))
+    os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
+    write_replacing(os.path.splitext(clusters)[0] + ".predicate_table.tsv",
+                    lambda f: f.write(table.encode("utf-8")))
+    text_encoder, prev, params = _previous_curation(extend, encoder, min_cluster_size,
+                                                    min_samples)
+    min_strength = curate_extend.MIN_STRENGTH if min_strength is None else min_strength
+    new_names = [n for n in std_names if prev is None or n not in prev.labels]
+    if not os.path.exists(clusters) and new_names:
+        _first_pass(clusters, actions, std_names, new_names, prev, text_encoder, encoder,
+                    params, action_lemmatizer=action_lemmatizer,
+                    action_similarity=action_similarity, min_strength=min_strength,
+                    progress=progress)
+    labels = _read_labels(clusters, prev, new_names, std_names)
+    curator = Curator(labels, standard,
+                      rules.load_action_map(action_map) if action_map else {}, predicate_map)
+    _write_records(curator, data_dir, out_dir, manifest, ids, relation_doc,
+                   overwrite=overwrite, progress=progress)
+    text_encoder = text_encoder or curate_cluster.TextEncoder(
+        encoder or curate_cluster.default_model_path())
+    save_object_curation(out_dir, prev, std_names, new_names, labels, text_encoder, params,
+                         progress)
+    inputs = {"data": os.path.abspath(data_dir),
+              "clusters": os.path.abspath(clusters) if new_names else "",
+              "extends": str(prev.folder.resolve()) if prev else "",
+              "action_map": os.path.abspath(action_map) if action_map else "",
+              "adjective_tagger": tagger_name,
+              "relation_overrides": overrides.path if overrides else "",
+              "records": len(ids)}
+    log, statistics = _write_logs(out_dir, curator, inputs, relation_doc, table)
+    return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
+
+
+def _adjective_tagger(tagger, use_tagger: bool):
+    """(the tagger that strips adjectives, its name for the log)."""
+    tagger_name = "none" if not use_tagger else ("custom" if tagger is not None else "nltk")
+    if use_tagger and tagger is None:
+        tagger = rules.require_tagger()  # MissingNLTKData names the install command
+    if not use_tagger:
+        tagger = _no_adjectives
+    return tagger, tagger_name
+
+
+def _first_pass(clusters: str, actions, std_names: list[str], new_names: list[str], prev,
+                text_encoder, encoder: str | None, params: dict, *, action_lemmatizer: str,
+                action_similarity: float, min_strength: float, progress: bool):
+    """Write the action candidates and the clusters file to label, then raise NeedsLabels.
+    `text_encoder`: the extended curation's, or None to load `encoder` (or the default)."""
+    from data_prep.curate import cluster as curate_cluster
+    lemmatize = rules.require_lemmatizer(action_lemmatizer)  # before any slow work
+    text_encoder = text_encoder or curate_cluster.TextEncoder(
+        encoder or curate_cluster.default_model_path())
+    rows = action_candidate_rows(actions, lemmatize, text_encoder, action_similarity,
+                                 progress=progress)
+    _write_action_candidates(clusters, rows, action_lemmatizer, action_similarity)
+    if prev is None:
+        info = curate_cluster.cluster_object_names(std_names, clusters, encoder=text_encoder,
+                                                   progress=progress, **params)
+        raise NeedsLabels(clusters, len(info.get("clusters", [])), len(std_names))
+    doc = extend_clusters_file(prev, new_names, clusters, text_encoder, params,
+                               min_strength, progress)
+    raise NeedsLabels(clusters, len(doc["clusters"]), len(new_names))
+
+
+def _write_records(curator: "Curator", data_dir: str, out_dir: str, manifest: dict, ids: list,
+                   relation_doc: dict, *, overwrite: bool, progress: bool) -> None:
+    """Pass B: every record rewritten by `curator`, streamed into the writer; the output keeps
+    the input's schema version, views, split rule and creation time."""
+    from data_prep.shards import write_dataset
+    rule = manifest.get("split_rule", {})
+    v1 = manifest["schema_version"] == 1
+    write_dataset((curator(s) for s in iter_samples(data_dir, progress=False)), out_dir,
+                  ids=ids, split_seed=int(rule.get("seed", 42)),
+                  fractions=tuple(rule.get("fractions", (0.7, 0.1, 0.2))),
+                  overwrite=overwrite, progress=progress,
+                  view_size=None if v1 else manifest["view_size"],
+                  keep_originals=v1 or bool(manifest.get("originals")),
+                  view_quality=manifest.get("view_quality", schema.VIEW_QUALITY),
+                  created=manifest.get("created"),
+                  manifest_extra={"relation_curation": relation_doc})
+
+
+def _scan_labels(data_dir: str, progress: bool):
+    """Pass A over the records, the labels only (images are never all held in memory): ids,
+    raw object names, action counts, raw predicate counts."""
     ids, raw_names, actions = [], set(), collections.Counter()
     raw_predicates = collections.Counter()
     for s in iter_samples(data_dir, progress):
@@ -180,25 +274,15 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
         raw_predicates.update(r.predicate for r in s.relations)
     if not ids:
         raise ValueError(f"{data_dir}: the dataset has no records")
-    clusters = clusters or out_dir.rstrip("/") + ".clusters.json"
-    overrides = (curate_predicates.read_overrides(relation_overrides) if relation_overrides
-                 else None)
-    predicate_map = curate_predicates.predicate_map(
-        raw_predicates, keep_prepositions=keep_prepositions, overrides=overrides)
-    relation_doc = relation_curation_doc(keep_prepositions, overrides)
-    table = predicate_table_text(data_dir, raw_predicates, predicate_map, relation_doc)
-    tagger_name = "none" if not use_tagger else ("custom" if tagger is not None else "nltk")
-    if use_tagger and tagger is None:
-        tagger = rules.require_tagger()  # MissingNLTKData names the install command
-    if not use_tagger:
-        tagger = _no_adjectives
-    standard = rules.object_canonical_map(sorted(raw_names), tagger=tagger)
-    std_names = sorted(set(standard.values()))
-    os.makedirs(os.path.dirname(os.path.abspath(clusters)), exist_ok=True)
-    write_replacing(os.path.splitext(clusters)[0] + ".predicate_table.tsv",
-                    lambda f: f.write(table.encode("utf-8")))
+    return ids, raw_names, actions, raw_predicates
+
+
+def _previous_curation(extend: str, encoder, min_cluster_size, min_samples):
+    """(text encoder or None, the `extend` curation or None, HDBSCAN params): an extension
+    is refused (other encoder, other hdbscan) before any slow work."""
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
     text_encoder, prev = None, None
-    if extend:  # refused (other encoder, other hdbscan) before any slow work
+    if extend:
         text_encoder = curate_cluster.TextEncoder(encoder or curate_cluster.default_model_path())
         prev = curate_extend.load_curation(extend, text_encoder)
         params = prev.meta["params"]
@@ -207,28 +291,24 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                   "min_samples": curate_cluster.MIN_SAMPLES}
     params = {"min_cluster_size": min_cluster_size or params["min_cluster_size"],
               "min_samples": min_samples or params["min_samples"]}
-    min_strength = curate_extend.MIN_STRENGTH if min_strength is None else min_strength
-    new_names = [n for n in std_names if prev is None or n not in prev.labels]
-    if not os.path.exists(clusters) and new_names:
-        lemmatize = rules.require_lemmatizer(action_lemmatizer)  # before any slow work
-        text_encoder = text_encoder or curate_cluster.TextEncoder(
-            encoder or curate_cluster.default_model_path())
-        rows = action_candidate_rows(actions, lemmatize, text_encoder, action_similarity,
-                                     progress=progress)
-        cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
-        with open(cand_path, "w", encoding="utf-8") as f:
-            f.write(f"# surface form\tsuggested class\treason (review; copy the lines you accept "
-                    f"into your action map). lemmatiser {action_lemmatizer}, similarity "
-                    f"threshold {action_similarity}\n")
-            for row in rows:
-                f.write("\t".join(row) + "\n")
-        if prev is None:
-            info = curate_cluster.cluster_object_names(std_names, clusters, encoder=text_encoder,
-                                                       progress=progress, **params)
-            raise NeedsLabels(clusters, len(info.get("clusters", [])), len(std_names))
-        doc = extend_clusters_file(prev, new_names, clusters, text_encoder, params,
-                                   min_strength, progress)
-        raise NeedsLabels(clusters, len(doc["clusters"]), len(new_names))
+    return text_encoder, prev, params
+
+
+def _write_action_candidates(clusters: str, rows, action_lemmatizer: str,
+                             action_similarity: float) -> None:
+    cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
+    with open(cand_path, "w", encoding="utf-8") as f:
+        f.write(f"# surface form\tsuggested class\treason (review; copy the lines you accept "
+                f"into your action map). lemmatiser {action_lemmatizer}, similarity "
+                f"threshold {action_similarity}\n")
+        for row in rows:
+            f.write("\t".join(row) + "\n")
+
+
+def _read_labels(clusters: str, prev, new_names: list[str], std_names: list[str]) -> dict:
+    """The labelled clusters file (with `prev`, the extended curation's labels and the new
+    names' ones); refused if it misses any of the dataset's names."""
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
     if prev is None:
         labels = curate_cluster.read_curated(clusters)
         if "extends" in json.loads(open(clusters, encoding="utf-8").read()):
@@ -243,32 +323,14 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
         raise ValueError(f"{clusters} does not list {len(unknown)} of the dataset's object "
                          f"names (e.g. {unknown[:5]}): it was made for other data; delete it "
                          f"to cluster again")
-    curator = Curator(labels, standard,
-                      rules.load_action_map(action_map) if action_map else {}, predicate_map)
-    # pass B: rewrite and stream into the writer
-    rule = manifest.get("split_rule", {})
-    v1 = manifest["schema_version"] == 1  # the output keeps the input's version and views
-    write_dataset((curator(s) for s in iter_samples(data_dir, progress=False)), out_dir,
-                  ids=ids, split_seed=int(rule.get("seed", 42)),
-                  fractions=tuple(rule.get("fractions", (0.7, 0.1, 0.2))),
-                  overwrite=overwrite, progress=progress,
-                  view_size=None if v1 else manifest["view_size"],
-                  keep_originals=v1 or bool(manifest.get("originals")),
-                  view_quality=manifest.get("view_quality", schema.VIEW_QUALITY),
-                  created=manifest.get("created"),
-                  manifest_extra={"relation_curation": relation_doc})
-    text_encoder = text_encoder or curate_cluster.TextEncoder(
-        encoder or curate_cluster.default_model_path())
-    save_object_curation(out_dir, prev, std_names, new_names, labels, text_encoder, params,
-                         progress)
+    return labels
+
+
+def _write_logs(out_dir: str, curator: "Curator", inputs: dict, relation_doc: dict,
+                table: str) -> tuple[dict, dict]:
+    """curation_log.json, statistics.json and the predicate table into `out_dir`."""
     log = curator.log()
-    log["inputs"] = {"data": os.path.abspath(data_dir),
-                     "clusters": os.path.abspath(clusters) if new_names else "",
-                     "extends": str(prev.folder.resolve()) if prev else "",
-                     "action_map": os.path.abspath(action_map) if action_map else "",
-                     "adjective_tagger": tagger_name,
-                     "relation_overrides": overrides.path if overrides else "",
-                     "records": len(ids)}
+    log["inputs"] = inputs
     log["relation_curation"] = relation_doc
     statistics = curator.statistics()
     for name, doc in (("curation_log.json", log), ("statistics.json", statistics)):
@@ -276,7 +338,7 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
         write_replacing(os.path.join(out_dir, name), lambda f: f.write(text.encode("utf-8")))
     write_replacing(os.path.join(out_dir, PREDICATE_TABLE),
                     lambda f: f.write(table.encode("utf-8")))
-    return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
+    return log, statistics
 
 
 PREDICATE_TABLE = "predicate_table.tsv"
@@ -296,7 +358,7 @@ def predicate_table_text(data_dir: str, raw_counts, predicate_map: dict[str, str
                          relation_doc: dict) -> str:
     """The predicate table (`curate_predicates.format_predicate_table`) with a header naming
     the data, the rule and the overrides file."""
-    from data_prep import curate_predicates
+    from data_prep.curate import predicates as curate_predicates
     rows = curate_predicates.predicate_table(raw_counts, predicate_map)
     ov = relation_doc["overrides"]
     return curate_predicates.format_predicate_table(rows, header=(
@@ -305,7 +367,7 @@ def predicate_table_text(data_dir: str, raw_counts, predicate_map: dict[str, str
         f"rule: {relation_doc['rule']}",
         f"overrides: {ov['file']} (sha256 {ov['sha256']}, {len(ov['entries'])} entries)" if ov
         else "overrides: none (keep / rename / merge lines in a file given to "
-             "--relation-overrides; see data_prep.curate_predicates)",
+             "--relation-overrides; see data_prep.curate.predicates)",
         "rows whose raw predicates differ by a spatial preposition come first, with the "
         "prepositions merged in the last column"))
 
@@ -314,8 +376,8 @@ def extend_clusters_file(prev, new_names: list[str], clusters: str, encoder, par
                          min_strength: float, progress: bool = True) -> dict:
     """An extension's first pass: suggestions for `new_names` into `prev`'s curated clusters,
     the rest clustered among themselves; the clusters file and its report. Returns the doc."""
-    from data_prep import curate_cluster, curate_extend
-    from data_prep.curate_report import write_report
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
+    from data_prep.curate.report import write_report
     emb = encoder.encode(new_names, progress=progress)
     suggestions, unfit = curate_extend.suggest(prev, new_names, emb, min_strength)
     at = {n: i for i, n in enumerate(new_names)}
@@ -335,7 +397,7 @@ def save_object_curation(out_dir: str, prev, std_names: list[str], new_names: li
                          progress: bool = True) -> None:
     """OUT/object_curation: this curation's names (and an extended one's earlier names), their
     labels and a clusterer fit on all of them, for the next `--extend`."""
-    from data_prep import curate_cluster, curate_extend
+    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
     if prev is None:
         names, emb = list(std_names), encoder.encode(std_names, progress=progress)
     else:

@@ -13,7 +13,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from data_prep.curate_text import STOPWORDS, MissingNLTKData, fold_plurals, normalise_text
+from data_prep.curate.text import STOPWORDS, MissingNLTKData, fold_plurals, normalise_text
 
 
 def load_action_map(path: str | Path) -> dict[str, str]:

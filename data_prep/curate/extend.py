@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep import curate_cluster as cc
+from data_prep.curate import cluster as cc
 from data_prep.durable_logs import write_replacing
 
 FORMAT = 1

@@ -1,7 +1,7 @@
 """The three annotation stages as functions of one block (a fixed chunk of `batch_size` images),
 and the block files both engines write. `data_prep.annotate` (`--engine local`, one process)
-and `data_prep.annotate_ray` (`--engine ray`, a Ray Data pipeline) call the same functions, so
-their records are the same bytes.
+and `data_prep.annotate.ray_engine` (`--engine ray`, a Ray Data pipeline) call the same
+functions, so their records are the same bytes.
 
 A finished block is two files in `WORK/blocks/`:
 
@@ -9,7 +9,7 @@ A finished block is two files in `WORK/blocks/`:
                           source order), one ArrayRecord shard
     NNNNNN.json           its marker: every image's decision (kept / excluded / failed and the
                           reason), the stage inputs it was made from (content hashes, see
-                          `data_prep.annotate_keys`), the shard's size and sha256, the VLM repairs
+                          `data_prep.annotate.keys`), the shard's size and sha256, the VLM repairs
                           and dropped relations, and the stage seconds it took
 
 Each file is written under a temporary name and renamed into place, the shard first. A block
@@ -30,7 +30,8 @@ import uuid
 import numpy as np
 from PIL import Image
 
-from data_prep.annotate_keys import sha256_file
+from data_prep.annotate.keys import sha256_file
+from data_prep.durable_logs import write_replacing
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.annotate")
@@ -264,12 +265,8 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
               "stage_seconds": {s: round(v, 4) for s, v in stage_seconds.items()},
               "stage_images": dict(stage_images), "run": run, "engine": engine,
               "started": round(started, 3), "landed": round(time.time(), 3)}
-    tmp = f"{marker_path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(marker, f, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, marker_path)
+    write_replacing(marker_path, lambda f: json.dump(marker, f, sort_keys=True), text=True,
+                    fsync=True, unique=True)
     _fsync_dir(folder)
     return marker
 
@@ -294,7 +291,7 @@ def finished_blocks(work: str, chunks: list, memo) -> tuple[list[dict], list[str
     """The markers of the blocks whose files are complete (marker for these images, shard of the
     recorded size and checksum), and one line per block whose files are not and why. Whether a
     marker was made from the current inputs is `StageInputs.fresh("segment", markers)`'s to say.
-    `memo` is a `data_prep.annotate_keys.HashMemo`: a shard is hashed again only when its stat
+    `memo` is a `data_prep.annotate.keys.HashMemo`: a shard is hashed again only when its stat
     changed."""
     intact, notes = [], []
     for k, chunk in chunks:

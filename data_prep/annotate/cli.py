@@ -1,0 +1,129 @@
+"""`python -m data_prep annotate`: the sub-command's flags and its run."""
+
+import argparse
+import json
+
+from data_prep.cli import command, view_flags
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """`annotate`: its flags, then the engine's (`engine_flags`)."""
+    from data_prep.vlm import REPLY_IDS
+    ann = command(
+        sub, "annotate", run,
+        "run the three annotation stages (VLM, GroundingDINO, SAM) over a source and write "
+        "SCLARO shards; rerun the same command to resume",
+        "Stage 1: the VLM's action, objects, relation triplets and caption. Stage 2: "
+        "GroundingDINO boxes (thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: SAM masks and a "
+        "focused-region image per relation. Results are cached per chunk in the work folder: a "
+        "killed run continues where it stopped. The caches are keyed by content: an edited "
+        "reply redoes its chunk, changed GroundingDINO / SAM / VLM weight files redo their "
+        "stage and the later ones (each file's sha256, remembered in WORK/hashes.json by path, "
+        "size, mtime and ctime); the run says what it redoes and why.")
+    ann.add_argument("--source", default="folder",
+                     choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015"),
+                     help="layout of --root (default: a plain folder of images)")
+    ann.add_argument("--root", required=True, help="the source's root folder")
+    ann.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE",
+                     help="an option of the source adapter (data_prep.sources), e.g. "
+                          "frames_per_video=3 or skip_missing=true; repeatable")
+    ann.add_argument("--out", required=True, help="dataset folder to write")
+    ann.add_argument("--work", default="", help="cache folder (default: OUT.work)")
+    ann.add_argument("--vlm", default="", help="local folder of an image-text-to-text model "
+                                               "(transformers layout), e.g. Ovis-Gemma 9B")
+    ann.add_argument("--vlm-trust-remote-code", action="store_true",
+                     help="allow the VLM folder's own Python code (Ovis needs it)")
+    ann.add_argument("--vlm-replies", default="", metavar="FILE",
+                     help="instead of --vlm: a JSON file {image id: reply text} of VLM replies "
+                          "obtained elsewhere, keyed by the source's image ids: "
+                          + "; ".join(f"{k}: {v}" for k, v in REPLY_IDS.items()).replace(
+                              "%", "%%")
+                          + ". An image without a reply is excluded (vlm_no_reply); a file "
+                            "that names none of the images is refused")
+    ann.add_argument("--detector", default="",
+                     help="local folder of a GroundingDINO model and processor "
+                          "(save_pretrained layout, e.g. grounding-dino-base)")
+    ann.add_argument("--sam", default="", help="SAM checkpoint file (e.g. sam_vit_h_4b8939.pth)")
+    ann.add_argument("--sam-type", default="vit_h", help="SAM variant: vit_h, vit_l, vit_b")
+    ann.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")
+    ann.add_argument("--batch-size", type=int, default=8,
+                     help="images per block: the unit each stage works on, caches and resumes "
+                          "(default 8)")
+    ann.add_argument("--box-threshold", type=float, default=0.25)
+    ann.add_argument("--text-threshold", type=float, default=0.25)
+    ann.add_argument("--nms-iou", type=float, default=0.4)
+    ann.add_argument("--limit", type=int, default=0, help="only the first N images (0 = all)")
+    ann.add_argument("--split-seed", type=int, default=42)
+    ann.add_argument("--records-per-shard", type=int, default=1000)
+    view_flags(ann, keep_default=False)
+    ann.add_argument("--overwrite", action="store_true",
+                     help="replace a dataset already in --out")
+    ann.add_argument("--no-progress", action="store_true", help="no progress bar")
+    engine_flags(ann)
+    return ann
+
+
+def engine_flags(ann: argparse.ArgumentParser) -> None:
+    """The --engine group: which engine runs the stages, and the Ray engine's resources."""
+    eng = ann.add_argument_group(
+        "engine", "--engine ray runs the stages as a Ray Data pipeline (pip install "
+                  "'sclaro-jax[cluster]'): a pool of actors per stage, each loading its model "
+                  "once, blocks streaming from stage to stage. Same records, same summary.json, "
+                  "same work folder as --engine local; either engine resumes the other's run.")
+    eng.add_argument("--engine", choices=("local", "ray"), default="local",
+                     help="local: the stages one after another in this process (default); "
+                          "ray: a Ray Data pipeline on this machine or a Ray cluster")
+    eng.add_argument("--ray-address", default="", metavar="ADDRESS",
+                     help="a running Ray cluster (auto, or HOST:PORT of `ray start --head`); "
+                          "default: start Ray on this machine with all its CPUs and GPUs")
+    eng.add_argument("--vlm-gpus", type=float, default=1.0, metavar="G",
+                     help="GPUs per VLM actor (default 1)")
+    eng.add_argument("--detector-gpus", type=float, default=0.5, metavar="G",
+                     help="GPUs per GroundingDINO actor (default 0.5: it shares a GPU with a "
+                          "SAM actor)")
+    eng.add_argument("--sam-gpus", type=float, default=0.5, metavar="G",
+                     help="GPUs per SAM actor (default 0.5)")
+    eng.add_argument("--stage-cpus", type=float, default=1.0, metavar="C",
+                     help="CPUs per stage actor (default 1; on CPU-only machines also its "
+                          "torch threads)")
+    eng.add_argument("--stage-concurrency", action="append", default=[], metavar="STAGE=N",
+                     help="actors of a stage (vlm, detector, sam), e.g. detector=2; N alone "
+                          "sets every stage; repeatable (default 1 each)")
+    eng.add_argument("--retries", type=int, default=2, metavar="N",
+                     help="retries of a block whose stage raises or whose actor dies, before "
+                          "the run stops (default 2)")
+
+
+def run(args) -> int:
+    import logging
+
+    from data_prep.annotate.pipeline import AnnotateConfig, annotate, format_summary
+    from data_prep.annotate.ray_engine import parse_concurrency
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    options = []
+    for item in args.source_option:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--source-option {item!r} is not KEY=VALUE")
+        try:
+            options.append((key, json.loads(value)))
+        except json.JSONDecodeError:
+            options.append((key, value))
+    cfg = AnnotateConfig(
+        source=args.source, root=args.root, source_options=tuple(options), out=args.out,
+        work=args.work, vlm=args.vlm, vlm_replies=args.vlm_replies,
+        vlm_trust_remote_code=args.vlm_trust_remote_code,
+        detector=args.detector, sam=args.sam, sam_type=args.sam_type, device=args.device,
+        batch_size=args.batch_size, box_threshold=args.box_threshold,
+        text_threshold=args.text_threshold, nms_iou=args.nms_iou, limit=args.limit,
+        split_seed=args.split_seed, records_per_shard=args.records_per_shard,
+        overwrite=args.overwrite, progress=not args.no_progress, image_size=args.image_size,
+        keep_originals=args.keep_originals, engine=args.engine, ray_address=args.ray_address,
+        vlm_gpus=args.vlm_gpus, detector_gpus=args.detector_gpus, sam_gpus=args.sam_gpus,
+        stage_cpus=args.stage_cpus, retries=args.retries,
+        stage_concurrency=tuple(parse_concurrency(args.stage_concurrency).items()))
+    summary = annotate(cfg)
+    print(format_summary(summary))
+    print(f"wrote {summary['records']} records to {args.out}; caches and summary.json in "
+          f"{cfg.work_dir}")
+    return 0

@@ -1,0 +1,110 @@
+"""The command-line plumbing the sub-commands of `python -m data_prep` share, and the two
+commands of the shared level: `demo` (the bundled demo dataset) and `reshard` (training views of
+another size). Each wing's own sub-command lives in its `cli` module."""
+
+import argparse
+import os
+
+
+def command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
+    """A sub-command `name` run by `func(args)`."""
+    parser = sub.add_parser(name, help=help, description=description)
+    parser.set_defaults(func=func)
+    return parser
+
+
+def view_flags(parser: argparse.ArgumentParser, keep_default: bool) -> None:
+    """--image-size and the originals flag of a command that writes records."""
+    parser.add_argument("--image-size", type=int, default=224, metavar="S",
+                        help="size of the stored training views (schema version 2): the "
+                             "model's input size (default 224)")
+    if keep_default:
+        parser.add_argument("--keep-originals", action=argparse.BooleanOptionalAction,
+                            default=True,
+                            help="also store the full-size photographs and relation regions, "
+                                 "which localisation and MINER crops need (default: keep)")
+    else:
+        parser.add_argument("--keep-originals", action="store_true",
+                            help="also store the full-size photographs and relation regions, "
+                                 "which localisation and MINER crops need (default: views "
+                                 "only)")
+
+
+def describe(manifest: dict) -> str:
+    """'schema version 2, 224 px views, originals kept' and the like."""
+    if manifest["schema_version"] == 1:
+        return "schema version 1, originals only"
+    return (f"schema version {manifest['schema_version']}, {manifest['view_size']} px views, "
+            f"originals {'kept' if manifest['originals'] else 'dropped'}")
+
+
+def add_demo(sub) -> None:
+    """`demo`: the bundled demo dataset as shards."""
+    demo = command(
+        sub, "demo", run_demo,
+        "write the bundled demo dataset (real photographs from PyPI wheels, hand-written "
+        "annotations) as SCLARO shards",
+        "Turn data_prep/demo/annotations.json into ArrayRecord shards, vocabularies and a "
+        "manifest. Relation regions use box masks in place of SAM masks.")
+    demo.add_argument("--out", required=True, help="output folder")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace a dataset already in --out")
+    demo.add_argument("--split-seed", type=int, default=42,
+                      help="seed of the deterministic 70/10/20 split (default 42)")
+    demo.add_argument("--records-per-shard", type=int, default=4,
+                      help="records per ArrayRecord shard (default 4, so the demo has several)")
+    view_flags(demo, keep_default=True)
+
+
+def run_demo(args) -> int:
+    from data_prep.demo import build_demo
+    manifest = build_demo(args.out, overwrite=args.overwrite, split_seed=args.split_seed,
+                          records_per_shard=args.records_per_shard, image_size=args.image_size,
+                          keep_originals=args.keep_originals)
+    splits = ", ".join(f"{k} {v['records']}" for k, v in manifest["splits"].items())
+    print(f"wrote {manifest['records']} records ({describe(manifest)}) to {args.out} "
+          f"({splits}); relation regions from box masks standing in for SAM masks")
+    return 0
+
+
+def add_reshard(sub) -> None:
+    """`reshard`: a dataset rewritten with training views of one size."""
+    res = command(
+        sub, "reshard", run_reshard,
+        "convert a dataset (schema version 1 or 2) to version 2 with training views of one "
+        "size",
+        "Stream every record of --in into a new dataset in --out with object, relation and "
+        "global training views at --image-size (views of another size are made from the "
+        "originals, so a version-2 dataset written without them converts only to its own "
+        "size). Splits, records per shard and the manifest's creation time are the input's: "
+        "the same command writes the same bytes. A killed run leaves only a hidden .writing-* "
+        "folder; rerun the same command.")
+    res.add_argument("--in", dest="src", required=True, metavar="DIR",
+                     help="the dataset folder to read")
+    res.add_argument("--out", required=True, metavar="DIR",
+                     help="the dataset folder to write (not --in)")
+    view_flags(res, keep_default=False)
+    res.add_argument("--overwrite", action="store_true",
+                     help="replace a dataset already in --out")
+    res.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
+                     help="processes making the views (default: all %(default)s cores); the "
+                          "output does not depend on it")
+    res.add_argument("--verbose", action="store_true",
+                     help="log each shard as it is finished")
+    res.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_reshard(args) -> int:
+    import logging
+
+    from data_prep.reshard import reshard
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    manifest = reshard(args.src, args.out, image_size=args.image_size,
+                       keep_originals=args.keep_originals, overwrite=args.overwrite,
+                       progress=not args.no_progress, workers=args.workers)
+    old = manifest["converted_from"]
+    print(f"wrote {manifest['records']} records ({describe(manifest)}) to {args.out} from "
+          f"{args.src} (schema version {old['schema_version']}"
+          + (f", {old['view_size']} px views)" if old["view_size"] else ")"))
+    return 0
