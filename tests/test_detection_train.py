@@ -148,7 +148,7 @@ import numpy as np
 from sclaro_jax.detection import train
 from sclaro_jax.detection.model import Detector
 from sclaro_jax.models import clip
-from sclaro_jax.train import sharding
+from sclaro_jax.run import sharding
 
 config = train.default_config("demo")
 config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,

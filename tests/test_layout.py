@@ -22,7 +22,11 @@ FORBIDDEN = [
     ("sclaro_jax.data", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.models")),
     ("sclaro_jax.checkpoint", ("sclaro_jax.train", "sclaro_jax.eval")),
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
-    ("sclaro_jax.detection", ("sclaro_jax.eval",)),
+    ("sclaro_jax.detection", ("sclaro_jax.eval", "sclaro_jax.train")),
+    # the run layer under every trainer: above only config, compile and ops
+    ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
+                        "sclaro_jax.models", "sclaro_jax.data", "sclaro_jax.losses",
+                        "sclaro_jax.miner", "sclaro_jax.checkpoint")),
     ("sclaro_jax.detection.ops", ("sclaro_jax.models", "sclaro_jax.train", "sclaro_jax.data",
                                   "sclaro_jax.eval", "sclaro_jax.detection.model",
                                   "sclaro_jax.detection.data")),
@@ -181,3 +185,54 @@ def test_data_prep_help():
 def test_eval_cli_help(module):
     result = _run("-m", module, "--help")
     assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stderr[-2000:]
+
+
+# (importer prefix, prefixes it must not reach through any chain of imports)
+FORBIDDEN_TRANSITIVE = [
+    ("sclaro_jax.eval", ("sclaro_jax.train",)),
+    ("sclaro_jax.detection", ("sclaro_jax.train", "sclaro_jax.eval")),
+    ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
+                        "sclaro_jax.models")),
+]
+
+
+def reachable(graph: dict[str, set[str]], name: str) -> set[str]:
+    """The modules of `graph` that `name` imports directly or through other modules."""
+    seen, todo = set(), [name]
+    while todo:
+        for child in graph.get(todo.pop(), ()):
+            if child in graph and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def test_layering_holds_through_chains_of_imports():
+    graph = import_graph()
+    bad = []
+    for name in sorted(graph):
+        for importer, banned in FORBIDDEN_TRANSITIVE:
+            if _under(name, importer):
+                bad += [f"{name} reaches {t}" for t in sorted(reachable(graph, name))
+                        if any(_under(t, b) for b in banned)]
+    assert not bad, "layering broken through imports:\n" + "\n".join(bad)
+
+
+def test_run_detection_and_eval_load_without_train():
+    """Imported in a fresh interpreter, the run layer loads no trainer, model or evaluation code,
+    and detection and eval load nothing of sclaro_jax.train."""
+    code = ("import sys, pkgutil, importlib, sclaro_jax.run\n"
+            "for m in pkgutil.iter_modules(sclaro_jax.run.__path__):\n"
+            "    importlib.import_module('sclaro_jax.run.' + m.name)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['sclaro_jax', 'train'], "
+            "['sclaro_jax', 'eval'], ['sclaro_jax', 'detection'], ['sclaro_jax', 'models']))\n"
+            "assert not bad, bad\n"
+            "import sclaro_jax.eval, sclaro_jax.detection\n"
+            "for pkg in (sclaro_jax.eval, sclaro_jax.detection):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('sclaro_jax.train'))\n"
+            "assert not bad, bad\n"
+            "print('OK')\n")
+    result = _run("-c", code)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
