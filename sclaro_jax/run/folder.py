@@ -33,9 +33,11 @@ log = logging.getLogger(__name__)
 # Config keys (dotted prefixes) that a resumed run may change: how long it runs, how often it
 # logs, saves and evaluates, where its data lies (the dataset itself is checked by content) and
 # how the devices share the work (checkpoints restore onto another layout).
+# The detector's recipe (configs/detection.py) keeps its length and evaluation at the top level.
 SAFE_KEYS = ("train.steps", "train.epochs", "log_every", "checkpoint_every", "keep_checkpoints",
              "checkpoint_async", "progress_bar", "compilation_cache", "evals", "data.dir",
-             "sharding", "distributed")
+             "sharding", "distributed", "epochs", "eval_split", "eval_batch_size",
+             "backbone.workdir")
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # How Grain's own ArrayRecord source named a dataset in iterator states saved before dataset
 # identities (a hash of the shards' absolute paths).
