@@ -1,12 +1,13 @@
-"""Train ScenarioCLIP or a baseline:
+"""Train ScenarioCLIP, a baseline or the detector (`config.trainer`):
 
     python launch/train.py --config configs/scenarioclip.py[:VARIANT] --workdir DIR [--config.x.y=V]
+    python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
 
 Rerunning the same command resumes from the newest checkpoint in DIR. Ctrl-C (SIGINT) or SIGTERM
 stops after the current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose
 config differs in more than the steps, the logging / checkpoint / eval settings, the data folder
 or the sharding is refused unless --allow-config-change. With an empty `config.data.dir`, the
-`:demo` variant writes the bundled demo shards to DIR/demo_data first. User errors print one
+`:demo` variants write the bundled demo shards to DIR/demo_data first. User errors print one
 `error:` line (the traceback with --verbose).
 """
 
@@ -66,19 +67,23 @@ FLAGS = flags.FLAGS
 
 
 def prepare_demo(config, workdir: str) -> None:
-    """An empty config.data.dir with the tiny demo config: the bundled demo in WORKDIR/demo_data,
-    made at the config's image size."""
-    if config.model.preset != "tiny" or config.data.batch_size > 16:
+    """An empty config.data.dir with a demo config: the bundled demo in WORKDIR/demo_data, made
+    at the config's image size (ScenarioCLIP; the detector reads the originals)."""
+    detector = config.get("trainer", "scenarioclip") == "detection"
+    demo = (config.detector.image_size <= 128 and config.batch_size <= 16) if detector else \
+        (config.model.preset == "tiny" and config.data.batch_size <= 16)
+    if not demo:
+        name = "detection" if detector else "scenarioclip"
         raise app.UsageError("config.data.dir is empty: pass --config.data.dir=DIR (a "
                              "dataset folder from `python -m data_prep`), or use "
-                             "configs/scenarioclip.py:demo for the bundled demo")
+                             f"configs/{name}.py:demo for the bundled demo")
     from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
     data = os.path.join(workdir, "demo_data")
-    size = config.data.image_size  # the demo's training views are made at the model's size
+    size = None if detector else config.data.image_size  # the training views' size
     manifest = os.path.join(data, "manifest.json")
     if not os.path.exists(manifest):
-        build_demo(data, image_size=size, progress=False)
-    else:
+        build_demo(data, **({"image_size": size} if size else {}), progress=False)
+    elif size:
         with open(manifest, encoding="utf-8") as f:
             if json.load(f).get("view_size") != size:  # written for another image size
                 build_demo(data, image_size=size, overwrite=True, progress=False)
@@ -96,12 +101,15 @@ def main(argv):
     config = FLAGS.config
     workdir = FLAGS.workdir
     if config.distributed:  # many processes: coordinator and process ids from the environment
-        from sclaro_jax.train.sharding import initialize_distributed
+        from sclaro_jax.run.sharding import initialize_distributed
         initialize_distributed()
-    from sclaro_jax.train import trainer
-    trainer.check_workdir(workdir)
+    from sclaro_jax.run.folder import check_workdir
+    check_workdir(workdir)
     if not config.data.dir:
         prepare_demo(config, workdir)
+    if config.get("trainer", "scenarioclip") == "detection":
+        return train_detector(config, workdir)
+    from sclaro_jax.train import trainer
     state = trainer.train(config, workdir, allow_config_change=FLAGS.allow_config_change,
                           verify_data=FLAGS.verify_data)
     import jax
@@ -119,11 +127,26 @@ def main(argv):
           f"--level object --out {shlex.quote(os.path.join(workdir, 'export_object'))}")
 
 
+def train_detector(config, workdir: str) -> None:
+    """configs/detection.py: the detector's run (`sclaro_jax.detection.trainer`)."""
+    import jax
+
+    from sclaro_jax.detection import trainer
+    _, state, info = trainer.run(config, workdir, allow_config_change=FLAGS.allow_config_change,
+                                 verify_data=FLAGS.verify_data)
+    step, steps = int(jax.device_get(state["step"])), info["steps"]
+    if step < steps:
+        print(f"stopped at step {step} of {steps}; rerun the same command to continue")
+        return
+    print(f"done: {steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
+          f"checkpoints in {os.path.join(workdir, 'checkpoints')}")
+
+
 # Errors that are the user's to fix: one `error:` line (and the traceback with --verbose).
 def user_errors() -> tuple[type, ...]:
     from sclaro_jax.data.dataset import DatasetError
     from sclaro_jax.data.schema import SchemaVersionError
-    from sclaro_jax.train.runs import RunError
+    from sclaro_jax.run.folder import RunError
     return (DatasetError, SchemaVersionError, RunError, FileNotFoundError, PermissionError,
             NotADirectoryError, KeyError, ValueError, flags.Error)
 

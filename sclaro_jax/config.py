@@ -86,3 +86,31 @@ def check_override_keys(config: ml_collections.ConfigDict, argv: list[str]) -> N
         close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         raise KeyError(f"unknown config key {key!r} (in {arg}){hint}")
+
+
+def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
+    """Apply "KEY=VALUE" overrides (dotted keys, as `--config.KEY=VALUE` on launch/train.py)
+    in place: the value is read as JSON and converted to the key's current type (a string key
+    takes the text as it is). ValueError naming an unknown key (and the known ones there) or a
+    value of the wrong kind."""
+    import json
+
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--config.{item}: expected KEY=VALUE")
+        parent = config
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if part not in parent:
+                raise ValueError(f"--config.{item}: unknown key {key!r}")
+            parent = parent[part]
+        if parts[-1] not in parent:
+            known = sorted(k for k in parent.keys())
+            raise ValueError(f"--config.{item}: unknown key {key!r}; known here: {known}")
+        old = parent[parts[-1]]
+        try:
+            parent[parts[-1]] = type(old)(json.loads(value)) if not isinstance(old, str) \
+                else value
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"--config.{item}: {e}") from None

@@ -148,7 +148,7 @@ import numpy as np
 from sclaro_jax.detection import train
 from sclaro_jax.detection.model import Detector
 from sclaro_jax.models import clip
-from sclaro_jax.train import sharding
+from sclaro_jax.run import sharding
 
 config = train.default_config("demo")
 config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
@@ -272,3 +272,49 @@ def test_pyramid_strides_for_each_patch_size(patch):
     assert [f.shape[1] for f in rpn] == [size // s for s in (4, 8, 16, 32, 64)]
     assert [f.shape for f in roi] == [f.shape for f in rpn[:-1]]
     assert all(f.dtype == jnp.float32 for f in rpn)
+
+
+LAUNCH_SMALL = ["--config.batch_size=2", "--config.log_every=1", "--config.checkpoint_every=2",
+                "--config.detector.image_size=64", "--config.detector.rpn_pre_nms_top_n_train=64",
+                "--config.detector.rpn_post_nms_top_n_train=32",
+                "--config.detector.box_batch_size_per_image=16", "--config.progress_bar=false"]
+
+
+def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
+    """`launch/train.py --config configs/detection.py:demo` trains the detector (a tiny random
+    encoder) with ScenarioCLIP's flags and overrides; a rerun with more epochs resumes, one with
+    another recipe is refused with one error line unless --allow-config-change."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    workdir = tmp_path / "det"
+
+    def launch(*extra):
+        return subprocess.run(
+            [sys.executable, "launch/train.py", "--config", "configs/detection.py:demo",
+             "--workdir", str(workdir), f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+    first = launch("--config.epochs=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "done: 5 steps" in first.stdout
+    assert sorted(int(x.name) for x in (workdir / "checkpoints").iterdir()) == [4, 5]
+    # the orbax layout of the checkpoints written before the run layer: one item, "default"
+    assert {x.name for x in (workdir / "checkpoints" / "5").iterdir() if x.is_dir()} == {"default"}
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert json.loads((workdir / "config.json").read_text())["trainer"] == "detection"
+    refused = launch("--config.epochs=2", "--config.head_lr=0.5")
+    assert refused.returncode == 2
+    assert "error: " in refused.stderr and "trained with another config" in refused.stderr
+    assert "head_lr" in refused.stderr and "Traceback" not in refused.stderr
+    bad_key = launch("--config.detector.imagesize=3")
+    assert bad_key.returncode == 2 and "imagesize" in bad_key.stderr.strip().splitlines()[-1]
+    resumed = launch("--config.epochs=2")  # epochs may change: the run continues
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "done: 10 steps" in resumed.stdout and "resumed" in resumed.stderr
+    rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert {"loss", "loss_objectness", "copy_paste_rate", "examples_per_sec"} <= set(rows[-1])

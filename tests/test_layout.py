@@ -22,7 +22,11 @@ FORBIDDEN = [
     ("sclaro_jax.data", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.models")),
     ("sclaro_jax.checkpoint", ("sclaro_jax.train", "sclaro_jax.eval")),
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
-    ("sclaro_jax.detection", ("sclaro_jax.eval",)),
+    ("sclaro_jax.detection", ("sclaro_jax.eval", "sclaro_jax.train")),
+    # the run layer under every trainer: above only config, compile and ops
+    ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
+                        "sclaro_jax.models", "sclaro_jax.data", "sclaro_jax.losses",
+                        "sclaro_jax.miner", "sclaro_jax.checkpoint")),
     ("sclaro_jax.detection.ops", ("sclaro_jax.models", "sclaro_jax.train", "sclaro_jax.data",
                                   "sclaro_jax.eval", "sclaro_jax.detection.model",
                                   "sclaro_jax.detection.data")),
@@ -284,3 +288,77 @@ def test_data_prep_command_help(command, capsys):
         main([command, "--help"])
     assert done.value.code == 0
     assert f"usage: python -m data_prep {command}" in capsys.readouterr().out
+
+
+# (importer prefix, prefixes it must not reach through any chain of imports)
+FORBIDDEN_TRANSITIVE = [
+    ("sclaro_jax.eval", ("sclaro_jax.train",)),
+    ("sclaro_jax.detection", ("sclaro_jax.train", "sclaro_jax.eval")),
+    ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
+                        "sclaro_jax.models")),
+]
+
+
+def reachable(graph: dict[str, set[str]], name: str) -> set[str]:
+    """The modules of `graph` that `name` imports directly or through other modules."""
+    seen, todo = set(), [name]
+    while todo:
+        for child in graph.get(todo.pop(), ()):
+            if child in graph and child not in seen:
+                seen.add(child)
+                todo.append(child)
+    return seen
+
+
+def transitive_violations(graph: dict[str, set[str]], rules=FORBIDDEN_TRANSITIVE) -> list[str]:
+    """'A reaches B' for every module A under a rule's importer that reaches, through any
+    chain of imports, a module B under one of its banned prefixes."""
+    bad = []
+    for name in sorted(graph):
+        for importer, banned in rules:
+            if _under(name, importer):
+                bad += [f"{name} reaches {t}" for t in sorted(reachable(graph, name))
+                        if any(_under(t, b) for b in banned)]
+    return bad
+
+
+def test_layering_holds_through_chains_of_imports():
+    bad = transitive_violations(import_graph())
+    assert not bad, "layering broken through imports:\n" + "\n".join(bad)
+
+
+def test_transitive_checker_finds_a_planted_chain():
+    """eval -> detection -> train, each import allowed on its own, is caught as eval reaching
+    train; so is run reaching models through a module outside the rules."""
+    graph = {"sclaro_jax.eval.detect": {"sclaro_jax.detection.backbones"},
+             "sclaro_jax.detection.backbones": {"sclaro_jax.ops"},
+             "sclaro_jax.ops": set(), "sclaro_jax.train.core": set(),
+             "sclaro_jax.models.clip": set(), "sclaro_jax.run.loop": {"sclaro_jax.config"},
+             "sclaro_jax.config": set()}
+    assert transitive_violations(graph) == []
+    graph["sclaro_jax.detection.backbones"].add("sclaro_jax.train.core")
+    graph["sclaro_jax.config"].add("sclaro_jax.models.clip")
+    assert transitive_violations(graph) == [
+        "sclaro_jax.detection.backbones reaches sclaro_jax.train.core",
+        "sclaro_jax.eval.detect reaches sclaro_jax.train.core",
+        "sclaro_jax.run.loop reaches sclaro_jax.models.clip"]
+
+
+def test_run_detection_and_eval_load_without_train():
+    """Imported in a fresh interpreter, the run layer loads no trainer, model or evaluation code,
+    and detection and eval load nothing of sclaro_jax.train."""
+    code = ("import sys, pkgutil, importlib, sclaro_jax.run\n"
+            "for m in pkgutil.iter_modules(sclaro_jax.run.__path__):\n"
+            "    importlib.import_module('sclaro_jax.run.' + m.name)\n"
+            "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['sclaro_jax', 'train'], "
+            "['sclaro_jax', 'eval'], ['sclaro_jax', 'detection'], ['sclaro_jax', 'models']))\n"
+            "assert not bad, bad\n"
+            "import sclaro_jax.eval, sclaro_jax.detection\n"
+            "for pkg in (sclaro_jax.eval, sclaro_jax.detection):\n"
+            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
+            "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+            "bad = sorted(m for m in sys.modules if m.startswith('sclaro_jax.train'))\n"
+            "assert not bad, bad\n"
+            "print('OK')\n")
+    result = _run("-c", code)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -334,7 +335,11 @@ class Detector(nnx.Module):
         return rpn, roi
 
 
+# The parameters of the pretrained encoders, by name ("/"-joined keys): they train at the
+# backbone learning rate, everything else (pyramids, FPN, heads) at the head rate.
+BACKBONE = r"(^|/)backbone/vision(/|$)"
+
+
 def is_backbone(path: str) -> bool:
-    """Whether a parameter path ("/"-joined keys) belongs to a pretrained encoder: those train at
-    the backbone learning rate, everything else (pyramids, FPN, heads) at the head rate."""
-    return "/backbone/vision/" in f"/{path}/"
+    """Whether a parameter path ("/"-joined keys) belongs to a pretrained encoder (`BACKBONE`)."""
+    return re.search(BACKBONE, path) is not None

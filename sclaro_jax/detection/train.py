@@ -1,7 +1,10 @@
-"""Train and evaluate the Faster R-CNN detector: the recipe (a config), one jitted train step,
-checkpoints with exact resume, and evaluation.
+"""Train the Faster R-CNN detector: one jitted train step, its batches, and the run (through
+`sclaro_jax.run.run_steps`, as ScenarioCLIP's trainer: checkpoints with exact resume, graceful
+stop, config drift refused, metrics.jsonl / TensorBoard); and prediction for evaluation.
 
-The recipe (`default_config`; the appendix protocol): 10 epochs of AdamW, the pretrained
+    python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
+
+The recipe (configs/detection.py; the appendix protocol): 10 epochs of AdamW, the pretrained
 encoders at `backbone_lr` 1e-5 and the pyramids, FPN and heads at `head_lr` 1e-4, 5% linear
 warm-up then cosine decay to 0; training images drawn by the instance-aware sampler
 (`data.InstanceAwareSampler`) with class-targeted copy-paste for classes with fewer than
@@ -16,18 +19,17 @@ Exact resume: a step's images, copy-paste draws and the samplers' JAX key depend
 stopped (SIGINT / SIGTERM save a checkpoint after the current step) and restarted takes the
 same steps as an uninterrupted one.
 
-Run folder (`out`): `checkpoints/` (orbax), `metrics.jsonl` (step, the four losses, loss,
-examples_per_sec, copy_paste_rate: the fraction of the images since the last line that received
-pasted instances), `results.json` and `results.md` (written by `sclaro_jax.eval.detect`).
+Run folder (`out`): `checkpoints/` (orbax; one item, the state {step, params, opt_state}),
+`config.json`, `metrics.jsonl` (step, the four losses, loss, examples_per_sec, copy_paste_rate:
+the fraction of the images since the last line that received pasted instances), `tensorboard/`,
+`results.json` and `results.md` (written by `sclaro_jax.eval.detect`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
-import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -36,58 +38,30 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm.auto import tqdm
 
 from sclaro_jax import ops as pixel_ops
 from sclaro_jax.detection import data, rcnn
-from sclaro_jax.detection.model import Detector, DetectorConfig, is_backbone
-from sclaro_jax.train import core, runs, sharding, trainer
+from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
+from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
+from sclaro_jax.run import folder as runs, sharding
+from sclaro_jax.run.cache import use_compilation_cache
+from sclaro_jax.run.params import label_params
 
 log = logging.getLogger(__name__)
 
+# The recipe's file in a checkout (configs/ is not part of the installed package).
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "detection.py"
+
 
 def default_config(variant: str | None = None) -> ml_collections.ConfigDict:
-    """The detection recipe. `variant` "demo": a few CPU minutes on the bundled demo data
-    (smaller images and heads, more epochs, larger rates for a randomly initialised tiny
-    encoder)."""
-    c = ml_collections.ConfigDict()
-    c.epochs = 10
-    c.batch_size = 16
-    c.backbone_lr = 1e-5
-    c.head_lr = 1e-4
-    c.weight_decay = 0.05
-    c.warmup_fraction = 0.05
-    c.seed = 0
-    c.dtype = "auto"  # bfloat16 compute on a GPU / TPU, float32 on a CPU
-    c.sharding = "none"  # none | dp | fsdp, as the trainer
-    c.input_resize = "squash"  # squash | longest_side (ViTDet's resize + pad); data.RESIZE_MODES
-    c.copy_paste_threshold = 50  # classes with fewer training instances are pasted
-    c.copy_paste_prob = 0.5  # P(a drawn training image receives 1..copy_paste_max pasted instances)
-    c.copy_paste_max = 3
-    c.train_split = "train"
-    c.eval_split = "test"
-    c.eval_batch_size = 8
-    c.log_every = 10
-    c.checkpoint_every = 500
-    c.keep_checkpoints = 2
-    c.compilation_cache = "workdir"  # JAX's persistent cache in OUT/jax_cache ("" for off)
-    c.detector = ml_collections.ConfigDict({
-        f.name: f.default for f in DetectorConfig.__dataclass_fields__.values()
-        if f.name != "num_classes"})
-    if variant == "demo":
-        # An overfit check: evaluated on its own training images. Every demo class is rare
-        # (under 50 instances), so copy-paste would paste into every image; it is off here.
-        c.epochs, c.batch_size, c.backbone_lr, c.head_lr = 100, 4, 1e-4, 1e-3
-        c.eval_split, c.log_every, c.checkpoint_every = "train", 5, 100
-        c.copy_paste_prob = 0.0
-        c.detector.update(image_size=128, pyramid_dim=32, fpn_dim=32, representation_size=128,
-                          rpn_pre_nms_top_n_train=256, rpn_post_nms_top_n_train=128,
-                          rpn_pre_nms_top_n_test=256, rpn_post_nms_top_n_test=128,
-                          rpn_batch_size_per_image=64, box_batch_size_per_image=64,
-                          box_candidates=512, detections_per_img=100, max_boxes=16)
-    elif variant is not None:
-        raise ValueError(f"unknown detection config variant {variant!r}; known: demo")
-    return c
+    """The detection recipe of configs/detection.py (`get_config(variant)`; variant "demo": a
+    few CPU minutes on the bundled demo data)."""
+    from sclaro_jax.config import load_config
+
+    if not CONFIG.exists():
+        raise FileNotFoundError(f"the detection recipe {CONFIG} is missing: pass a config file "
+                                "(configs/detection.py of the repository)")
+    return load_config(str(CONFIG) + (f":{variant}" if variant else ""))
 
 
 def detector_config(config, num_classes: int) -> DetectorConfig:
@@ -114,8 +88,7 @@ def make_optimizer(config, params, steps: int) -> optax.GradientTransformation:
     def schedule(peak):
         return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(steps, warmup + 1), 0.0)
 
-    labels = jax.tree_util.tree_map_with_path(
-        lambda path, _: "backbone" if is_backbone(core.param_name(path)) else "head", params)
+    labels = label_params(params, [(BACKBONE, "backbone")], "head")
     return optax.multi_transform({
         "backbone": optax.adamw(schedule(config.backbone_lr), weight_decay=config.weight_decay),
         "head": optax.adamw(schedule(config.head_lr), weight_decay=config.weight_decay)}, labels)
@@ -181,85 +154,92 @@ def make_batch(examples, indices, cfg: DetectorConfig, config, rare, step: int,
             "valid": np.stack(valid), "pasted": np.array(pasted, bool)}
 
 
-def _manager(out: str, config) -> ocp.CheckpointManager:
-    return ocp.CheckpointManager(os.path.abspath(os.path.join(out, "checkpoints")),
-                                 options=ocp.CheckpointManagerOptions(
-                                     max_to_keep=config.keep_checkpoints, create=True))
+def _restore(checkpoints: Checkpoints, state):
+    start = checkpoints.start
+    if start:
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        state = checkpoints.manager.restore(start, args=ocp.args.StandardRestore(abstract))
+    return state
+
+
+def _config_drift(config, out: str, start: int, checkpoints: Checkpoints, allow: bool) -> dict:
+    unsafe = {}
+    if start:
+        unsafe, safe = runs.config_changes(out, config)
+        if unsafe and not allow:
+            checkpoints.manager.close()
+            runs.refuse_drift(out, start, unsafe)
+        for k, (before, now) in {**safe, **unsafe}.items():
+            log.info("config change at step %d: %s %r -> %r", start, k, before, now)
+    return unsafe
+
+
+def _batches(config, examples, num_classes: int, cfg: DetectorConfig, mesh):
+    """(batch_of(step), log_fields): a step's batch (copy-paste drawn from (seed, step)) on the
+    mesh, and the metrics line's `copy_paste_rate` since the last line."""
+    rare = data.rare_classes(data.class_instance_counts(examples, num_classes),
+                             config.copy_paste_threshold)
+    donors = data.rare_donors(examples, rare)
+    sampler = data.InstanceAwareSampler(data.instance_aware_weights(examples, num_classes),
+                                        config.seed)
+    counts = {"images": 0, "pasted": 0}
+
+    def batch_of(step):
+        batch = make_batch(examples, sampler.indices(step, config.batch_size), cfg, config,
+                           rare, step, donors)
+        counts["pasted"] += int(batch.pop("pasted").sum())
+        counts["images"] += config.batch_size
+        return sharding.put_batch(batch, mesh)
+
+    def log_fields(wall, step):
+        rate = counts["pasted"] / max(1, counts["images"])
+        counts.update(images=0, pasted=0)
+        return {"copy_paste_rate": rate}
+
+    return batch_of, log_fields
 
 
 def train(config, out: str, model: Detector, examples: list, num_classes: int, *,
-          progress: bool = True, stop_at: int | None = None):
+          progress: bool = True, stop_at: int | None = None,
+          allow_config_change: bool = False):
     """Train `model` on `examples` (`data.DetectionExample`s at the detection size) into `out`,
     resuming from its newest checkpoint. Returns (graphdef, state, info): info holds
     `steps` (the run's total), `start` (the step it resumed from) and `compiles` (how many
     times the train step was compiled in this call: 1, or 0 when no step was taken).
-    `stop_at`: stop after that step with a checkpoint, as an interrupt would."""
+    `stop_at`: stop after that step with a checkpoint, as an interrupt would. A resumed run
+    whose config differs from OUT/config.json in more than `run.folder.SAFE_KEYS` is refused
+    unless `allow_config_change`."""
     cfg = model.cfg
     steps = total_steps(config, len(examples))
-    trainer.use_compilation_cache(config, out)
+    runs.check_workdir(out)
+    checkpoints = Checkpoints.open(out, ocp.args.StandardSave, keep=config.keep_checkpoints,
+                                   background=config.get("checkpoint_async", True))
+    start = checkpoints.start
+    unsafe = _config_drift(config, out, start, checkpoints, allow_config_change)
+    use_compilation_cache(config, out)
     graphdef, state, tx = init_state(model, config, steps)
     del model
     mesh = sharding.make_mesh(config.sharding)
     step_fn, state = sharding.jit_step(make_train_step(graphdef, tx, config.seed), state, mesh,
                                        config.sharding)
-    manager = _manager(out, config)
-    start = manager.latest_step() or 0
+    state = _restore(checkpoints, state)
     if start:
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         log.info("resumed detection training from %s at step %d", out, start)
     runs.truncate_logs(out, start)
     info = {"steps": steps, "start": start, "compiles": 0}
     if start >= steps:
         log.info("%s already holds a checkpoint at step %d of %d: nothing to train", out, start,
                  steps)
-        manager.close()
+        checkpoints.manager.close()
         return graphdef, state, info
-    counts = data.class_instance_counts(examples, num_classes)
-    rare = data.rare_classes(counts, config.copy_paste_threshold)
-    donors = data.rare_donors(examples, rare)
-    sampler = data.InstanceAwareSampler(data.instance_aware_weights(examples, num_classes),
-                                        config.seed)
-    stop = runs.GracefulStop()
-    done = start
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    bar = tqdm(total=steps, initial=start, desc="detect train", unit="step", disable=not progress)
-    try:
-        with stop, open(metrics_path, "a", encoding="utf-8") as metrics_file:
-            t_last, n_last, n_pasted = time.perf_counter(), 0, 0
-            for step in range(start, steps):
-                if stop.requested or (stop_at is not None and step >= stop_at):
-                    break
-                batch = make_batch(examples, sampler.indices(step, config.batch_size), cfg,
-                                   config, rare, step, donors)
-                n_pasted += int(batch.pop("pasted").sum())
-                state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
-                done, n_last = step + 1, n_last + config.batch_size
-                bar.update(1)
-                if done % config.log_every == 0 or done == steps:
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    if not np.isfinite(metrics["loss"]):
-                        raise FloatingPointError(f"detection loss became {metrics['loss']} at "
-                                                 f"step {done}; lower head_lr / backbone_lr")
-                    now = time.perf_counter()
-                    metrics.update(step=done, examples_per_sec=n_last / (now - t_last),
-                                   copy_paste_rate=n_pasted / max(1, n_last))
-                    t_last, n_last, n_pasted = now, 0, 0
-                    metrics_file.write(json.dumps(metrics) + "\n")
-                    metrics_file.flush()
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-                if done % config.checkpoint_every == 0:
-                    manager.save(done, args=ocp.args.StandardSave(state), force=True)
-            # the last step taken: the end, a stop_at, or a SIGINT / SIGTERM
-            if done > start and done not in manager.all_steps():
-                manager.save(done, args=ocp.args.StandardSave(state), force=True)
-    finally:
-        bar.close()
-        manager.wait_until_finished()
-        manager.close()
-    if stop.requested and done < steps:
-        log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
-                    steps, stop.requested)
+    batch_of, log_fields = _batches(config, examples, num_classes, cfg, mesh)
+    spec = LoopSpec(workdir=out, start=start, steps=steps, log_every=config.log_every,
+                    checkpoint_every=config.checkpoint_every, examples_per_step=config.batch_size,
+                    progress=progress and config.get("progress_bar", True), desc="detect train",
+                    stop_at=stop_at, hint="lower head_lr / backbone_lr.")
+    hooks = Hooks(started=lambda: runs.write_config(out, config, step=start, unsafe=unsafe),
+                  log_fields=log_fields)
+    state = run_steps(step_fn, state, batch_of, checkpoints, spec, hooks).state
     info["compiles"] = step_fn._cache_size()
     return graphdef, state, info
 

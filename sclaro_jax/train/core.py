@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +30,7 @@ from flax import nnx, struct
 from sclaro_jax import losses, ops
 from sclaro_jax.data import batch as fields
 from sclaro_jax.data import photometric
+from sclaro_jax.run.params import label_params, param_name
 
 PyTree = Any
 FROZEN = "frozen"
@@ -98,24 +98,13 @@ def frozen_patterns(cfg: TrainConfig) -> list[str]:
     return patterns
 
 
-def param_name(key_path) -> str:
-    """A parameter's name: its dict keys joined by "/"."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
-
-
 def param_labels(params: PyTree, cfg: TrainConfig) -> PyTree:
-    """Optimiser group of every parameter: frozen, kd, decay (matrices) or no_decay (the other
-    trainable ones; of these the logit scales decay unless `decay_logit_scales` is False)."""
-    frozen = re.compile("|".join(frozen_patterns(cfg)))
-
-    def label(key_path, value):
-        name = param_name(key_path)
-        if frozen.search(name):
-            return FROZEN
-        if name.rsplit("/", 1)[-1] == "kd_log_scale":
-            return "kd"
-        return "decay" if value.ndim >= 2 else "no_decay"
-    return jax.tree_util.tree_map_with_path(label, params)
+    """Optimiser group of every parameter (`run.params.label_params`, by name): frozen, kd,
+    decay (matrices) or no_decay (the other trainable ones; of these the logit scales decay
+    unless `decay_logit_scales` is False)."""
+    rules = [("|".join(frozen_patterns(cfg)), FROZEN), (r"(^|/)kd_log_scale$", "kd")]
+    return label_params(params, rules,
+                        lambda name, value: "decay" if value.ndim >= 2 else "no_decay")
 
 
 def trainable_part(tree: PyTree, labels: PyTree) -> PyTree:

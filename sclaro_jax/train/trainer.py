@@ -6,8 +6,9 @@
   state, step and the Grain iterator state) if there is one, so rerunning the same command
   resumes exactly where the last checkpoint left off (`resume`: checkpoints of the older
   list-layout optimiser state are converted);
-- runs the jitted step (state donated, one compilation, kept in the persistent compilation
-  cache `config.compilation_cache`, by default `workdir/jax_cache`), writes
+- runs the jitted step through the one loop under every trainer, `sclaro_jax.run.run_steps`
+  (state donated, one compilation, kept in the persistent compilation
+  cache `config.compilation_cache`, by default `workdir/jax_cache`), which writes
   `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr, kd_temperature,
   examples_per_sec, data_wait_fraction, ...) and TensorBoard scalars, shows a progress bar;
   warns once when more than 10% of the time goes waiting for the input pipeline
@@ -30,20 +31,19 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from tqdm import tqdm
 
 from sclaro_jax.checkpoint import build_model
 from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
-from sclaro_jax.train import core, resume, runs, sharding
+from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, NonFiniteLossError, run_steps  # noqa: F401
+from sclaro_jax.run import folder as runs, sharding
+from sclaro_jax.run.cache import use_compilation_cache
+from sclaro_jax.run.folder import check_workdir
+from sclaro_jax.train import core, resume
 
 log = logging.getLogger(__name__)
-
-
-class NonFiniteLossError(FloatingPointError):
-    pass
 
 
 SCHEDULE_KEYS = ("epochs", "steps")  # config.train keys that give TrainConfig.total_steps
@@ -110,43 +110,6 @@ def total_steps(config, records: int) -> int:
     return int(config.train.epochs * per_epoch)
 
 
-def use_compilation_cache(config, workdir: str) -> str | None:
-    """Turn on JAX's persistent compilation cache as `config.compilation_cache` says
-    ("workdir" -> WORKDIR/jax_cache, a folder, or "" for off) unless a cache folder is already
-    set for JAX. Returns the folder in use (None: no cache). A cache hit gives the same
-    executable, so results do not change; only the compile time goes."""
-    current = jax.config.jax_compilation_cache_dir
-    choice = config.get("compilation_cache", "workdir")
-    if jax.process_count() > 1 and not current:
-        # JAX writes cache entries from process 0 only: on a rerun process 0 would load its
-        # step while the others compile, and its first collective would time out.
-        log.info("XLA compilation cache: off (%d processes)", jax.process_count())
-        return None
-    if current or not choice:
-        return current or None
-    path = os.path.abspath(os.path.join(workdir, "jax_cache") if choice == "workdir"
-                           else os.path.expanduser(choice))
-    os.makedirs(path, exist_ok=True)
-    from jax.experimental.compilation_cache import compilation_cache
-    compilation_cache.set_cache_dir(path)
-    compilation_cache.reset_cache()  # a process that compiled before picks the folder up
-    log.info("XLA compilation cache: %s", path)
-    return path
-
-
-def check_workdir(workdir: str) -> None:
-    """RunError naming WORKDIR unless it is (or can be made) a folder this process can write."""
-    try:
-        os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write-test-{os.getpid()}")
-        with open(probe, "w", encoding="utf-8"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        raise runs.RunError(f"cannot write to the workdir {workdir} ({e.strerror or e}); pass a "
-                            "--workdir in a folder you can write") from None
-
-
 def open_training_data(config, *, verify: bool = False):
     """The dataset of `config.data.dir`, its train shards checked against the manifest (sizes
     and record counts; every byte's sha256 with `verify`)."""
@@ -155,42 +118,37 @@ def open_training_data(config, *, verify: bool = False):
     return dataset
 
 
-def train(config, workdir: str, *, progress: bool = True, allow_config_change: bool = False,
-          verify_data: bool = False) -> core.TrainState:
-    """Train (or resume) the run in `workdir`; returns the train state at the last step taken.
-
-    SIGINT / SIGTERM stop it after the current step with a checkpoint (`runs.GracefulStop`): the
-    returned state's step is then below the total. A resumed run whose config differs from
-    WORKDIR/config.json in more than `runs.SAFE_KEYS` is refused (`runs.ConfigDriftError`)
-    unless `allow_config_change`."""
-    recipe_keys(config)  # refuse unknown config.train keys before anything is written
+def _check(config, workdir: str, verify_data: bool):
+    """(dataset, the run's total steps) after the checks that come before anything is written:
+    unknown config.train keys, the layout, the workdir, the data, the batch over the hosts."""
+    recipe_keys(config)
     check_layout(config)
     check_workdir(workdir)
     dataset = open_training_data(config, verify=verify_data)
     steps = total_steps(config, dataset.num_records("train"))
-    tcfg = train_config(config, steps)
     if config.data.batch_size % jax.process_count():
         raise ValueError(f"batch size {config.data.batch_size} is not divisible by the "
                          f"{jax.process_count()} hosts")
-    chief = jax.process_index() == 0
-    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    torn = runs.unfinished_checkpoints(folder, remove=chief)
-    manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
-        max_to_keep=config.keep_checkpoints, create=True,
-        enable_async_checkpointing=config.checkpoint_async))
-    start = manager.latest_step() or 0
-    if torn:
-        log.warning("found an unfinished checkpoint (%s, interrupted while it was written); "
-                    "%s", ", ".join(torn), f"resuming from step {start}, the newest complete "
-                    "one" if start else "no complete checkpoint: starting from step 0")
-    unsafe = {}
-    if start:
-        unsafe, safe = runs.config_changes(workdir, config)
-        if unsafe and not allow_config_change:
-            manager.close()
-            runs.refuse_drift(workdir, start, unsafe)
-        for k, (before, now) in {**safe, **unsafe}.items():
-            log.info("config change at step %d: %s %r -> %r", start, k, before, now)
+    return dataset, steps
+
+
+def _config_drift(config, workdir: str, checkpoints: Checkpoints, allow: bool) -> dict:
+    """The unsafe config changes of a resumed run (refused unless `allow`), the safe ones
+    logged."""
+    start = checkpoints.start
+    if not start:
+        return {}
+    unsafe, safe = runs.config_changes(workdir, config)
+    if unsafe and not allow:
+        checkpoints.manager.close()
+        runs.refuse_drift(workdir, start, unsafe)
+    for k, (before, now) in {**safe, **unsafe}.items():
+        log.info("config change at step %d: %s %r -> %r", start, k, before, now)
+    return unsafe
+
+
+def _build(config, workdir: str, dataset, tcfg: core.TrainConfig):
+    """(graphdef, state, jitted step, mesh, packed sizes, data iterator) of a fresh run."""
     use_compilation_cache(config, workdir)
     model = build_model(config)
     graphdef, state, tx = core.init_state(model, tcfg)
@@ -205,117 +163,77 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     loader = make_loader(dataset, "train", host_batch, config=pcfg, seed=config.seed,
                          worker_count=config.data.workers)
     it = runs.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
+    return graphdef, state, step_fn, mesh, sizes, it
+
+
+def _save_args(it):
+    return lambda state: ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            data=grain.PyGrainCheckpointSave(it))
+
+
+def _hooks(config, workdir: str, dataset, graphdef, wait: "DataWait", start: int,
+           unsafe: dict, chief: bool) -> Hooks:
+    evals = registry.evaluators(config)
+
+    def started():
+        if chief:
+            runs.write_config(workdir, config, step=start, unsafe=unsafe)
+            runs.write_run_info(workdir, dataset)
+        wait.waited = 0.0
+
+    return Hooks(started=started,
+                 log_fields=lambda wall, done: {"data_wait_fraction": wait.fraction(wall, done)},
+                 after_step=lambda done, state: _periodic_eval(evals, graphdef, state, done,
+                                                               workdir, chief))
+
+
+def train(config, workdir: str, *, progress: bool = True, allow_config_change: bool = False,
+          verify_data: bool = False, stop_at: int | None = None) -> core.TrainState:
+    """Train (or resume) the run in `workdir`; returns the train state at the last step taken.
+
+    SIGINT / SIGTERM (or `stop_at`, a step) stop it after the current step with a checkpoint
+    (`runs.GracefulStop`): the returned state's step is then below the total. A resumed run
+    whose config differs from WORKDIR/config.json in more than `runs.SAFE_KEYS` is refused
+    (`runs.ConfigDriftError`) unless `allow_config_change`."""
+    dataset, steps = _check(config, workdir, verify_data)
+    tcfg = train_config(config, steps)
+    chief = jax.process_index() == 0
+    checkpoints = Checkpoints.open(workdir, None, keep=config.keep_checkpoints,
+                                   background=config.checkpoint_async, chief=chief)
+    start = checkpoints.start
+    unsafe = _config_drift(config, workdir, checkpoints, allow_config_change)
+    graphdef, state, step_fn, mesh, sizes, it = _build(config, workdir, dataset, tcfg)
+    checkpoints.save_args = _save_args(it)
     if start:
-        step_dir = os.path.join(folder, str(start))
+        step_dir = os.path.join(checkpoints.folder, str(start))
         runs.check_data_state(workdir, start, runs.saved_data_state(step_dir), dataset,
                               config.data.workers)
-        state = resume.restore(manager, start, state, it, tcfg)
+        state = resume.restore(checkpoints.manager, start, state, it, tcfg)
         log.info("resumed from %s at step %d", workdir, start)
     if chief:
         runs.truncate_logs(workdir, start)
     if start >= steps:
         log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
                  start, steps)
-        manager.close()
+        checkpoints.manager.close()
         return state
-
-    saved = {start}
-
-    def save(step):
-        manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=grain.PyGrainCheckpointSave(it)),
-            force=True)
-        saved.add(step)
-        log.info("checkpoint at step %d %s", step,
-                 "started (written in the background)" if config.checkpoint_async else "written")
-
-    evals = registry.evaluators(config)
-    writer = _tensorboard(workdir) if chief else None
-    bar = None
     wait = DataWait(config.data.workers)
-    done = start
-    metrics_file = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8") \
-        if chief else None
-    stop = runs.GracefulStop()
-    multi = jax.process_count() > 1  # then the processes agree on when to stop
-    try:
-        with stop:
-            log.info("compiling the train step (first step only) ...")
-            t_last, n_last = time.perf_counter(), 0
-            for step in range(start, steps):
-                if stop_everywhere(stop) if multi else stop.requested:
-                    break
-                t_wait = time.perf_counter()
-                batch = sizes.agree(next(it), done + 1)
-                wait.add(time.perf_counter() - t_wait)
-                state, metrics = step_fn(state, sharding.put_batch(batch, mesh))
-                n_last += config.data.batch_size
-                done = step + 1
-                log_now = done % config.log_every == 0 or done == steps
-                save_now = done % config.checkpoint_every == 0 or done == steps
-                if log_now or save_now:  # never checkpoint a state whose loss is not finite
-                    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-                    if not np.isfinite(metrics["loss"]):
-                        raise NonFiniteLossError(
-                            f"loss became {metrics['loss']} at step {done}; stopping. The last "
-                            f"good checkpoint (step {max(saved)}) in {folder} is intact; "
-                            "lower train.lr or check the data.")
-                if done == start + 1:  # the run has started: its config is the one in use
-                    jax.block_until_ready(state.step)
-                    if chief:
-                        runs.write_config(workdir, config, step=start, unsafe=unsafe)
-                        runs.write_run_info(workdir, dataset)
-                    # the rate starts after the compilation
-                    bar = tqdm(total=steps, initial=done, desc="train", unit="step",
-                               disable=not (progress and config.progress_bar and chief))
-                    t_last, n_last = time.perf_counter(), 0
-                    wait.waited = 0.0
-                if log_now and chief:
-                    now = time.perf_counter()
-                    metrics.update(step=done, examples_per_sec=(
-                        n_last / (now - t_last) if n_last else 0.0),
-                        data_wait_fraction=wait.fraction(now - t_last, done))
-                    t_last, n_last = now, 0
-                    metrics_file.write(json.dumps(metrics) + "\n")
-                    metrics_file.flush()
-                    if writer is not None:
-                        for k, v in metrics.items():
-                            writer.add_scalar(k, v, done)
-                    bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                                    ex_s=f"{metrics['examples_per_sec']:.1f}")
-                elif log_now:
-                    t_last, n_last = time.perf_counter(), 0
-                if step > start:
-                    bar.update(1)
-                if save_now:
-                    save(done)
-                _periodic_eval(evals, graphdef, state, done, workdir, chief)
-            if stop.requested and done not in saved:
-                save(done)
-    finally:
-        if bar is not None:
-            bar.close()
-        manager.wait_until_finished()  # a checkpoint in flight completes, whatever happened
-        manager.close()
-        if metrics_file is not None:
-            metrics_file.close()
-        if writer is not None:
-            writer.close()
+
+    def batch_of(step):
+        t_wait = time.perf_counter()
+        batch = sizes.agree(next(it), step + 1)
+        wait.add(time.perf_counter() - t_wait)
+        return sharding.put_batch(batch, mesh)
+
+    spec = LoopSpec(workdir=workdir, start=start, steps=steps, log_every=config.log_every,
+                    checkpoint_every=config.checkpoint_every,
+                    examples_per_step=config.data.batch_size,
+                    progress=progress and config.progress_bar, stop_at=stop_at,
+                    hint="lower train.lr or check the data.")
+    hooks = _hooks(config, workdir, dataset, graphdef, wait, start, unsafe, chief)
+    state = run_steps(step_fn, state, batch_of, checkpoints, spec, hooks, chief=chief).state
     sizes.summary()
-    if stop.requested and done < steps:
-        log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
-                    steps, stop.requested)
     return state
-
-
-def stop_everywhere(stop: runs.GracefulStop) -> bool:
-    """Whether any process was asked to stop (every process calls it at every step, so all
-    stop after the same step: saving a checkpoint is collective)."""
-    from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.int32(stop.requested is not None))
-    if np.max(flags) and stop.requested is None:
-        stop.requested = "a signal to another process"
-    return bool(np.max(flags))
 
 
 class PackedSteps:
@@ -411,11 +329,3 @@ def _periodic_eval(evals, graphdef, state, step: int, workdir: str, chief: bool 
             log.info("eval %s at step %d on %s: %s", ev.name, step, ev.split,
                      {k: v for k, v in results.items() if not isinstance(v, dict)} or
                      list(results))
-
-
-def _tensorboard(workdir: str):
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:  # optional: metrics.jsonl is always written
-        return None
-    return SummaryWriter(os.path.join(workdir, "tensorboard"))

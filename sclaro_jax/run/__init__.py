@@ -1,0 +1,13 @@
+"""The run layer under every trainer (ScenarioCLIP's `sclaro_jax.train`, the detector's
+`sclaro_jax.detection.train`): the run folder (`folder`: graceful stop, unfinished checkpoints,
+log truncation, config drift, data identity), device layouts (`sharding`), the compilation cache
+(`cache`), parameter groups by name (`params`) and the one loop, `run_steps` (`loop`).
+
+It imports nothing of sclaro_jax but `config`, `compile` and `ops`: no trainer, model, data or
+evaluation code.
+"""
+
+from sclaro_jax.run.loop import (Checkpoints, Hooks, LoopSpec, NonFiniteLossError, Result,
+                                 run_steps)
+
+__all__ = ["Checkpoints", "Hooks", "LoopSpec", "NonFiniteLossError", "Result", "run_steps"]

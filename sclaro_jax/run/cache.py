@@ -1,0 +1,34 @@
+"""JAX's persistent compilation cache for a run (`config.compilation_cache`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+
+log = logging.getLogger(__name__)
+
+
+def use_compilation_cache(config, workdir: str) -> str | None:
+    """Turn on JAX's persistent compilation cache as `config.compilation_cache` says
+    ("workdir" -> WORKDIR/jax_cache, a folder, or "" for off) unless a cache folder is already
+    set for JAX. Returns the folder in use (None: no cache). A cache hit gives the same
+    executable, so results do not change; only the compile time goes."""
+    current = jax.config.jax_compilation_cache_dir
+    choice = config.get("compilation_cache", "workdir")
+    if jax.process_count() > 1 and not current:
+        # JAX writes cache entries from process 0 only: on a rerun process 0 would load its
+        # step while the others compile, and its first collective would time out.
+        log.info("XLA compilation cache: off (%d processes)", jax.process_count())
+        return None
+    if current or not choice:
+        return current or None
+    path = os.path.abspath(os.path.join(workdir, "jax_cache") if choice == "workdir"
+                           else os.path.expanduser(choice))
+    os.makedirs(path, exist_ok=True)
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.set_cache_dir(path)
+    compilation_cache.reset_cache()  # a process that compiled before picks the folder up
+    log.info("XLA compilation cache: %s", path)
+    return path

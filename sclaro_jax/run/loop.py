@@ -1,0 +1,240 @@
+"""One training loop under every trainer: `run_steps`.
+
+A trainer builds its jitted step, its train state and a function that gives the batch of a step,
+opens its checkpoints (`Checkpoints.open`: an unfinished checkpoint left by a killed run is
+reported and removed, the newest complete one is the step to resume from) and hands them to
+`run_steps`, which owns what every run needs alike:
+- SIGINT / SIGTERM (`folder.GracefulStop`) stop the run after the current step with a checkpoint
+  (with many processes, all stop after the same step);
+- the non-finite guard: a NaN / inf loss stops the run (`NonFiniteLossError`) before anything
+  of that step is saved;
+- `metrics.jsonl` (one line per logged step: the step's metrics, `step`, `examples_per_sec` and
+  the trainer's own fields) and TensorBoard scalars, written by process 0; the progress bar;
+- checkpoints every `checkpoint_every` steps, at the end and on a stop, and the wait for a
+  checkpoint still being written in the background whatever happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from tqdm.auto import tqdm
+
+from sclaro_jax.run.folder import GracefulStop, unfinished_checkpoints
+
+log = logging.getLogger(__name__)
+
+
+class NonFiniteLossError(FloatingPointError):
+    pass
+
+
+@dataclasses.dataclass
+class LoopSpec:
+    """How a run's steps go: steps `start`..`steps` (the run's total), a metrics line every
+    `log_every` steps and at the end, a checkpoint every `checkpoint_every` steps, at the end and
+    on a stop. `examples_per_step`: the global batch (for examples_per_sec). `stop_at`: stop
+    after that step with a checkpoint, as a signal would. `hint`: what to do about a non-finite
+    loss (the error message's end)."""
+    workdir: str
+    start: int
+    steps: int
+    log_every: int
+    checkpoint_every: int
+    examples_per_step: int
+    progress: bool = True
+    desc: str = "train"
+    stop_at: int | None = None
+    hint: str = "lower the learning rate or check the data."
+
+
+@dataclasses.dataclass
+class Hooks:
+    """A trainer's additions to the loop, each optional:
+    `started()`: after the first step has run (the run's config is the one in use);
+    `log_fields(wall, step)`: extra fields of a metrics line, `wall` the seconds since the last;
+    `after_step(step, state)`: after every step and its checkpoint (e.g. periodic evaluation)."""
+    started: Callable[[], None] | None = None
+    log_fields: Callable[[float, int], dict] | None = None
+    after_step: Callable[[int, Any], None] | None = None
+
+
+class Checkpoints:
+    """A run's orbax CheckpointManager and what is saved of a state (`save_args(state)`: the
+    orbax args, which fix the checkpoint's item names)."""
+
+    def __init__(self, manager: ocp.CheckpointManager, save_args: Callable, background: bool):
+        self.manager = manager
+        self.save_args = save_args
+        self.background = background
+        self.start = manager.latest_step() or 0
+        self.saved = {self.start}
+
+    @classmethod
+    def open(cls, workdir: str, save_args: Callable, *, keep: int, background: bool = True,
+             chief: bool = True) -> "Checkpoints":
+        """WORKDIR/checkpoints; checkpoints orbax never finished writing are removed (by
+        process 0) with a warning, and `start` is the newest complete one (0: none)."""
+        folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
+        torn = unfinished_checkpoints(folder, remove=chief)
+        manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
+            max_to_keep=keep, create=True, enable_async_checkpointing=background))
+        self = cls(manager, save_args, background)
+        if torn:
+            log.warning("found an unfinished checkpoint (%s, interrupted while it was written); "
+                        "%s", ", ".join(torn), f"resuming from step {self.start}, the newest "
+                        "complete one" if self.start else "no complete checkpoint: starting "
+                        "from step 0")
+        return self
+
+    @property
+    def folder(self) -> str:
+        return str(self.manager.directory)
+
+    def save(self, step: int, state) -> None:
+        self.manager.save(step, args=self.save_args(state), force=True)
+        self.saved.add(step)
+        log.info("checkpoint at step %d %s", step,
+                 "started (written in the background)" if self.background else "written")
+
+    def close(self) -> None:
+        self.manager.wait_until_finished()  # a checkpoint in flight completes, whatever happened
+        self.manager.close()
+
+
+class Result(NamedTuple):
+    state: Any
+    done: int  # the last step taken
+    stopped: str | None  # what stopped the run early (a signal's name, "stop_at"), or None
+
+
+def stop_everywhere(stop: GracefulStop) -> bool:
+    """Whether any process was asked to stop (every process calls it at every step, so all
+    stop after the same step: saving a checkpoint is collective)."""
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.int32(stop.requested is not None))
+    if np.max(flags) and stop.requested is None:
+        stop.requested = "a signal to another process"
+    return bool(np.max(flags))
+
+
+def tensorboard(workdir: str):
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # optional: metrics.jsonl is always written
+        return None
+    return SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+
+class _Log:
+    """metrics.jsonl, TensorBoard and the progress bar of one `run_steps` call."""
+
+    def __init__(self, spec: LoopSpec, hooks: Hooks, chief: bool):
+        self.spec, self.hooks, self.chief = spec, hooks, chief
+        self.file = open(os.path.join(spec.workdir, "metrics.jsonl"), "a",
+                         encoding="utf-8") if chief else None
+        self.writer = tensorboard(spec.workdir) if chief else None
+        self.bar = None
+        self.t_last, self.n_last = time.perf_counter(), 0
+
+    def first_step(self, done: int) -> None:
+        if self.hooks.started is not None:
+            self.hooks.started()
+        # the rate starts after the compilation
+        self.bar = tqdm(total=self.spec.steps, initial=done, desc=self.spec.desc, unit="step",
+                        disable=not (self.spec.progress and self.chief))
+        self.t_last, self.n_last = time.perf_counter(), 0
+
+    def write(self, metrics: dict, done: int) -> None:
+        now = time.perf_counter()
+        if not self.chief:
+            self.t_last, self.n_last = now, 0
+            return
+        metrics.update(step=done, examples_per_sec=(
+            self.n_last / (now - self.t_last) if self.n_last else 0.0))
+        if self.hooks.log_fields is not None:
+            metrics.update(self.hooks.log_fields(now - self.t_last, done))
+        self.t_last, self.n_last = now, 0
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, done)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                             ex_s=f"{metrics['examples_per_sec']:.1f}")
+
+    def close(self) -> None:
+        for thing in (self.bar, self.file, self.writer):
+            if thing is not None:
+                thing.close()
+
+
+def _finite(metrics, done: int, checkpoints: Checkpoints, hint: str) -> dict:
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not np.isfinite(metrics["loss"]):
+        raise NonFiniteLossError(
+            f"loss became {metrics['loss']} at step {done}; stopping. The last good checkpoint "
+            f"(step {max(checkpoints.saved)}) in {checkpoints.folder} is intact; {hint}")
+    return metrics
+
+
+def _after_step(state, metrics, done: int, spec: LoopSpec, checkpoints: Checkpoints,
+                logs: _Log, hooks: Hooks) -> None:
+    log_now = done % spec.log_every == 0 or done == spec.steps
+    save_now = done % spec.checkpoint_every == 0 or done == spec.steps
+    if log_now or save_now:  # never checkpoint a state whose loss is not finite
+        metrics = _finite(metrics, done, checkpoints, spec.hint)
+    if done == spec.start + 1:  # the run has started: its config is the one in use
+        jax.block_until_ready(state)
+        logs.first_step(done)
+    if log_now:
+        logs.write(metrics, done)
+    if done > spec.start + 1:
+        logs.bar.update(1)
+    if save_now:
+        checkpoints.save(done, state)
+    if hooks.after_step is not None:
+        hooks.after_step(done, state)
+
+
+def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Checkpoints,
+              spec: LoopSpec, hooks: Hooks | None = None, *, chief: bool | None = None) -> Result:
+    """Take steps `spec.start`..`spec.steps` of `step_fn(state, batch) -> (state, metrics)`
+    (`metrics` holds at least "loss") with `batch_of(i)` the batch of step i (0-based); see the
+    module's docstring. Returns the state after the last step taken."""
+    hooks = hooks or Hooks()
+    chief = jax.process_index() == 0 if chief is None else chief
+    logs = _Log(spec, hooks, chief)
+    stop = GracefulStop()
+    multi = jax.process_count() > 1  # then the processes agree on when to stop
+    done = spec.start
+    try:
+        with stop:
+            log.info("compiling the train step (first step only) ...")
+            for step in range(spec.start, spec.steps):
+                if stop_everywhere(stop) if multi else stop.requested:
+                    break
+                if spec.stop_at is not None and step >= spec.stop_at:
+                    stop.requested = stop.requested or "stop_at"
+                    break
+                state, metrics = step_fn(state, batch_of(step))
+                logs.n_last += spec.examples_per_step
+                done = step + 1
+                _after_step(state, metrics, done, spec, checkpoints, logs, hooks)
+            if done not in checkpoints.saved:  # stopped early: a checkpoint of the last step
+                checkpoints.save(done, state)
+    finally:
+        logs.close()
+        checkpoints.close()
+    if stop.requested and done < spec.steps:
+        log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
+                    spec.steps, stop.requested)
+    return Result(state, done, stop.requested)
