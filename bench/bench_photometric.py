@@ -40,7 +40,7 @@ def pixels_batch(batch: int, n_obj: int, n_rel: int, size: int, seed: int = 0) -
     rng = np.random.default_rng(seed)
     out = {fields.IMAGE: rng.integers(0, 256, (batch, size, size, 3), dtype=np.uint8)}
     for level, n in (("object", n_obj), ("relation", n_rel)):
-        out[fields.LEVELS[level].pixels] = rng.integers(0, 256, (batch, n, size, size, 3),
+        out[fields.LEVEL_FIELDS[level].pixels] = rng.integers(0, 256, (batch, n, size, size, 3),
                                                         dtype=np.uint8)
     return out | photometric_fields(batch, seed)
 

@@ -61,7 +61,7 @@ def make_batch(preset: str, batch: int, seed: int = 0, n_obj: int = N_OBJ, n_rel
         return x
 
     from sclaro_jax.data import batch as fields
-    obj, rel = fields.LEVELS["object"], fields.LEVELS["relation"]
+    obj, rel = fields.LEVEL_FIELDS["object"], fields.LEVEL_FIELDS["relation"]
     out = {
         fields.IMAGE: rng.integers(0, 256, (batch, size, size, 3), dtype=np.uint8),
         fields.ACTION_TOKENS: ids((batch,)),
@@ -247,7 +247,7 @@ def torch_side(folder: str, jax_model, embed: int, kd_loops: bool = True):
                     + torch.stack(text_terms).mean()
         else:
             for level in ("object", "relation"):
-                mask = torch.from_numpy(batch[fields.LEVELS[level].mask]).float()  # [b, n]
+                mask = torch.from_numpy(batch[fields.LEVEL_FIELDS[level].mask]).float()  # [b, n]
                 seen = mask.sum(1) > 0
 
                 def kd_rows(student, teacher):  # kd() of each row pair: batchmean of 1-D is / dim
@@ -304,7 +304,7 @@ def layout_batches(preset: str, batch: int, rounds: int, seed: int = 0):
 def real_crops(batch: dict) -> tuple[int, int]:
     """Real crops (objects, relations) of a batch of either layout."""
     from sclaro_jax.data import batch as fields
-    return tuple(int(batch[fields.LEVELS[level].mask].sum()) for level in fields.CROP_LEVELS)
+    return tuple(int(batch[fields.LEVEL_FIELDS[level].mask].sum()) for level in fields.CROP_LEVELS)
 
 
 def pack_planned(caps: dict, sizes) -> dict:
@@ -320,7 +320,7 @@ def resized(packed: dict, slots: dict[str, int]) -> dict:
     from sclaro_jax.data import batch as fields
     out = dict(packed)
     for level, n in slots.items():
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         for name in (f.pixels, f.tokens, f.labels, f.mask, f.segments):
             x = np.asarray(packed[name])
             out[name] = np.resize(x, (n, *x.shape[1:]))

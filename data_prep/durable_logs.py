@@ -1,8 +1,8 @@
 """Crash-safe append-only logs for resumable runs (`data_prep.annotate`'s caches): every append
 is flushed and fsynced before it returns, and on opening a torn or corrupt tail (an interrupted
-write) is cut off, so a killed run loses at most the entry in flight. `write_replacing` is the
-whole-file counterpart (the curation files, the annotation run key, hash memo and block markers,
-the ROCS stage caches).
+write) is cut off, so a killed run loses at most the entry in flight. `write_replacing`
+(`sclaro_jax.files`, imported here for data_prep) is the whole-file counterpart (the curation
+files, the annotation run key, hash memo and block markers, the ROCS stage caches).
 """
 
 from __future__ import annotations
@@ -10,31 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
-import uuid
-from pathlib import Path
+
+from sclaro_jax.files import write_replacing  # noqa: F401  (data_prep's name for it)
 
 log = logging.getLogger(__name__)
-
-
-def write_replacing(path, write, *, text: bool = False, fsync: bool = False,
-                    unique: bool = False) -> Path:
-    """Write `path` through `write(file)` under a temporary name beside it, then rename it over
-    `path` (`os.replace`): an interrupted write never leaves a torn file. The one place of that
-    idiom in data_prep.
-
-    text: the file is UTF-8 text (else binary). fsync: flushed to disk before the rename, so the
-    new file also survives a power cut. unique: a temporary name of its own
-    (`NAME.tmp-XXXXXXXX`, for writers that may race on one path), else `NAME.tmp`."""
-    path = Path(path)
-    tmp = path.with_name(path.name + (f".tmp-{uuid.uuid4().hex[:8]}" if unique else ".tmp"))
-    with open(tmp, "w" if text else "wb", encoding="utf-8" if text else None) as f:
-        write(f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
-
 
 def _cut_torn_tail(path: str, good: int, size: int) -> None:
     if good < size:

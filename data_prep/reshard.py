@@ -28,7 +28,7 @@ import os
 
 from tqdm import tqdm
 
-from data_prep.shards import ShardWriter, convert_sample, iter_records
+from data_prep.shards import ShardWriter, convert_sample
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
 
@@ -51,9 +51,8 @@ def _convert(item: tuple[str, str, bytes], *, view_size: int, keep_originals: bo
 
 def _records(ds, splits):
     for split in splits:
-        for path in ds.paths(split):
-            for i, record in iter_records(path):
-                yield f"{path} record {i}", split, record
+        for where, record in ds.records(split):
+            yield where, split, record
 
 
 def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,

@@ -111,7 +111,8 @@ def _fsync_write(path: str, text: str) -> None:
 
 
 def iter_records(path: str, chunk: int = 32) -> Iterator[tuple[int, bytes]]:
-    """(index, record bytes) of one shard file in order, `chunk` records in memory at a time."""
+    """(index, record bytes) of one shard file in order, `chunk` records in memory at a time
+    (a dataset's records: `ShardedDataset.records` / `.samples`)."""
     reader = ArrayRecordReader(path)
     try:
         n = reader.num_records()

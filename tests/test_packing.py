@@ -135,7 +135,7 @@ def test_packed_batches_hold_every_crop_in_order_decoded_in_place(demo_dir):
         tier = cfg.packed.tier_of(b)
         assert {k: v.shape for k, v in b.items()} == batch_shapes(4, cfg, tier)
         for level in fields.CROP_LEVELS:
-            f = fields.LEVELS[level]
+            f = fields.LEVEL_FIELDS[level]
             n = int(b[f.mask].sum())
             assert n == int(a[f.mask].sum()) and b[f.mask][:n].all() and not b[f.mask][n:].any()
             seg = b[f.segments]
@@ -146,7 +146,7 @@ def test_packed_batches_hold_every_crop_in_order_decoded_in_place(demo_dir):
         assert sorted(back) == sorted(a)
         for k in a:
             np.testing.assert_array_equal(back[k], a[k], err_msg=k)
-        again = packing.pack(a, {level: b[fields.LEVELS[level].mask].size
+        again = packing.pack(a, {level: b[fields.LEVEL_FIELDS[level].mask].size
                                  for level in fields.CROP_LEVELS})
         for k in b:
             np.testing.assert_array_equal(again[k], b[k], err_msg=k)
@@ -165,7 +165,7 @@ def test_a_bad_record_leaves_the_packed_buffer_with_its_crops(tmp_path):
         np.testing.assert_array_equal(back[k], a[k], err_msg=k)
     bad = np.nonzero(b[fields.BAD_RECORD])[0]
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         assert not np.isin(b[f.segments], bad).any()
 
 
@@ -195,7 +195,7 @@ def test_packed_losses_gradients_and_augmentation_equal_the_caps_layout(demo_dir
         aug_a, aug_b = photometric.augment_batch(a), photometric.augment_batch(b)
         back = packing.unpack({**b, **{k: np.asarray(v) for k, v in aug_b.items()}},
                               {"object": CAPS.max_objects, "relation": CAPS.max_relations})
-        for level, f in fields.LEVELS.items():
+        for level, f in fields.LEVEL_FIELDS.items():
             keep = np.ones(len(a[fields.IMAGE]), bool) if f.mask is None else a[f.mask]
             np.testing.assert_array_equal(back[f.pixels][keep], np.asarray(aug_a[f.pixels])[keep])
         run = _jitted(models, grads=True)
@@ -267,7 +267,7 @@ def test_a_batch_past_the_caps_trains_every_crop_as_the_reference_flattens_them(
     t_txt = {k: v.astype(np.float64) for k, v in t_txt.items()}
     kd_scale = float(model.kd_log_scale[...])
     total_ca, total_kd = 0.0, 0.0
-    for level in fields.LEVELS:
+    for level in fields.LEVEL_FIELDS:
         img, txt = emb[level]
         mask = masks[level]
         total_ca += _np_contrastive(img[mask], txt[mask], float(model.logit_scale(level)))
@@ -307,9 +307,9 @@ def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
     totals = np.zeros(4)
     for _ in range(200):
         batch = next(it)
-        want = [int(batch[fields.LEVELS[level].mask].sum()) for level in fields.CROP_LEVELS]
-        sizes.add(batch[fields.LEVELS["object"].mask].shape + batch[
-            fields.LEVELS["relation"].mask].shape)
+        want = [int(batch[fields.LEVEL_FIELDS[level].mask].sum()) for level in fields.CROP_LEVELS]
+        sizes.add(batch[fields.LEVEL_FIELDS["object"].mask].shape + batch[
+            fields.LEVEL_FIELDS["relation"].mask].shape)
         state, metrics = step(state, batch)
         totals += [metrics["dropped_objects"], metrics["dropped_relations"],
                    metrics["crops_objects"] - want[0], metrics["crops_relations"] - want[1]]

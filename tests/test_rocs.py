@@ -174,7 +174,7 @@ def test_evaluate_numbers_follow_the_kernels(rng):
     def unit(*shape):
         return _unit(rng, *shape)
 
-    emb = gallery.SplitEmbeddings(unit(30, 16).astype(np.float16),
+    emb = gallery.GalleryEmbeddings(unit(30, 16).astype(np.float16),
                                   unit(30, 5, 16).astype(np.float16), unit(45, 16))
     gt = rng.integers(0, 30, 45)
     out = rocs.evaluate(emb, gt, rocs.Settings(k=5))
@@ -196,7 +196,7 @@ def test_streaming_evaluation_gives_the_in_memory_numbers(rng, rescore):
     def unit(*shape):
         return _unit(rng, *shape)
 
-    emb = gallery.SplitEmbeddings(unit(70, 16).astype(np.float16),
+    emb = gallery.GalleryEmbeddings(unit(70, 16).astype(np.float16),
                                   unit(70, 5, 16).astype(np.float16), unit(90, 16))
     gt = rng.integers(0, 70, 90)
     settings = rocs.Settings(k=4, rescore=rescore)

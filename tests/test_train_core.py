@@ -26,7 +26,7 @@ def _batch(seed=0, batch_size=B, augment=False):
     for k, shape in batch_shapes(batch_size, cfg).items():
         if k in fields.IDENTITY_PHOTOMETRIC:
             out[k] = np.broadcast_to(fields.IDENTITY_PHOTOMETRIC[k], shape).copy()
-        elif k in [f.pixels for f in fields.LEVELS.values()]:
+        elif k in [f.pixels for f in fields.LEVEL_FIELDS.values()]:
             out[k] = rng.integers(0, 256, shape, dtype=np.uint8)
         elif k.endswith("tokens"):
             ids = rng.integers(1, 400, shape).astype(np.int32)
@@ -102,7 +102,7 @@ def test_level_inputs_augment_uint8_pixels_then_normalise():
     batch[fields.BLUR_SIGMA][:2] = [0.0, 0.0]
     inputs = jax.jit(core.level_inputs)(batch)
     augmented = photometric.augment_batch(batch)
-    for level, f in fields.LEVELS.items():
+    for level, f in fields.LEVEL_FIELDS.items():
         np.testing.assert_allclose(inputs[level][0], ops.normalize(augmented[f.pixels]),
                                    atol=1e-6)  # XLA divides by 255 as a multiplication
         # sample 0 is jittered, sample 1 keeps its pixels
@@ -110,8 +110,8 @@ def test_level_inputs_augment_uint8_pixels_then_normalise():
         np.testing.assert_array_equal(augmented[f.pixels][1], batch[f.pixels][1])
     # float32 pixels were normalised on the host: no augmentation, no second normalisation
     host = dict(batch, **{f.pixels: ops.normalize(batch[f.pixels])
-                          for f in fields.LEVELS.values()})
-    for level, f in fields.LEVELS.items():
+                          for f in fields.LEVEL_FIELDS.values()})
+    for level, f in fields.LEVEL_FIELDS.items():
         np.testing.assert_array_equal(core.level_inputs(host)[level][0], host[f.pixels])
 
 
@@ -249,7 +249,7 @@ def test_images_without_action_sit_out_global_and_text_kd():
         t_img = teacher.pair("global").encode_image(normalize(b["image"]))
         kd = 0.0
         for level in ("object", "relation"):
-            f = fields.LEVELS[level]
+            f = fields.LEVEL_FIELDS[level]
             emb = model.pair(level).encode_image(normalize(b[f.pixels]))
             kd += losses.kd_one_teacher_many_students(t_img, emb, np.ones((B, N), bool),
                                                       log_scale)

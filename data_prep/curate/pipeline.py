@@ -62,18 +62,14 @@ class NeedsLabels(Exception):
 
 
 def iter_samples(data_dir: str, progress: bool = True) -> Iterator[schema.Sample]:
-    """Every record of a dataset folder (all splits, in shard order), one at a time."""
-    from data_prep.shards import iter_records
+    """Every record of a dataset folder (all splits, in shard order), one at a time
+    (`ShardedDataset.samples`: a record that does not decode raises `DatasetError` naming its
+    shard and index)."""
     from sclaro_jax.data.dataset import open_dataset
     ds = open_dataset(data_dir)
     for split in sorted(ds.manifest["splits"]):
-        for path in tqdm(ds.paths(split), desc=f"reading {split}", unit="shard",
-                         disable=not progress):
-            for i, rec in iter_records(path):
-                try:
-                    yield schema.decode(rec)
-                except schema.RecordError as e:
-                    raise schema.RecordError(f"{path} record {i}: {e}") from None
+        yield from tqdm(ds.samples(split), desc=f"reading {split}", unit="record",
+                        total=ds.num_records(split), disable=not progress)
 
 
 def read_samples(data_dir: str, progress: bool = True) -> tuple[list[schema.Sample], dict]:

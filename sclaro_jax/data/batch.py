@@ -58,7 +58,7 @@ class LevelFields:
     segments: str | None = None  # packed layout: the image index of each crop
 
 
-LEVELS = {
+LEVEL_FIELDS = {
     "global": LevelFields(IMAGE, ACTION_TOKENS, ACTION_LABEL),
     "object": LevelFields("objects", "object_tokens", "object_labels", "object_mask",
                           DROPPED_OBJECTS, "object_segments"),
@@ -115,7 +115,7 @@ def batch_shapes(batch_size: int, config, tier: int = 0) -> dict[str, tuple]:
     for name, _, tail in PHOTOMETRIC:
         shapes[name] = (b, *tail)
     for level, cap in level_caps(config).items():
-        f = LEVELS[level]
+        f = LEVEL_FIELDS[level]
         if packed_layout(config):
             k = config.packed.slots(level, tier)
             shapes.update({f.pixels: (k, size, size, 3), f.tokens: (k, length), f.labels: (k,),

@@ -53,7 +53,7 @@ def empty_example(config) -> dict:
                     fields.SAMPLE_KEY: np.int64(-1), fields.BAD_RECORD: np.int32(1)})
     example.update(augment.photometric_fields(augment.SampleParams(None, None, None)))
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         example[f.pixels] = np.zeros((0, size, size, 3), np.uint8)
         example[f.tokens] = np.zeros((0, length), np.int32)
         example[f.labels] = np.zeros((0,), np.int32)
@@ -78,7 +78,7 @@ def _put(dst: np.ndarray, src) -> None:
 
 def _crop_rows(batch: dict, level: str, i: int, start: int, n: int, packed: bool) -> np.ndarray:
     """The rows of the batch's `level` pixels that example `i`'s n crops go to."""
-    pixels = batch[fields.LEVELS[level].pixels]
+    pixels = batch[fields.LEVEL_FIELDS[level].pixels]
     return pixels[start:start + n] if packed else pixels[i, :n]
 
 
@@ -95,16 +95,16 @@ def _allocate(examples, config, allocate) -> tuple[dict, dict]:
     b, size = len(examples), config.image_size
     dtype = np.float32 if config.pixels == "float32" else np.uint8
     batch = {fields.IMAGE: allocate((b, size, size, 3), dtype)}
-    counts = {level: np.array([len(e[fields.LEVELS[level].labels]) for e in examples], np.int64)
+    counts = {level: np.array([len(e[fields.LEVEL_FIELDS[level].labels]) for e in examples], np.int64)
               for level in fields.CROP_LEVELS}
     if not fields.packed_layout(config):
         for level, cap in fields.level_caps(config).items():
-            batch[fields.LEVELS[level].pixels] = allocate((b, cap, size, size, 3), dtype)
+            batch[fields.LEVEL_FIELDS[level].pixels] = allocate((b, cap, size, size, 3), dtype)
         return batch, {level: np.zeros(b, np.int64) for level in counts}
     sizes = config.packed
     tier = sizes.tier(*(int(counts[level].sum()) for level in fields.CROP_LEVELS))
     for level in fields.CROP_LEVELS:
-        batch[fields.LEVELS[level].pixels] = allocate((sizes.slots(level, tier), size, size, 3),
+        batch[fields.LEVEL_FIELDS[level].pixels] = allocate((sizes.slots(level, tier), size, size, 3),
                                                       dtype)
     return batch, {level: np.concatenate([[0], np.cumsum(n)[:-1]]).astype(np.int64)
                    for level, n in counts.items()}
@@ -117,7 +117,7 @@ def _decode_all(batch: dict, examples: list, starts: dict, packed: bool) -> int 
         try:
             _put(batch[fields.IMAGE][i], e[fields.IMAGE])
             for level in fields.CROP_LEVELS:
-                f = fields.LEVELS[level]
+                f = fields.LEVEL_FIELDS[level]
                 n = len(e[f.labels])
                 _put(_crop_rows(batch, level, i, int(starts[level][i]), n, packed), e[f.pixels])
         except schema.RecordError as err:
@@ -146,7 +146,7 @@ def collate(examples: Sequence[dict], config, *, allocate=np.zeros) -> dict:
     _per_image(batch, examples)
     b, length = len(examples), config.text_length
     for level, cap in fields.level_caps(config).items():
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         rows = len(batch[f.pixels]) if packed else cap
         shape = (rows,) if packed else (b, cap)
         tokens = np.zeros(shape + (length,), np.int32)

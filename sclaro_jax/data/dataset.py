@@ -75,6 +75,32 @@ class ShardedDataset:
         `repr` is `source_id(split)`)."""
         return shard_source(self.paths(split), self.source_id(split))
 
+    def records(self, split: str, chunk: int = 32):
+        """(where, record bytes) of every record of a split, in order, `chunk` records in
+        memory at a time; `where` is "<shard path> record <i>" for messages."""
+        from array_record.python.array_record_module import ArrayRecordReader
+
+        for path in self.paths(split):
+            reader = ArrayRecordReader(path)
+            try:
+                n = reader.num_records()
+                for start in range(0, n, chunk):
+                    for i, record in enumerate(reader.read(start, min(n, start + chunk)), start):
+                        yield f"{path} record {i}", record
+            finally:
+                reader.close()
+
+    def samples(self, split: str, *, skip_bad: bool = False):
+        """Every record of a split, decoded (images stay encoded), in order: the one record
+        reader of the library and data_prep. A record that does not decode raises
+        `DatasetError` naming its shard and index, or is passed over with `skip_bad`."""
+        for where, record in self.records(split):
+            try:
+                yield schema.decode(record)
+            except schema.RecordError as e:
+                if not skip_bad:
+                    raise DatasetError(f"{where}: {e}") from None
+
     def check_files(self, split: str | None = None) -> None:
         """The quick check of the shards (of `split`, or of every split) against the manifest
         when a run starts: each file's size (manifests that record it) and record count, read

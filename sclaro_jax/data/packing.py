@@ -4,7 +4,7 @@ The reference code flattens the object crops (relation regions) of a batch into 
 level. The packed layout does the same with static shapes: per crop level, one buffer of K
 slots holds the crops of all images of the batch, image after image in batch order and each
 image's crops in record order, then padding. Fields per level (names in
-`sclaro_jax.data.batch.LEVELS`): pixels [K, S, S, 3], tokens [K, L], labels [K] (-1 for
+`sclaro_jax.data.batch.LEVEL_FIELDS`): pixels [K, S, S, 3], tokens [K, L], labels [K] (-1 for
 padding), mask [K] (real crop) and segments [K] int32 (the image index 0..B-1 of the crop;
 `PAD_SEGMENT` for padding).
 
@@ -87,7 +87,7 @@ class PackedSizes:
 
     def tier_of(self, batch: dict) -> int:
         """The tier of a packed batch, from its shapes."""
-        shape = tuple(batch[fields.LEVELS[level].mask].shape[0] for level in fields.CROP_LEVELS)
+        shape = tuple(batch[fields.LEVEL_FIELDS[level].mask].shape[0] for level in fields.CROP_LEVELS)
         for t in range(self.tiers):
             if shape == (self.objects[t], self.relations[t]):
                 return t
@@ -115,29 +115,20 @@ def split_histograms(dataset, split: str, progress: bool = True) -> tuple[list[i
     stored = entry.get(HISTOGRAMS)
     if stored:
         return list(stored["objects"]), list(stored["relations"])
-    from array_record.python.array_record_module import ArrayRecordReader
     from tqdm.auto import tqdm
 
-    from sclaro_jax.data import schema
     log.info("%s has no count histograms in its manifest (written before the packed layout): "
              "reading the %d records of %r once to plan the packed sizes", dataset.root,
              entry["records"], split)
     objects, relations = [], []
     with tqdm(total=entry["records"], desc=f"counting crops ({split})", unit="record",
               disable=not progress) as bar:
-        for path in dataset.paths(split):
-            reader = ArrayRecordReader(path)
-            try:
-                for record in reader.read_all():
-                    try:
-                        sample = schema.decode(record)
-                    except schema.RecordError:
-                        continue  # the pipeline turns it into an example without crops
-                    objects.append(len(sample.objects))
-                    relations.append(len(sample.relations))
-                    bar.update(1)
-            finally:
-                reader.close()
+        # a record that does not decode is passed over: the pipeline turns it into an example
+        # without crops
+        for sample in dataset.samples(split, skip_bad=True):
+            objects.append(len(sample.objects))
+            relations.append(len(sample.relations))
+            bar.update(1)
     return histogram(objects), histogram(relations)
 
 
@@ -227,12 +218,12 @@ def expected_use(sizes: PackedSizes, hist_objects, hist_relations) -> dict:
 
 def is_packed(batch: dict) -> bool:
     """Whether `batch` has the packed layout (its crop levels carry segment ids)."""
-    return fields.LEVELS["object"].segments in batch
+    return fields.LEVEL_FIELDS["object"].segments in batch
 
 
 def counts(batch: dict, level: str) -> np.ndarray:
     """Crops per image [B] of a packed batch's `level`."""
-    f = fields.LEVELS[level]
+    f = fields.LEVEL_FIELDS[level]
     seg = np.asarray(batch[f.segments])[np.asarray(batch[f.mask], bool)]
     return np.bincount(seg, minlength=len(batch[fields.VALID])).astype(np.int32)
 
@@ -245,9 +236,9 @@ def unpack(batch: dict, caps: dict[str, int] | None = None) -> dict:
     if not is_packed(batch):
         return batch
     out = {k: v for k, v in batch.items()
-           if k not in {f.segments for f in fields.LEVELS.values() if f.segments}}
+           if k not in {f.segments for f in fields.LEVEL_FIELDS.values() if f.segments}}
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         mask = np.asarray(batch[f.mask], bool)
         seg = np.asarray(batch[f.segments])[mask]
         n_img = counts(batch, level)
@@ -277,7 +268,7 @@ def pack(batch: dict, slots: dict[str, int] | None = None) -> dict:
     out = dict(batch)
     valid = np.asarray(batch[fields.VALID], bool)
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         mask = np.asarray(batch[f.mask], bool) & valid[:, None]
         rows, _ = np.nonzero(mask)
         k = max(len(rows), 1) if slots is None else int(slots[level])
@@ -298,7 +289,7 @@ def grow(batch: dict, sizes: PackedSizes, tier: int) -> dict:
     """A packed batch padded to `tier`'s sizes (a larger or equal tier than its own)."""
     out = dict(batch)
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         k, have = sizes.slots(level, tier), len(batch[f.mask])
         if k < have:
             raise ValueError(f"grow: tier {tier} has {k} {level} slots, the batch {have}")
@@ -316,7 +307,7 @@ def offset_segments(batch: dict, offset: int) -> dict:
     the global batch); padding stays `PAD_SEGMENT`."""
     out = dict(batch)
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         seg = np.asarray(batch[f.segments])
         out[f.segments] = np.where(seg >= 0, seg + offset, seg).astype(np.int32)
     return out

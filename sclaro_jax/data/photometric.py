@@ -276,7 +276,7 @@ def has_fields(batch) -> bool:
 
 def augment_batch(batch: dict) -> dict:
     """The batch with ColorJitter and GaussianBlur applied to the pixels of the three levels
-    (`batch.LEVELS[...].pixels`, uint8): global views their jitter then the blur, object and
+    (`batch.LEVEL_FIELDS[...].pixels`, uint8): global views their jitter then the blur, object and
     relation views their sample's crop jitter at their level's factors. Other fields are
     returned as they are; a batch without the PHOTOMETRIC fields is returned unchanged. Either
     crop layout: caps ([B, N] views) or packed ([K] views, each with its image index in
@@ -284,7 +284,7 @@ def augment_batch(batch: dict) -> dict:
     the jitted step)."""
     if not has_fields(batch):
         return batch
-    for level, f in fields.LEVELS.items():
+    for level, f in fields.LEVEL_FIELDS.items():
         dtype = batch[f.pixels].dtype
         if dtype != jnp.uint8:
             raise TypeError(f"photometric.augment_batch: batch field {f.pixels!r} ({level} "
@@ -292,7 +292,7 @@ def augment_batch(batch: dict) -> dict:
                             "pipeline's uint8 pixels (PipelineConfig(pixels='uint8'))")
     draws = _level_draws(batch)
     sigma = jnp.asarray(batch[fields.BLUR_SIGMA]).astype(jnp.float32)
-    crops = [fields.LEVELS[level] for level in fields.CROP_LEVELS]
+    crops = [fields.LEVEL_FIELDS[level] for level in fields.CROP_LEVELS]
     out = dict(batch)
     if crops[0].segments in batch:  # packed: every view of the batch in one row of views
         b = sigma.shape[0]

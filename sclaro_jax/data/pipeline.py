@@ -246,7 +246,7 @@ class SampleTransform(grain.RandomMapTransform):
         else:
             _, params, views = _original_views(sample, c, rng)
         objects, relations = _taken(sample, c)
-        objects_field, relations_field = fields.LEVELS["object"], fields.LEVELS["relation"]
+        objects_field, relations_field = fields.LEVEL_FIELDS["object"], fields.LEVEL_FIELDS["relation"]
         return {
             fields.IMAGE: views["image"],
             fields.ACTION_TOKENS: self.text([sample.action])[0] if sample.action else

@@ -107,10 +107,8 @@ def load_examples(root: str, split: str, *, classes: Sequence[str] | None = None
     lookup = {name: i for i, name in enumerate(classes)}
     if len(lookup) != len(classes):
         raise ValueError("classes holds a name twice")
-    source = ds.source(split)
     examples = []
-    for i in range(len(source)):
-        sample = schema.decode(source[i])
+    for sample in ds.samples(split):
         data = sample.image if sample.image is not None else sample.train_image
         if data is None:
             raise DatasetError(

@@ -162,17 +162,6 @@ def _restore(checkpoints: Checkpoints, state):
     return state
 
 
-def _config_drift(config, out: str, start: int, checkpoints: Checkpoints, allow: bool) -> dict:
-    unsafe = {}
-    if start:
-        unsafe, safe = runs.config_changes(out, config)
-        if unsafe and not allow:
-            checkpoints.manager.close()
-            runs.refuse_drift(out, start, unsafe)
-        for k, (before, now) in {**safe, **unsafe}.items():
-            log.info("config change at step %d: %s %r -> %r", start, k, before, now)
-    return unsafe
-
 
 def _batches(config, examples, num_classes: int, cfg: DetectorConfig, mesh):
     """(batch_of(step), log_fields): a step's batch (copy-paste drawn from (seed, step)) on the
@@ -215,7 +204,7 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     checkpoints = Checkpoints.open(out, ocp.args.StandardSave, keep=config.keep_checkpoints,
                                    background=config.get("checkpoint_async", True))
     start = checkpoints.start
-    unsafe = _config_drift(config, out, start, checkpoints, allow_config_change)
+    unsafe = checkpoints.config_drift(config, out, allow_config_change)
     use_compilation_cache(config, out)
     graphdef, state, tx = init_state(model, config, steps)
     del model

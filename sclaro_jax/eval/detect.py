@@ -38,7 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
-LEVELS = ("global", "object", "relation")
+LEVEL_CHOICES = ("global", "object", "relation")  # the levels whose encoders serve as backbones
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,9 +52,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="a ScenarioCLIP / PyramidCLIP training workdir, or a Hugging Face "
                         "CLIPModel folder")
     p.add_argument("--data", required=True, help="SCLARO dataset folder (manifest.json, shards)")
-    p.add_argument("--level-rpn", choices=LEVELS, default="global",
+    p.add_argument("--level-rpn", choices=LEVEL_CHOICES, default="global",
                    help="the workdir's encoder that feeds the RPN")
-    p.add_argument("--level-roi", choices=LEVELS, default="object",
+    p.add_argument("--level-roi", choices=LEVEL_CHOICES, default="object",
                    help="the workdir's encoder that feeds the RoI heads")
     p.add_argument("--teacher", action="store_true", help="the EMA teacher's encoders")
     p.add_argument("--out", default=None, help="run folder (default: under WORKDIR/detection)")

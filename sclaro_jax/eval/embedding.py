@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import DatasetError, ShardedDataset, open_dataset
 from sclaro_jax.data.pipeline import OBJECT_VIEWS, PipelineConfig, sample_views
+from sclaro_jax.files import write_replacing
 from sclaro_jax.eval import metrics, registry
 from sclaro_jax.eval.encoders import Batcher, towers
 
@@ -163,10 +164,7 @@ class SplitEmbeddings:
         """Write an npz (atomically: a temporary file, then rename)."""
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
+        write_replacing(path, lambda f: np.savez(f, **arrays), unique=True)
 
     @classmethod
     def load(cls, path: str) -> "SplitEmbeddings":
@@ -214,25 +212,11 @@ def _union_views(sample: schema.Sample, img, size: int) -> np.ndarray:
     return unions
 
 
-def _read_records(ds: ShardedDataset, split: str):
-    """(where, record bytes) for every record of a split, in order."""
-    import grain.python as grain
-
-    for path in ds.paths(split):
-        source = grain.ArrayRecordDataSource([path])
-        for i in range(len(source)):
-            yield f"{path} record {i}", source[i]
-
-
 def read_samples(data_dir: str | ShardedDataset, split: str) -> Iterator[schema.Sample]:
     """Every record of a split, decoded (images stay encoded), in order; a `DatasetError`
-    naming the shard and record for one that does not decode."""
+    naming the shard and record for one that does not decode (`ShardedDataset.samples`)."""
     ds = open_dataset(data_dir) if isinstance(data_dir, str) else data_dir
-    for where, record in _read_records(ds, split):
-        try:
-            yield schema.decode(record)
-        except schema.RecordError as e:
-            raise DatasetError(f"{where}: {e}") from None
+    return ds.samples(split)
 
 
 def split_labels(data_dir: str | ShardedDataset, split: str) -> dict[str, list[str]]:
@@ -293,7 +277,7 @@ def embed_dataset(model, data_dir: str | ShardedDataset, split: str, *, image_si
     config = PipelineConfig(image_size=image_size, train=False, object_view=object_view,
                             fast_decode=fast_decode, max_objects=every, max_relations=every)
     build = functools.partial(_record_views, config=config)
-    records = _read_records(ds, split)
+    records = ds.records(split)
     with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
         while True:
             chunk = [r for _, r in zip(range(4 * max(1, workers)), records)]

@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 from sclaro_jax import miner
 from sclaro_jax.eval.data import RetrievalSplit
 from sclaro_jax.eval.encoders import Encoder
+from sclaro_jax.files import write_replacing
 
 CACHE_VERSION = 2  # 2: the crop rule (`CropSpec.shape`, aspect-keeping by default) recorded
 
@@ -59,7 +60,7 @@ class CropSpec:
 
 
 @dataclasses.dataclass
-class SplitEmbeddings:
+class GalleryEmbeddings:
     images: np.ndarray  # float16 [G, D], L2-normalised global views
     crops: np.ndarray | None  # float16 [G, R, D], or None without crops
     texts: np.ndarray  # float32 [Q, D]
@@ -103,14 +104,12 @@ def _check_cache(folder: Path, meta: dict) -> None:
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    write_replacing(path, lambda f: np.save(f, array))
 
 
 def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None = CropSpec(),
                 *, cache_dir: str | os.PathLike | None = None, part_size: int = 256,
-                progress: bool = True, workers: int | None = None) -> SplitEmbeddings:
+                progress: bool = True, workers: int | None = None) -> GalleryEmbeddings:
     """Embed a split's gallery (global + crops) and its queries; cached when `cache_dir` is set.
 
     Image decoding and view resizing run in a thread pool (`workers`, default the CPU count);
@@ -160,6 +159,6 @@ def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None 
         texts = encoder.encode_texts(split.queries).astype(np.float32)
         if texts_path is not None:
             _save_atomic(texts_path, texts)
-    return SplitEmbeddings(np.ascontiguousarray(gallery[:, 0]),
+    return GalleryEmbeddings(np.ascontiguousarray(gallery[:, 0]),
                            np.ascontiguousarray(gallery[:, 1:]) if crops is not None else None,
                            texts)

@@ -35,7 +35,7 @@ import numpy as np
 from sclaro_jax import miner
 from sclaro_jax.eval import data as data_lib
 from sclaro_jax.eval import encoders as enc_lib
-from sclaro_jax.eval.gallery import CropSpec, SplitEmbeddings, embed_split
+from sclaro_jax.eval.gallery import CropSpec, GalleryEmbeddings, embed_split
 
 RESCORES = ("csls", "csls-bank", "shortlist", "qbnorm", "sinkhorn", "dual-softmax", "none")
 
@@ -95,7 +95,7 @@ def _metrics(scores, gt, settings: Settings) -> dict:
     return out
 
 
-def evaluate(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings(),
+def evaluate(emb: GalleryEmbeddings, gt: np.ndarray, settings: Settings = Settings(),
              bank: np.ndarray | None = None) -> dict[str, dict]:
     """The four scorings of one split -> {method: {"R@1", "R@5", "R@10", "skewness",
     "never_retrieved", ...}}. `bank`: float32 [Qb, D] query-bank text embeddings."""
@@ -127,7 +127,7 @@ def evaluate(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings
     return results
 
 
-def evaluate_streaming(emb: SplitEmbeddings, gt: np.ndarray, settings: Settings = Settings(),
+def evaluate_streaming(emb: GalleryEmbeddings, gt: np.ndarray, settings: Settings = Settings(),
                        bank: np.ndarray | None = None, chunk: int = 65536) -> dict[str, dict]:
     """`evaluate` for galleries whose [Q, G] matrix should not be formed: the same four rows
     through `miner.stream.search` (chunked, float16 gallery). Rescoring: csls (transductive),

@@ -172,18 +172,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
             body += "\n" + report.localisation_table(result["localisation"])
         tables.append(title + body)
         if settings.figures:
-            curves = out_dir / "figures" / f"training_curves_{_slug(name)}.png"
-            metrics_file = os.path.join(workdir, "metrics.jsonl")
-            if os.path.exists(metrics_file):
-                figures.training_curves(metrics_file, str(curves))
-                record["figures"][f"training_curves/{name}"] = str(curves)
-            emb = embed(settings.split, progress=False)
-            n = min(len(emb.object_names), settings.tsne_max_objects)
-            if n >= 3:
-                tsne = out_dir / "figures" / f"tsne_objects_{_slug(name)}.png"
-                figures.tsne_plot(np.asarray(emb.object_emb)[:n], list(emb.object_names)[:n],
-                                  str(tsne), title=f"{name}: object embeddings ({n})")
-                record["figures"][f"tsne/{name}"] = str(tsne)
+            record["figures"].update(_model_figures(name, workdir, embed, settings, out_dir))
     if settings.figures and models:
         first = next(iter(data_dirs.values()))
         images = _test_images(first, settings.split, settings.figure_images)
@@ -202,6 +191,27 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
     (out_dir / "eval.json").write_text(json.dumps(record, indent=1, default=_jsonable))
     (out_dir / "eval.md").write_text("\n\n".join(tables) + "\n")
     return record
+
+
+def _model_figures(name: str, workdir: str, embed, settings: Settings, out_dir: Path) -> dict:
+    """One model's figures (training curves from its metrics.jsonl, t-SNE of its object
+    embeddings): figure key -> path."""
+    from sclaro_jax.eval import figures
+
+    out = {}
+    curves = out_dir / "figures" / f"training_curves_{_slug(name)}.png"
+    metrics_file = os.path.join(workdir, "metrics.jsonl")
+    if os.path.exists(metrics_file):
+        figures.training_curves(metrics_file, str(curves))
+        out[f"training_curves/{name}"] = str(curves)
+    emb = embed(settings.split, progress=False)
+    n = min(len(emb.object_names), settings.tsne_max_objects)
+    if n >= 3:
+        tsne = out_dir / "figures" / f"tsne_objects_{_slug(name)}.png"
+        figures.tsne_plot(np.asarray(emb.object_emb)[:n], list(emb.object_names)[:n],
+                          str(tsne), title=f"{name}: object embeddings ({n})")
+        out[f"tsne/{name}"] = str(tsne)
+    return out
 
 
 def _jsonable(x):

@@ -27,6 +27,7 @@ import struct
 import threading
 
 from sclaro_jax.config import flatten
+from sclaro_jax.files import write_replacing
 
 log = logging.getLogger(__name__)
 
@@ -125,10 +126,7 @@ def _keep_lines(path: str, step: int) -> int:
             else:
                 dropped += 1
     if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        write_replacing(path, lambda f: f.writelines(kept), text=True)
     return dropped
 
 
@@ -160,10 +158,7 @@ def _truncate_events(path: str, step: int) -> int:
         else:
             kept.append(data[start:end])
     if dropped or whole < len(data):  # steps past `step`, or a torn last record
-        tmp = path + ".tmp"
-        with open(tmp, "wb") as f:
-            f.write(b"".join(kept))
-        os.replace(tmp, path)
+        write_replacing(path, lambda f: f.write(b"".join(kept)))
     return dropped
 
 
@@ -234,10 +229,7 @@ def write_config(workdir: str, config, *, step: int, unsafe: dict) -> None:
         with open(os.path.join(workdir, "config_changes.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "changes": {
                 k: {"before": a, "after": b} for k, (a, b) in unsafe.items()}}) + "\n")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(config.to_json_best_effort(indent=2))
-    os.replace(tmp, path)
+    write_replacing(path, lambda f: f.write(config.to_json_best_effort(indent=2)), text=True)
 
 
 def saved_data_state(step_dir: str) -> dict | None:
@@ -293,10 +285,8 @@ def read_run_info(workdir: str) -> dict:
 
 def write_run_info(workdir: str, dataset) -> None:
     """WORKDIR/run.json: where the dataset was and its identity, for the messages above."""
-    tmp = os.path.join(workdir, "run.json.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"dataset": dataset.root, "dataset_sha256": dataset.identity}, f, indent=2)
-    os.replace(tmp, os.path.join(workdir, "run.json"))
+    write_replacing(os.path.join(workdir, "run.json"), lambda f: json.dump(
+        {"dataset": dataset.root, "dataset_sha256": dataset.identity}, f, indent=2), text=True)
 
 
 class PortableIterator:

@@ -28,7 +28,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from sclaro_jax.run.folder import GracefulStop, unfinished_checkpoints
+from sclaro_jax.run.folder import (GracefulStop, config_changes, refuse_drift,
+                                   unfinished_checkpoints)
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,20 @@ class Checkpoints:
     @property
     def folder(self) -> str:
         return str(self.manager.directory)
+
+    def config_drift(self, config, workdir: str, allow: bool) -> dict:
+        """A resumed run's config against WORKDIR/config.json: the unsafe changes (more than
+        `folder.SAFE_KEYS`) are refused (`folder.ConfigDriftError`) unless `allow`; every
+        change is logged. Returns the unsafe ones ({} for a fresh run)."""
+        if not self.start:
+            return {}
+        unsafe, safe = config_changes(workdir, config)
+        if unsafe and not allow:
+            self.manager.close()
+            refuse_drift(workdir, self.start, unsafe)
+        for k, (before, now) in {**safe, **unsafe}.items():
+            log.info("config change at step %d: %s %r -> %r", self.start, k, before, now)
+        return unsafe
 
     def save(self, step: int, state) -> None:
         self.manager.save(step, args=self.save_args(state), force=True)

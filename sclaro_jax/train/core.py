@@ -234,7 +234,7 @@ def level_inputs(batch: dict) -> dict[str, LevelInput]:
     valid = jnp.asarray(batch[fields.VALID])
     has = batch.get(fields.HAS_ACTION)
     out = {}
-    for level, f in fields.LEVELS.items():
+    for level, f in fields.LEVEL_FIELDS.items():
         segments = batch.get(f.segments) if f.segments else None
         if f.mask is None:
             mask = valid if has is None else valid & has
@@ -255,7 +255,7 @@ def crop_metrics(batch: dict) -> dict:
     valid = jnp.asarray(batch[fields.VALID])
     out, slots = {}, 0
     for level in fields.CROP_LEVELS:
-        f = fields.LEVELS[level]
+        f = fields.LEVEL_FIELDS[level]
         mask = batch[f.mask]
         if f.segments in batch:
             real = mask & valid[jnp.clip(batch[f.segments], 0, valid.shape[0] - 1)]
@@ -266,7 +266,7 @@ def crop_metrics(batch: dict) -> dict:
         out[f"crops_{name}"] = crops
         out[f"padding_{name}"] = 1.0 - crops / max(real.size, 1)
         slots += real.size
-    if fields.LEVELS["object"].segments in batch:
+    if fields.LEVEL_FIELDS["object"].segments in batch:
         out["packed_size"] = jnp.asarray(slots, jnp.int32)
     return out
 
@@ -324,7 +324,7 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig, *,
     encoded = encode(model, teacher, inputs, cfg, shared)
     labels = None
     if cfg.duplicate_aware:
-        labels = {level: batch[fields.LEVELS[level].labels] for level in losses.CROP_LEVELS}
+        labels = {level: batch[fields.LEVEL_FIELDS[level].labels] for level in losses.CROP_LEVELS}
     return losses.scenarioclip_total(
         encoded["embeddings"], {level: x.mask for level, x in inputs.items()},
         {level: model.logit_scale(level) for level in losses.LEVELS},

@@ -132,20 +132,6 @@ def _check(config, workdir: str, verify_data: bool):
     return dataset, steps
 
 
-def _config_drift(config, workdir: str, checkpoints: Checkpoints, allow: bool) -> dict:
-    """The unsafe config changes of a resumed run (refused unless `allow`), the safe ones
-    logged."""
-    start = checkpoints.start
-    if not start:
-        return {}
-    unsafe, safe = runs.config_changes(workdir, config)
-    if unsafe and not allow:
-        checkpoints.manager.close()
-        runs.refuse_drift(workdir, start, unsafe)
-    for k, (before, now) in {**safe, **unsafe}.items():
-        log.info("config change at step %d: %s %r -> %r", start, k, before, now)
-    return unsafe
-
 
 def _build(config, workdir: str, dataset, tcfg: core.TrainConfig):
     """(graphdef, state, jitted step, mesh, packed sizes, data iterator) of a fresh run."""
@@ -201,7 +187,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     checkpoints = Checkpoints.open(workdir, None, keep=config.keep_checkpoints,
                                    background=config.checkpoint_async, chief=chief)
     start = checkpoints.start
-    unsafe = _config_drift(config, workdir, checkpoints, allow_config_change)
+    unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
     graphdef, state, step_fn, mesh, sizes, it = _build(config, workdir, dataset, tcfg)
     checkpoints.save_args = _save_args(it)
     if start:
