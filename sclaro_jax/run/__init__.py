@@ -3,7 +3,7 @@
 log truncation, config drift, data identity), device layouts (`sharding`), the compilation cache
 (`cache`), parameter groups by name (`params`) and the one loop, `run_steps` (`loop`).
 
-It imports nothing of sclaro_jax but `config`, `compile` and `ops`: no trainer, model, data or
+It imports nothing of sclaro_jax but `config`, `compile`, `ops` and `files`: no trainer, model, data or
 evaluation code.
 """
 
