@@ -3,8 +3,8 @@
 log truncation, config drift, data identity), device layouts (`sharding`), the compilation cache
 (`cache`), parameter groups by name (`params`) and the one loop, `run_steps` (`loop`).
 
-It imports nothing of sclaro_jax but `config`, `compile`, `ops` and `files`: no trainer, model, data or
-evaluation code.
+It imports nothing of sclaro_jax but `config`, `compile`, `ops` and `files`: no trainer, model,
+data or evaluation code.
 """
 
 from sclaro_jax.run.loop import (Checkpoints, Hooks, LoopSpec, NonFiniteLossError, Result,
