@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 
 import jax
 import jax.numpy as jnp
@@ -338,8 +337,3 @@ class Detector(nnx.Module):
 # The parameters of the pretrained encoders, by name ("/"-joined keys): they train at the
 # backbone learning rate, everything else (pyramids, FPN, heads) at the head rate.
 BACKBONE = r"(^|/)backbone/vision(/|$)"
-
-
-def is_backbone(path: str) -> bool:
-    """Whether a parameter path ("/"-joined keys) belongs to a pretrained encoder (`BACKBONE`)."""
-    return re.search(BACKBONE, path) is not None
