@@ -6,9 +6,13 @@ import argparse
 import os
 
 
-def command(sub, name: str, func, help: str, description: str) -> argparse.ArgumentParser:
-    """A sub-command `name` run by `func(args)`."""
-    parser = sub.add_parser(name, help=help, description=description)
+def command(sub, name: str, func, doc: str) -> argparse.ArgumentParser:
+    """A sub-command `name` run by `func(args)`, documented by its module's docstring `doc`:
+    "`python -m data_prep NAME`: SUMMARY." (the line in the list of commands), a blank line,
+    then the description that `NAME --help` shows."""
+    head, _, description = doc.strip().partition("\n\n")
+    summary = " ".join(head.split()).partition(": ")[2].rstrip(".")
+    parser = sub.add_parser(name, help=summary, description=" ".join(description.split()))
     parser.set_defaults(func=func)
     return parser
 
@@ -40,12 +44,7 @@ def describe(manifest: dict) -> str:
 
 def add_demo(sub) -> None:
     """`demo`: the bundled demo dataset as shards."""
-    demo = command(
-        sub, "demo", run_demo,
-        "write the bundled demo dataset (real photographs from PyPI wheels, hand-written "
-        "annotations) as SCLARO shards",
-        "Turn data_prep/demo/annotations.json into ArrayRecord shards, vocabularies and a "
-        "manifest. Relation regions use box masks in place of SAM masks.")
+    demo = command(sub, "demo", run_demo, run_demo.__doc__)
     demo.add_argument("--out", required=True, help="output folder")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace a dataset already in --out")
@@ -57,6 +56,12 @@ def add_demo(sub) -> None:
 
 
 def run_demo(args) -> int:
+    """`python -m data_prep demo`: write the bundled demo dataset (real photographs from PyPI wheels,
+    hand-written annotations) as SCLARO shards.
+
+    Turn data_prep/demo/annotations.json into ArrayRecord shards, vocabularies and a manifest.
+    Relation regions use box masks in place of SAM masks.
+    """
     from data_prep.demo import build_demo
     manifest = build_demo(args.out, overwrite=args.overwrite, split_seed=args.split_seed,
                           records_per_shard=args.records_per_shard, image_size=args.image_size,
@@ -69,16 +74,7 @@ def run_demo(args) -> int:
 
 def add_reshard(sub) -> None:
     """`reshard`: a dataset rewritten with training views of one size."""
-    res = command(
-        sub, "reshard", run_reshard,
-        "convert a dataset (schema version 1 or 2) to version 2 with training views of one "
-        "size",
-        "Stream every record of --in into a new dataset in --out with object, relation and "
-        "global training views at --image-size (views of another size are made from the "
-        "originals, so a version-2 dataset written without them converts only to its own "
-        "size). Splits, records per shard and the manifest's creation time are the input's: "
-        "the same command writes the same bytes. A killed run leaves only a hidden .writing-* "
-        "folder; rerun the same command.")
+    res = command(sub, "reshard", run_reshard, run_reshard.__doc__)
     res.add_argument("--in", dest="src", required=True, metavar="DIR",
                      help="the dataset folder to read")
     res.add_argument("--out", required=True, metavar="DIR",
@@ -95,6 +91,15 @@ def add_reshard(sub) -> None:
 
 
 def run_reshard(args) -> int:
+    """`python -m data_prep reshard`: convert a dataset (schema version 1 or 2) to version 2 with
+    training views of one size.
+
+    Stream every record of --in into a new dataset in --out with object, relation and global
+    training views at --image-size (views of another size are made from the originals, so a
+    version-2 dataset written without them converts only to its own size). Splits, records per
+    shard and the manifest's creation time are the input's: the same command writes the same bytes.
+    A killed run leaves only a hidden .writing-* folder; rerun the same command.
+    """
     import logging
 
     from data_prep.reshard import reshard

@@ -1,4 +1,13 @@
-"""`python -m data_prep annotate`: the sub-command's flags and its run."""
+"""`python -m data_prep annotate`: run the three annotation stages (VLM, GroundingDINO, SAM) over a
+source and write SCLARO shards; rerun the same command to resume.
+
+Stage 1: the VLM's action, objects, relation triplets and caption. Stage 2: GroundingDINO boxes
+(thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: SAM masks and a focused-region image per relation.
+Results are cached per chunk in the work folder: a killed run continues where it stopped. The
+caches are keyed by content: an edited reply redoes its chunk, changed GroundingDINO / SAM / VLM
+weight files redo their stage and the later ones (each file's sha256, remembered in
+WORK/hashes.json by path, size, mtime and ctime); the run says what it redoes and why.
+"""
 
 import argparse
 import json
@@ -9,17 +18,7 @@ from data_prep.cli import command, view_flags
 def add_parser(sub) -> argparse.ArgumentParser:
     """`annotate`: its flags, then the engine's (`engine_flags`)."""
     from data_prep.vlm import REPLY_IDS
-    ann = command(
-        sub, "annotate", run,
-        "run the three annotation stages (VLM, GroundingDINO, SAM) over a source and write "
-        "SCLARO shards; rerun the same command to resume",
-        "Stage 1: the VLM's action, objects, relation triplets and caption. Stage 2: "
-        "GroundingDINO boxes (thresholds 0.25/0.25, NMS IoU 0.4). Stage 3: SAM masks and a "
-        "focused-region image per relation. Results are cached per chunk in the work folder: a "
-        "killed run continues where it stopped. The caches are keyed by content: an edited "
-        "reply redoes its chunk, changed GroundingDINO / SAM / VLM weight files redo their "
-        "stage and the later ones (each file's sha256, remembered in WORK/hashes.json by path, "
-        "size, mtime and ctime); the run says what it redoes and why.")
+    ann = command(sub, "annotate", run, __doc__)
     ann.add_argument("--source", default="folder",
                      choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015"),
                      help="layout of --root (default: a plain folder of images)")

@@ -1,4 +1,16 @@
-"""`python -m data_prep curate`: the sub-command's flags and its run."""
+"""`python -m data_prep curate`: curate a dataset's labels into shared canonical vocabularies (two
+passes: cluster object names, then apply your cluster labels).
+
+Objects: colour words and adjectives stripped (NLTK POS tagger), plurals folded, names embedded and
+clustered with HDBSCAN into a clusters file you label; relations: cluster labels for
+subject/object, stopwords removed from the predicate, then your --relation-overrides; actions: your
+surface-form -> class map. The first run writes the clusters file and exits with status 3 (with
+OUT.clusters.md, a table per cluster, and OUT.clusters.tree.png, hdbscan's condensed tree); label
+it and rerun. Every run writes OUT.clusters.predicate_table.tsv beside the clusters file (each
+predicate, its count, the raw predicates merged into it, flagged where they differ by a spatial
+preposition) for the overrides. OUT/object_curation keeps the names, labels and fitted clusterer,
+so a later --extend OUT maps a new source onto them.
+"""
 
 import argparse
 import sys
@@ -8,20 +20,7 @@ from data_prep.cli import command
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """`curate`: its flags."""
-    cur = command(
-        sub, "curate", run,
-        "curate a dataset's labels into shared canonical vocabularies (two passes: cluster "
-        "object names, then apply your cluster labels)",
-        "Objects: colour words and adjectives stripped (NLTK POS tagger), plurals folded, names "
-        "embedded and clustered with HDBSCAN into a clusters file you label; relations: cluster "
-        "labels for subject/object, stopwords removed from the predicate, then your "
-        "--relation-overrides; actions: your surface-form -> class map. The first run writes "
-        "the clusters file and exits with status 3 (with OUT.clusters.md, a table per cluster, "
-        "and OUT.clusters.tree.png, hdbscan's condensed tree); label it and rerun. Every run "
-        "writes OUT.clusters.predicate_table.tsv beside the clusters file (each predicate, its "
-        "count, the raw predicates merged into it, flagged where they differ by a spatial "
-        "preposition) for the overrides. OUT/object_curation keeps the names, labels and "
-        "fitted clusterer, so a later --extend OUT maps a new source onto them.")
+    cur = command(sub, "curate", run, __doc__)
     cur.add_argument("--data", required=True, help="a SCLARO dataset folder (e.g. annotate's "
                                                    "or the demo's output)")
     cur.add_argument("--out", required=True, help="the curated dataset folder to write")

@@ -1,4 +1,14 @@
-"""`python -m data_prep rocs`: the sub-command's flags and its run."""
+"""`python -m data_prep rocs`: build a ROCS-style retrieval split (rare objects in cluttered scenes)
+from a COCO instances file.
+
+MINER section 3: the top --top-fraction of images by object count; in each, the objects whose class
+appears once; of those, the ones whose SAM mask covers at most --max-mask-area of the image; a VLM
+caption of each, one COCO-style sentence (the paper's appendix J prompts) that names it in
+--caption-words words (asked again once if it does not, then dropped). Writes OUT/rocs (a datasets
+folder that python -m sclaro_jax.eval.rocs reads), OUT/summary.json (every drop with its reason)
+and OUT/stats.json (the paper's Figure 3 numbers). Masks and captions are cached in --work: a rerun
+after a crash redoes only what is missing.
+"""
 
 import argparse
 import os
@@ -9,18 +19,7 @@ from data_prep.cli import command
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """`rocs`: its flags."""
-    rocs = command(
-        sub, "rocs", run,
-        "build a ROCS-style retrieval split (rare objects in cluttered scenes) from a COCO "
-        "instances file",
-        "MINER section 3: the top --top-fraction of images by object count; in each, the "
-        "objects whose class appears once; of those, the ones whose SAM mask covers at most "
-        "--max-mask-area of the image; a VLM caption of each, one COCO-style sentence (the "
-        "paper's appendix J prompts) that names it in --caption-words words (asked again once "
-        "if it does not, then dropped). Writes OUT/rocs (a datasets folder that python -m "
-        "sclaro_jax.eval.rocs reads), OUT/summary.json (every drop with its reason) and "
-        "OUT/stats.json (the paper's Figure 3 numbers). Masks and captions are cached in "
-        "--work: a rerun after a crash redoes only what is missing.")
+    rocs = command(sub, "rocs", run, __doc__)
     rocs.add_argument("--images", required=True, help="image folder (the file_names of the "
                       "instances file are relative to it)")
     rocs.add_argument("--instances", default="", help="COCO instances JSON")
