@@ -104,7 +104,15 @@ def main(argv):
         from sclaro_jax.run.sharding import initialize_distributed
         initialize_distributed()
     from sclaro_jax.run.folder import check_workdir
+    from sclaro_jax.run.lock import hold_workdir
     check_workdir(workdir)
+    hold_workdir(workdir)  # this process is the run's one writer until it ends
+    if config.get("trainer", "scenarioclip") == "detection":
+        from sclaro_jax.detection.train import check_rates
+        check_rates(config)
+    else:
+        from sclaro_jax.train.trainer import check_recipe
+        check_recipe(config)
     if not config.data.dir:
         prepare_demo(config, workdir)
     if config.get("trainer", "scenarioclip") == "detection":
@@ -171,6 +179,17 @@ def _underscores(arg: str) -> str:
     return "--" + name.replace("-", "_") + eq + value
 
 
+def _flag_value(argv: list[str], name: str) -> str | None:
+    """The value of `--name=V` or `--name V` in argv (the last one), else None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
 def cli(args: list[str]) -> None:
     args = [_underscores(a) for a in args]
     verbose = "--verbose" in args
@@ -189,6 +208,10 @@ def cli(args: list[str]) -> None:
         print(FLAGS.main_module_help())
         sys.exit(0)
     try:
+        from sclaro_jax.run.lock import probe_workdir
+        workdir = _flag_value(argv, "--workdir")
+        if workdir:  # a second run on a busy workdir: refused before the config loads jax
+            probe_workdir(workdir)
         define_flags(spec, argv)
         argv = FLAGS(argv)  # parse here, so a bad value is one error line too
     except flags.Error as e:
@@ -199,6 +222,15 @@ def cli(args: list[str]) -> None:
         app.run(main, argv=argv)
     except SystemExit:
         raise
+    except KeyboardInterrupt:  # the second Ctrl-C: out at once, without the threads' noise
+        if verbose:
+            import traceback
+            traceback.print_exc()
+        print("error: aborted (a second interrupt); the run's complete checkpoints are kept: "
+              "rerun the same command to continue from the newest", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # background writer threads would hold the exit (and print on the way)
     except user_errors() as e:
         fail(_message(e), verbose)
 

@@ -282,8 +282,8 @@ LAUNCH_SMALL = ["--config.batch_size=2", "--config.log_every=1", "--config.check
 
 def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
     """`launch/train.py --config configs/detection.py:demo` trains the detector (a tiny random
-    encoder) with ScenarioCLIP's flags and overrides; a rerun with more epochs resumes, one with
-    another recipe is refused with one error line unless --allow-config-change."""
+    encoder) with ScenarioCLIP's flags and overrides; a rerun with another recipe or length is
+    refused with one error line unless --allow-config-change (then it resumes)."""
     import subprocess
     import sys
 
@@ -312,9 +312,13 @@ def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
     assert "head_lr" in refused.stderr and "Traceback" not in refused.stderr
     bad_key = launch("--config.detector.imagesize=3")
     assert bad_key.returncode == 2 and "imagesize" in bad_key.stderr.strip().splitlines()[-1]
-    resumed = launch("--config.epochs=2")  # epochs may change: the run continues
+    longer = launch("--config.epochs=2")  # another length re-stretches the schedule: refused
+    assert longer.returncode == 2 and "epochs: 1 in the run, 2 now" in longer.stderr
+    resumed = launch("--config.epochs=2", "--allow-config-change")  # unless allowed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "done: 10 steps" in resumed.stdout and "resumed" in resumed.stderr
+    assert ("the run's length changes at step 5 (epochs 1 -> 2, allowed): its learning-rate "
+            "schedule is re-stretched") in resumed.stderr
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert {"loss", "loss_objectness", "copy_paste_rate", "examples_per_sec"} <= set(rows[-1])

@@ -68,11 +68,32 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, demo_dir, cache):
+    """The reference run; while it compiles, a second run on its workdir (a requeued job) is
+    refused at once, naming the first, which goes on undisturbed."""
+    import socket
+    import time
+
     workdir = tmp_path_factory.mktemp("run_full")
-    result = _run(_cmd(workdir, demo_dir, cache))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "compiling the train step (first step only)" in result.stderr
-    assert "next:" in result.stdout.lower() and "sclaro_jax.train.export" in result.stdout
+    proc = subprocess.Popen(_cmd(workdir, demo_dir, cache), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "compiling the train step (first step only)" in line:
+            break
+    t0 = time.monotonic()
+    second = _run(_cmd(workdir, demo_dir, cache), timeout=120)
+    took = time.monotonic() - t0
+    out, err = proc.communicate(timeout=900)
+    err = "".join(seen) + err
+    assert proc.returncode == 0, err[-3000:]
+    line = _error(second)
+    assert line.startswith(f"error: {workdir} is in use by another run: pid {proc.pid} on host "
+                           f"{socket.gethostname()}"), line
+    assert "another --workdir" in line and took < 10, (took, line)
+    assert not second.stdout.strip()
+    assert "next:" in out.lower() and "sclaro_jax.train.export" in out
+    assert [r["step"] for r in _metrics(workdir)] == list(range(2, STEPS + 1, 2))  # each once
     return workdir
 
 
@@ -156,6 +177,12 @@ def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir,
     assert "train.lr: 0.0005 in the run, 0.001 now" in drift.stderr
     assert "--allow-config-change" in drift.stderr
 
+    # a longer run: its schedule would be re-stretched, so it is a change like the one above
+    longer = _run(_cmd(workdir, demo_dir, cache, f"--config.train.steps={2 * STEPS}"))
+    assert longer.returncode == 2 and "Traceback" not in longer.stderr
+    assert f"train.steps: {STEPS} in the run, {2 * STEPS} now" in longer.stderr
+    assert f"re-stretches the schedule from step {stopped} on" in longer.stderr
+
     # another dataset (same files, another manifest): refused, naming both
     other = tmp_path / "other_data"
     shutil.copytree(demo_dir, other)
@@ -181,6 +208,55 @@ def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir,
     _same_run(workdir, uninterrupted)
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A tmpfs folder (mounted here: needs root) and a function that resizes it."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+
+    def mount(size_mb, *options):
+        return subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join((*options,
+                               f"size={size_mb}m")), "tmpfs", str(folder)], capture_output=True)
+
+    if mount(8).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield folder, lambda size_mb: mount(size_mb, "remount")
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
+
+
+def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_continues(
+        uninterrupted, demo_dir, cache, small_filesystem):
+    folder, resize = small_filesystem
+    size = sum(f.stat().st_size for f in (Path(uninterrupted) / "checkpoints" / str(STEPS))
+               .rglob("*") if f.is_file()) / 2**20
+    assert size > 1
+    # room for the step-4 checkpoint and the logs, not for step 8's beside it
+    assert resize(int(1.6 * size) + 2).returncode == 0
+    workdir = folder / "run"
+    full = _run(_cmd(workdir, demo_dir, cache))
+    assert full.returncode == 2, full.stderr[-3000:]
+    lines = full.stderr.strip().splitlines()
+    assert lines[-1].startswith(f"error: the checkpoint of step 8 could not be written to "
+                                f"{workdir / 'checkpoints'} (No space left on device); "
+                                "training stopped at step "), lines[-1]
+    assert "The newest complete checkpoint is step 4" in lines[-1]
+    assert sum(x.startswith("error:") for x in lines) == 1
+    assert sum(x.startswith(("Traceback", "  File ")) for x in lines) <= 5, full.stderr[-5000:]
+    assert "Event loop is closed" not in full.stderr
+    assert sorted(os.listdir(workdir / "checkpoints"))[0] == "4"
+    assert "done:" not in full.stdout and "stopped at step" not in full.stdout
+
+    assert resize(int(4 * size) + 8).returncode == 0  # the cause removed
+    rerun = _run(_cmd(workdir, demo_dir, cache))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "found an unfinished checkpoint (8.orbax-checkpoint-tmp" in rerun.stderr
+    assert f"resumed from {workdir} at step 4" in rerun.stderr
+    assert "Metadata file does not exist" not in rerun.stderr  # orbax's routine warning
+    _same_run(workdir, uninterrupted)
+
+
 def test_allowed_config_change_keeps_both_configs(tmp_path):
     from ml_collections import ConfigDict
 
@@ -190,8 +266,9 @@ def test_allowed_config_change_keeps_both_configs(tmp_path):
     runs.write_config(str(tmp_path), old, step=0, unsafe={})
     new = ConfigDict({"train": {"lr": 1e-3, "steps": 20}, "log_every": 1, "data": {"dir": "b"}})
     unsafe, safe = runs.config_changes(str(tmp_path), new)
-    assert unsafe == {"train.lr": (5e-4, 1e-3)}
-    assert safe == {"data.dir": ("a", "b"), "log_every": (5, 1), "train.steps": (10, 20)}
+    assert unsafe == {"train.lr": (5e-4, 1e-3), "train.steps": (10, 20)}  # steps: the schedule
+    assert safe == {"data.dir": ("a", "b"), "log_every": (5, 1)}
+    unsafe = {"train.lr": (5e-4, 1e-3)}
     newer = ConfigDict(new.to_dict())
     newer.train.decay_logit_scales = True  # a key added to the code since the run started
     assert runs.config_changes(str(tmp_path), newer) == (unsafe, {
@@ -230,7 +307,7 @@ def _error(result):
     return lines[0]
 
 
-def test_user_errors_are_one_line(demo_dir, tmp_path):
+def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
     def train(*args, workdir=tmp_path / "w"):
         return _run([sys.executable, "launch/train.py", "--config",
                      "configs/scenarioclip.py:demo", "--workdir", str(workdir), *args],
@@ -271,6 +348,17 @@ def test_user_errors_are_one_line(demo_dir, tmp_path):
                         "--config.train.steps=1"))
     assert str(shard) in line and "sha256 does not match" in line, line
 
+    flipped_quietly = _run(_cmd(tmp_path / "w2", flipped, cache), timeout=600)
+    line = _error(flipped_quietly)  # without --verify-data: the read fails, naming the shard
+    assert f"of shard {shard}: Corrupted Riegeli/records file" in line, line
+    assert "The shard is damaged; --verify-data checks every shard's sha256" in line, line
+    assert flipped_quietly.stderr.strip().splitlines()[-1] == line
+
+    for lr in ("-0.001", "0"):
+        line = _error(train(f"--config.train.lr={lr}", workdir=tmp_path / "neg"))
+        assert f"train.lr must be a positive learning rate, got {float(lr)}" in line, line
+    assert not (tmp_path / "neg" / "demo_data").exists()  # refused before any work
+
     verbose = train("--config.train.lrr=0.1", "--verbose")
     assert verbose.returncode == 2 and "Traceback" in verbose.stderr
 
@@ -282,3 +370,28 @@ def test_help_lists_the_configs_and_their_variants():
                  "configs/scenarioclip_nokd.py:demo"):
         assert spec in result.stdout, result.stdout
     assert "allow_config_change" in result.stdout and "verify_data" in result.stdout
+
+
+def test_an_allowed_new_length_says_what_happens_to_the_learning_rate(demo_dir, caplog):
+    """The warning of an allowed length change gives the learning rate at the resumed step on
+    both schedules (warm-up 10%, then cosine to 0, as numpy computes it here)."""
+    import logging
+    import math
+
+    from conftest import demo_config
+    from sclaro_jax.train import trainer
+
+    config = demo_config(demo_dir, steps=40)
+    tcfg = trainer.train_config(config, 40)
+
+    def lr(total, t):
+        warmup = max(1, int(0.1 * total))
+        peak = config.train.lr
+        if t < warmup:
+            return peak * (1e-3 + (1 - 1e-3) * t / warmup)
+        return peak * 0.5 * (1 + math.cos(math.pi * (t - warmup) / (total - warmup)))
+
+    with caplog.at_level(logging.WARNING, logger="sclaro_jax"):
+        trainer._log_schedule_change(config, {"train.steps": (16, 40)}, tcfg, 12, 10)
+    assert (f"learning rate at step 12: {lr(16, 12):.4g} on the run's schedule of 16 steps, "
+            f"{lr(40, 12):.4g} on the new one of 40 steps (warm-up 4 steps") in caplog.text

@@ -24,6 +24,10 @@ class DatasetError(ValueError):
     """A dataset folder that cannot be read; the message names the folder or file."""
 
 
+class ShardReadError(DatasetError):
+    """A record that cannot be read from its shard (a damaged file)."""
+
+
 class ViewSizeError(DatasetError):
     """A dataset whose stored views are of another size than the model's input."""
 
@@ -204,6 +208,35 @@ def _shard_source_class():
 
         def __reduce__(self):  # picklable for Grain's worker processes (a local class)
             return shard_source, (self._paths, self.identity)
+
+        def __getitem__(self, record_key):
+            try:
+                return super().__getitem__(record_key)
+            except Exception as e:  # noqa: BLE001 (named and re-raised)
+                raise self._read_error(record_key, e) from e
+
+        def __getitems__(self, record_keys):
+            try:
+                return super().__getitems__(record_keys)
+            except Exception as e:  # noqa: BLE001 (named and re-raised)
+                for key in record_keys:  # which record: read them one at a time
+                    try:
+                        super().__getitem__(key)
+                    except Exception as one:  # noqa: BLE001
+                        raise self._read_error(key, one) from e
+                raise
+
+        def _read_error(self, record_key, error: Exception) -> Exception:
+            """A failed read as ShardReadError naming the shard and record (errors in the
+            arguments, such as a key out of range, stay as they are)."""
+            try:
+                shard, position = self._reader_idx_and_position(record_key)
+            except Exception:  # noqa: BLE001
+                return error
+            return ShardReadError(
+                f"cannot read record {position} of shard {self._paths[shard]}: {error}. The "
+                "shard is damaged; --verify-data checks every shard's sha256 against the "
+                "manifest (rewrite or restore the shards it names).")
 
     return ShardSource
 

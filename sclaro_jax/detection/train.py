@@ -43,7 +43,7 @@ from sclaro_jax import ops as pixel_ops
 from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
-from sclaro_jax.run import folder as runs, sharding
+from sclaro_jax.run import folder as runs, lock, sharding
 from sclaro_jax.run.cache import use_compilation_cache
 from sclaro_jax.run.params import label_params
 
@@ -77,7 +77,16 @@ def compute_dtype(name: str):
     return jnp.dtype(name)
 
 
+def check_rates(config) -> None:
+    """ValueError unless both learning rates are positive."""
+    for key in ("backbone_lr", "head_lr"):
+        if not config[key] > 0:  # NaN too
+            raise ValueError(f"{key} must be a positive learning rate, got {config[key]}")
+
+
 def total_steps(config, examples: int) -> int:
+    """The run's length in steps (learning rates checked by `check_rates`)."""
+    check_rates(config)
     return max(1, math.ceil(config.epochs * examples / config.batch_size))
 
 
@@ -197,10 +206,21 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     times the train step was compiled in this call: 1, or 0 when no step was taken).
     `stop_at`: stop after that step with a checkpoint, as an interrupt would. A resumed run
     whose config differs from OUT/config.json in more than `run.folder.SAFE_KEYS` is refused
-    unless `allow_config_change`."""
+    unless `allow_config_change`. The process is OUT's one writer meanwhile
+    (`run.lock.hold_workdir`)."""
+    runs.check_workdir(out)
+    lock.hold_workdir(out)
+    try:
+        return _train(config, out, model, examples, num_classes, progress=progress,
+                      stop_at=stop_at, allow_config_change=allow_config_change)
+    finally:
+        lock.release_workdir(out)
+
+
+def _train(config, out: str, model: Detector, examples: list, num_classes: int, *,
+           progress: bool, stop_at: int | None, allow_config_change: bool):
     cfg = model.cfg
     steps = total_steps(config, len(examples))
-    runs.check_workdir(out)
     checkpoints = Checkpoints.open(out, ocp.args.StandardSave, keep=config.keep_checkpoints,
                                    background=config.get("checkpoint_async", True))
     start = checkpoints.start
@@ -219,7 +239,7 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     if start >= steps:
         log.info("%s already holds a checkpoint at step %d of %d: nothing to train", out, start,
                  steps)
-        checkpoints.manager.close()
+        checkpoints.close()
         return graphdef, state, info
     batch_of, log_fields = _batches(config, examples, num_classes, cfg, mesh)
     spec = LoopSpec(workdir=out, start=start, steps=steps, log_every=config.log_every,

@@ -57,6 +57,7 @@ def run(config, workdir: str, *, progress: bool = True, allow_config_change: boo
     from sclaro_jax.run.folder import check_workdir
 
     check_workdir(workdir)
+    train.check_rates(config)  # before any data is prepared
     prepared = prepare(config, verify_data=verify_data)
     return fit(config, workdir, prepared, progress=progress,
                allow_config_change=allow_config_change, stop_at=stop_at)

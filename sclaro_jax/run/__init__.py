@@ -1,6 +1,6 @@
 """The run layer under every trainer (ScenarioCLIP's `sclaro_jax.train`, the detector's
 `sclaro_jax.detection.train`): the run folder (`folder`: graceful stop, unfinished checkpoints,
-log truncation, config drift, data identity), device layouts (`sharding`), the compilation cache
+log truncation, config drift, data identity), its one writer (`lock`), device layouts (`sharding`), the compilation cache
 (`cache`), parameter groups by name (`params`) and the one loop, `run_steps` (`loop`).
 
 It imports nothing of sclaro_jax but `config`, `compile`, `ops` and `files`: no trainer, model,

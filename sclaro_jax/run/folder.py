@@ -8,9 +8,11 @@
   renames it when complete; such a folder found at start is a checkpoint that never finished.
 - `truncate_logs`: on resume at step S, metrics.jsonl, eval.jsonl and the TensorBoard event
   files keep only steps <= S, so the replayed steps appear once.
+- (`sclaro_jax.run.lock`: one writer per workdir.)
 - `config_changes` / `write_config`: a resumed run's config is compared with the one its steps
   were taken with (config.json); only `SAFE_KEYS` may change unless the caller allows it, and then
   the old config is kept as `config.until-step-<S>.json` with a line in config_changes.jsonl.
+  The run's length is not among them: it sets the learning-rate schedule (`LENGTH_KEYS`).
 - `check_data_state`: the data iterator's saved state names the dataset by its manifest's
   content hash (`ShardedDataset.source`), so a moved dataset or workdir resumes and another
   dataset is refused by name.
@@ -35,10 +37,14 @@ log = logging.getLogger(__name__)
 # logs, saves and evaluates, where its data lies (the dataset itself is checked by content) and
 # how the devices share the work (checkpoints restore onto another layout).
 # The detector's recipe (configs/detection.py) keeps its length and evaluation at the top level.
-SAFE_KEYS = ("train.steps", "train.epochs", "log_every", "checkpoint_every", "keep_checkpoints",
-             "checkpoint_async", "progress_bar", "compilation_cache", "evals", "data.dir",
-             "sharding", "distributed", "epochs", "eval_split", "eval_batch_size",
-             "backbone.workdir")
+SAFE_KEYS = ("log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_async",
+             "progress_bar", "compilation_cache", "evals", "data.dir", "sharding", "distributed",
+             "eval_split", "eval_batch_size", "backbone.workdir")
+# The keys that set a run's length (ScenarioCLIP: train.*; the detector: top level). The warm-up /
+# cosine schedule spans the run's length, so a new length changes the learning rate from the
+# resumed step on: a change like any other of the recipe (refused unless allowed, then logged
+# with what happens to the schedule).
+LENGTH_KEYS = ("train.steps", "train.epochs", "epochs")
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 # How Grain's own ArrayRecord source named a dataset in iterator states saved before dataset
 # identities (a hash of the shards' absolute paths).
@@ -210,11 +216,21 @@ def config_changes(workdir: str, config) -> tuple[dict, dict]:
     return unsafe, safe
 
 
+def length_changes(unsafe: dict) -> dict:
+    """The changes among `unsafe` that set the run's length (`LENGTH_KEYS`)."""
+    return {k: v for k, v in unsafe.items() if k in LENGTH_KEYS}
+
+
 def refuse_drift(workdir: str, step: int, unsafe: dict) -> None:
     lines = "\n".join(f"  {k}: {saved!r} in the run, {now!r} now"
                       for k, (saved, now) in unsafe.items())
+    length = ""
+    if length_changes(unsafe):
+        length = ("The run's length sets its warm-up / cosine learning-rate schedule: another "
+                  f"length re-stretches the schedule from step {step} on (the learning rate "
+                  "jumps there).\n")
     raise ConfigDriftError(
-        f"{workdir} holds a run at step {step} trained with another config:\n{lines}\n"
+        f"{workdir} holds a run at step {step} trained with another config:\n{lines}\n{length}"
         "Rerun with the run's settings to continue it, use another --workdir for a new run, or "
         "pass --allow-config-change to continue with the new settings (both configs are kept).")
 

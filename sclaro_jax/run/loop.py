@@ -20,6 +20,8 @@ import dataclasses
 import json
 import logging
 import os
+import re
+import sys
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -28,14 +30,70 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
-from sclaro_jax.run.folder import (GracefulStop, config_changes, refuse_drift,
-                                   unfinished_checkpoints)
+from sclaro_jax.run.folder import (GracefulStop, RunError, config_changes, length_changes,
+                                   refuse_drift, unfinished_checkpoints)
 
 log = logging.getLogger(__name__)
 
 
 class NonFiniteLossError(FloatingPointError):
     pass
+
+
+class CheckpointWriteError(RunError):
+    """A checkpoint that could not be written (a full disk, a lost mount): the run stops."""
+
+
+def _cause(error: BaseException) -> str:
+    """The operating system's reason in an orbax / TensorStore write error ('No space left on
+    device'), else the error's first line."""
+    text = str(error)
+    code = re.search(r"os_error_code='?(\d+)", text)
+    if code:
+        return os.strerror(int(code.group(1)))
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return first if len(first) <= 300 else first[:300] + " ..."
+
+
+class _OrbaxNoise(logging.Filter):
+    """On the absl logger that orbax writes to: drops orbax's routine warnings (a resumed
+    checkpoint without optional metadata; "consider checkpointing less frequently" after a
+    background save) and, while a run's `Checkpoints` are open, its error reports with their
+    tracebacks (and asyncio's reports of its failed tasks): a failed write reaches the run as
+    one `CheckpointWriteError` instead."""
+
+    ROUTINE = ("Metadata file does not exist", "consider checkpointing less frequently")
+
+    def __init__(self):
+        super().__init__()
+        self.open = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":  # the failed write's tasks, collected as the process ends
+            return not (self.open and "exception was never retrieved" in str(record.msg))
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        if record.levelno >= logging.ERROR:
+            return not self.open
+        message = str(record.msg)
+        return not any(text in message for text in self.ROUTINE)
+
+
+_NOISE = _OrbaxNoise()
+logging.getLogger("absl").addFilter(_NOISE)
+logging.getLogger("asyncio").addFilter(_NOISE)
+
+
+def _quiet_unraisable(previous):
+    """A `sys.unraisablehook` that drops 'Event loop is closed' (TensorStore's callbacks into an
+    orbax write that already failed, hundreds of them) and passes on the rest."""
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and \
+                "Event loop is closed" in str(unraisable.exc_value):
+            return
+        previous(unraisable)
+    hook.previous = previous
+    return hook
 
 
 @dataclasses.dataclass
@@ -78,6 +136,13 @@ class Checkpoints:
         self.background = background
         self.start = manager.latest_step() or 0
         self.saved = {self.start}
+        self.complete = self.start  # the newest checkpoint known to be complete
+        self.pending: int | None = None  # the step of a checkpoint written in the background
+        self.failed: CheckpointWriteError | None = None
+        self.now = self.start  # the step the run has reached (for messages)
+        self._closed = False
+        _NOISE.open += 1
+        self._hook = sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
 
     @classmethod
     def open(cls, workdir: str, save_args: Callable, *, keep: int, background: bool = True,
@@ -108,21 +173,89 @@ class Checkpoints:
             return {}
         unsafe, safe = config_changes(workdir, config)
         if unsafe and not allow:
-            self.manager.close()
+            self.close()
             refuse_drift(workdir, self.start, unsafe)
         for k, (before, now) in {**safe, **unsafe}.items():
             log.info("config change at step %d: %s %r -> %r", self.start, k, before, now)
+        for k, (before, now) in length_changes(unsafe).items():
+            log.warning("the run's length changes at step %d (%s %r -> %r, allowed): its "
+                        "learning-rate schedule is re-stretched over the new length from this "
+                        "step on", self.start, k, before, now)
         return unsafe
 
+    def _failure(self, step: int, error: BaseException | None) -> CheckpointWriteError:
+        cause = _cause(error) if error is not None else "it is missing after the write"
+        self.failed = CheckpointWriteError(
+            f"the checkpoint of step {step} could not be written to {self.folder} ({cause}); "
+            f"training stopped at step {max(self.now, step)}. The newest complete checkpoint is "
+            f"{f'step {self.complete}' if self.complete else 'none (the run starts over)'}; "
+            "the unfinished one is removed when the run starts again. Free the space (or fix "
+            "the cause), then rerun the same command.")
+        self.saved.discard(step)
+        return self.failed
+
+    def _settle(self) -> None:
+        """Whether the checkpoint in flight (if it has finished) was written; raises
+        CheckpointWriteError when it was not."""
+        step, self.pending = self.pending, None
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:  # noqa: BLE001 (named in the error)
+            raise self._failure(step, e) from e
+        if not os.path.isdir(os.path.join(self.folder, str(step))):
+            raise self._failure(step, None)
+        self.complete = step
+
+    def poll(self, step: int) -> bool:
+        """False once a checkpoint written in the background has failed (checked after each
+        step, `step` the one just taken: the run stops at once, with `failed` the error)."""
+        self.now = step
+        if self.failed is not None:
+            return False
+        if self.pending is not None and not self.manager.is_saving_in_progress():
+            try:
+                self._settle()
+            except CheckpointWriteError:
+                return False
+        return True
+
     def save(self, step: int, state) -> None:
-        self.manager.save(step, args=self.save_args(state), force=True)
+        self.now = step
+        if self.pending is not None:
+            self._settle()  # orbax waits for it anyway; a failure is named here
+        try:
+            self.manager.save(step, args=self.save_args(state), force=True)
+        except Exception as e:  # noqa: BLE001 (named in the error)
+            raise self._failure(step, e) from e
         self.saved.add(step)
+        if self.background:
+            self.pending = step
+        else:
+            self.complete = step
         log.info("checkpoint at step %d %s", step,
                  "started (written in the background)" if self.background else "written")
 
     def close(self) -> None:
-        self.manager.wait_until_finished()  # a checkpoint in flight completes, whatever happened
-        self.manager.close()
+        """Wait for a checkpoint in flight (CheckpointWriteError if it fails) and close."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.pending is not None and self.failed is None:
+                self._settle()  # a checkpoint in flight completes, whatever happened
+        finally:
+            try:
+                self.manager.close()
+            except Exception:  # noqa: BLE001 (a failed write, already reported)
+                if self.failed is None:
+                    raise
+            finally:
+                # after a failed write, orbax's threads may still report it while the process
+                # ends: the filters stay (the run's error has said it once)
+                if self.failed is None:
+                    _NOISE.open -= 1
+                    if sys.unraisablehook is self._hook:
+                        sys.unraisablehook = self._hook.previous
 
 
 class Result(NamedTuple):
@@ -147,6 +280,13 @@ def tensorboard(workdir: str):
     except ImportError:  # optional: metrics.jsonl is always written
         return None
     return SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+
+def all_ok(checkpoints: Checkpoints, step: int) -> bool:
+    """`checkpoints.poll(step)` on every process (collective): False if any process's failed."""
+    from jax.experimental import multihost_utils
+    ok = multihost_utils.process_allgather(np.int32(checkpoints.poll(step)))
+    return bool(np.min(ok))
 
 
 class _Log:
@@ -244,11 +384,24 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
                 logs.n_last += spec.examples_per_step
                 done = step + 1
                 _after_step(state, metrics, done, spec, checkpoints, logs, hooks)
+                if not (all_ok(checkpoints, done) if multi else checkpoints.poll(done)):
+                    raise checkpoints.failed or CheckpointWriteError(
+                        f"a checkpoint of another process failed at step {done}; training "
+                        "stopped (see that process's error)")
             if done not in checkpoints.saved:  # stopped early: a checkpoint of the last step
                 checkpoints.save(done, state)
-    finally:
+    except KeyboardInterrupt:  # a second Ctrl-C: leave at once (a write in flight is left
+        logs.close()           # unfinished; the next start removes it)
+        raise
+    except BaseException:
         logs.close()
-        checkpoints.close()
+        try:
+            checkpoints.close()
+        except CheckpointWriteError:
+            pass  # the error in flight says more
+        raise
+    logs.close()
+    checkpoints.close()
     if stop.requested and done < spec.steps:
         log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
                     spec.steps, stop.requested)

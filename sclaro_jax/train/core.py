@@ -66,6 +66,8 @@ class TrainConfig:
     decay_logit_scales: bool = True
 
     def __post_init__(self):
+        if not self.lr > 0:  # NaN too
+            raise ValueError(f"train.lr must be a positive learning rate, got {self.lr}")
         if self.kd_direction not in losses.KD_DIRECTIONS:
             raise ValueError(f"kd_direction {self.kd_direction!r} is not one of "
                              f"{losses.KD_DIRECTIONS}")

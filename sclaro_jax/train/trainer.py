@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import logging
 import os
@@ -38,7 +39,7 @@ from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, NonFiniteLossError, run_steps  # noqa: F401
-from sclaro_jax.run import folder as runs, sharding
+from sclaro_jax.run import folder as runs, lock, sharding
 from sclaro_jax.run.cache import use_compilation_cache
 from sclaro_jax.run.folder import check_workdir
 from sclaro_jax.train import core, resume
@@ -118,11 +119,18 @@ def open_training_data(config, *, verify: bool = False):
     return dataset
 
 
-def _check(config, workdir: str, verify_data: bool):
-    """(dataset, the run's total steps) after the checks that come before anything is written:
-    unknown config.train keys, the layout, the workdir, the data, the batch over the hosts."""
+def check_recipe(config) -> None:
+    """The checks of `config` that need no data: unknown config.train keys, the layout, the
+    recipe's values (e.g. a learning rate that is not positive)."""
     recipe_keys(config)
     check_layout(config)
+    train_config(config, 1)
+
+
+def _check(config, workdir: str, verify_data: bool):
+    """(dataset, the run's total steps) after the checks that come before anything is written:
+    the recipe (`check_recipe`), the workdir, the data, the batch over the hosts."""
+    check_recipe(config)
     check_workdir(workdir)
     dataset = open_training_data(config, verify=verify_data)
     steps = total_steps(config, dataset.num_records("train"))
@@ -180,7 +188,29 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     SIGINT / SIGTERM (or `stop_at`, a step) stop it after the current step with a checkpoint
     (`runs.GracefulStop`): the returned state's step is then below the total. A resumed run
     whose config differs from WORKDIR/config.json in more than `runs.SAFE_KEYS` is refused
-    (`runs.ConfigDriftError`) unless `allow_config_change`."""
+    (`runs.ConfigDriftError`) unless `allow_config_change`. The process is the workdir's one
+    writer while it trains (`lock.hold_workdir`: another run on it is refused with
+    `lock.WorkdirInUseError`, naming the holder)."""
+    check_workdir(workdir)
+    lock.hold_workdir(workdir)
+    made = [os.path.join(workdir, name) for name in ("checkpoints", "jax_cache")
+            if not os.path.exists(os.path.join(workdir, name))]
+    try:
+        return _train(config, workdir, progress=progress,
+                      allow_config_change=allow_config_change, verify_data=verify_data,
+                      stop_at=stop_at)
+    except BaseException:
+        for folder in made:  # a failed start leaves no empty folders behind
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
+        raise
+    finally:
+        lock.release_workdir(workdir)
+
+
+def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
+           verify_data: bool, stop_at: int | None) -> core.TrainState:
+    """`train` once the workdir is held."""
     dataset, steps = _check(config, workdir, verify_data)
     tcfg = train_config(config, steps)
     chief = jax.process_index() == 0
@@ -188,6 +218,8 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
                                    background=config.checkpoint_async, chief=chief)
     start = checkpoints.start
     unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
+    if runs.length_changes(unsafe):
+        _log_schedule_change(config, unsafe, tcfg, start, dataset.num_records("train"))
     graphdef, state, step_fn, mesh, sizes, it = _build(config, workdir, dataset, tcfg)
     checkpoints.save_args = _save_args(it)
     if start:
@@ -201,7 +233,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     if start >= steps:
         log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
                  start, steps)
-        checkpoints.manager.close()
+        checkpoints.close()
         return state
     wait = DataWait(config.data.workers)
 
@@ -220,6 +252,25 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     state = run_steps(step_fn, state, batch_of, checkpoints, spec, hooks, chief=chief).state
     sizes.summary()
     return state
+
+
+def _log_schedule_change(config, unsafe: dict, tcfg: core.TrainConfig, start: int,
+                         records: int) -> None:
+    """An allowed change of the run's length: the learning rate at the resumed step on the
+    run's schedule and on the new one."""
+    import ml_collections
+
+    old = ml_collections.ConfigDict(config.to_dict())
+    for key in ("steps", "epochs"):
+        saved = unsafe.get(f"train.{key}", (None,))[0]
+        if saved not in (None, "(absent)"):
+            old.train[key] = saved
+    before = dataclasses.replace(tcfg, total_steps=total_steps(old, records))
+    log.warning("learning rate at step %d: %.4g on the run's schedule of %d steps, %.4g on the "
+                "new one of %d steps (warm-up %d steps, then cosine to 0)", start,
+                float(core.learning_rate(before)(start)), before.total_steps,
+                float(core.learning_rate(tcfg)(start)), tcfg.total_steps,
+                max(1, int(tcfg.warmup_fraction * tcfg.total_steps)))
 
 
 class PackedSteps:
