@@ -6,79 +6,19 @@ torch included) under an import hook that hides every installed distribution out
 requirement closure of the core dependencies plus the `demo` extra, as a fresh
 `pip install -e ".[demo]"` venv would lack them: an import of a hidden package raises
 ModuleNotFoundError, so optional imports (tensorboardX's `import torch`, scikit-learn's pandas)
-take their fallback and required ones fail the run.
+take their fallback and required ones fail the run. The closure and the hook are
+tests/demo_extra.py's (tests/test_notebook.py runs the quickstart notebook under the same hook).
 """
 
 import json
 import os
 import subprocess
 import sys
-from importlib import metadata
-from pathlib import Path
 
 import pytest
-from packaging.markers import default_environment
-from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-try:
-    import tomllib
-except ImportError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
-
-ROOT = Path(__file__).resolve().parents[1]
-PROJECT = "sclaro-jax"
-# Never in the first hour's install: PyTorch and what only the annotation side needs.
-HEAVY = {"torch", "torchvision", "transformers", "segment-anything", "triton", "nltk",
-         "datasets", "sentencepiece"}
-
-
-def pyproject() -> dict:
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]
-
-
-def closure(extras: set[str], project: dict) -> tuple[set[str], set[str]]:
-    """(canonical names of the distributions that `pip install .[extras]` brings, walked through
-    the installed distributions' own metadata; requirements whose distribution is not installed
-    here). sclaro-jax's self-references (`sclaro-jax[data,eval]`) expand from pyproject."""
-    env = default_environment()
-    todo = [Requirement(r) for r in project["dependencies"]]
-    seen_extras: set[str] = set()
-
-    def add_own(names):
-        for extra in sorted(set(names) - seen_extras):
-            if extra not in project.get("optional-dependencies", {}):
-                raise AssertionError(f"pyproject.toml: no extra {extra!r} in "
-                                     "[project.optional-dependencies]")
-            seen_extras.add(extra)
-            todo.extend(Requirement(r) for r in project["optional-dependencies"][extra])
-
-    add_own(extras)
-    found, missing, done = set(), set(), set()
-    while todo:
-        req = todo.pop()
-        name = canonicalize_name(req.name)
-        if name == PROJECT:
-            add_own(req.extras)
-            continue
-        key = (name, tuple(sorted(req.extras)))
-        if key in done:
-            continue
-        done.add(key)
-        found.add(name)
-        try:
-            requires = metadata.distribution(name).requires or []
-        except metadata.PackageNotFoundError:
-            missing.add(name)
-            continue
-        for text in requires:
-            sub = Requirement(text)
-            wanted = [""] + sorted(req.extras)
-            if sub.marker is None or any(sub.marker.evaluate({**env, "extra": e})
-                                         for e in wanted):
-                todo.append(sub)
-    return found, missing
+from demo_extra import HEAVY, HOOK, ROOT, closure, pyproject
 
 
 @pytest.fixture(scope="module")
@@ -99,46 +39,6 @@ def test_demo_extra_brings_no_pytorch_and_the_others_still_bring_all(project):
     test, _ = closure({"test"}, project)
     assert demo <= data <= test
     assert {"torch", "torchvision", "transformers", "datasets", "pytest", "nbclient"} <= test
-
-
-# Runs in the child: hides every installed top-level module whose distributions all lie
-# outside ALLOWED, then runs launch/train.py; writes what it hid and what was imported.
-HOOK = r"""
-import atexit, json, runpy, sys
-from importlib import metadata
-from packaging.utils import canonicalize_name
-allowed, report, argv = set(json.loads(sys.argv[1])), sys.argv[2], sys.argv[3:]
-local = {"sclaro_jax", "data_prep", "configs", "launch"}
-tops = {top: {canonicalize_name(d) for d in dists}
-        for top, dists in metadata.packages_distributions().items()}
-hidden_tops = {t for t, d in tops.items() if not d & allowed} - local - set(sys.stdlib_module_names)
-hidden, before = [], set(sys.modules)  # before: the interpreter's start-up (site, .pth files)
-class Hide:
-    def find_spec(self, name, path=None, target=None):
-        top = name.partition(".")[0]
-        if top in hidden_tops:
-            hidden.append(name)
-            raise ModuleNotFoundError(f"No module named {name!r} (outside the demo extra)",
-                                      name=name)
-        return None
-sys.meta_path.insert(0, Hide())
-for name in ("torch", "transformers"):
-    if name in tops:  # installed here: the hook must make it look absent
-        try:
-            __import__(name)
-            raise SystemExit(f"hook failed to hide {name}")
-        except ModuleNotFoundError:
-            pass
-def write():
-    used = sorted({canonicalize_name(d) for m in set(sys.modules) - before
-                   if m.partition(".")[0] not in local for d in tops.get(m.partition(".")[0], ())})
-    with open(report, "w") as f:
-        json.dump({"hidden": sorted(set(hidden)), "imported": used,
-                   "modules": sorted(sys.modules)}, f)
-atexit.register(write)
-sys.argv = argv
-runpy.run_path(argv[0], run_name="__main__")
-"""
 
 
 def test_demo_trains_with_only_the_demo_extra(project, tmp_path):

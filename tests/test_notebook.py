@@ -1,6 +1,8 @@
-"""notebooks/quickstart.ipynb runs top to bottom (small sizes) in a real Jupyter kernel, and
+"""notebooks/quickstart.ipynb runs top to bottom (small sizes) in a real Jupyter kernel that
+sees only what a `pip install -e ".[demo]" ipykernel` venv would hold, and
 notebooks/colab_install.py (its Colab install cell) keeps the runtime's jax."""
 
+import json
 import os
 import sys
 from importlib import metadata
@@ -10,18 +12,41 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+from demo_extra import HOOK, closure, pyproject
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "notebooks"))
 import colab_install  # noqa: E402
 
+# What runs the notebook's kernel besides the demo extra (nbclient stays in this process).
+RUNNER = ["ipykernel"]
 
-def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
+
+def demo_extra_kernel(folder: Path, report: Path) -> str:
+    """A kernel spec under `folder` (put on JUPYTER_PATH) whose ipykernel runs under
+    demo_extra.HOOK: everything installed outside the closure of the core dependencies, the
+    demo extra and RUNNER is hidden (torch, transformers, datasets, ...)."""
+    allowed, missing = closure({"demo"}, pyproject(), RUNNER)
+    assert not missing, f"not installed here, install .[test] first: {sorted(missing)}"
+    spec = folder / "kernels" / "sclaro-demo-extra"
+    spec.mkdir(parents=True)
+    (spec / "kernel.json").write_text(json.dumps({
+        "argv": [sys.executable, "-c", HOOK, json.dumps(sorted(allowed)), str(report),
+                 "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+        "display_name": "Python 3 (demo extra only)", "language": "python"}))
+    return spec.name
+
+
+def test_quickstart_notebook_runs_top_to_bottom_with_only_the_demo_extra(tmp_path, monkeypatch):
     monkeypatch.setenv("QUICKSTART_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("QUICKSTART_STEPS", "3")
     monkeypatch.setenv("QUICKSTART_PROBE_EPOCHS", "1")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    report = tmp_path / "imports.json"
+    kernel = demo_extra_kernel(tmp_path / "jupyter", report)
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
-    NotebookClient(nb, timeout=900, kernel_name="python3",
+    NotebookClient(nb, timeout=900, kernel_name=kernel,
                    resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
     outputs = {i: "".join(o.get("text", "") for o in c.get("outputs", []))
                for i, c in enumerate(nb.cells) if c.cell_type == "code"}
@@ -30,6 +55,7 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
     assert (f"jax pins kept: ['jax=={metadata.version('jax')}', "
             f"'jaxlib=={metadata.version('jaxlib')}']") in text
     assert f"run, evaluation and figures in {tmp_path / 'work'}" in text
+    assert "'clock face'" in text and "'in front of'" in text  # multi-word labels stay whole
     assert "trained to step 3" in text
     assert "now equals the Hugging Face one: True" in text
     assert "| MINER |" in text
@@ -37,6 +63,11 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
               if "image/png" in o.get("data", {})]
     assert len(images) == 3  # training curves, attention overlays, t-SNE
     assert (tmp_path / "work" / "eval" / "eval.json").exists()
+    # The kernel ran under the hook to its end, and imported no PyTorch
+    seen = json.loads(report.read_text())
+    assert "torch" in seen["hidden"] and "transformers" in seen["hidden"]  # the hook's own check
+    assert not {m.partition(".")[0] for m in seen["modules"]} & {
+        "torch", "torchvision", "transformers", "datasets"}
 
 
 TESTED = """# tested set
