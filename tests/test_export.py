@@ -1,9 +1,11 @@
-"""Export of a trained level: the PyTorch snippet in README reproduces our embeddings; the
-command line's user errors; file permissions; no random-init notice when loading a run."""
+"""Export of a trained level: the PyTorch snippet in README reproduces our embeddings; our own
+readers load it with its heads or refuse it (zero CLIP projections); the command line's user
+errors; file permissions; no random-init notice when loading a run."""
 
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,10 +40,24 @@ def _torch_embeddings(folder, pixels_nhwc, ids):
     return image.numpy(), text.numpy(), zero.numpy(), float(heads["logit_scale"])
 
 
-@pytest.mark.parametrize("level", ["object", "relation"])
-def test_exported_level_reproduces_our_embeddings_in_pytorch(tmp_path, level):
+@pytest.fixture(scope="module")
+def tiny_model():
     model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=24, seed=1)
-    model.pair(level).vision_head.linear.bias[...] += 0.3  # not the init values
+    for level in scenarioclip.LEVELS:
+        model.pair(level).vision_head.linear.bias[...] += 0.3  # not the init values
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model, tmp_path_factory):
+    """The object level of `tiny_model`, exported."""
+    return Path(export.export_level(tiny_model, "object",
+                                    str(tmp_path_factory.mktemp("export") / "object")))
+
+
+@pytest.mark.parametrize("level", ["object", "relation"])
+def test_exported_level_reproduces_our_embeddings_in_pytorch(tiny_model, tmp_path, level):
+    model = tiny_model
     out = export.export_level(model, level, str(tmp_path / level))
     rng = np.random.default_rng(0)
     pixels = rng.normal(size=(3, 32, 32, 3)).astype(np.float32)
@@ -57,6 +73,50 @@ def test_exported_level_reproduces_our_embeddings_in_pytorch(tmp_path, level):
     # the other levels' towers are different weights: the export picked the right one
     other = np.asarray(model.pair("global").encode_image(jnp.asarray(pixels)))
     assert np.abs(other - img).max() > 1e-3
+
+
+def _clip_model_only_view(exported, folder):
+    """The export as `transformers.CLIPModel` alone reads it: its files without the heads."""
+    shutil.copytree(exported, folder, ignore=shutil.ignore_patterns(export.HEADS_FILE))
+    return folder
+
+
+def test_our_readers_refuse_the_zero_projections_without_the_heads_and_load_them_with(
+        exported, tiny_model, tiny_hf, tmp_path, capsys):
+    from sclaro_jax.eval import encoders, rocs, synthetic
+    from sclaro_jax.models import clip
+
+    view = _clip_model_only_view(exported, tmp_path / "view")
+    for folder, lacks in ((exported, False), (view, True)):
+        with pytest.raises(clip.CheckpointError) as err:
+            clip.from_hf(folder)
+        message = str(err.value)
+        assert f"{folder / export.HEADS_FILE}" in message and "all zeros" in message
+        assert ("which this folder lacks" in message) is lacks
+        assert "scenarioclip.from_export" in message
+    split = synthetic.make_planted_split(tmp_path / "split", num_images=2, width=64, height=48)
+    argv = ["--split", str(split), "--out", str(tmp_path / "out"), "--no_progress"]
+    capsys.readouterr()
+    assert rocs.main(["--model", str(view), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert f"{view / export.HEADS_FILE}, which this folder lacks" in err
+    assert not (tmp_path / "out").exists()
+    # with its heads file, eval.rocs's encoder is the level (towers + heads), not CLIP's zeros
+    enc = encoders.load_encoder(str(exported))
+    assert type(enc) is encoders.ExportEncoder and enc.name == "scenarioclip-export:object"
+    pair = tiny_model.pair("object")
+    ids = enc.tokenize(["a dog on a mat", "two cats"])
+    want = np.asarray(pair.encode_text(jnp.asarray(ids)))
+    np.testing.assert_allclose(enc.encode_texts(["a dog on a mat", "two cats"]),
+                               want / np.linalg.norm(want, axis=-1, keepdims=True), atol=1e-5)
+    pixels = jnp.asarray(np.random.default_rng(2).normal(size=(2, 32, 32, 3)), jnp.float32)
+    np.testing.assert_allclose(scenarioclip.from_export(exported).encode_image(pixels),
+                               pair.encode_image(pixels), atol=1e-5)
+    # towers alone (model.init, load_hf_into_level, detection) and a plain CLIP folder still load
+    assert not clip.from_hf(view, towers_only=True).visual_projection.kernel[...].any()
+    assert type(encoders.load_encoder(str(tiny_hf[0]))) is encoders.ClipEncoder
+    assert clip.from_hf(tiny_hf[0]).visual_projection.kernel[...].any()
 
 
 def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):

@@ -6,7 +6,9 @@ OUT gets a Hugging Face `CLIPModel` folder (config.json + model.safetensors: tha
 vision and text towers) and `scenarioclip_heads.safetensors` with the level's Linear+LayerNorm
 heads in `torch.nn.Sequential(Linear, LayerNorm)` key names (`vision_head.0.weight`, ...) and
 its `logit_scale`. ScenarioCLIP does not use CLIP's own projections: they are written as zeros,
-so `get_image_features` / `get_text_features` on the folder are zero by design. Reproduce our
+so `get_image_features` / `get_text_features` on the folder are zero by design, and our own
+readers refuse the folder without its heads (`clip.from_hf` raises; `scenarioclip.from_export`
+and `python -m sclaro_jax.eval.rocs --model OUT` load towers and heads). Reproduce our
 embeddings in PyTorch with (README has the same):
 
     clip = transformers.CLIPModel.from_pretrained(OUT)
@@ -24,28 +26,14 @@ import os
 import sys
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 # load_checkpoint / run_config live in sclaro_jax.checkpoint (below train and eval); re-exported
 # here for callers of the old place.
 from sclaro_jax.checkpoint import load_checkpoint, run_config  # noqa: F401
 from sclaro_jax.models import clip, hf_weights
-from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
-
-HEADS_FILE = "scenarioclip_heads.safetensors"
-
-
-def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
-    """A pair's Linear+LayerNorm heads and `logit_scale` in torch `nn.Sequential` key names."""
-    out = {}
-    for name, head in (("vision_head", pair.vision_head), ("text_head", pair.text_head)):
-        out[f"{name}.0.weight"] = np.asarray(head.linear.kernel[...]).T
-        out[f"{name}.0.bias"] = np.asarray(head.linear.bias[...])
-        out[f"{name}.1.weight"] = np.asarray(head.norm.scale[...])
-        out[f"{name}.1.bias"] = np.asarray(head.norm.bias[...])
-    out["logit_scale"] = np.asarray(logit_scale, np.float32).reshape(())
-    return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
+from sclaro_jax.models.clip import HEADS_FILE
+from sclaro_jax.models.scenarioclip import LEVELS, heads_state_dict
 
 
 def export_level(model, level: str, out: str) -> str:
