@@ -1,9 +1,12 @@
 """Export of a trained level: the PyTorch snippet in README reproduces our embeddings; the
-command line's user errors; file permissions; no random-init notice when loading a run."""
+folder carries our tokenizer and image preprocessing for transformers; our own readers load it
+with its heads or refuse it (zero CLIP projections); the command line's user errors; file
+permissions; no random-init notice when loading a run."""
 
 import os
 import shutil
 import stat
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,10 +41,24 @@ def _torch_embeddings(folder, pixels_nhwc, ids):
     return image.numpy(), text.numpy(), zero.numpy(), float(heads["logit_scale"])
 
 
-@pytest.mark.parametrize("level", ["object", "relation"])
-def test_exported_level_reproduces_our_embeddings_in_pytorch(tmp_path, level):
+@pytest.fixture(scope="module")
+def tiny_model():
     model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=24, seed=1)
-    model.pair(level).vision_head.linear.bias[...] += 0.3  # not the init values
+    for level in scenarioclip.LEVELS:
+        model.pair(level).vision_head.linear.bias[...] += 0.3  # not the init values
+    return model
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_model, tmp_path_factory):
+    """The object level of `tiny_model`, exported."""
+    return Path(export.export_level(tiny_model, "object",
+                                    str(tmp_path_factory.mktemp("export") / "object")))
+
+
+@pytest.mark.parametrize("level", ["object", "relation"])
+def test_exported_level_reproduces_our_embeddings_in_pytorch(tiny_model, tmp_path, level):
+    model = tiny_model
     out = export.export_level(model, level, str(tmp_path / level))
     rng = np.random.default_rng(0)
     pixels = rng.normal(size=(3, 32, 32, 3)).astype(np.float32)
@@ -57,6 +74,104 @@ def test_exported_level_reproduces_our_embeddings_in_pytorch(tmp_path, level):
     # the other levels' towers are different weights: the export picked the right one
     other = np.asarray(model.pair("global").encode_image(jnp.asarray(pixels)))
     assert np.abs(other - img).max() > 1e-3
+
+
+def _clip_model_only_view(exported, folder):
+    """The export as `transformers.CLIPModel` alone reads it: its files without the heads."""
+    shutil.copytree(exported, folder, ignore=shutil.ignore_patterns(export.HEADS_FILE))
+    return folder
+
+
+def test_our_readers_refuse_the_zero_projections_without_the_heads_and_load_them_with(
+        exported, tiny_model, tiny_hf, tmp_path, capsys):
+    import jax
+    from flax import nnx
+
+    from sclaro_jax.eval import encoders, rocs, synthetic
+    from sclaro_jax.models import clip
+
+    view = _clip_model_only_view(exported, tmp_path / "view")
+    for folder, lacks in ((exported, False), (view, True)):
+        with pytest.raises(clip.CheckpointError) as err:
+            clip.from_hf(folder)
+        message = str(err.value)
+        assert f"{folder / export.HEADS_FILE}" in message and "all zeros" in message
+        assert ("which this folder lacks" in message) is lacks
+        assert "scenarioclip.from_export" in message
+    split = synthetic.make_planted_split(tmp_path / "split", num_images=2, width=64, height=48)
+    argv = ["--split", str(split), "--out", str(tmp_path / "out"), "--no_progress"]
+    capsys.readouterr()
+    assert rocs.main(["--model", str(view), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and err.count("\n") == 1
+    assert f"{view / export.HEADS_FILE}, which this folder lacks" in err
+    assert not (tmp_path / "out").exists()
+    # with its heads file: the level's towers and heads (from_export), and eval.rocs's encoder
+    # embeds with them, not with CLIP's zero projections
+    pair = tiny_model.pair("object")
+    loaded = jax.tree.leaves(nnx.state(scenarioclip.from_export(exported), nnx.Param))
+    want = jax.tree.leaves(nnx.state(pair, nnx.Param))
+    assert len(loaded) == len(want)
+    for a, b in zip(loaded, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    enc = encoders.load_encoder(str(exported))
+    assert type(enc) is encoders.ExportEncoder and enc.name == "scenarioclip-export:object"
+    captions = ["a dog on a mat", "two cats"]
+    np.testing.assert_allclose(enc.encode_texts(captions),
+                               encoders.towers(pair)[1](enc.tokenize(captions))[0], atol=1e-6)
+    # towers alone (model.init, load_hf_into_level, detection) and a plain CLIP folder still load
+    assert not clip.from_hf(view, towers_only=True).visual_projection.kernel[...].any()
+    assert type(encoders.load_encoder(str(tiny_hf[0]))) is encoders.ClipEncoder
+    assert clip.from_hf(tiny_hf[0]).visual_projection.kernel[...].any()
+
+
+def test_export_carries_our_tokenizer(exported):
+    """`CLIPTokenizer.from_pretrained(export)` gives our ids: padded with <|endoftext|> to the
+    text tower's 77 positions and truncated keeping the end token, as our readers tokenize;
+    and at the training length (data.text_length) when asked for it."""
+    from sclaro_jax.data.tokenizer import ClipTokenizer
+
+    captions = ["a photo of a cat", "A man RIDING a horse, on the beach!", "", "café naïve 日本語",
+                "don't stop; we'll see", " ".join(["word"] * 100)]
+    hf = transformers.CLIPTokenizer.from_pretrained(exported)
+    assert hf.model_max_length == 77 and hf.pad_token_id == 49407
+    ids = np.array(hf(captions, padding="max_length", truncation=True)["input_ids"])
+    np.testing.assert_array_equal(ids, ClipTokenizer()(captions, length=77))
+    ids = np.array(hf(captions, padding="max_length", max_length=32,
+                      truncation=True)["input_ids"])
+    np.testing.assert_array_equal(ids, ClipTokenizer()(captions, length=32))
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (exported / name).is_file(), name
+
+
+def test_export_carries_our_image_preprocessing(exported):
+    """`CLIPImageProcessor.from_pretrained(export)` gives our pixels (bicubic short-side
+    resize, centre crop, CLIP mean/std) on a photograph, within one grey level (its default
+    backend resamples with torchvision, not PIL; the PIL backend gives equal pixels here)."""
+    import json
+
+    import skimage.data
+    from PIL import Image
+
+    from sclaro_jax import ops
+    from sclaro_jax.data import augment
+
+    config = json.loads((exported / "preprocessor_config.json").read_text())
+    assert config["size"] == {"shortest_edge": 32} and config["resample"] == 3
+    assert config["crop_size"] == {"height": 32, "width": 32} and config["do_center_crop"]
+    np.testing.assert_array_equal(np.float32(config["image_mean"]), ops.CLIP_MEAN)
+    np.testing.assert_array_equal(np.float32(config["image_std"]), ops.CLIP_STD)
+    image = skimage.data.coffee()  # 400 x 600: resized to 32 x 48, then cropped
+    ours = ops.normalize(np.asarray(augment.resize_centre_crop(Image.fromarray(image), 32)))
+    grey_level = 1 / 255 / ops.CLIP_STD.min()
+    classes = [transformers.CLIPImageProcessor, getattr(transformers, "CLIPImageProcessorPil",
+                                                        None)]
+    for cls, atol in zip(classes, (1.01 * grey_level, 1e-5)):
+        if cls is not None:
+            theirs = cls.from_pretrained(exported)(images=image, return_tensors="np")
+            theirs = np.asarray(theirs["pixel_values"])[0].transpose(1, 2, 0)
+            assert theirs.shape == ours.shape
+            np.testing.assert_allclose(theirs, ours, atol=atol, rtol=0, err_msg=cls.__name__)
 
 
 def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):
@@ -151,10 +266,11 @@ def test_export_cli_writes_files_with_the_umasks_permissions_and_no_random_init_
         os.umask(old)
     assert code == 0, err
     assert out.strip() == f"wrote the object level of step 7 to {tmp_path / 'object'}"
-    for name in ("model.safetensors", export.HEADS_FILE, "config.json"):
+    files = ["config.json", "model.safetensors", export.HEADS_FILE, "vocab.json", "merges.txt",
+             "tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json"]
+    for name in files:
         assert stat.S_IMODE(os.stat(tmp_path / "object" / name).st_mode) == 0o644, name
-    assert sorted(os.listdir(tmp_path / "object")) == sorted(
-        ["config.json", "model.safetensors", export.HEADS_FILE])  # no .tmp left
+    assert sorted(os.listdir(tmp_path / "object")) == sorted(files)  # no .tmp left
     assert RANDOM_INIT not in caplog.text and RANDOM_INIT not in err
     caplog.clear()
     scenarioclip.build("scenarioclip", preset="tiny", embed_dim=8, seed=0)

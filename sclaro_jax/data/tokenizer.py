@@ -119,15 +119,26 @@ class ClipTokenizer:
             row[len(ids) + 1] = self.eos_token_id
         return out
 
-    def save_pretrained(self, path: str | os.PathLike) -> Path:
-        """Write Hugging Face's CLIP tokenizer files (`vocab.json`, `merges.txt`) to `path`, so
-        `transformers.CLIPTokenizer.from_pretrained(path)` gives the same ids."""
+    def save_pretrained(self, path: str | os.PathLike, length: int = DEFAULT_LENGTH) -> Path:
+        """Write Hugging Face's CLIP tokenizer files (`vocab.json`, `merges.txt`,
+        `tokenizer_config.json`, `special_tokens_map.json`) to `path`, so
+        `transformers.CLIPTokenizer.from_pretrained(path)(texts, padding="max_length",
+        truncation=True)` gives `self(texts, length)`'s ids (`model_max_length` = `length`, the
+        pad token `<|endoftext|>`)."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         vocab, merges = load_bpe(self._merges_path)
-        (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), "utf-8")
-        (folder / "merges.txt").write_text(
-            "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), "utf-8")
+        specials = {"bos_token": BOS, "eos_token": EOS, "pad_token": EOS, "unk_token": EOS}
+        files = {
+            "vocab.json": json.dumps(vocab, ensure_ascii=False),
+            "merges.txt": "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges),
+            "tokenizer_config.json": json.dumps(
+                {**specials, "model_max_length": length, "tokenizer_class": "CLIPTokenizer"},
+                indent=2),
+            "special_tokens_map.json": json.dumps(specials, indent=2),
+        }
+        for name, text in files.items():
+            (folder / name).write_text(text, "utf-8")
         return folder
 
     def decode(self, ids: Sequence[int]) -> str:

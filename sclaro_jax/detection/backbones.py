@@ -34,7 +34,7 @@ def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool, dtype
         return (rpn.vision_model, roi.vision_model, patch,
                 f"{kind} ({level_rpn} -> RPN, {level_roi} -> RoI, step {step})")
     if cfg_path.exists() and json.loads(cfg_path.read_text()).get("model_type") == "clip":
-        model = clip.from_hf(folder, dtype=dtype)
+        model = clip.from_hf(folder, dtype=dtype, towers_only=True)  # the vision tower alone
         return model.vision_model, None, model.config.vision.patch_size, f"CLIP ({folder.name})"
     raise FileNotFoundError(f"--workdir {workdir} is neither a training workdir (config.json + "
                             "checkpoints/) nor a Hugging Face CLIPModel folder")

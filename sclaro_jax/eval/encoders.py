@@ -13,7 +13,10 @@ L2-normalised by `ops.l2_normalize`, with its norm before normalising), and `Bat
 them fixed-size batches.
 
 `load_encoder(spec)` builds one from:
-- a Hugging Face `CLIPModel` folder (model_type "clip"),
+- a Hugging Face `CLIPModel` folder (model_type "clip"); one that holds
+  `scenarioclip_heads.safetensors` is a level exported by `sclaro_jax.train.export`, read with
+  its heads (`ExportEncoder`); a CLIP folder whose projections are zeros without that file is
+  refused (`clip.from_hf`'s `CheckpointError`, naming the file),
 - a `SiglipModel` / `Siglip2Model` folder (model_type "siglip" / "siglip2"),
 - a ScenarioCLIP training workdir (`config.json` + `checkpoints/`) with `level` = global /
   object / relation (student weights, or the EMA teacher with `teacher=True`),
@@ -215,6 +218,21 @@ class ScenarioClipEncoder(ClipEncoder):
         self._setup(pair, pair.config, batch_size)
 
 
+class ExportEncoder(ClipEncoder):
+    """One level exported by `python -m sclaro_jax.train.export`: the folder's CLIP towers with
+    the Linear+LayerNorm heads of its `scenarioclip_heads.safetensors`
+    (`scenarioclip.from_export`), L2-normalised; the zero CLIP projections are not used."""
+
+    def __init__(self, path: str | os.PathLike, *, batch_size: int = 64, dtype=jnp.float32):
+        from sclaro_jax.models import scenarioclip
+
+        folder = Path(path)
+        pair = scenarioclip.from_export(folder, dtype=dtype)
+        self.name = f"scenarioclip-export:{folder.name}"
+        self.fingerprint = _folder_fingerprint(folder, f"export:{jnp.dtype(dtype).name}")
+        self._setup(pair, pair.config, batch_size)
+
+
 class SiglipEncoder(Encoder):
     """A Hugging Face SigLIP / SigLIP 2 folder through `sclaro_jax.models.siglip` (torch-free):
     the folder's preprocessor_config.json (plain resize to S x S with its resample filter,
@@ -299,7 +317,11 @@ def load_encoder(spec: str, *, level: str | None = None, teacher: bool = False,
         raise EncoderError(f"{folder} has no config.json: not a Hugging Face model folder")
     kind = model_type(folder)
     if kind == "clip":
-        return ClipEncoder(folder, dtype=dtype, **kw)
+        from sclaro_jax.models.clip import HEADS_FILE
+
+        if (folder / HEADS_FILE).is_file():
+            return ExportEncoder(folder, dtype=dtype, **kw)
+        return ClipEncoder(folder, dtype=dtype, **kw)  # refuses zero projections
     if kind in ("siglip", "siglip2"):
         return SiglipEncoder(folder, dtype=dtype, **kw)
     raise EncoderError(f"{folder}/config.json has model_type {kind!r}; supported: clip, "

@@ -33,6 +33,10 @@ from sclaro_jax.models.layers import (  # noqa: F401  (re-exported: clip.Attenti
 
 Array = jax.Array
 
+# A ScenarioCLIP export's Linear+LayerNorm heads beside its CLIPModel files (written by
+# `sclaro_jax.train.export`, read by `scenarioclip.from_export`); its CLIP projections are zeros.
+HEADS_FILE = "scenarioclip_heads.safetensors"
+
 # --------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------
@@ -307,18 +311,40 @@ def _config_to_hf(config: CLIPConfig) -> dict[str, Any]:
     }
 
 
-def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto"
-            ) -> CLIPModel:
+def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto",
+            towers_only: bool = False) -> CLIPModel:
     """A CLIP model from a Hugging Face `CLIPModel` folder (`config.json` + `model.safetensors`).
 
     No torch needed. `dtype` is the compute dtype; parameters are always float32.
-    Raises `CheckpointError` naming missing / unexpected keys and shape mismatches.
+    Raises `CheckpointError` naming missing / unexpected keys and shape mismatches, and, unless
+    `towers_only` (a caller that uses only `vision_model` / `text_model`), a folder whose
+    `visual_projection` or `text_projection` is all zeros: `encode_image` / `encode_text` would
+    give zero embeddings (a ScenarioCLIP export: `scenarioclip.from_export` reads its heads).
     """
     forms = cpu_gradients.resolve(gradient_forms)
-    return hf_weights.load(
+    model = hf_weights.load(
         path, _config_from_hf,
         lambda config: CLIPModel(config, dtype=dtype, gradient_forms=forms, rngs=nnx.Rngs(0)),
         kind=lambda config: "CLIP")
+    if not towers_only:
+        zero = [name for name in ("visual_projection", "text_projection")
+                if not jnp.any(getattr(model, name).kernel[...])]
+        if zero:
+            raise CheckpointError(_zero_projections_message(Path(path), zero))
+    return model
+
+
+def _zero_projections_message(folder: Path, zero: list[str]) -> str:
+    """Why a CLIP folder with all-zero projections (`zero`: their names) is refused, naming the
+    heads file a ScenarioCLIP export keeps and how to load it."""
+    heads = folder / HEADS_FILE
+    lacks = "" if heads.is_file() else ", which this folder lacks: copy it there from the export"
+    return (f"{folder}: {' and '.join(zero)} {'is' if len(zero) == 1 else 'are'} all zeros, so "
+            "its image and text features (get_image_features / get_text_features) would be "
+            "zeros. A ScenarioCLIP export (python -m sclaro_jax.train.export) projects with "
+            f"Linear+LayerNorm heads kept in {heads}{lacks}; load the towers with those heads "
+            "by sclaro_jax.models.scenarioclip.from_export, which python -m sclaro_jax.eval.rocs "
+            "--model uses when that file is there (towers_only=True loads the towers alone)")
 
 
 def to_hf(model: CLIPModel, path: str | os.PathLike) -> Path:

@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sclaro_jax.models import clip, cpu_gradients
@@ -135,7 +138,7 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
 
     def make_towers(i: int) -> clip.CLIPModel:
         if init:
-            return clip.from_hf(init, dtype=dtype, gradient_forms=forms)
+            return clip.from_hf(init, dtype=dtype, gradient_forms=forms, towers_only=True)
         return clip.create(preset, seed=seed + 1 + i, dtype=dtype, gradient_forms=forms)
 
     if not init and warn_random:
@@ -153,7 +156,7 @@ def load_hf_into_level(model, level: str, path: str) -> None:
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     pair = model.pair(level)
-    towers = clip.from_hf(path, dtype=pair.vision_model.dtype)
+    towers = clip.from_hf(path, dtype=pair.vision_model.dtype, towers_only=True)
     for name in ("vision_model", "text_model"):
         ours, theirs = nnx.state(getattr(pair, name)), nnx.state(getattr(towers, name))
         mismatch = [f"{jax.tree_util.keystr(k)}: {a.shape} vs {b.shape}" for (k, a), (_, b) in
@@ -164,3 +167,61 @@ def load_hf_into_level(model, level: str, path: str) -> None:
                 f"{path}: the {name} does not fit the {level} level's towers "
                 f"({'; '.join(mismatch[:5]) or 'different layers'})")
         nnx.update(getattr(pair, name), theirs)
+
+
+# --------------------------------------------------------------------------------------------
+# One level as a Hugging Face CLIPModel folder + its heads (`sclaro_jax.train.export`)
+# --------------------------------------------------------------------------------------------
+
+_HEADS = ("vision_head", "text_head")
+
+
+def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
+    """A pair's Linear+LayerNorm heads and `logit_scale` in torch `nn.Sequential` key names
+    (`vision_head.0.weight`, ...): the export's `clip.HEADS_FILE`, read back by `from_export`."""
+    out = {}
+    for name in _HEADS:
+        head = getattr(pair, name)
+        out[f"{name}.0.weight"] = np.asarray(head.linear.kernel[...]).T
+        out[f"{name}.0.bias"] = np.asarray(head.linear.bias[...])
+        out[f"{name}.1.weight"] = np.asarray(head.norm.scale[...])
+        out[f"{name}.1.bias"] = np.asarray(head.norm.bias[...])
+    out["logit_scale"] = np.asarray(logit_scale, np.float32).reshape(())
+    return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
+
+
+def from_export(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto"
+                ) -> CLIPPair:
+    """One exported level (`python -m sclaro_jax.train.export`): the folder's CLIP towers with
+    the Linear+LayerNorm heads of its `clip.HEADS_FILE`, so `encode_image` / `encode_text` give
+    the level's embeddings (its CLIP projections, zeros, are not used). `CheckpointError` when
+    the heads file is missing or does not fit the towers."""
+    from safetensors.numpy import load_file
+
+    folder = Path(path)
+    file = folder / clip.HEADS_FILE
+    if not file.is_file():
+        raise clip.CheckpointError(f"{folder} has no {clip.HEADS_FILE}: not a ScenarioCLIP "
+                                   "export (python -m sclaro_jax.train.export writes one)")
+    towers = clip.from_hf(folder, dtype=dtype, gradient_forms=gradient_forms, towers_only=True)
+    try:
+        tensors = load_file(str(file))
+    except Exception as err:  # a truncated / corrupt file
+        raise clip.CheckpointError(f"{file}: cannot read the heads ({err})") from err
+    bias = tensors.get("vision_head.0.bias")
+    pair = CLIPPair(towers, bias.shape[0] if bias is not None and bias.ndim == 1 else 1,
+                    rngs=nnx.Rngs(0))
+    want = heads_state_dict(pair, 0.0)
+    bad = sorted(set(want) ^ set(tensors)) + [
+        f"{k}: file {tuple(tensors[k].shape)}, model {want[k].shape}"
+        for k in sorted(set(want) & set(tensors)) if tensors[k].shape != want[k].shape]
+    if bad:
+        raise clip.CheckpointError(f"{file} does not hold heads for {folder}'s towers: "
+                                   f"{', '.join(bad)}")
+    for name in _HEADS:
+        head = getattr(pair, name)
+        head.linear.kernel[...] = jnp.asarray(tensors[f"{name}.0.weight"].T)
+        head.linear.bias[...] = jnp.asarray(tensors[f"{name}.0.bias"])
+        head.norm.scale[...] = jnp.asarray(tensors[f"{name}.1.weight"])
+        head.norm.bias[...] = jnp.asarray(tensors[f"{name}.1.bias"])
+    return pair

@@ -3,11 +3,15 @@
     python -m sclaro_jax.train.export --workdir DIR --level object --out OUT [--teacher] [--step N]
 
 OUT gets a Hugging Face `CLIPModel` folder (config.json + model.safetensors: that level's
-vision and text towers) and `scenarioclip_heads.safetensors` with the level's Linear+LayerNorm
-heads in `torch.nn.Sequential(Linear, LayerNorm)` key names (`vision_head.0.weight`, ...) and
-its `logit_scale`. ScenarioCLIP does not use CLIP's own projections: they are written as zeros,
-so `get_image_features` / `get_text_features` on the folder are zero by design. Reproduce our
-embeddings in PyTorch with (README has the same):
+vision and text towers; the CLIP tokenizer's vocab.json, merges.txt, tokenizer_config.json and
+special_tokens_map.json; preprocessor_config.json, our image views as `CLIPImageProcessor`
+settings) and `scenarioclip_heads.safetensors` with the level's Linear+LayerNorm heads in
+`torch.nn.Sequential(Linear, LayerNorm)` key names (`vision_head.0.weight`, ...) and its
+`logit_scale`. ScenarioCLIP does not use CLIP's own projections: they are written as zeros, so
+`get_image_features` / `get_text_features` on the folder are zero by design, and our own readers
+refuse the folder without its heads (`clip.from_hf` raises; `scenarioclip.from_export` and
+`python -m sclaro_jax.eval.rocs --model OUT` load towers and heads). Reproduce our embeddings in
+PyTorch with (README has the same):
 
     clip = transformers.CLIPModel.from_pretrained(OUT)
     heads = safetensors.torch.load_file(f"{OUT}/scenarioclip_heads.safetensors")
@@ -20,36 +24,48 @@ embeddings in PyTorch with (README has the same):
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from sclaro_jax import ops
 # load_checkpoint / run_config live in sclaro_jax.checkpoint (below train and eval); re-exported
 # here for callers of the old place.
 from sclaro_jax.checkpoint import load_checkpoint, run_config  # noqa: F401
+from sclaro_jax.data.tokenizer import ClipTokenizer
 from sclaro_jax.models import clip, hf_weights
-from sclaro_jax.models.scenarioclip import LEVELS, CLIPPair
+from sclaro_jax.models.clip import HEADS_FILE
+from sclaro_jax.models.scenarioclip import LEVELS, heads_state_dict
 
-HEADS_FILE = "scenarioclip_heads.safetensors"
+PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
-def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
-    """A pair's Linear+LayerNorm heads and `logit_scale` in torch `nn.Sequential` key names."""
-    out = {}
-    for name, head in (("vision_head", pair.vision_head), ("text_head", pair.text_head)):
-        out[f"{name}.0.weight"] = np.asarray(head.linear.kernel[...]).T
-        out[f"{name}.0.bias"] = np.asarray(head.linear.bias[...])
-        out[f"{name}.1.weight"] = np.asarray(head.norm.scale[...])
-        out[f"{name}.1.bias"] = np.asarray(head.norm.bias[...])
-    out["logit_scale"] = np.asarray(logit_scale, np.float32).reshape(())
-    return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
+def image_processor_config(size: int) -> dict:
+    """`CLIPImageProcessor` settings of our image views (`augment.resize_centre_crop`: bicubic
+    resize of the short side to `size`, centre crop `size` x `size`; then `ops.normalize` with
+    CLIP's mean and std)."""
+    return {
+        "image_processor_type": "CLIPImageProcessor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"shortest_edge": size},
+        "resample": 3,  # PIL.Image.BICUBIC
+        "do_center_crop": True,
+        "crop_size": {"height": size, "width": size},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": ops.CLIP_MEAN.tolist(),
+        "image_std": ops.CLIP_STD.tolist(),
+    }
 
 
 def export_level(model, level: str, out: str) -> str:
-    """Write `level`'s towers as a Hugging Face CLIPModel folder plus its heads."""
+    """Write `level`'s towers as a Hugging Face CLIPModel folder with the CLIP tokenizer's files
+    and `preprocessor_config.json`, plus its heads (`HEADS_FILE`)."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     pair = model.pair(level)
@@ -61,6 +77,9 @@ def export_level(model, level: str, out: str) -> str:
         proj.kernel = nnx.Param(jnp.zeros(proj.kernel.shape, jnp.float32))
     towers.logit_scale = nnx.Param(jnp.asarray(model.logit_scale(level), jnp.float32))
     clip.to_hf(towers, out)
+    ClipTokenizer().save_pretrained(out, length=config.text.max_position_embeddings)
+    with open(os.path.join(out, PREPROCESSOR_FILE), "w", encoding="utf-8") as f:
+        json.dump(image_processor_config(config.vision.image_size), f, indent=2)
     hf_weights.save_safetensors(heads_state_dict(pair, model.logit_scale(level)),
                                 os.path.join(out, HEADS_FILE), metadata={"format": "pt"})
     return out
