@@ -100,9 +100,9 @@ def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_p
     import nltk
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
     base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress"]
-    assert main(base) == 1
+    assert main(base) == 2
     assert curate_rules.TAGGER_INSTALL in capsys.readouterr().err
-    assert main(base + ["--no-pos-tagger"]) == 1   # WordNet for the action lemmatiser
+    assert main(base + ["--no-pos-tagger"]) == 2   # WordNet for the action lemmatiser
     assert curate_rules.WORDNET_INSTALL in capsys.readouterr().err
     assert not (tmp_path / "o.clusters.json").exists()
     assert main(base + ["--no-pos-tagger", "--action-lemmatizer", "porter"]) == 3
@@ -169,7 +169,7 @@ def test_cli_refuses_a_bad_overrides_file_before_clustering(demo_dir, tmp_path, 
     overrides.write_text("keep in front of\nrename sitting -> seated\n")
     base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress",
             "--no-pos-tagger", "--action-lemmatizer", "porter"]
-    assert main(base + ["--relation-overrides", str(overrides)]) == 1
+    assert main(base + ["--relation-overrides", str(overrides)]) == 2
     err = capsys.readouterr().err
     assert f"{overrides} line 2: 'rename sitting -> seated': unknown predicate 'sitting'" in err
     assert not (tmp_path / "o.clusters.json").exists()

@@ -207,7 +207,7 @@ def test_cli(data, tmp_path):
     refused = subprocess.run(run + ["--in", data["r224"], "--out", str(tmp_path / "x"),
                                     "--image-size", "336", "--no-progress"],
                              cwd=REPO, capture_output=True, text=True)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "error: " in refused.stderr and "without the original" in refused.stderr
     assert not os.path.exists(tmp_path / "x" / "manifest.json")
 

@@ -97,7 +97,7 @@ def run(args) -> int:
         return 3
     except (MissingNLTKData, CurationMismatch) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     vocab = result["vocabulary"]
     print(f"curated {result['records']} records into {args.out}: {vocab['actions']} actions, "
           f"{vocab['objects']} objects, {vocab['relations']} relation triplets, "
