@@ -60,6 +60,10 @@ def test_the_no_progress_flag_in_both_spellings():
         for flag in ("--no-progress", "--no_progress"):
             assert parser.parse_args(argv + [flag]).no_progress is True, (name, flag)
         assert parser.parse_args(argv).no_progress is False, name
+    reshard = argvs["data_prep reshard"]
+    for flag, keep in (("--no_keep_originals", False), ("--keep_originals", True),
+                       ("--no-keep-originals", False)):
+        assert reshard[0].parse_args(reshard[1] + [flag]).keep_originals is keep, flag
 
 
 @pytest.mark.parametrize("module", [suite, rocs, detect, synthetic])
