@@ -94,3 +94,18 @@ def test_help_states_each_default_once(module):
     if module is rocs:
         assert "embedding cache (default: OUT/cache)" in blocks["--cache-dir"]
         assert blocks["--batch-size"].count("default") == 1
+
+
+def test_data_prep_user_errors_exit_2_naming_the_folder(tmp_path, capsys):
+    """A folder of the user's own that is not a dataset: one `error:` line that names it and
+    says what writes a dataset (the demo only one of the options), exit 2."""
+    from data_prep.__main__ import main
+    mine = tmp_path / "my_photos"
+    mine.mkdir()
+    (mine / "a.jpg").write_bytes(b"")
+    assert main(["reshard", "--in", str(mine), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert f"{mine} is not a SCLARO dataset folder" in err
+    assert "`python -m data_prep annotate --root IMAGES --out DIR`" in err
+    assert "or the bundled demo, `python -m data_prep demo --out DIR`" in err
