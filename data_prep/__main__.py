@@ -1,5 +1,10 @@
 """`python -m data_prep`: the annotation pipeline's command line. Each sub-command's flags and
-run live beside its code: `data_prep.cli` (demo, reshard) and each wing's `cli` module."""
+run live beside its code: `data_prep.cli` (demo, reshard) and each wing's `cli` module.
+
+The conventions of `sclaro_jax.cli`: flags with hyphens (the underscore spelling is a hidden
+alias), and a user error (a bad flag, a missing file, a dataset already in --out, ...) prints
+one `error:` line and exits 2. `curate` also exits 3 after its first pass (label the clusters
+file, then rerun)."""
 
 import argparse
 import sys
@@ -8,11 +13,12 @@ from data_prep import cli
 from data_prep.annotate import cli as annotate_cli
 from data_prep.curate import cli as curate_cli
 from data_prep.rocs import cli as rocs_cli
+from sclaro_jax import cli as cli_conventions
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every sub-command, in the order --help lists them."""
-    parser = argparse.ArgumentParser(
+    parser = cli_conventions.ArgumentParser(
         prog="python -m data_prep",
         description="SCLARO annotation pipeline: annotate images, curate labels, write shards.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -34,7 +40,7 @@ def main(argv=None) -> int:
         return args.func(args)
     except (FileExistsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
 
 
 if __name__ == "__main__":

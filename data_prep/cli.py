@@ -17,21 +17,25 @@ def command(sub, name: str, func, doc: str) -> argparse.ArgumentParser:
     return parser
 
 
-def view_flags(parser: argparse.ArgumentParser, keep_default: bool) -> None:
-    """--image-size and the originals flag of a command that writes records."""
+def view_flags(parser: argparse.ArgumentParser, keep_default: bool | None) -> None:
+    """--image-size and the originals flag of a command that writes records. `keep_default`:
+    True keeps the originals unless --no-keep-originals (demo); None keeps those the input
+    holds unless --no-keep-originals (reshard); False keeps them only with --keep-originals
+    (annotate, whose work folder keeps them anyway)."""
     parser.add_argument("--image-size", type=int, default=224, metavar="S",
                         help="size of the stored training views (schema version 2): the "
                              "model's input size (default 224)")
-    if keep_default:
-        parser.add_argument("--keep-originals", action=argparse.BooleanOptionalAction,
-                            default=True,
-                            help="also store the full-size photographs and relation regions, "
-                                 "which localisation and MINER crops need (default: keep)")
-    else:
+    what = ("also store the full-size photographs and relation regions, which localisation "
+            "and MINER crops need")
+    if keep_default is False:
         parser.add_argument("--keep-originals", action="store_true",
-                            help="also store the full-size photographs and relation regions, "
-                                 "which localisation and MINER crops need (default: views "
-                                 "only)")
+                            help=f"{what} (default: views only)")
+        return
+    parser.add_argument("--keep-originals", action=argparse.BooleanOptionalAction,
+                        default=keep_default,
+                        help=f"{what} (default: keep" + (
+                            ")" if keep_default else " them when --in has them)")
+                        + "; --no-keep-originals writes the views only")
 
 
 def describe(manifest: dict) -> str:
@@ -79,7 +83,7 @@ def add_reshard(sub) -> None:
                      help="the dataset folder to read")
     res.add_argument("--out", required=True, metavar="DIR",
                      help="the dataset folder to write (not --in)")
-    view_flags(res, keep_default=False)
+    view_flags(res, keep_default=None)
     res.add_argument("--overwrite", action="store_true",
                      help="replace a dataset already in --out")
     res.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
@@ -95,8 +99,9 @@ def run_reshard(args) -> int:
     training views of one size.
 
     Stream every record of --in into a new dataset in --out with object, relation and global
-    training views at --image-size (views of another size are made from the originals, so a
-    version-2 dataset written without them converts only to its own size). Splits, records per
+    training views at --image-size, keeping the originals that --in holds unless
+    --no-keep-originals (views of another size are made from the originals, so a version-2
+    dataset written without them converts only to its own size). Splits, records per
     shard and the manifest's creation time are the input's: the same command writes the same bytes.
     A killed run leaves only a hidden .writing-* folder; rerun the same command.
     """

@@ -5,7 +5,8 @@
 
 Reads a dataset of schema version 1 (originals only) or 2 (training views, with or without the
 originals) and writes it as version 2 at `--image-size` (`data_prep.views.with_views`), keeping
-the originals with `--keep-originals`. Views of another size are made from the originals: a
+the originals the input holds (as `demo` keeps them: localisation and MINER crops need them)
+unless `--no-keep-originals`. Views of another size are made from the originals: a
 version-2 dataset written without them converts only to its own view size (then it is copied,
 views passing through), and the error says so.
 
@@ -56,11 +57,13 @@ def _records(ds, splits):
 
 
 def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,
-            keep_originals: bool = False, overwrite: bool = False,
+            keep_originals: bool | None = None, overwrite: bool = False,
             progress: bool = True, workers: int = 1) -> dict:
     """Write dataset `src` as schema version 2 with `image_size` px views into `out`; returns
-    the new manifest. ValueError when `out` is `src`; `schema.MissingOriginalsError` when the
-    views asked for need originals that `src` does not hold.
+    the new manifest. `keep_originals`: None keeps the originals when `src` holds them, True
+    requires them, False drops them. ValueError when `out` is `src`;
+    `schema.MissingOriginalsError` when the views asked for need originals that `src` does not
+    hold.
 
     `workers` > 1 makes the views in that many processes, a bounded window of records at a
     time, and writes them in input order: the output bytes do not depend on `workers`."""
@@ -71,6 +74,8 @@ def reshard(src: str, out: str, *, image_size: int = schema.DEFAULT_VIEW_SIZE,
                          f"dataset beside the old one; give another --out")
     ds = open_dataset(src)
     m = ds.manifest
+    if keep_originals is None:
+        keep_originals = ds.has_originals
     if ds.schema_version != 1 and not ds.has_originals and (
             image_size != ds.view_size or keep_originals):
         want = (f"views of {image_size} px are made from them" if image_size != ds.view_size

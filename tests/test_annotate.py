@@ -190,7 +190,7 @@ def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
 def test_a_rerun_with_other_settings_is_refused(setup, full_run):
     cmd = _cli(setup, full_run["out"], full_run["work"], "--nms-iou", "0.5")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "other settings" in proc.stderr and "nms_iou" in proc.stderr
 
 
@@ -198,20 +198,20 @@ def test_cli_names_what_is_missing(tmp_path, capsys):
     from data_prep.__main__ import main
     Image.new("RGB", (40, 30)).save(tmp_path / "a.jpg")
     base = ["annotate", "--root", str(tmp_path), "--out", str(tmp_path / "out")]
-    assert main(base) == 1
+    assert main(base) == 2
     assert "missing --vlm, --detector, --sam" in capsys.readouterr().err
     (tmp_path / "d").mkdir()
     (tmp_path / "s.pth").write_bytes(b"")
     (tmp_path / "r.json").write_text("{}")
     models = ["--vlm-replies", str(tmp_path / "r.json"), "--detector", str(tmp_path / "d"),
               "--sam", str(tmp_path / "s.pth")]
-    assert main(base + models + ["--source-option", "bogus=1"]) == 1
+    assert main(base + models + ["--source-option", "bogus=1"]) == 2
     assert "bogus" in capsys.readouterr().err
     # a path that is not there stops before any work, naming the flag
     for i, flag in ((1, "--vlm-replies"), (3, "--detector"), (5, "--sam")):
         wrong = list(models)
         wrong[i] = str(tmp_path / "none")
-        assert main(base + wrong) == 1
+        assert main(base + wrong) == 2
         assert (f"error: {flag} {tmp_path / 'none'}: no such file or folder; pass {flag} with "
                 f"the path of") in capsys.readouterr().err
     assert not (tmp_path / "out.work").exists() and not (tmp_path / "out").exists()

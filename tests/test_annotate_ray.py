@@ -248,16 +248,16 @@ def test_cli_errors_name_the_flag(setup, tmp_path, capsys, monkeypatch):
     base = ["annotate", "--root", setup["root"], "--out", str(tmp_path / "out"),
             "--vlm-replies", setup["replies"], "--detector", setup["detector"], "--sam",
             setup["sam"], "--sam-type", "tiny", "--engine", "ray"]
-    assert main(base[:-4] + ["--sam", str(tmp_path / "no.pth"), "--engine", "ray"]) == 1
+    assert main(base[:-4] + ["--sam", str(tmp_path / "no.pth"), "--engine", "ray"]) == 2
     err = capsys.readouterr().err
     assert f"error: --sam {tmp_path / 'no.pth'}: no such file or folder; pass --sam" in err
-    assert main(base + ["--stage-concurrency", "detector=0"]) == 1
+    assert main(base + ["--stage-concurrency", "detector=0"]) == 2
     assert "--stage-concurrency 'detector=0': expected STAGE=N with N >= 1" in \
         capsys.readouterr().err
-    assert main(base + ["--stage-concurrency", "gpu=2"]) == 1
+    assert main(base + ["--stage-concurrency", "gpu=2"]) == 2
     assert "unknown stage 'gpu'; stages: vlm, detector, sam" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "ray", None)  # Ray not installed
-    assert main(base) == 1
+    assert main(base) == 2
     err = capsys.readouterr().err
     assert "error: --engine ray needs Ray Data, which is not installed" in err
     assert "pip install 'sclaro-jax[cluster]'" in err

@@ -198,7 +198,7 @@ def test_an_aborted_first_try_does_not_lock_the_work_folder(run, setup, tmp_path
     assert "2 images: " in proc.stdout
     # once a chunk is finished, other settings are refused as before
     proc = run(_args(setup, tmp_path / "out3", work, batch_size=4, limit=2), ok=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "holds caches of a run with other settings (batch_size differ)" in proc.stderr
 
 
@@ -207,7 +207,7 @@ def test_replies_keyed_by_other_ids_are_refused_with_the_id_format(run, setup, t
     replies.write_text(json.dumps({k.split("/", 1)[1]: v
                                    for k, v in setup["reply_texts"].items()}))
     proc = run(_args(setup, tmp_path / "out", tmp_path / "work", replies=replies), ok=False)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert (f"error: --vlm-replies {replies}: none of its 4 image ids is an image of the folder "
             f"source in {setup['root']} (it has 'astronaut.jpg', the source has "
             f"'folder/astronaut.jpg'); key each reply by its image id, 'folder/<path under "

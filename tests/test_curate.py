@@ -100,9 +100,12 @@ def test_cli_first_pass_exits_3_and_missing_tagger_data_is_named(demo_dir, tmp_p
     import nltk
     monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
     base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress"]
-    assert main(base) == 1
-    assert curate_rules.TAGGER_INSTALL in capsys.readouterr().err
-    assert main(base + ["--no-pos-tagger"]) == 1   # WordNet for the action lemmatiser
+    assert main(base) == 2
+    err = capsys.readouterr().err  # the install command, or the flag that does without
+    assert curate_rules.TAGGER_INSTALL in err
+    assert "`python -m data_prep curate --no-pos-tagger`" in err
+    assert not err.rstrip().endswith("tagger=")  # it used to stop there
+    assert main(base + ["--no-pos-tagger"]) == 2   # WordNet for the action lemmatiser
     assert curate_rules.WORDNET_INSTALL in capsys.readouterr().err
     assert not (tmp_path / "o.clusters.json").exists()
     assert main(base + ["--no-pos-tagger", "--action-lemmatizer", "porter"]) == 3
@@ -137,9 +140,9 @@ def test_relation_overrides_keep_opposite_prepositions_apart(demo_dir, tmp_path)
     overrides = tmp_path / "overrides.txt"
     overrides.write_text("# keep opposite relations apart\nkeep sitting on, sitting under\n")
     outs = [tmp_path / "a", tmp_path / "b"]
-    for out in outs:
+    for out in outs:  # no cluster labelled: this test is about predicates
         curate(str(src), str(out), clusters=str(clusters), tagger=fake_tagger,
-               relation_overrides=str(overrides), progress=False)
+               relation_overrides=str(overrides), accept_suggested=True, progress=False)
     out = outs[0]
     table = (out / "predicate_table.tsv").read_text()
     assert table == (tmp_path / "clusters.predicate_table.tsv").read_text()
@@ -169,7 +172,60 @@ def test_cli_refuses_a_bad_overrides_file_before_clustering(demo_dir, tmp_path, 
     overrides.write_text("keep in front of\nrename sitting -> seated\n")
     base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress",
             "--no-pos-tagger", "--action-lemmatizer", "porter"]
-    assert main(base + ["--relation-overrides", str(overrides)]) == 1
+    assert main(base + ["--relation-overrides", str(overrides)]) == 2
     err = capsys.readouterr().err
     assert f"{overrides} line 2: 'rename sitting -> seated': unknown predicate 'sitting'" in err
     assert not (tmp_path / "o.clusters.json").exists()
+
+
+def _no_adjectives(tokens):
+    return [(t, "NN") for t in tokens]
+
+
+def test_cli_refuses_a_clusters_file_without_any_label(demo_dir, tmp_path, capsys):
+    """A second pass on a clusters file nobody labelled would take every suggestion unread
+    (on the demo, nine unrelated names all became "wall"): refused, with the clusters that
+    most need a look, unless --accept-suggested."""
+    demo, _ = read_samples(str(demo_dir), progress=False)
+    names = sorted(set(curate_rules.object_canonical_map(
+        sorted({o.name for s in demo for o in s.objects}), tagger=_no_adjectives).values()))
+    mixed, four = names[:9], names[9:13]  # like the demo's "wall" cluster; four other names
+    dogs = ["dog", "dogs", "small dog", "big dog", "hot dog"]  # 5 names, 2 head words
+    doc = {"clusters": [{"id": 0, "suggested_label": "dog", "label": "", "members": dogs},
+                        {"id": 1, "suggested_label": mixed[0], "label": "", "members": mixed},
+                        {"id": 2, "suggested_label": four[0], "label": "", "members": four}],
+           "noise": names[13:]}
+    clusters = tmp_path / "o.clusters.json"  # written by hand: no clustering run here
+    clusters.write_text(json.dumps(doc))
+    base = ["curate", "--data", str(demo_dir), "--out", str(tmp_path / "o"), "--no-progress",
+            "--no-pos-tagger", "--action-lemmatizer", "porter"]
+    assert main(base) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"error: {clusters}: no cluster has a \"label\"")
+    assert "--accept-suggested" in err[0] and "o.clusters.md" in err[0]
+    # most distinct head words first, then size: the mixed nine, the four, the dogs
+    assert err[1] == (f"  cluster 1 (9 names, 9 head words) -> {mixed[0]!r}: "
+                      f"{', '.join(mixed[:8])}, +1 more")
+    assert err[2] == f"  cluster 2 (4 names, 4 head words) -> {four[0]!r}: {', '.join(four)}"
+    assert err[3] == ("  cluster 0 (5 names, 2 head words) -> 'dog': dog, dogs, small dog, "
+                      "big dog, hot dog")
+    assert len(err) == 4 and not (tmp_path / "o").exists()
+    assert main(base + ["--accept-suggested"]) == 0
+    objects = set(schema.read_vocab(tmp_path / "o" / "objects.txt"))
+    assert mixed[0] in objects and not set(mixed[1:]) & objects
+    log = json.loads((tmp_path / "o" / "curation_log.json").read_text())
+    assert log["inputs"]["accept_suggested"] is True
+
+
+def test_cli_names_the_missing_hdbscan_package(tmp_path, capsys, monkeypatch):
+    import sys
+
+    import data_prep.curate
+    monkeypatch.setitem(sys.modules, "hdbscan", None)  # as if it were not installed
+    for name in ("cluster", "extend"):  # imported afresh, as in a new process
+        monkeypatch.delitem(sys.modules, f"data_prep.curate.{name}", raising=False)
+        monkeypatch.delattr(data_prep.curate, name, raising=False)
+    assert main(["curate", "--data", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: curate needs the hdbscan package") and err.count("\n") == 1
+    assert 'pip install -e ".[data]"' in err

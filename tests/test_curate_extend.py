@@ -331,7 +331,7 @@ def test_cli_extend_end_to_end(demo_dir, other_encoders, tmp_path, capsys):
     second_cmd = ["curate", "--data", str(src2), "--out", str(out2), "--extend", str(out1)]
     clusters2 = tmp_path / "second.clusters.json"
 
-    assert main(second_cmd + flags + ["--encoder", str(other_encoders[0])]) == 1
+    assert main(second_cmd + flags + ["--encoder", str(other_encoders[0])]) == 2
     assert "embeds its names differently" in capsys.readouterr().err
     assert not clusters2.exists()
 

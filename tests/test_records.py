@@ -105,7 +105,7 @@ def test_cli_demo_writes_and_refuses_to_clobber(tmp_path, capsys):
     out = str(tmp_path / "d")
     assert main(["demo", "--out", out, "--records-per-shard", "100"]) == 0
     assert "wrote 14 records" in capsys.readouterr().out
-    assert main(["demo", "--out", out]) == 1
+    assert main(["demo", "--out", out]) == 2
     assert "already holds a dataset" in capsys.readouterr().err
     assert main(["demo", "--out", out, "--overwrite", "--image-size", "64",
                  "--no-keep-originals"]) == 0

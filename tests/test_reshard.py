@@ -172,7 +172,7 @@ def test_train_image_never_makes_random_resized_crop_upsample(data, name, size):
 def test_reshard_conversions_between_v2_datasets(data, tmp_path):
     # v2 with originals -> another size: the same bytes as from the v1 dataset
     out = str(tmp_path / "k336")
-    reshard(data["r224k"], out, image_size=336, progress=False)
+    reshard(data["r224k"], out, image_size=336, keep_originals=False, progress=False)
     assert _files(out) != _files(data["r336"])  # the manifests differ (converted_from) ...
     for split in schema.SPLITS:
         for a, b in zip(open_dataset(out).paths(split), open_dataset(data["r336"]).paths(split)):
@@ -207,9 +207,22 @@ def test_cli(data, tmp_path):
     refused = subprocess.run(run + ["--in", data["r224"], "--out", str(tmp_path / "x"),
                                     "--image-size", "336", "--no-progress"],
                              cwd=REPO, capture_output=True, text=True)
-    assert refused.returncode == 1
+    assert refused.returncode == 2
     assert "error: " in refused.stderr and "without the original" in refused.stderr
     assert not os.path.exists(tmp_path / "x" / "manifest.json")
+
+
+def test_cli_keeps_the_originals_as_demo_does(data, tmp_path):
+    """reshard keeps the originals --in holds unless --no-keep-originals (localisation and
+    MINER crops need them), and a views-only --in stays views-only."""
+    from data_prep.__main__ import main
+    run = ["reshard", "--image-size", "32", "--workers", "1", "--no-progress", "--in"]
+    kept, dropped, same = (str(tmp_path / n) for n in ("kept", "dropped", "same"))
+    assert main(run + [data["v1"], "--out", kept]) == 0
+    assert main(run + [data["v1"], "--out", dropped, "--no-keep-originals"]) == 0
+    assert open_dataset(kept).has_originals and not open_dataset(dropped).has_originals
+    assert main(run + [dropped, "--out", same]) == 0
+    assert not open_dataset(same).has_originals
 
 
 def test_sigkill_part_way_then_rerun_gives_the_same_bytes(data, tmp_path):

@@ -221,33 +221,6 @@ def test_cli_help_and_clear_errors(tmp_path):
     assert code == 2
 
 
-def test_cli_help_states_each_default_once():
-    """Every option with a default (not None, not a flag's False) says it exactly once in
-    --help, as "(default: X)" or in its own words; the others say no "(default: None)"."""
-    import argparse
-    import re
-
-    parser = rocs._parser()
-    text = parser.format_help()
-    assert "(default: None)" not in text and "(default: False)" not in text
-    assert ".:" not in text  # the description's sentence ends once
-    # the option blocks of the help, whitespace normalised (wrapping may split "(default: x)")
-    options = text[text.index("options:"):]
-    blocks = {}
-    for chunk in re.split(r"\n(?=  -)", options):
-        first = chunk.split()[0].rstrip(",")
-        blocks[first] = " ".join(chunk.split())
-    for action in parser._actions:
-        if not action.option_strings or action.default == argparse.SUPPRESS:
-            continue  # --help
-        block = blocks[action.option_strings[0]]
-        assert block.count("default") <= 1, block
-        if action.default is not None and action.default is not False:
-            assert block.count(f"(default: {action.default})") == 1, block
-    assert "embedding cache (default: OUT/cache)" in blocks["--cache_dir"]
-    assert blocks["--batch_size"].count("default") == 1
-
-
 def test_named_encoders_come_from_the_encoder_registry():
     # synthetic registers itself (encoders imports no encoder module); a name is taken once
     enc = encoders.load_encoder("planted-colours")

@@ -439,15 +439,15 @@ def test_cli_errors_name_what_is_wrong(tmp_path, images, capsys):
 
     argv = _rocs_cli(tmp_path, images, tmp_path / "out")
     no_vlm = [a for a in argv if a != str(tmp_path / "replies.json") and a != "--vlm-replies"]
-    assert main(no_vlm) == 1
+    assert main(no_vlm) == 2
     assert "error: pass one of --vlm DIR" in capsys.readouterr().err
     no_sam = [str(tmp_path / "nope.pth") if a == str(tmp_path / "sam.pth") else a for a in argv]
-    assert main(no_sam) == 1
+    assert main(no_sam) == 2
     assert "error: --sam " in capsys.readouterr().err
     raw = json.loads((tmp_path / "instances.json").read_text())
     raw["annotations"][5]["bbox"] = "oops"
     (tmp_path / "instances.json").write_text(json.dumps(raw))
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert f"{tmp_path / 'instances.json'}: annotations[5].bbox is 'oops'" in err
 
@@ -495,12 +495,12 @@ def test_cli_with_the_detector_path(tmp_path, images, capsys):
     det = argv[:i] + argv[i + 2:] + ["--detector", model, "--classes",
                                       f"@{tmp_path / 'classes.txt'}", "--top-fraction", "1"]
     det[det.index(str(tmp_path / "replies.json"))] = str(tmp_path / "none.json")
-    assert main(det) == 1  # no reply for any object: nothing to write, said as such
+    assert main(det) == 2  # no reply for any object: nothing to write, said as such
     assert "error: no caption survived the selection" in capsys.readouterr().err
     assert len(list((tmp_path / "out" / "work" / "boxes").glob("*.json"))) == 30
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["high_clutter"] == 30 and summary["kept_captions"] == 0
-    assert main(argv + ["--detector", model, "--classes", "man"]) == 1
+    assert main(argv + ["--detector", model, "--classes", "man"]) == 2
     assert "pass one of --instances FILE" in capsys.readouterr().err
 
 
@@ -549,7 +549,7 @@ def test_cli_classes_coco80_with_the_tiny_grounding_dino(tmp_path, capsys):
             "coco80", "--out", str(tmp_path / "out"), "--sam", str(tmp_path / "sam.pth"),
             "--sam-type", "tiny", "--top-fraction", "1", "--max-mask-area", "1.0",
             "--vlm-replies", str(tmp_path / "replies.json"), "--device", "cpu", "--no-progress"]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "no caption survived" in capsys.readouterr().err
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     rare = summary["dropped"][rc.NO_REPLY]
@@ -575,12 +575,12 @@ def test_cli_classes_and_caption_words_errors(tmp_path, images, capsys):
     argv = _rocs_cli(tmp_path, images, tmp_path / "out")
     i = argv.index("--instances")
     det = argv[:i] + argv[i + 2:] + ["--detector", str(tmp_path / "gdino")]
-    assert main(det + ["--classes", "coco91"]) == 1
+    assert main(det + ["--classes", "coco91"]) == 2
     assert "error: --classes coco91: unknown class list (named lists: coco80" in (
         capsys.readouterr().err)
-    assert main(argv + ["--classes", "coco80"]) == 1
+    assert main(argv + ["--classes", "coco80"]) == 2
     assert "error: --classes names what --detector looks for" in capsys.readouterr().err
-    assert main(argv + ["--caption-words", "18-8"]) == 1
+    assert main(argv + ["--caption-words", "18-8"]) == 2
     assert "error: --caption-words '18-8': expected LO-HI" in capsys.readouterr().err
     import contextlib
     import io

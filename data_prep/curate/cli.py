@@ -6,10 +6,12 @@ clustered with HDBSCAN into a clusters file you label; relations: cluster labels
 subject/object, stopwords removed from the predicate, then your --relation-overrides; actions: your
 surface-form -> class map. The first run writes the clusters file and exits with status 3 (with
 OUT.clusters.md, a table per cluster, and OUT.clusters.tree.png, hdbscan's condensed tree); label
-it and rerun. Every run writes OUT.clusters.predicate_table.tsv beside the clusters file (each
-predicate, its count, the raw predicates merged into it, flagged where they differ by a spatial
-preposition) for the overrides. OUT/object_curation keeps the names, labels and fitted clusterer,
-so a later --extend OUT maps a new source onto them.
+it and rerun. A clusters file in which no cluster has a label is refused (status 2, listing the
+clusters that most need a look) unless --accept-suggested. Every run writes
+OUT.clusters.predicate_table.tsv beside the clusters file (each predicate, its count, the raw
+predicates merged into it, flagged where they differ by a spatial preposition) for the
+overrides. OUT/object_curation keeps the names, labels and fitted clusterer, so a later
+--extend OUT maps a new source onto them.
 """
 
 import argparse
@@ -70,15 +72,39 @@ def add_parser(sub) -> argparse.ArgumentParser:
                           "front of, on top of, ...) that follows the predicate's verb: "
                           "'sitting on' and 'sitting under' stay apart. Default off: the "
                           "appendix's rule drops them with the other stopwords")
-    cur.add_argument("--overwrite", action="store_true")
-    cur.add_argument("--no-progress", action="store_true")
+    cur.add_argument("--accept-suggested", action="store_true",
+                     help="second pass: take every cluster's suggested_label even though no "
+                          "cluster of the clusters file has a label (without it, such a file "
+                          "is refused with the clusters that most need a look)")
+    cur.add_argument("--overwrite", action="store_true",
+                     help="replace a dataset already in --out")
+    cur.add_argument("--no-progress", action="store_true", help="no progress bars")
     return cur
 
 
+# What curate imports from the `data` extra (nltk's absence is MissingNLTKData's to explain).
+DATA_EXTRA = ("hdbscan", "torch", "transformers")
+
+
 def run(args) -> int:
+    try:
+        return _run(args)
+    except ImportError as e:
+        name = (e.name or "").partition(".")[0]
+        if name not in DATA_EXTRA:
+            raise
+        cause = str(e.__cause__ or e).splitlines()[0]
+        print(f"error: curate needs the {name} package, which did not import ({cause}); "
+              f"install the `data` extra: pip install -e \".[data]\" from the sclaro-jax "
+              f"checkout", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     from data_prep.curate.extend import CurationMismatch
     from data_prep.curate.pipeline import (ACTION_SIMILARITY, NeedsLabels, curate,
                                            format_statistics)
+    from data_prep.curate.report import UnlabelledClusters
     from data_prep.curate.rules import MissingNLTKData
     try:
         result = curate(args.data, args.out, clusters=args.clusters, action_map=args.action_map,
@@ -91,13 +117,14 @@ def run(args) -> int:
                                            else args.action_similarity),
                         relation_overrides=args.relation_overrides,
                         keep_prepositions=args.relation_keep_prepositions,
+                        accept_suggested=args.accept_suggested,
                         overwrite=args.overwrite, progress=not args.no_progress)
     except NeedsLabels as e:
         print(e)
         return 3
-    except (MissingNLTKData, CurationMismatch) as e:
+    except (MissingNLTKData, CurationMismatch, UnlabelledClusters) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2
     vocab = result["vocabulary"]
     print(f"curated {result['records']} records into {args.out}: {vocab['actions']} actions, "
           f"{vocab['objects']} objects, {vocab['relations']} relation triplets, "

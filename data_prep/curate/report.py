@@ -6,10 +6,14 @@ Stability is the quantity HDBSCAN's "eom" selection maximises, in the units of t
 (lambda = 1 / cosine distance): for a cluster C born at lambda_birth(C),
 sum over the names and sub-clusters leaving C of (lambda_leave - lambda_birth(C)) x size.
 Bigger means the names stay together over a longer range of distances.
+
+A clusters file that comes back with no label at all is refused (`check_labelled`), listing
+the clusters to read first (`needing_a_look`), unless the curator accepts every suggestion.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -18,6 +22,7 @@ import numpy as np
 from data_prep.durable_logs import write_replacing
 
 EXAMPLES = 6  # names shown per cluster in the table
+LOOK, LOOK_NAMES = 5, 8  # clusters, and names of each, listed when an unlabelled file is refused
 
 
 def report_paths(clusters_path) -> tuple[Path, Path]:
@@ -128,3 +133,50 @@ def write_report(clusters_path, doc: dict, names: list[str], labels: np.ndarray,
               f"condensed tree of {len(names)} names: {len(file_ids)} clusters (ovals, "
               f"numbered as in {Path(clusters_path).name})")
     return table, figure
+
+
+class UnlabelledClusters(ValueError):
+    """The second pass on a clusters file in which no cluster has a label: every cluster would
+    take its suggested_label unread. `curate(accept_suggested=True)` (`--accept-suggested`)
+    takes them as they are."""
+
+
+def _head_words(members: list[str]) -> int:
+    """Distinct last words: "dog", "small dog" share one; "wall", "tower", "pagoda" are three."""
+    return len({m.split()[-1] for m in members})
+
+
+def _fresh(doc: dict) -> list[dict]:
+    """The new clusters (not an extension's curated ones), in file order, each with an "id"
+    (its position where the file has none)."""
+    return [{"id": i, **c} for i, c in enumerate(doc["clusters"]) if not c.get("curated")]
+
+
+def needing_a_look(doc: dict, count: int = LOOK) -> list[dict]:
+    """The new clusters a curator should read first: the most distinct head words
+    (`_head_words`), then the most names, then in file order."""
+    return sorted(_fresh(doc), key=lambda c: (-_head_words(c["members"]),
+                                              -len(c["members"])))[:count]
+
+
+def check_labelled(path, *, accept_suggested: bool = False) -> None:
+    """UnlabelledClusters, listing the clusters that most need a look, unless a new cluster
+    of the clusters file at `path` (already read by `cluster.read_curated`) has a "label",
+    there is none, or `accept_suggested`."""
+    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    fresh = _fresh(doc)
+    if accept_suggested or not fresh or any((c.get("label") or "").strip() for c in fresh):
+        return
+    lines = []
+    for c in needing_a_look(doc):
+        members = c["members"]
+        more = f", +{len(members) - LOOK_NAMES} more" if len(members) > LOOK_NAMES else ""
+        lines.append(f"  cluster {c['id']} ({len(members)} names, {_head_words(members)} head "
+                     f"words) -> {c['suggested_label']!r}: "
+                     f"{', '.join(members[:LOOK_NAMES])}{more}")
+    raise UnlabelledClusters(
+        f"{path}: no cluster has a \"label\", so each of the {len(fresh)} clusters would "
+        f"take its suggested_label unread; label them (a cluster left empty takes its "
+        f"suggestion), or pass --accept-suggested to take every suggestion as it is. The "
+        f"clusters that most need a look (most distinct head words, then size; all in "
+        f"{report_paths(path)[0]}):\n" + "\n".join(lines))

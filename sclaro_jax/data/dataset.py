@@ -251,10 +251,14 @@ def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
     root = os.path.abspath(root)
     path = os.path.join(root, schema.MANIFEST)
     if not os.path.exists(path):
-        hint = ("; build the bundled demo with `python -m data_prep demo --out DIR`"
-                if os.path.isdir(root) else " (the folder does not exist): pass the folder "
-                "that `python -m data_prep` wrote (annotate, curate, reshard or demo)")
-        raise DatasetError(f"{path} not found: {root} is not a SCLARO dataset folder{hint}")
+        raise DatasetError(
+            f"{path} not found: {root} " + ("is not" if os.path.isdir(root) else
+                                            "does not exist, so it is not")
+            + f" a SCLARO dataset folder (the shards and {schema.MANIFEST} that `python -m "
+            f"data_prep` writes). Pass such a folder: your images annotated with `python -m "
+            f"data_prep annotate --root IMAGES --out DIR` (or a dataset that `curate` or "
+            f"`reshard` wrote from one), or the bundled demo, `python -m data_prep demo --out "
+            f"DIR`")
     try:
         with open(path, encoding="utf-8") as f:
             manifest = json.load(f)

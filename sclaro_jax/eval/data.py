@@ -297,7 +297,7 @@ def load_split(spec: str, *, image_root: str | None = None, **hf_columns) -> Ret
     if isinstance(images, list) and images and "sentences" in images[0]:
         if image_root is None:
             raise SplitError(f"{path} is a Karpathy split file; pass the image folder "
-                             "(--image_root)")
+                             "(--image-root)")
         return load_karpathy(path, image_root, split or "test", name=name)
     raise SplitError(f"{path}: neither a COCO captions file ('images' + 'annotations') nor a "
                      "Karpathy split file ('images' with 'sentences')")

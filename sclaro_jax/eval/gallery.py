@@ -100,7 +100,7 @@ def _check_cache(folder: Path, meta: dict) -> None:
         if old.get(field) != meta[field]:
             raise CacheMismatchError(
                 f"{path}: the cached embeddings were made with {field} {old.get(field)!r}, "
-                f"not {meta[field]!r}; delete {folder} or use another --cache_dir")
+                f"not {meta[field]!r}; delete {folder} or use another --cache-dir")
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:

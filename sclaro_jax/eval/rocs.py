@@ -1,10 +1,10 @@
 """MINER / ROCS text-to-image retrieval evaluation (docs/design.md, section 4).
 
     python -m sclaro_jax.eval.rocs --model MODEL_DIR --split rocs_coco=ROCS_DIR:coco \
-        --split coco5k=dataset_coco.json --image_root COCO_DIR --out results/
+        --split coco5k=dataset_coco.json --image-root COCO_DIR --out results/
 
 For each split: the gallery's global and crop embeddings are computed once (cached under
-`--cache_dir`), then four scorings are ranked and reported, text-to-image R@1/5/10 (each
+`--cache-dir`), then four scorings are ranked and reported, text-to-image R@1/5/10 (each
 caption one query, one ground-truth image) and hubness statistics:
 
 - `Global`: cosine of the caption with the global image embedding.
@@ -32,7 +32,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from sclaro_jax import miner
+from sclaro_jax import cli, miner
 from sclaro_jax.eval import data as data_lib
 from sclaro_jax.eval import encoders as enc_lib
 from sclaro_jax.eval.gallery import CropSpec, GalleryEmbeddings, embed_split
@@ -198,24 +198,12 @@ def markdown(results: dict[str, dict[str, dict]], title: str = "") -> str:
 # Command line
 # --------------------------------------------------------------------------------------------
 
-class _DefaultsOnce(argparse.HelpFormatter):
-    """Appends "(default: X)" to an option's help once: not when the help already states its
-    default, nor for a default of None (unset) or a flag's False."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if (action.default is None or action.default is False or "default" in text
-                or action.default == argparse.SUPPRESS or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)".lstrip()
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m sclaro_jax.eval.rocs",
         description=__doc__.split("\n\n")[0].rstrip(".") + ": Global, Global+CSLS and MINER "
         "R@1/5/10 and hubness on ROCS, COCO 5K and Flickr30K 1K.",
-        formatter_class=_DefaultsOnce)
+        formatter_class=cli.DefaultsOnce)
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face CLIPModel / SiglipModel / Siglip2Model folder, a "
@@ -226,32 +214,32 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--teacher", action="store_true",
                    help="use the EMA teacher instead of the student (ScenarioCLIP workdirs)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute in the towers")
-    g.add_argument("--batch_size", type=int, default=None,
+    g.add_argument("--batch-size", type=int, default=None,
                    help="views per encoder call (default: the encoder's own)")
     d = p.add_argument_group("data")
     d.add_argument("--split", action="append", required=True, metavar="[NAME=]PATH[:SPLIT]",
                    help="a split to evaluate (repeatable): a datasets save_to_disk folder "
                         "(ROCS; ':SPLIT' picks a split of a DatasetDict), a COCO captions JSON, "
                         "or a Karpathy JSON (dataset_coco.json / dataset_flickr30k.json; "
-                        "':SPLIT' defaults to test, images under --image_root)")
-    d.add_argument("--image_root", help="image folder for Karpathy / COCO captions files")
-    d.add_argument("--image_column", help="image column of a datasets folder (auto)")
-    d.add_argument("--caption_column", help="caption column of a datasets folder (auto)")
-    d.add_argument("--id_column", help="image-id column of a datasets folder (auto)")
-    d.add_argument("--max_images", type=int, default=None,
+                        "':SPLIT' defaults to test, images under --image-root)")
+    d.add_argument("--image-root", help="image folder for Karpathy / COCO captions files")
+    d.add_argument("--image-column", help="image column of a datasets folder (auto)")
+    d.add_argument("--caption-column", help="caption column of a datasets folder (auto)")
+    d.add_argument("--id-column", help="image-id column of a datasets folder (auto)")
+    d.add_argument("--max-images", type=int, default=None,
                    help="evaluate only the first N gallery images of each split (quick runs)")
     m = p.add_argument_group("MINER")
     m.add_argument("--crops", choices=("fixed5", "grid3x3", "random"), default="fixed5",
                    help="region generator")
-    m.add_argument("--num_crops", type=int, default=None, help="crops per image (random)")
+    m.add_argument("--num-crops", type=int, default=None, help="crops per image (random)")
     m.add_argument("--ratio", type=float, default=0.6,
                    help="fixed5: crop width / image width and crop height / image height "
-                        "(--crop_shape square: crop side / short image side)")
-    m.add_argument("--crop_shape", choices=("aspect", "square"), default="aspect",
+                        "(--crop-shape square: crop side / short image side)")
+    m.add_argument("--crop-shape", choices=("aspect", "square"), default="aspect",
                    help="aspect: the MINER authors' aspect-keeping crops (each fixed crop "
                         "0.6 w x 0.6 h, 36%% of the image); square: their earlier squares of "
                         "side ratio x the short side, for comparison")
-    m.add_argument("--crop_seed", type=int, default=0, help="seed of the random crops")
+    m.add_argument("--crop-seed", type=int, default=0, help="seed of the random crops")
     m.add_argument("--alpha", type=float, default=0.4, help="weight of the crop score")
     m.add_argument("--pool", choices=("max", "mean"), default="max", help="pooling over crops")
     m.add_argument("--k", type=int, default=10, help="CSLS neighbourhood size (and hubness k)")
@@ -259,23 +247,23 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--bank", metavar="SPLIT_OR_TXT",
                    help="query bank for csls-bank / qbnorm: a split spec (its captions) or a "
                         ".txt file with one query per line")
-    m.add_argument("--shortlist_m", type=int, default=25, help="shortlist size M")
-    m.add_argument("--qbnorm_beta", type=float, default=20.0, help="QBNorm inverse temperature")
-    m.add_argument("--sinkhorn_tau", type=float, default=0.02, help="Sinkhorn temperature")
-    m.add_argument("--sinkhorn_iters", type=int, default=1, help="Sinkhorn iterations")
-    m.add_argument("--dual_softmax_tau", type=float, default=0.01,
+    m.add_argument("--shortlist-m", type=int, default=25, help="shortlist size M")
+    m.add_argument("--qbnorm-beta", type=float, default=20.0, help="QBNorm inverse temperature")
+    m.add_argument("--sinkhorn-tau", type=float, default=0.02, help="Sinkhorn temperature")
+    m.add_argument("--sinkhorn-iters", type=int, default=1, help="Sinkhorn iterations")
+    m.add_argument("--dual-softmax-tau", type=float, default=0.01,
                    help="dual-softmax temperature")
     m.add_argument("--stream", choices=("auto", "on", "off"), default="auto",
                    help="score in gallery chunks without forming the [queries x images] matrix "
-                        "(miner.stream); auto: when that matrix would exceed --stream_above")
-    m.add_argument("--stream_above", type=float, default=200_000_000,
+                        "(miner.stream); auto: when that matrix would exceed --stream-above")
+    m.add_argument("--stream-above", type=float, default=200_000_000,
                    help="matrix entries above which --stream auto streams")
     m.add_argument("--chunk", type=int, default=65536, help="gallery chunk when streaming")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", help="folder for results.json / results.md")
-    o.add_argument("--cache_dir", default=None,
+    o.add_argument("--cache-dir", default=None,
                    help="embedding cache (default: OUT/cache); reruns reuse it")
-    o.add_argument("--no_progress", action="store_true", help="no progress bars")
+    o.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 

@@ -38,6 +38,7 @@ from typing import Sequence
 
 import numpy as np
 
+from sclaro_jax import cli
 from sclaro_jax.config import load_config
 
 TASKS = ("zero_shot", "linear_probe", "predcls", "sgcls", "localisation")
@@ -97,7 +98,7 @@ def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
         except schema.MissingOriginalsError as e:
             raise schema.MissingOriginalsError(
                 f"{data_dir}: the attention-overlay figures need the full-size photographs "
-                f"(or pass --no_figures): {e}") from None
+                f"(or pass --no-figures): {e}") from None
         with Image.open(io.BytesIO(data)) as img:
             out.append(np.asarray(img.convert("RGB")))
     return out
@@ -229,34 +230,40 @@ def _slug(name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = cli.ArgumentParser(
         prog="python -m sclaro_jax.eval.suite",
         description="Evaluate ScenarioCLIP / baseline checkpoints: zero-shot retrieval, linear "
                     "probe, PredCls / SGCls, relation localisation, figures, parameters / FLOPs.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=cli.DefaultsOnce)
     p.add_argument("--workdir", action="append", required=True, metavar="[NAME=]DIR",
                    help="training workdir to evaluate (repeatable; NAME labels its column)")
     p.add_argument("--config", help="config file[:variant] that built the runs (default: each "
                                     "workdir's config.json)")
     p.add_argument("--data", help="dataset folder (default: the run's config.data.dir)")
-    p.add_argument("--split", default="test")
-    p.add_argument("--train_split", default="train", help="split for the probe / SGCls vocab")
-    p.add_argument("--tasks", default=",".join(TASKS), help=f"comma-separated from {TASKS}")
+    p.add_argument("--split", default="test", help="split to evaluate")
+    p.add_argument("--train-split", default="train", help="split for the probe / SGCls vocab")
+    p.add_argument("--tasks", default=",".join(TASKS),
+                   help=f"comma-separated from {', '.join(TASKS)}")
     p.add_argument("--teacher", action="store_true", help="evaluate the EMA teacher weights")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
-    p.add_argument("--probe_epochs", type=int, default=6)
-    p.add_argument("--probe_lr", type=float, default=2e-5)
-    p.add_argument("--min_predicate_instances", type=int, default=5)
-    p.add_argument("--localisation_variants", default="frozen,trainable")
-    p.add_argument("--localisation_epochs", type=int, default=1)
-    p.add_argument("--localisation_max_relations", type=int, default=None)
-    p.add_argument("--no_figures", action="store_true")
-    p.add_argument("--figure_images", type=int, default=3)
-    p.add_argument("--tsne_max_objects", type=int, default=10000)
-    p.add_argument("--no_cost", action="store_true", help="skip the parameter / FLOPs table")
-    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--probe-epochs", type=int, default=6, help="linear-probe epochs")
+    p.add_argument("--probe-lr", type=float, default=2e-5, help="linear-probe learning rate")
+    p.add_argument("--min-predicate-instances", type=int, default=5,
+                   help="PredCls / SGCls: predicates with fewer test instances are left out")
+    p.add_argument("--localisation-variants", default="frozen,trainable",
+                   help="comma-separated localisation heads: frozen, trainable")
+    p.add_argument("--localisation-epochs", type=int, default=1,
+                   help="training epochs of the localisation head")
+    p.add_argument("--localisation-max-relations", type=int, default=None,
+                   help="evaluate localisation on at most this many relations (default: all)")
+    p.add_argument("--no-figures", action="store_true", help="skip the figures")
+    p.add_argument("--figure-images", type=int, default=3, help="images per figure")
+    p.add_argument("--tsne-max-objects", type=int, default=10000,
+                   help="at most this many object embeddings in the t-SNE figure")
+    p.add_argument("--no-cost", action="store_true", help="skip the parameter / FLOPs table")
+    p.add_argument("--batch-size", type=int, default=32, help="examples per encoder call")
     p.add_argument("--out", help="output folder (default: FIRST_WORKDIR/eval)")
-    p.add_argument("--no_progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 

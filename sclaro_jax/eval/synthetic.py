@@ -23,7 +23,6 @@ planted-colours --split DIR/captions.json` runs the whole evaluation on it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
@@ -36,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 
+from sclaro_jax import cli
 from sclaro_jax.eval.encoders import Encoder, l2_with_norm, register_encoder
 from sclaro_jax.miner import crop_boxes
 
@@ -152,14 +152,19 @@ def make_planted_split(out: str | os.PathLike, *, num_images: int = 56, width: i
     return path
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
+def _parser() -> cli.ArgumentParser:
+    parser = cli.ArgumentParser(
         prog="python -m sclaro_jax.eval.synthetic",
-        description="Write the planted-colours retrieval benchmark (COCO captions JSON + PNGs).")
+        description="Write the planted-colours retrieval benchmark (COCO captions JSON + PNGs).",
+        formatter_class=cli.DefaultsOnce)
     parser.add_argument("--out", required=True, help="output folder")
-    parser.add_argument("--num_images", type=int, default=56)
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--num-images", type=int, default=56, help="images to write")
+    parser.add_argument("--seed", type=int, default=0, help="random seed")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     path = make_planted_split(args.out, num_images=args.num_images, seed=args.seed)
     print(f"wrote {path}")
     return 0

@@ -1,0 +1,111 @@
+"""One convention for every command line (`sclaro_jax.cli`): flags documented with hyphens, the
+underscore spelling accepted as a hidden alias; --help states each default once; a user error
+is one `error:` line and exit status 2."""
+
+import argparse
+import re
+
+import pytest
+
+from sclaro_jax.eval import detect, rocs, suite, synthetic
+
+
+def parsers() -> dict:
+    """{name: (the parser, the parser that owns the flags, argv prefix of the sub-command)}."""
+    from data_prep.__main__ import build_parser
+    out = {f"eval.{m.__name__.rpartition('.')[2]}": (m._parser(),) * 2 + ([],)
+           for m in (suite, rocs, detect, synthetic)}
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    for name, parser in sub.choices.items():
+        out[f"data_prep {name}"] = (top, parser, [name])
+    return out
+
+
+def _value(action) -> list[str]:
+    if action.nargs == 0:
+        return []
+    if action.choices:
+        return [str(next(iter(action.choices)))]
+    return [{int: "3", float: "0.5"}.get(action.type, "v")]
+
+
+@pytest.mark.parametrize("name", sorted(parsers()))
+def test_flags_are_documented_with_hyphens_and_take_underscores(name):
+    parser, owner, prefix = parsers()[name]
+    assert not re.findall(r"(?<![\w-])--[a-z0-9]+_\w*", owner.format_help())
+    required = [x for a in owner._actions if a.required
+                for x in [a.option_strings[0], *_value(a)]]
+    aliases = 0
+    for action in owner._actions:
+        for flag in action.option_strings:
+            if not flag.startswith("--") or "-" not in flag[2:] or action.required:
+                continue
+            alias = "--" + flag[2:].replace("-", "_")
+            want = parser.parse_args([*prefix, *required, flag, *_value(action)])
+            got = parser.parse_args([*prefix, *required, alias, *_value(action)])
+            assert vars(got) == vars(want), (flag, alias)
+            aliases += 1
+    assert aliases  # every command has hyphenated flags
+
+
+def test_the_no_progress_flag_in_both_spellings():
+    from data_prep.__main__ import build_parser
+    argvs = {"eval.suite": (suite._parser(), ["--workdir", "w"]),
+             "eval.rocs": (rocs._parser(), ["--model", "m", "--split", "s"]),
+             "eval.detect": (detect._parser(), ["--workdir", "w", "--data", "d"]),
+             "data_prep curate": (build_parser(), ["curate", "--data", "d", "--out", "o"]),
+             "data_prep reshard": (build_parser(), ["reshard", "--in", "i", "--out", "o"])}
+    for name, (parser, argv) in argvs.items():
+        for flag in ("--no-progress", "--no_progress"):
+            assert parser.parse_args(argv + [flag]).no_progress is True, (name, flag)
+        assert parser.parse_args(argv).no_progress is False, name
+    reshard = argvs["data_prep reshard"]
+    for flag, keep in (("--no_keep_originals", False), ("--keep_originals", True),
+                       ("--no-keep-originals", False)):
+        assert reshard[0].parse_args(reshard[1] + [flag]).keep_originals is keep, flag
+
+
+@pytest.mark.parametrize("module", [suite, rocs, detect, synthetic])
+def test_help_states_each_default_once(module):
+    """Every option with a default (not None, not empty, not a flag's False) says it exactly
+    once in --help, as "(default: X)" or in its own words; the others say no
+    "(default: None)"."""
+    parser = module._parser()
+    text = parser.format_help()
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: [])" not in text
+    assert ".:" not in text  # the description's sentence ends once
+    # the option blocks of the help, whitespace normalised (wrapping may split "(default: x)")
+    options = text[text.index("options:"):]
+    blocks = {}
+    for chunk in re.split(r"\n(?=  -)", options):
+        first = chunk.split()[0].rstrip(",")
+        blocks[first] = " ".join(chunk.split())
+    for action in parser._actions:
+        if not action.option_strings or action.default == argparse.SUPPRESS:
+            continue  # --help
+        block = blocks[action.option_strings[0]]
+        assert block.count("(default") <= 1, block
+        if not (action.default is None or action.default is False
+                or action.default in ("", [])):
+            assert block.count(f"(default: {action.default})") == 1 or (
+                "default" in (action.help or "")), block
+    if module is rocs:
+        assert "embedding cache (default: OUT/cache)" in blocks["--cache-dir"]
+        assert blocks["--batch-size"].count("default") == 1
+
+
+def test_data_prep_user_errors_exit_2_naming_the_folder(tmp_path, capsys):
+    """A folder of the user's own that is not a dataset: one `error:` line that names it and
+    says what writes a dataset (the demo only one of the options), exit 2."""
+    from data_prep.__main__ import main
+    mine = tmp_path / "my_photos"
+    mine.mkdir()
+    (mine / "a.jpg").write_bytes(b"")
+    assert main(["reshard", "--in", str(mine), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert f"{mine} is not a SCLARO dataset folder" in err
+    assert "`python -m data_prep annotate --root IMAGES --out DIR`" in err
+    assert "or the bundled demo, `python -m data_prep demo --out DIR`" in err
