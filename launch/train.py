@@ -82,6 +82,8 @@ def prepare_demo(config, workdir: str) -> None:
     size = None if detector else config.data.image_size  # the training views' size
     manifest = os.path.join(data, "manifest.json")
     if not os.path.exists(manifest):
+        logging.getLogger("sclaro_jax").info("writing the bundled demo dataset to %s (once) ...",
+                                             data)
         build_demo(data, **({"image_size": size} if size else {}), progress=False)
     elif size:
         with open(manifest, encoding="utf-8") as f:

@@ -260,7 +260,7 @@ def test_cli_errors_name_the_flag(setup, tmp_path, capsys, monkeypatch):
     assert main(base) == 2
     err = capsys.readouterr().err
     assert "error: --engine ray needs Ray Data, which is not installed" in err
-    assert "pip install 'sclaro-jax[cluster]'" in err
+    assert 'pip install -e ".[cluster]" from the sclaro-jax checkout' in err
     assert not (tmp_path / "out.work").exists()
 
 

@@ -322,3 +322,24 @@ def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert {"loss", "loss_objectness", "copy_paste_rate", "examples_per_sec"} <= set(rows[-1])
+
+
+def test_without_pycocotools_the_cli_stops_before_any_work(demo_dir, tiny_hf, tmp_path,
+                                                          monkeypatch, capsys):
+    """COCO AP needs pycocotools (the `eval` extra): a machine without it hears so at once,
+    not after the training it would evaluate."""
+    import sys
+    import time
+
+    for name in ("pycocotools", "pycocotools.coco", "pycocotools.cocoeval"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
+    out = tmp_path / "det"
+    t0 = time.monotonic()
+    code = cli.main(["--workdir", str(tiny_hf[0]), "--data", demo_dir, "--config", "demo",
+                     "--out", str(out), "--no-progress"])
+    took = time.monotonic() - t0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert err[0] == ('error: COCO AP needs the pycocotools package: pip install -e ".[eval]" '
+                      'from the sclaro-jax checkout (or pip install pycocotools)'), err
+    assert not out.exists() and took < 10, took  # nothing prepared, trained or compiled

@@ -3,6 +3,7 @@ background, copied workdirs and moved datasets, changed configs, damaged shards,
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -200,8 +201,17 @@ def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir,
     # a checkpoint that never finished (the process died while writing it) is reported
     torn = workdir / "checkpoints" / f"{stopped + 2}.orbax-checkpoint-tmp-1764560000"
     torn.mkdir()
-    rerun = _run(_cmd(workdir, demo_dir, cache))
+    rerun = _run(_cmd(workdir, demo_dir, cache, "--config.progress_bar=True"))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
+    # the log of a resumed run with its progress bar: no orbax warnings, and every log line
+    # on a line of its own (none glued behind the bar's text)
+    for noise in ("Metadata file does not exist", "consider checkpointing less frequently"):
+        assert noise not in rerun.stderr, rerun.stderr[-3000:]
+    assert "|" in rerun.stderr and f"{STEPS}/{STEPS}" in rerun.stderr  # the bar was drawn
+    pieces = [p.strip() for p in re.split(r"[\r\n]", rerun.stderr)]
+    records = [p for p in pieces if re.search(r"[IWE]\d{4} \d\d:\d\d:\d\d\.\d+ ", p)]
+    assert records and all(re.match(r"[IWE]\d{4} ", p) for p in records), [
+        p for p in records if not re.match(r"[IWE]\d{4} ", p)]
     assert (f"found an unfinished checkpoint ({torn.name}, interrupted while it was written); "
             f"resuming from step {stopped}, the newest complete one") in rerun.stderr
     assert "done:" in rerun.stdout
@@ -268,7 +278,6 @@ def test_allowed_config_change_keeps_both_configs(tmp_path):
     unsafe, safe = runs.config_changes(str(tmp_path), new)
     assert unsafe == {"train.lr": (5e-4, 1e-3), "train.steps": (10, 20)}  # steps: the schedule
     assert safe == {"data.dir": ("a", "b"), "log_every": (5, 1)}
-    unsafe = {"train.lr": (5e-4, 1e-3)}
     newer = ConfigDict(new.to_dict())
     newer.train.decay_logit_scales = True  # a key added to the code since the run started
     assert runs.config_changes(str(tmp_path), newer) == (unsafe, {
@@ -277,7 +286,8 @@ def test_allowed_config_change_keeps_both_configs(tmp_path):
     assert json.loads((tmp_path / "config.until-step-8.json").read_text())["train"]["lr"] == 5e-4
     assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] == 1e-3
     change = json.loads((tmp_path / "config_changes.jsonl").read_text())
-    assert change == {"step": 8, "changes": {"train.lr": {"before": 5e-4, "after": 1e-3}}}
+    assert change == {"step": 8, "changes": {"train.lr": {"before": 5e-4, "after": 1e-3},
+                                             "train.steps": {"before": 10, "after": 20}}}
 
 
 def test_logs_are_cut_back_to_the_resumed_step(tmp_path):

@@ -205,7 +205,16 @@ def test_data_wait_fraction_and_its_one_warning(caplog):
     assert len(caplog.records) == 1
     msg = caplog.records[0].getMessage()
     assert "data_wait_fraction 0.25" in msg and "step 12" in msg
-    assert "config.data.workers (worker_count) is 3" in msg
+    assert "Give it more worker processes: config.data.workers is 3" in msg
+    caplog.clear()
+    quiet = DataWait(workers=0)  # the demo configs' own setting: not blamed as a mistake
+    with caplog.at_level(logging.WARNING, logger="sclaro_jax.train.trainer"):
+        quiet.fraction(1.0, step=4)
+        quiet.add(0.5)
+        quiet.fraction(1.0, step=8)
+    msg = caplog.records[0].getMessage()
+    assert "config.data.workers is 0, the demo configs' choice" in msg
+    assert "--config.data.workers=N" in msg and "Give it more" not in msg
 
 
 def test_unknown_train_keys_are_refused_with_the_known_ones(demo_dir, tmp_path):

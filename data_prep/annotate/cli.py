@@ -65,8 +65,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
 def engine_flags(ann: argparse.ArgumentParser) -> None:
     """The --engine group: which engine runs the stages, and the Ray engine's resources."""
     eng = ann.add_argument_group(
-        "engine", "--engine ray runs the stages as a Ray Data pipeline (pip install "
-                  "'sclaro-jax[cluster]'): a pool of actors per stage, each loading its model "
+        "engine", "--engine ray runs the stages as a Ray Data pipeline (the `cluster` "
+                  "extra): a pool of actors per stage, each loading its model "
                   "once, blocks streaming from stage to stage. Same records, same summary.json, "
                   "same work folder as --engine local; either engine resumes the other's run.")
     eng.add_argument("--engine", choices=("local", "ray"), default="local",

@@ -44,7 +44,7 @@ STAGE_NAMES = {"vlm": "vlm", "detector": "detect", "detect": "detect", "sam": "s
                "segment": "segment"}
 STAGE_LABELS = {"vlm": "vlm", "detect": "detector", "segment": "sam", "write": "write"}
 SINK_CPUS = 0.25  # a block write is light: leave the CPUs to the stage actors
-INSTALL = "pip install 'sclaro-jax[cluster]' (Ray Data)"
+INSTALL = 'pip install -e ".[cluster]" from the sclaro-jax checkout (Ray Data)'
 
 
 def check_ray() -> None:

@@ -170,7 +170,7 @@ def write_rocs(out: str | Path, rows: Sequence[dict]) -> Path:
         import datasets
     except ImportError:
         raise ImportError("writing a ROCS split needs the `datasets` package: "
-                          "pip install \"sclaro-jax[eval]\"") from None
+                          "pip install -e \".[eval]\" from the sclaro-jax checkout") from None
     if not rows:
         raise ValueError("no caption survived the selection: nothing to write (see the "
                          "reasons in summary.json)")

@@ -11,7 +11,7 @@ the rare / common / frequent classes (`sclaro_jax.detection.data.class_frequency
 Values are fractions in [0, 1]; a group with no evaluated class is NaN. (`summarize()` itself
 is not used: its AP row reads maxDets == 100 only and prints -1 for any other limit.)
 
-pycocotools is an optional dependency (`pip install "sclaro-jax[eval]"`), imported when
+pycocotools is an optional dependency (the `eval` extra), imported when
 `coco_evaluate` runs.
 """
 
@@ -28,14 +28,21 @@ COLUMNS = ("AP", "AP50", "AP75", "APr", "APc", "APf")
 GROUPS = {"APr": "r", "APc": "c", "APf": "f"}
 
 
+INSTALL = 'pip install -e ".[eval]" from the sclaro-jax checkout (or pip install pycocotools)'
+
+
 def _coco_classes():
     try:
         from pycocotools.coco import COCO
         from pycocotools.cocoeval import COCOeval
     except ImportError:
-        raise ImportError('coco_evaluate needs pycocotools: pip install "sclaro-jax[eval]"'
-                          ) from None
+        raise ImportError(f"COCO AP needs the pycocotools package: {INSTALL}") from None
     return COCO, COCOeval
+
+
+def require_pycocotools() -> None:
+    """ImportError naming the extra unless pycocotools imports (checked before any work)."""
+    _coco_classes()
 
 
 def _xywh(boxes: np.ndarray) -> np.ndarray:

@@ -190,7 +190,8 @@ def load_hf_folder(path: str | os.PathLike, split: str | None = None, *,
         import datasets
     except ImportError:
         raise SplitError(f"{path} is a Hugging Face dataset folder; reading it needs the "
-                         "`datasets` package: pip install 'sclaro-jax[eval]'") from None
+                         "`datasets` package: pip install -e \".[eval]\" from the sclaro-jax "
+                         "checkout") from None
     path = Path(path)
     ds = datasets.load_from_disk(str(path))
     if isinstance(ds, datasets.DatasetDict):

@@ -130,7 +130,10 @@ def original_detections(detections, examples) -> list[tuple]:
 
 
 def run(args) -> dict:
-    from sclaro_jax.detection import data, evaluate, train, trainer
+    from sclaro_jax.detection import evaluate
+
+    evaluate.require_pycocotools()  # before minutes of training end in a missing package
+    from sclaro_jax.detection import data, train, trainer
 
     config = load_config(args.config, args.overrides)
     split = args.split or config.eval_split
@@ -177,7 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's per-save INFO lines
     try:
         results = run(args)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
         if args.verbose:
             raise
         print(f"error: {e}", file=sys.stderr)

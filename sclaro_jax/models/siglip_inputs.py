@@ -146,7 +146,8 @@ def _sentencepiece_tokenizer(folder: Path, max_length: int | None
     except ImportError:
         raise CheckpointError(
             f"{folder} has a SentencePiece tokenizer (spiece.model) and no tokenizer.json; "
-            "reading it needs the sentencepiece package: pip install 'sclaro-jax[eval]'") from None
+            "reading it needs the sentencepiece package: pip install -e \".[eval]\" from the "
+            "sclaro-jax checkout") from None
     sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
     tcfg_file = folder / "tokenizer_config.json"
     tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}

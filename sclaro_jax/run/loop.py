@@ -289,6 +289,27 @@ def all_ok(checkpoints: Checkpoints, step: int) -> bool:
     return bool(np.min(ok))
 
 
+class _AboveTheBar(logging.Filter):
+    """While a progress bar is shown, clears it before each log line, so the line starts on a
+    line of its own (the bar is drawn again below it at the next step), as `tqdm.write` does.
+    Sits on the handlers of the root and absl loggers."""
+
+    def __init__(self, bar):
+        super().__init__()
+        self.bar = bar
+        self.handlers = [h for name in ("", "absl") for h in logging.getLogger(name).handlers]
+        for handler in self.handlers:
+            handler.addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.bar.clear()
+        return True
+
+    def remove(self) -> None:
+        for handler in self.handlers:
+            handler.removeFilter(self)
+
+
 class _Log:
     """metrics.jsonl, TensorBoard and the progress bar of one `run_steps` call."""
 
@@ -298,14 +319,17 @@ class _Log:
                          encoding="utf-8") if chief else None
         self.writer = tensorboard(spec.workdir) if chief else None
         self.bar = None
+        self._above = None
         self.t_last, self.n_last = time.perf_counter(), 0
 
     def first_step(self, done: int) -> None:
         if self.hooks.started is not None:
             self.hooks.started()
-        # the rate starts after the compilation
+        # the rate (and the time left) starts after the compilation
         self.bar = tqdm(total=self.spec.steps, initial=done, desc=self.spec.desc, unit="step",
                         disable=not (self.spec.progress and self.chief))
+        if not self.bar.disable:
+            self._above = _AboveTheBar(self.bar)
         self.t_last, self.n_last = time.perf_counter(), 0
 
     def write(self, metrics: dict, done: int) -> None:
@@ -327,6 +351,9 @@ class _Log:
                              ex_s=f"{metrics['examples_per_sec']:.1f}")
 
     def close(self) -> None:
+        if self._above is not None:
+            self._above.remove()
+            self._above = None
         for thing in (self.bar, self.file, self.writer):
             if thing is not None:
                 thing.close()
@@ -402,7 +429,5 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
         raise
     logs.close()
     checkpoints.close()
-    if stop.requested and done < spec.steps:
-        log.warning("stopped at step %d of %d (%s); rerun the same command to continue", done,
-                    spec.steps, stop.requested)
+    # (a stop is announced when it is asked for; the caller says where the run stands)
     return Result(state, done, stop.requested)

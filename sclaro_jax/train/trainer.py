@@ -34,6 +34,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sclaro_jax.checkpoint import build_model
+from sclaro_jax.config import flatten
 from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
@@ -144,6 +145,7 @@ def _check(config, workdir: str, verify_data: bool):
 def _build(config, workdir: str, dataset, tcfg: core.TrainConfig):
     """(graphdef, state, jitted step, mesh, packed sizes, data iterator) of a fresh run."""
     use_compilation_cache(config, workdir)
+    log.info("building the model (%s) and its optimiser state ...", config.model.get("preset", "?"))
     model = build_model(config)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
@@ -336,12 +338,27 @@ class DataWait:
         self.intervals += 1
         if self.intervals > 1 and fraction > self.WARN_ABOVE and not self.warned:
             self.warned = True
+            cores = os.cpu_count() or 1
+            if self.workers:
+                advice = (f"Give it more worker processes: config.data.workers is {self.workers} "
+                          f"and this machine has {cores} cores.")
+            else:
+                advice = ("Batches are made in this process (config.data.workers is 0, the "
+                          "demo configs' choice for a tiny model); for real runs pass "
+                          f"--config.data.workers=N, up to this machine's {cores} cores.")
             log.warning(
                 "the input pipeline is holding training back: %.0f%% of the time up to step "
-                "%d went waiting for batches (data_wait_fraction %.2f). Give it more worker "
-                "processes: config.data.workers (worker_count) is %d and this machine has %d "
-                "cores.", 100 * fraction, step, fraction, self.workers, os.cpu_count() or 1)
+                "%d went waiting for batches (data_wait_fraction %.2f). %s", 100 * fraction,
+                step, fraction, advice)
         return fraction
+
+
+def _numbers(results: dict, most: int = 12) -> str:
+    """'a.b 0.512, c 3' of the numbers in a (nested) results dict, the first `most` of them."""
+    flat = {k: v for k, v in flatten(results).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    shown = ", ".join(f"{k} {v:.4g}" for k, v in list(flat.items())[:most])
+    return shown + (f", ... ({len(flat) - most} more in eval.jsonl)" if len(flat) > most else "")
 
 
 def _periodic_eval(evals, graphdef, state, step: int, workdir: str, chief: bool = True) -> None:
@@ -364,5 +381,4 @@ def _periodic_eval(evals, graphdef, state, step: int, workdir: str, chief: bool 
             f.write(json.dumps({"step": step, "evaluator": ev.name, "split": ev.split,
                                 "results": results}) + "\n")
             log.info("eval %s at step %d on %s: %s", ev.name, step, ev.split,
-                     {k: v for k, v in results.items() if not isinstance(v, dict)} or
-                     list(results))
+                     _numbers(results))
