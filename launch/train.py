@@ -5,8 +5,9 @@
 
 Rerunning the same command resumes from the newest checkpoint in DIR. Ctrl-C (SIGINT) or SIGTERM
 stops after the current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose
-config differs in more than the steps, the logging / checkpoint / eval settings, the data folder
-or the sharding is refused unless --allow-config-change. With an empty `config.data.dir`, the
+config differs in more than the logging / checkpoint / eval settings, the data folder or the
+sharding (the run's length included: it sets the schedule) is refused unless
+--allow-config-change. A second run on a workdir in use is refused, naming the first. With an empty `config.data.dir`, the
 `:demo` variants write the bundled demo shards to DIR/demo_data first. User errors print one
 `error:` line (the traceback with --verbose).
 """

@@ -364,6 +364,12 @@ def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
     assert "The shard is damaged; --verify-data checks every shard's sha256" in line, line
     assert flipped_quietly.stderr.strip().splitlines()[-1] == line
 
+    # a start that fails after making its folders leaves none of them empty
+    line = _error(train(f"--config.data.dir={demo_dir}", "--config.model.init=/nonexistent/clip",
+                        workdir=tmp_path / "init"))
+    assert "/nonexistent/clip has no config.json" in line, line
+    assert sorted(os.listdir(tmp_path / "init")) == [".run.lock"]
+
     for lr in ("-0.001", "0"):
         line = _error(train(f"--config.train.lr={lr}", workdir=tmp_path / "neg"))
         assert f"train.lr must be a positive learning rate, got {float(lr)}" in line, line
