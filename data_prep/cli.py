@@ -38,6 +38,14 @@ def view_flags(parser: argparse.ArgumentParser, keep_default: bool | None) -> No
                         + "; --no-keep-originals writes the views only")
 
 
+def write_flags(parser: argparse.ArgumentParser, *, overwrite: bool = True) -> None:
+    """--overwrite (a command that writes a dataset to --out) and --no-progress."""
+    if overwrite:
+        parser.add_argument("--overwrite", action="store_true",
+                            help="replace a dataset already in --out")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
 def describe(manifest: dict) -> str:
     """'schema version 2, 224 px views, originals kept' and the like."""
     if manifest["schema_version"] == 1:
@@ -84,14 +92,12 @@ def add_reshard(sub) -> None:
     res.add_argument("--out", required=True, metavar="DIR",
                      help="the dataset folder to write (not --in)")
     view_flags(res, keep_default=None)
-    res.add_argument("--overwrite", action="store_true",
-                     help="replace a dataset already in --out")
     res.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",
                      help="processes making the views (default: all %(default)s cores); the "
                           "output does not depend on it")
     res.add_argument("--verbose", action="store_true",
                      help="log each shard as it is finished")
-    res.add_argument("--no-progress", action="store_true", help="no progress bar")
+    write_flags(res)
 
 
 def run_reshard(args) -> int:

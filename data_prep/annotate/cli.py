@@ -12,7 +12,7 @@ WORK/hashes.json by path, size, mtime and ctime); the run says what it redoes an
 import argparse
 import json
 
-from data_prep.cli import command, view_flags
+from data_prep.cli import command, view_flags, write_flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -55,9 +55,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ann.add_argument("--split-seed", type=int, default=42)
     ann.add_argument("--records-per-shard", type=int, default=1000)
     view_flags(ann, keep_default=False)
-    ann.add_argument("--overwrite", action="store_true",
-                     help="replace a dataset already in --out")
-    ann.add_argument("--no-progress", action="store_true", help="no progress bar")
+    write_flags(ann)
     engine_flags(ann)
     return ann
 

@@ -17,7 +17,7 @@ overrides. OUT/object_curation keeps the names, labels and fitted clusterer, so 
 import argparse
 import sys
 
-from data_prep.cli import command
+from data_prep.cli import command, write_flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -76,9 +76,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="second pass: take every cluster's suggested_label even though no "
                           "cluster of the clusters file has a label (without it, such a file "
                           "is refused with the clusters that most need a look)")
-    cur.add_argument("--overwrite", action="store_true",
-                     help="replace a dataset already in --out")
-    cur.add_argument("--no-progress", action="store_true", help="no progress bars")
+    write_flags(cur)
     return cur
 
 

@@ -14,7 +14,7 @@ import argparse
 import os
 import re
 
-from data_prep.cli import command
+from data_prep.cli import command, write_flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -47,7 +47,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     rocs.add_argument("--vlm-trust-remote-code", action="store_true",
                       help="let the VLM folder run its own modelling code (Ovis needs it)")
     rocs.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")
-    rocs.add_argument("--no-progress", action="store_true", help="no progress bar")
+    write_flags(rocs, overwrite=False)
     return rocs
 
 

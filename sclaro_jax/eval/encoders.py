@@ -171,14 +171,20 @@ class ClipEncoder(Encoder):
     text: the OpenAI CLIP BPE (`ClipTokenizer`), 77 tokens.
     """
 
+    PREFIX, KIND = "clip", "clip"  # the name's prefix, the fingerprint's kind
+
     def __init__(self, path: str | os.PathLike, *, batch_size: int = 64, dtype=jnp.float32):
+        folder = Path(path)
+        module = self._load(folder, dtype)
+        self.name = f"{self.PREFIX}:{folder.name}"
+        self.fingerprint = _folder_fingerprint(folder, f"{self.KIND}:{jnp.dtype(dtype).name}")
+        self._setup(module, module.config, batch_size)
+
+    @staticmethod
+    def _load(folder: Path, dtype):
         from sclaro_jax.models import clip
 
-        folder = Path(path)
-        model = clip.from_hf(folder, dtype=dtype)
-        self.name = f"clip:{folder.name}"
-        self.fingerprint = _folder_fingerprint(folder, f"clip:{jnp.dtype(dtype).name}")
-        self._setup(model, model.config, batch_size)
+        return clip.from_hf(folder, dtype=dtype)
 
     def _setup(self, module, config, batch_size: int) -> None:
         """Sizes, the CLIP tokenizer and the jitted towers of `module` (anything with
@@ -223,14 +229,13 @@ class ExportEncoder(ClipEncoder):
     the Linear+LayerNorm heads of its `scenarioclip_heads.safetensors`
     (`scenarioclip.from_export`), L2-normalised; the zero CLIP projections are not used."""
 
-    def __init__(self, path: str | os.PathLike, *, batch_size: int = 64, dtype=jnp.float32):
+    PREFIX, KIND = "scenarioclip-export", "export"
+
+    @staticmethod
+    def _load(folder: Path, dtype):
         from sclaro_jax.models import scenarioclip
 
-        folder = Path(path)
-        pair = scenarioclip.from_export(folder, dtype=dtype)
-        self.name = f"scenarioclip-export:{folder.name}"
-        self.fingerprint = _folder_fingerprint(folder, f"export:{jnp.dtype(dtype).name}")
-        self._setup(pair, pair.config, batch_size)
+        return scenarioclip.from_export(folder, dtype=dtype)
 
 
 class SiglipEncoder(Encoder):
