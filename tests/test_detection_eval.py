@@ -144,7 +144,8 @@ def test_errors():
 def test_missing_pycocotools_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pycocotools.coco", None)
     gt, dets = _scene()
-    with pytest.raises(ImportError, match=r'pip install "sclaro-jax\[eval\]"'):
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[eval\]" from the sclaro-jax '
+                       r'checkout'):
         coco_evaluate(gt, dets, NUM_CLASSES)
 
 

@@ -13,7 +13,8 @@ from sclaro_jax.eval import suite
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_suite_cli_writes_every_number_the_tables_and_the_figures(scenario_workdir, tmp_path):
+def test_suite_cli_writes_every_number_the_tables_and_the_figures(scenario_workdir, tmp_path,
+                                                                  capsys):
     with open(scenario_workdir / "metrics.jsonl", "w") as f:  # as the trainer logs them
         for step in (5, 10):
             f.write(json.dumps({"step": step, "loss": 3.0 / step, "loss_ca": 2.0 / step,
@@ -25,6 +26,10 @@ def test_suite_cli_writes_every_number_the_tables_and_the_figures(scenario_workd
                        "1", "--min_predicate_instances", "2", "--localisation_variants",
                        "frozen", "--figure_images", "2", "--no_progress"])
     assert code == 0
+    err = capsys.readouterr().err  # each phase says what it does (no silent minute)
+    for phase in (f"ScenarioCLIP: loading the checkpoint of {scenario_workdir} ...",
+                  "ScenarioCLIP (step 7): embedding the test split of", "second: figures ..."):
+        assert phase in err, err
     record = json.loads((out / "eval.json").read_text())
     assert list(record["models"]) == ["ScenarioCLIP", "second"]
     res = record["models"]["ScenarioCLIP"]

@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import io
 import json
+import logging
 import os
 import sys
 import time
@@ -40,6 +41,8 @@ import numpy as np
 
 from sclaro_jax import cli
 from sclaro_jax.config import load_config
+
+log = logging.getLogger(__name__)
 
 TASKS = ("zero_shot", "linear_probe", "predcls", "sgcls", "localisation")
 
@@ -139,6 +142,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         cfg = _run_config(workdir, config)
         image_sizes[name] = int(cfg.data.image_size)
         data_dir = _data_dir(cfg, workdir, data)
+        log.info("%s: loading the checkpoint of %s ...", name, workdir)
         model, step = load_checkpoint(workdir, settings.step, teacher=settings.teacher,
                                       config=cfg)
         models[name], data_dirs[name] = model, data_dir
@@ -153,6 +157,8 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         result = {"workdir": os.path.abspath(workdir), "step": step,
                   "weights": "teacher" if settings.teacher else "student"}
         if any(t in scenario.TASKS for t in settings.tasks):
+            log.info("%s (step %d): embedding the %s split of %s (cached in %s) ...", name,
+                     step, settings.split, data_dir, cache)
             result.update(scenario.header(
                 os.path.abspath(data_dir), embed(settings.split, progress=settings.progress),
                 settings.train_split, {"image_size": image_sizes[name], "object_view": "crop",
@@ -164,6 +170,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
                                        "probe_lr": settings.probe_lr,
                                        "model": type(model).__name__}))
         for ev in registry.evaluators(cfg):
+            log.info("%s: %s on %s ...", name, ev.name, ev.split)
             result[ev.name] = dict(ev.run(model))
         result["seconds"] = round(time.perf_counter() - t0, 2)
         record["models"][name] = result
@@ -173,6 +180,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
             body += "\n" + report.localisation_table(result["localisation"])
         tables.append(title + body)
         if settings.figures:
+            log.info("%s: figures ...", name)
             record["figures"].update(_model_figures(name, workdir, embed, settings, out_dir))
     if settings.figures and models:
         first = next(iter(data_dirs.values()))
@@ -267,8 +275,26 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Stderr(logging.StreamHandler):
+    """A handler on whatever `sys.stderr` is when a line is written."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if not log.handlers:  # a command line: say what each phase is doing, on stderr
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     workdirs: dict[str, str] = {}
     for spec in args.workdir:
         name, sep, path = spec.partition("=")

@@ -193,6 +193,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     (`runs.ConfigDriftError`) unless `allow_config_change`. The process is the workdir's one
     writer while it trains (`lock.hold_workdir`: another run on it is refused with
     `lock.WorkdirInUseError`, naming the holder)."""
+    check_recipe(config)  # before anything is written
     check_workdir(workdir)
     lock.hold_workdir(workdir)
     made = [os.path.join(workdir, name) for name in ("checkpoints", "jax_cache")
