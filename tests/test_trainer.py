@@ -304,3 +304,14 @@ def test_compilation_cache_choice(tmp_path):
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
         compilation_cache.reset_cache()
+
+
+def test_in_training_evals_log_their_numbers():
+    """The log line of a periodic evaluation carries its numbers (nested results flattened)."""
+    from sclaro_jax.train.trainer import _numbers
+
+    results = {"object": {"strict": {"top1": 12.5, "top5": 40.0}}, "n": 7, "ok": True,
+               "names": ["a"]}
+    assert _numbers(results) == "object.strict.top1 12.5, object.strict.top5 40, n 7"
+    many = {f"k{i}": float(i) for i in range(15)}
+    assert _numbers(many, most=3) == "k0 0, k1 1, k2 2, ... (12 more in eval.jsonl)"
