@@ -7,9 +7,9 @@ Rerunning the same command resumes from the newest checkpoint in DIR. Ctrl-C (SI
 stops after the current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose
 config differs in more than the logging / checkpoint / eval settings, the data folder or the
 sharding (the run's length included: it sets the schedule) is refused unless
---allow-config-change. A second run on a workdir in use is refused, naming the first. With an empty `config.data.dir`, the
-`:demo` variants write the bundled demo shards to DIR/demo_data first. User errors print one
-`error:` line (the traceback with --verbose).
+--allow-config-change. A second run on a workdir in use is refused, naming the first. With an
+empty `config.data.dir`, the `:demo` variants write the bundled demo shards to DIR/demo_data
+first. User errors print one `error:` line (the traceback with --verbose).
 """
 
 import json
@@ -29,20 +29,25 @@ sys.path.insert(0, ROOT)
 from sclaro_jax.config import check_override_keys, list_configs, load_config  # noqa: E402
 
 
-def split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the value of --config, i.e. `--config=SPEC` or `--config SPEC`; argv without it). The
-    rest, `--config.x.y=V` overrides included, goes to absl."""
-    rest, spec, i = [], None, 0
+def split_flag(argv: list[str], name: str) -> tuple[str | None, list[str]]:
+    """(the value of `name`, i.e. `NAME=V` or `NAME V`, the last one; argv without it)."""
+    rest, value, i = [], None, 0
     while i < len(argv):
         arg = argv[i]
-        if arg.startswith("--config="):
-            spec = arg.split("=", 1)[1]
-        elif arg == "--config" and i + 1 < len(argv):
-            spec, i = argv[i + 1], i + 1
+        if arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+        elif arg == name and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 1
         else:
             rest.append(arg)
         i += 1
-    return spec, rest
+    return value, rest
+
+
+def split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(the value of --config, i.e. `--config=SPEC` or `--config SPEC`; argv without it). The
+    rest, `--config.x.y=V` overrides included, goes to absl."""
+    return split_flag(argv, "--config")
 
 
 def define_flags(spec: str | None, argv: list[str]) -> None:
@@ -182,17 +187,6 @@ def _underscores(arg: str) -> str:
     return "--" + name.replace("-", "_") + eq + value
 
 
-def _flag_value(argv: list[str], name: str) -> str | None:
-    """The value of `--name=V` or `--name V` in argv (the last one), else None."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(argv):
-            value = argv[i + 1]
-    return value
-
-
 def cli(args: list[str]) -> None:
     args = [_underscores(a) for a in args]
     verbose = "--verbose" in args
@@ -212,7 +206,7 @@ def cli(args: list[str]) -> None:
         sys.exit(0)
     try:
         from sclaro_jax.run.lock import probe_workdir
-        workdir = _flag_value(argv, "--workdir")
+        workdir, _ = split_flag(argv, "--workdir")
         if workdir:  # a second run on a busy workdir: refused before the config loads jax
             probe_workdir(workdir)
         define_flags(spec, argv)

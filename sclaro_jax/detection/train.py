@@ -85,8 +85,6 @@ def check_rates(config) -> None:
 
 
 def total_steps(config, examples: int) -> int:
-    """The run's length in steps (learning rates checked by `check_rates`)."""
-    check_rates(config)
     return max(1, math.ceil(config.epochs * examples / config.batch_size))
 
 
@@ -208,6 +206,7 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     whose config differs from OUT/config.json in more than `run.folder.SAFE_KEYS` is refused
     unless `allow_config_change`. The process is OUT's one writer meanwhile
     (`run.lock.hold_workdir`)."""
+    check_rates(config)
     runs.check_workdir(out)
     lock.hold_workdir(out)
     try:

@@ -23,7 +23,9 @@ class Prepared:
 
 def prepare(config, *, verify_data: bool = False) -> Prepared:
     """The detector and its training examples for `config` (ValueError: a split without boxes;
-    with `verify_data`, every shard's sha256 is checked against the manifest first)."""
+    with `verify_data`, every shard's sha256 is checked against the manifest first; learning
+    rates that are not positive are refused before anything is read)."""
+    train.check_rates(config)
     if verify_data:
         from sclaro_jax.data.dataset import open_dataset
         open_dataset(config.data.dir, verify=True).check_files(config.train_split)
@@ -57,7 +59,6 @@ def run(config, workdir: str, *, progress: bool = True, allow_config_change: boo
     from sclaro_jax.run.folder import check_workdir
 
     check_workdir(workdir)
-    train.check_rates(config)  # before any data is prepared
     prepared = prepare(config, verify_data=verify_data)
     return fit(config, workdir, prepared, progress=progress,
                allow_config_change=allow_config_change, stop_at=stop_at)

@@ -21,19 +21,23 @@ class WorkdirInUseError(RunError):
     pass
 
 
-def _holder(path: str) -> str:
-    """'pid 123 on host h (since 2026-12-03 15:00:00 UTC)' from a lock file, or a plain phrase."""
+def _holder(path: str) -> dict:
+    """What a lock file says of its holder ({} when it cannot be read)."""
     try:
         with open(path, encoding="utf-8") as f:
             info = json.load(f)
-        return f"pid {info['pid']} on host {info['host']} (since {info['started']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
-def _in_use(workdir: str, path: str) -> str:
-    return (f"{workdir} is in use by another run: {_holder(path)}. Wait for it to end (or stop "
-            "it), or pass another --workdir.")
+def _in_use(workdir: str, info: dict) -> str:
+    try:
+        who = f"pid {info['pid']} on host {info['host']} (since {info['started']})"
+    except KeyError:
+        who = "another process"
+    return (f"{workdir} is in use by another run: {who}. Wait for it to end (or stop it), or "
+            "pass another --workdir.")
 
 
 def hold_workdir(workdir: str, *, chief: bool | None = None) -> None:
@@ -67,7 +71,7 @@ def hold_workdir(workdir: str, *, chief: bool | None = None) -> None:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            message = _in_use(workdir, path)
+            message = _in_use(workdir, _holder(path))
         else:
             info = {"host": socket.gethostname(), "pid": os.getpid(), "processes": processes,
                     "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
@@ -100,13 +104,9 @@ def probe_workdir(workdir: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError:
-        try:
-            with open(path, encoding="utf-8") as f:
-                processes = json.load(f).get("processes", 1)
-        except (OSError, ValueError, AttributeError):
-            processes = 1
-        if processes == 1:
-            raise WorkdirInUseError(_in_use(workdir, path)) from None
+        info = _holder(path)
+        if info.get("processes", 1) == 1:
+            raise WorkdirInUseError(_in_use(workdir, info)) from None
     finally:
         os.close(fd)  # a shared lock taken here goes with it
 

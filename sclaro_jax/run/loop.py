@@ -16,6 +16,7 @@ reported and removed, the newest complete one is the step to resume from) and ha
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -264,14 +265,24 @@ class Result(NamedTuple):
     stopped: str | None  # what stopped the run early (a signal's name, "stop_at"), or None
 
 
-def stop_everywhere(stop: GracefulStop) -> bool:
-    """Whether any process was asked to stop (every process calls it at every step, so all
-    stop after the same step: saving a checkpoint is collective)."""
-    from jax.experimental import multihost_utils
-    flags = multihost_utils.process_allgather(np.int32(stop.requested is not None))
-    if np.max(flags) and stop.requested is None:
-        stop.requested = "a signal to another process"
-    return bool(np.max(flags))
+def stop_here(stop: GracefulStop, checkpoints: Checkpoints, done: int, multi: bool) -> bool:
+    """Before each step (`done` steps taken): whether the run stops here, a signal having come;
+    CheckpointWriteError if a checkpoint written in the background failed. With many processes
+    (`multi`), one gather answers both for all of them, so all stop, or fail, after the same
+    step (saving a checkpoint is collective)."""
+    asked, failed = stop.requested is not None, not checkpoints.poll(done)
+    if multi:
+        from jax.experimental import multihost_utils
+        flags = np.asarray(multihost_utils.process_allgather(
+            np.array([asked, failed], np.int32))).reshape(-1, 2).max(axis=0)
+        if flags[0] and not asked:
+            stop.requested = "a signal to another process"
+        asked, failed = bool(flags[0]), bool(flags[1])
+    if failed:
+        raise checkpoints.failed or CheckpointWriteError(
+            f"a checkpoint of another process failed by step {done}; training stopped (see "
+            "that process's error)")
+    return asked
 
 
 def tensorboard(workdir: str):
@@ -280,13 +291,6 @@ def tensorboard(workdir: str):
     except ImportError:  # optional: metrics.jsonl is always written
         return None
     return SummaryWriter(os.path.join(workdir, "tensorboard"))
-
-
-def all_ok(checkpoints: Checkpoints, step: int) -> bool:
-    """`checkpoints.poll(step)` on every process (collective): False if any process's failed."""
-    from jax.experimental import multihost_utils
-    ok = multihost_utils.process_allgather(np.int32(checkpoints.poll(step)))
-    return bool(np.min(ok))
 
 
 class _AboveTheBar(logging.Filter):
@@ -399,35 +403,29 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
     multi = jax.process_count() > 1  # then the processes agree on when to stop
     done = spec.start
     try:
-        with stop:
-            log.info("compiling the train step (first step only) ...")
-            for step in range(spec.start, spec.steps):
-                if stop_everywhere(stop) if multi else stop.requested:
-                    break
-                if spec.stop_at is not None and step >= spec.stop_at:
-                    stop.requested = stop.requested or "stop_at"
-                    break
-                state, metrics = step_fn(state, batch_of(step))
-                logs.n_last += spec.examples_per_step
-                done = step + 1
-                _after_step(state, metrics, done, spec, checkpoints, logs, hooks)
-                if not (all_ok(checkpoints, done) if multi else checkpoints.poll(done)):
-                    raise checkpoints.failed or CheckpointWriteError(
-                        f"a checkpoint of another process failed at step {done}; training "
-                        "stopped (see that process's error)")
-            if done not in checkpoints.saved:  # stopped early: a checkpoint of the last step
-                checkpoints.save(done, state)
-    except KeyboardInterrupt:  # a second Ctrl-C: leave at once (a write in flight is left
-        logs.close()           # unfinished; the next start removes it)
-        raise
-    except BaseException:
-        logs.close()
         try:
+            with stop:
+                log.info("compiling the train step (first step only) ...")
+                for step in range(spec.start, spec.steps):
+                    if stop_here(stop, checkpoints, done, multi):
+                        break
+                    if spec.stop_at is not None and step >= spec.stop_at:
+                        stop.requested = stop.requested or "stop_at"
+                        break
+                    state, metrics = step_fn(state, batch_of(step))
+                    logs.n_last += spec.examples_per_step
+                    done = step + 1
+                    _after_step(state, metrics, done, spec, checkpoints, logs, hooks)
+                if done not in checkpoints.saved:  # stopped early: a checkpoint of the last step
+                    checkpoints.save(done, state)
+        finally:
+            logs.close()
+    except KeyboardInterrupt:  # a second Ctrl-C: leave at once (a write in flight is left
+        raise                  # unfinished; the next start removes it)
+    except BaseException:
+        with contextlib.suppress(CheckpointWriteError):  # the error in flight says more
             checkpoints.close()
-        except CheckpointWriteError:
-            pass  # the error in flight says more
         raise
-    logs.close()
     checkpoints.close()
     # (a stop is announced when it is asked for; the caller says where the run stands)
     return Result(state, done, stop.requested)

@@ -128,11 +128,10 @@ def check_recipe(config) -> None:
     train_config(config, 1)
 
 
-def _check(config, workdir: str, verify_data: bool):
-    """(dataset, the run's total steps) after the checks that come before anything is written:
-    the recipe (`check_recipe`), the workdir, the data, the batch over the hosts."""
-    check_recipe(config)
-    check_workdir(workdir)
+def _check(config, verify_data: bool):
+    """(dataset, the run's total steps) after the checks that come before anything is written
+    (`train` has checked the recipe and the workdir first): the data, the batch over the
+    hosts."""
     dataset = open_training_data(config, verify=verify_data)
     steps = total_steps(config, dataset.num_records("train"))
     if config.data.batch_size % jax.process_count():
@@ -214,7 +213,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
 def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
            verify_data: bool, stop_at: int | None) -> core.TrainState:
     """`train` once the workdir is held."""
-    dataset, steps = _check(config, workdir, verify_data)
+    dataset, steps = _check(config, verify_data)
     tcfg = train_config(config, steps)
     chief = jax.process_index() == 0
     checkpoints = Checkpoints.open(workdir, None, keep=config.keep_checkpoints,
