@@ -1,7 +1,8 @@
-"""Export of a trained level: the PyTorch snippet in README reproduces our embeddings; the
-folder carries our tokenizer and image preprocessing for transformers; our own readers load it
-with its heads or refuse it (zero CLIP projections); the command line's user errors; file
-permissions; no random-init notice when loading a run."""
+"""Export of a trained level: the folder holds towers, heads and logit scale under the names
+its transformers remote code reads (tests/test_export_clients.py runs that code); it carries our
+tokenizer and image preprocessing for transformers; our own readers load it with its heads or
+refuse it (clip.from_hf, an older export's zero CLIP projections); the command line's user
+errors; file permissions; no random-init notice when loading a run."""
 
 import os
 import shutil
@@ -11,34 +12,11 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.numpy import load_file
 
 from sclaro_jax.models import scenarioclip
 from sclaro_jax.train import export
-
-
-def _torch_embeddings(folder, pixels_nhwc, ids):
-    """The README snippet, verbatim in spirit: HF towers + nn.Sequential heads."""
-    model = transformers.CLIPModel.from_pretrained(folder).eval()
-    heads = load_file(f"{folder}/scenarioclip_heads.safetensors")
-    v_in, t_in = model.config.vision_config.hidden_size, model.config.text_config.hidden_size
-    d = heads["vision_head.0.bias"].shape[0]
-    vision_head = torch.nn.Sequential(torch.nn.Linear(v_in, d), torch.nn.LayerNorm(d))
-    text_head = torch.nn.Sequential(torch.nn.Linear(t_in, d), torch.nn.LayerNorm(d))
-    vision_head.load_state_dict({k[len("vision_head."):]: v for k, v in heads.items()
-                                 if k.startswith("vision_head.")})
-    text_head.load_state_dict({k[len("text_head."):]: v for k, v in heads.items()
-                               if k.startswith("text_head.")})
-    with torch.no_grad():
-        x = torch.from_numpy(np.asarray(pixels_nhwc)).permute(0, 3, 1, 2)
-        image = vision_head(model.vision_model(pixel_values=x).pooler_output)
-        text = text_head(model.text_model(input_ids=torch.from_numpy(np.asarray(ids))
-                                          .long()).pooler_output)
-        zero = model.get_image_features(pixel_values=x)
-    zero = getattr(zero, "pooler_output", zero)
-    return image.numpy(), text.numpy(), zero.numpy(), float(heads["logit_scale"])
 
 
 @pytest.fixture(scope="module")
@@ -56,33 +34,51 @@ def exported(tiny_model, tmp_path_factory):
                                     str(tmp_path_factory.mktemp("export") / "object")))
 
 
-@pytest.mark.parametrize("level", ["object", "relation"])
-def test_exported_level_reproduces_our_embeddings_in_pytorch(tiny_model, tmp_path, level):
-    model = tiny_model
-    out = export.export_level(model, level, str(tmp_path / level))
-    rng = np.random.default_rng(0)
-    pixels = rng.normal(size=(3, 32, 32, 3)).astype(np.float32)
-    ids = np.array([[49406, 320, 1125, 49407, 0, 0], [49406, 500, 49407, 0, 0, 0],
-                    [49406, 7, 8, 9, 10, 49407]], np.int32)
-    ours_img = np.asarray(model.pair(level).encode_image(jnp.asarray(pixels)))
-    ours_txt = np.asarray(model.pair(level).encode_text(jnp.asarray(ids)))
-    img, txt, zero, scale = _torch_embeddings(out, pixels, ids)
-    np.testing.assert_allclose(img, ours_img, atol=1e-5)
-    np.testing.assert_allclose(txt, ours_txt, atol=1e-5)
-    assert not zero.any()  # CLIP's own projections are not ScenarioCLIP's: zeros by design
-    assert scale == pytest.approx(float(model.logit_scale(level)))
-    # the other levels' towers are different weights: the export picked the right one
-    other = np.asarray(model.pair("global").encode_image(jnp.asarray(pixels)))
-    assert np.abs(other - img).max() > 1e-3
+def test_export_holds_towers_heads_and_scale_under_the_remote_codes_names(tiny_model,
+                                                                          exported):
+    """model.safetensors: the object level's towers as Hugging Face CLIP keys, its heads as
+    `nn.Sequential(Linear, LayerNorm)` under visual_projection / text_projection (torch layout:
+    Linear weight [out, in]), and its logit scale; no CLIP projection matrices."""
+    from sclaro_jax.models import clip
+
+    pair = tiny_model.pair("object")
+    tensors = load_file(str(exported / "model.safetensors"))
+    towers = clip.create("tiny")
+    towers.vision_model, towers.text_model = pair.vision_model, pair.text_model
+    want = {k: v for k, v in clip.hf_state_dict(towers).items()
+            if k.split(".")[0] in ("vision_model", "text_model")}
+    for ours, theirs in (("vision_head", "visual_projection"), ("text_head", "text_projection")):
+        head = getattr(pair, ours)
+        want[f"{theirs}.0.weight"] = np.asarray(head.linear.kernel[...]).T
+        want[f"{theirs}.0.bias"] = np.asarray(head.linear.bias[...])
+        want[f"{theirs}.1.weight"] = np.asarray(head.norm.scale[...])
+        want[f"{theirs}.1.bias"] = np.asarray(head.norm.bias[...])
+    want["logit_scale"] = np.asarray(tiny_model.logit_scale("object"))
+    assert sorted(tensors) == sorted(want)
+    for key, value in want.items():
+        np.testing.assert_array_equal(tensors[key], value, err_msg=key)
+    assert tensors["visual_projection.0.weight"].shape == (24, 64)
+    remote = (exported / "modeling_scenarioclip.py").read_text()
+    assert remote == export.REMOTE_CODE.read_text() and "class ScenarioCLIPModel" in remote
 
 
-def _clip_model_only_view(exported, folder):
-    """The export as `transformers.CLIPModel` alone reads it: its files without the heads."""
-    shutil.copytree(exported, folder, ignore=shutil.ignore_patterns(export.HEADS_FILE))
+def _older_export(tiny_model, folder):
+    """The object level as older versions exported it: a CLIPModel folder with zero CLIP
+    projections, the heads beside it in scenarioclip_heads.safetensors."""
+    from sclaro_jax.models import clip, hf_weights
+
+    pair = tiny_model.pair("object")
+    towers = clip.create(pair.config.replace(projection_dim=24))
+    towers.vision_model, towers.text_model = pair.vision_model, pair.text_model
+    for proj in (towers.visual_projection, towers.text_projection):
+        proj.kernel[...] = jnp.zeros_like(proj.kernel[...])
+    clip.to_hf(towers, folder)
+    hf_weights.save_safetensors(scenarioclip.heads_state_dict(pair, 0.0),
+                                folder / clip.HEADS_FILE)
     return folder
 
 
-def test_our_readers_refuse_the_zero_projections_without_the_heads_and_load_them_with(
+def test_our_readers_load_the_export_with_its_heads_and_refuse_it_as_plain_clip(
         exported, tiny_model, tiny_hf, tmp_path, capsys):
     import jax
     from flax import nnx
@@ -90,24 +86,36 @@ def test_our_readers_refuse_the_zero_projections_without_the_heads_and_load_them
     from sclaro_jax.eval import encoders, rocs, synthetic
     from sclaro_jax.models import clip
 
-    view = _clip_model_only_view(exported, tmp_path / "view")
-    for folder, lacks in ((exported, False), (view, True)):
-        with pytest.raises(clip.CheckpointError) as err:
-            clip.from_hf(folder)
-        message = str(err.value)
-        assert f"{folder / export.HEADS_FILE}" in message and "all zeros" in message
-        assert ("which this folder lacks" in message) is lacks
-        assert "scenarioclip.from_export" in message
+    # clip.from_hf: the export's projections are heads, not CLIP's matrices
+    with pytest.raises(clip.CheckpointError) as err:
+        clip.from_hf(exported)
+    message = str(err.value)
+    assert message.startswith(f"{exported} is a ScenarioCLIP export")
+    assert "scenarioclip.from_export" in message and "trust_remote_code=True" in message
+    # an older export (zero CLIP projections + heads file) is asked to be exported again, by
+    # clip.from_hf, from_export and eval.rocs (one error line, nothing written)
+    old = _older_export(tiny_model, tmp_path / "old")
+    with pytest.raises(clip.CheckpointError, match="all zeros.*export it again"):
+        clip.from_hf(old)
+    with pytest.raises(clip.CheckpointError, match="older sclaro_jax.*export it again"):
+        scenarioclip.from_export(old)
     split = synthetic.make_planted_split(tmp_path / "split", num_images=2, width=64, height=48)
     argv = ["--split", str(split), "--out", str(tmp_path / "out"), "--no_progress"]
     capsys.readouterr()
-    assert rocs.main(["--model", str(view), *argv]) == 2
+    assert rocs.main(["--model", str(old), *argv]) == 2
     out, err = capsys.readouterr()
-    assert out == "" and err.startswith("error: ") and err.count("\n") == 1
-    assert f"{view / export.HEADS_FILE}, which this folder lacks" in err
+    assert out == "" and err.startswith(f"error: {old}: ") and err.count("\n") == 1
+    assert "export it again with python -m sclaro_jax.train.export" in err
     assert not (tmp_path / "out").exists()
-    # with its heads file: the level's towers and heads (from_export), and eval.rocs's encoder
-    # embeds with them, not with CLIP's zero projections
+    # zero projections without a heads file: no export advice
+    (old / clip.HEADS_FILE).unlink()
+    with pytest.raises(clip.CheckpointError, match="all zeros") as err:
+        clip.from_hf(old)
+    assert "export it again" not in str(err.value) and "towers_only=True" in str(err.value)
+    with pytest.raises(clip.CheckpointError, match="not a ScenarioCLIP export"):
+        scenarioclip.from_export(old)
+    # the export: the level's towers and heads (from_export), and eval.rocs's encoder embeds
+    # with them
     pair = tiny_model.pair("object")
     loaded = jax.tree.leaves(nnx.state(scenarioclip.from_export(exported), nnx.Param))
     want = jax.tree.leaves(nnx.state(pair, nnx.Param))
@@ -119,8 +127,14 @@ def test_our_readers_refuse_the_zero_projections_without_the_heads_and_load_them
     captions = ["a dog on a mat", "two cats"]
     np.testing.assert_allclose(enc.encode_texts(captions),
                                encoders.towers(pair)[1](enc.tokenize(captions))[0], atol=1e-6)
-    # towers alone (model.init, load_hf_into_level, detection) and a plain CLIP folder still load
-    assert not clip.from_hf(view, towers_only=True).visual_projection.kernel[...].any()
+    # towers alone (model.init, load_hf_into_level, detection): zero CLIP projections
+    towers = clip.from_hf(exported, towers_only=True)
+    assert not towers.visual_projection.kernel[...].any()
+    assert towers.visual_projection.kernel.shape == (64, 24)
+    for a, b in zip(jax.tree.leaves(nnx.state(towers.text_model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(pair.text_model, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # a plain CLIP folder still loads
     assert type(encoders.load_encoder(str(tiny_hf[0]))) is encoders.ClipEncoder
     assert clip.from_hf(tiny_hf[0]).visual_projection.kernel[...].any()
 
@@ -266,8 +280,9 @@ def test_export_cli_writes_files_with_the_umasks_permissions_and_no_random_init_
         os.umask(old)
     assert code == 0, err
     assert out.strip() == f"wrote the object level of step 7 to {tmp_path / 'object'}"
-    files = ["config.json", "model.safetensors", export.HEADS_FILE, "vocab.json", "merges.txt",
-             "tokenizer_config.json", "special_tokens_map.json", "preprocessor_config.json"]
+    files = ["config.json", "model.safetensors", "modeling_scenarioclip.py", "vocab.json",
+             "merges.txt", "tokenizer_config.json", "special_tokens_map.json",
+             "preprocessor_config.json"]
     for name in files:
         assert stat.S_IMODE(os.stat(tmp_path / "object" / name).st_mode) == 0o644, name
     assert sorted(os.listdir(tmp_path / "object")) == sorted(files)  # no .tmp left

@@ -46,8 +46,27 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
+# Folders of .py files that are package data, not modules: the transformers remote code an
+# export carries (it imports torch; sclaro_jax copies it as a file and never imports it).
+DATA_FOLDERS = ("sclaro_jax/models/remote",)
+
+
 def _modules() -> dict[str, Path]:
-    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))}
+    return {_module_name(p): p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))
+            if p.parent.relative_to(ROOT).as_posix() not in DATA_FOLDERS}
+
+
+def test_data_folders_hold_no_importable_module():
+    """A data folder is no package, and no module names it in an import or mentions the file
+    other than as a path (export.REMOTE_CODE)."""
+    for folder in DATA_FOLDERS:
+        assert not (ROOT / folder / "__init__.py").exists(), folder
+        names = {p.stem for p in (ROOT / folder).glob("*.py")}
+        assert names, folder
+        dotted = folder.replace("/", ".")
+        for name, targets in import_graph().items():
+            bad = [t for t in targets if _under(t, dotted) or t.split(".")[-1] in names]
+            assert not bad, f"{name} imports {bad}"
 
 
 def _under(name: str, prefix: str) -> bool:

@@ -13,10 +13,10 @@ L2-normalised by `ops.l2_normalize`, with its norm before normalising), and `Bat
 them fixed-size batches.
 
 `load_encoder(spec)` builds one from:
-- a Hugging Face `CLIPModel` folder (model_type "clip"); one that holds
-  `scenarioclip_heads.safetensors` is a level exported by `sclaro_jax.train.export`, read with
-  its heads (`ExportEncoder`); a CLIP folder whose projections are zeros without that file is
-  refused (`clip.from_hf`'s `CheckpointError`, naming the file),
+- a Hugging Face `CLIPModel` folder (model_type "clip"; one whose projections are zeros is
+  refused: `clip.from_hf`'s `CheckpointError`),
+- a level exported by `sclaro_jax.train.export` (model_type "scenarioclip"), read with its
+  Linear+LayerNorm heads (`ExportEncoder`),
 - a `SiglipModel` / `Siglip2Model` folder (model_type "siglip" / "siglip2"),
 - a ScenarioCLIP training workdir (`config.json` + `checkpoints/`) with `level` = global /
   object / relation (student weights, or the EMA teacher with `teacher=True`),
@@ -226,8 +226,7 @@ class ScenarioClipEncoder(ClipEncoder):
 
 class ExportEncoder(ClipEncoder):
     """One level exported by `python -m sclaro_jax.train.export`: the folder's CLIP towers with
-    the Linear+LayerNorm heads of its `scenarioclip_heads.safetensors`
-    (`scenarioclip.from_export`), L2-normalised; the zero CLIP projections are not used."""
+    its Linear+LayerNorm heads (`scenarioclip.from_export`), L2-normalised."""
 
     PREFIX, KIND = "scenarioclip-export", "export"
 
@@ -322,12 +321,10 @@ def load_encoder(spec: str, *, level: str | None = None, teacher: bool = False,
         raise EncoderError(f"{folder} has no config.json: not a Hugging Face model folder")
     kind = model_type(folder)
     if kind == "clip":
-        from sclaro_jax.models.clip import HEADS_FILE
-
-        if (folder / HEADS_FILE).is_file():
-            return ExportEncoder(folder, dtype=dtype, **kw)
         return ClipEncoder(folder, dtype=dtype, **kw)  # refuses zero projections
+    if kind == "scenarioclip":  # clip.EXPORT_MODEL_TYPE
+        return ExportEncoder(folder, dtype=dtype, **kw)
     if kind in ("siglip", "siglip2"):
         return SiglipEncoder(folder, dtype=dtype, **kw)
     raise EncoderError(f"{folder}/config.json has model_type {kind!r}; supported: clip, "
-                       "siglip, siglip2")
+                       "scenarioclip (an export of sclaro_jax.train.export), siglip, siglip2")

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from sclaro_jax.models import cpu_gradients, hf_weights
@@ -33,8 +34,16 @@ from sclaro_jax.models.layers import (  # noqa: F401  (re-exported: clip.Attenti
 
 Array = jax.Array
 
-# A ScenarioCLIP export's Linear+LayerNorm heads beside its CLIPModel files (written by
-# `sclaro_jax.train.export`, read by `scenarioclip.from_export`); its CLIP projections are zeros.
+# A level exported by `sclaro_jax.train.export` is a Hugging Face folder of model_type
+# EXPORT_MODEL_TYPE whose `visual_projection` / `text_projection` are ScenarioCLIP's Linear+
+# LayerNorm heads in torch `nn.Sequential` names (`visual_projection.0.weight`, ...; the
+# transformers remote code it carries reads them), not CLIP's matrices. `load_with_heads` reads
+# towers and heads (`scenarioclip.from_export`); `from_hf` loads its towers only when asked
+# (`towers_only=True`) and refuses it otherwise.
+EXPORT_MODEL_TYPE = "scenarioclip"
+PROJECTIONS = ("visual_projection", "text_projection")
+# Exports of older versions kept the heads in this file beside zero CLIP projections; such a
+# folder is refused (zero projections), with a message asking for a new export.
 HEADS_FILE = "scenarioclip_heads.safetensors"
 
 # --------------------------------------------------------------------------------------------
@@ -281,7 +290,7 @@ def create(config: CLIPConfig | str = "ViT-B/32", *, seed: int = 0, dtype=jnp.fl
 
 
 def _config_from_hf(raw: Mapping[str, Any], where: str) -> CLIPConfig:
-    if raw.get("model_type") not in ("clip", None) or "vision_config" not in raw \
+    if raw.get("model_type") not in ("clip", EXPORT_MODEL_TYPE, None) or "vision_config" not in raw \
             or "text_config" not in raw:
         raise CheckpointError(
             f"{where} is not a Hugging Face CLIPModel config (model_type="
@@ -295,7 +304,8 @@ def _config_from_hf(raw: Mapping[str, Any], where: str) -> CLIPConfig:
     )
 
 
-def _config_to_hf(config: CLIPConfig) -> dict[str, Any]:
+def hf_config(config: CLIPConfig) -> dict[str, Any]:
+    """`config` as a Hugging Face `CLIPConfig` config.json dict."""
     vision = dataclasses.asdict(config.vision) | {"model_type": "clip_vision_model",
                                                    "projection_dim": config.projection_dim}
     text = dataclasses.asdict(config.text) | {"model_type": "clip_text_model",
@@ -311,40 +321,81 @@ def _config_to_hf(config: CLIPConfig) -> dict[str, Any]:
     }
 
 
+_config_to_hf = hf_config  # the old name (bench scripts)
+
+
 def from_hf(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto",
             towers_only: bool = False) -> CLIPModel:
     """A CLIP model from a Hugging Face `CLIPModel` folder (`config.json` + `model.safetensors`).
 
     No torch needed. `dtype` is the compute dtype; parameters are always float32.
     Raises `CheckpointError` naming missing / unexpected keys and shape mismatches, and, unless
-    `towers_only` (a caller that uses only `vision_model` / `text_model`), a folder whose
+    `towers_only` (a caller that uses only `vision_model` / `text_model`), a ScenarioCLIP export
+    (its projections are heads: `scenarioclip.from_export` reads them) or a folder whose
     `visual_projection` or `text_projection` is all zeros: `encode_image` / `encode_text` would
-    give zero embeddings (a ScenarioCLIP export: `scenarioclip.from_export` reads its heads).
+    give zero embeddings. With `towers_only` an export's CLIP projections are zeros.
     """
-    forms = cpu_gradients.resolve(gradient_forms)
-    model = hf_weights.load(
-        path, _config_from_hf,
-        lambda config: CLIPModel(config, dtype=dtype, gradient_forms=forms, rngs=nnx.Rngs(0)),
-        kind=lambda config: "CLIP")
-    if not towers_only:
-        zero = [name for name in ("visual_projection", "text_projection")
-                if not jnp.any(getattr(model, name).kernel[...])]
-        if zero:
-            raise CheckpointError(_zero_projections_message(Path(path), zero))
+    model, heads = load_with_heads(path, dtype=dtype, gradient_forms=gradient_forms)
+    if towers_only:
+        return model
+    if heads:
+        raise CheckpointError(_export_message(Path(path)))
+    zero = [name for name in PROJECTIONS if not jnp.any(getattr(model, name).kernel[...])]
+    if zero:
+        raise CheckpointError(_zero_projections_message(Path(path), zero))
     return model
 
 
+def load_with_heads(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto"
+                    ) -> tuple[CLIPModel, dict[str, np.ndarray]]:
+    """The CLIP towers of a Hugging Face folder and the tensors of its ScenarioCLIP heads
+    (`visual_projection.0.weight`, ... as in the file; none for a plain CLIP folder, whose
+    projections load as usual). With heads, the model's CLIP projections are zeros."""
+    forms = cpu_gradients.resolve(gradient_forms)
+    heads: dict[str, np.ndarray] = {}
+
+    def prepare(config: CLIPConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        plain = {f"{name}.weight" for name in PROJECTIONS}
+        heads.update({k: v for k, v in tensors.items()
+                      if k.split(".")[0] in PROJECTIONS and k not in plain})
+        if not heads:
+            return tensors
+        widths = {"visual_projection": config.vision.hidden_size,
+                  "text_projection": config.text.hidden_size}
+        return {k: v for k, v in tensors.items() if k not in heads} | {
+            f"{name}.weight": np.zeros((config.projection_dim, widths[name]), np.float32)
+            for name in PROJECTIONS}
+
+    model = hf_weights.load(
+        path, _config_from_hf,
+        lambda config: CLIPModel(config, dtype=dtype, gradient_forms=forms, rngs=nnx.Rngs(0)),
+        kind=lambda config: "CLIP", prepare=prepare)
+    return model, heads
+
+
+def _export_message(folder: Path) -> str:
+    """Why `from_hf` refuses a ScenarioCLIP export without `towers_only`, and what loads it."""
+    return (f"{folder} is a ScenarioCLIP export (python -m sclaro_jax.train.export): its "
+            "visual_projection / text_projection are Linear+LayerNorm heads, not CLIP's "
+            "projection matrices. Load towers and heads with "
+            "sclaro_jax.models.scenarioclip.from_export (python -m sclaro_jax.eval.rocs --model "
+            "does), in PyTorch with transformers.AutoModel.from_pretrained(folder, "
+            "trust_remote_code=True); towers_only=True loads the towers alone")
+
+
 def _zero_projections_message(folder: Path, zero: list[str]) -> str:
-    """Why a CLIP folder with all-zero projections (`zero`: their names) is refused, naming the
-    heads file a ScenarioCLIP export keeps and how to load it."""
-    heads = folder / HEADS_FILE
-    lacks = "" if heads.is_file() else ", which this folder lacks: copy it there from the export"
+    """Why a CLIP folder with all-zero projections (`zero`: their names) is refused; one that
+    holds an older export's heads file is asked to be exported again."""
+    old = (folder / HEADS_FILE).is_file()
+    why = (f"It is a level exported by an older sclaro_jax, with its heads in {HEADS_FILE}: "
+           "export it again with python -m sclaro_jax.train.export (the heads now live in "
+           "model.safetensors, read by scenarioclip.from_export and by transformers.AutoModel "
+           "with trust_remote_code=True)" if old else
+           "Pass a CLIP folder with trained projections, or towers_only=True to load the "
+           "towers alone")
     return (f"{folder}: {' and '.join(zero)} {'is' if len(zero) == 1 else 'are'} all zeros, so "
             "its image and text features (get_image_features / get_text_features) would be "
-            "zeros. A ScenarioCLIP export (python -m sclaro_jax.train.export) projects with "
-            f"Linear+LayerNorm heads kept in {heads}{lacks}; load the towers with those heads "
-            "by sclaro_jax.models.scenarioclip.from_export, which python -m sclaro_jax.eval.rocs "
-            "--model uses when that file is there (towers_only=True loads the towers alone)")
+            f"zeros. {why}")
 
 
 def to_hf(model: CLIPModel, path: str | os.PathLike) -> Path:
@@ -352,7 +403,7 @@ def to_hf(model: CLIPModel, path: str | os.PathLike) -> Path:
     with the umask's permissions)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(_config_to_hf(model.config), indent=2))
+    (folder / "config.json").write_text(json.dumps(hf_config(model.config), indent=2))
     hf_weights.save_safetensors(hf_state_dict(model), folder / WEIGHTS_NAME,
                                 metadata={"format": "pt"})
     return folder

@@ -148,10 +148,13 @@ def load_hf_state(model: nnx.Module, tensors: Mapping[str, np.ndarray], where: s
 
 
 def load(path: str | os.PathLike, config_from_hf: Callable[[Mapping[str, Any], str], Any],
-         build: Callable[[Any], nnx.Module], kind: Callable[[Any], str]) -> nnx.Module:
+         build: Callable[[Any], nnx.Module], kind: Callable[[Any], str],
+         prepare: Callable[[Any, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
+         ) -> nnx.Module:
     """A model from a Hugging Face folder: `config_from_hf(config.json dict, file name)` gives
     the config, `build(config)` the model (built with shapes only, then every parameter read
-    from the safetensors), `kind(config)` the model's name for error messages."""
+    from the safetensors), `kind(config)` the model's name for error messages;
+    `prepare(config, tensors)`, when given, returns the tensors to load in place of the file's."""
     folder = Path(path)
     config_file = folder / "config.json"
     if not config_file.is_file():
@@ -162,6 +165,8 @@ def load(path: str | os.PathLike, config_from_hf: Callable[[Mapping[str, Any], s
         raise CheckpointError(f"{config_file} is not valid JSON ({err})") from None
     config = config_from_hf(raw, str(config_file))
     tensors = read_safetensors(folder)
+    if prepare is not None:
+        tensors = prepare(config, tensors)
     model = nnx.eval_shape(lambda: build(config))  # shapes only: no random init to throw away
     load_hf_state(model, tensors, where=str(folder), kind=kind(config))
     return model

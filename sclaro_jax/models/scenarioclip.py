@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sclaro_jax.models import clip, cpu_gradients
+from sclaro_jax.models import clip, cpu_gradients, hf_weights
 
 log = logging.getLogger(__name__)
 
@@ -170,15 +170,17 @@ def load_hf_into_level(model, level: str, path: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# One level as a Hugging Face CLIPModel folder + its heads (`sclaro_jax.train.export`)
+# One level as a Hugging Face folder with its heads (`sclaro_jax.train.export`)
 # --------------------------------------------------------------------------------------------
 
 _HEADS = ("vision_head", "text_head")
+# Our head -> the CLIPModel attribute it stands in for in an export (`clip.PROJECTIONS`).
+EXPORT_HEAD_NAMES = {"vision_head": "visual_projection", "text_head": "text_projection"}
 
 
 def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
     """A pair's Linear+LayerNorm heads and `logit_scale` in torch `nn.Sequential` key names
-    (`vision_head.0.weight`, ...): the export's `clip.HEADS_FILE`, read back by `from_export`."""
+    (`vision_head.0.weight`, ...)."""
     out = {}
     for name in _HEADS:
         head = getattr(pair, name)
@@ -190,38 +192,48 @@ def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
     return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
 
 
+def export_heads(pair: CLIPPair) -> dict[str, np.ndarray]:
+    """A pair's heads under the names of an export's model.safetensors (`visual_projection.0.
+    weight`, ...: `heads_state_dict`'s, head renamed by `EXPORT_HEAD_NAMES`), the keys the
+    export's transformers remote code and `from_export` read."""
+    out = {}
+    for key, value in heads_state_dict(pair, 0.0).items():
+        head, _, rest = key.partition(".")
+        if head in EXPORT_HEAD_NAMES:
+            out[f"{EXPORT_HEAD_NAMES[head]}.{rest}"] = value
+    return out
+
+
 def from_export(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto"
                 ) -> CLIPPair:
     """One exported level (`python -m sclaro_jax.train.export`): the folder's CLIP towers with
-    the Linear+LayerNorm heads of its `clip.HEADS_FILE`, so `encode_image` / `encode_text` give
-    the level's embeddings (its CLIP projections, zeros, are not used). `CheckpointError` when
-    the heads file is missing or does not fit the towers."""
-    from safetensors.numpy import load_file
-
+    its Linear+LayerNorm heads (model.safetensors' `visual_projection.0.weight`, ...: see
+    `export_heads`), so `encode_image` / `encode_text` give the level's embeddings.
+    `CheckpointError` when the folder holds no heads or they do not fit the towers."""
     folder = Path(path)
-    file = folder / clip.HEADS_FILE
-    if not file.is_file():
-        raise clip.CheckpointError(f"{folder} has no {clip.HEADS_FILE}: not a ScenarioCLIP "
-                                   "export (python -m sclaro_jax.train.export writes one)")
-    towers = clip.from_hf(folder, dtype=dtype, gradient_forms=gradient_forms, towers_only=True)
-    try:
-        tensors = load_file(str(file))
-    except Exception as err:  # a truncated / corrupt file
-        raise clip.CheckpointError(f"{file}: cannot read the heads ({err})") from err
-    bias = tensors.get("vision_head.0.bias")
+    towers, tensors = clip.load_with_heads(folder, dtype=dtype, gradient_forms=gradient_forms)
+    if not tensors:
+        old = (folder / clip.HEADS_FILE).is_file()
+        raise clip.CheckpointError(
+            f"{folder}: its model.safetensors holds no ScenarioCLIP heads "
+            "(visual_projection.0.weight, ...): " +
+            (f"a level exported by an older sclaro_jax ({clip.HEADS_FILE}); export it again"
+             if old else "not a ScenarioCLIP export") +
+            " with python -m sclaro_jax.train.export")
+    bias = tensors.get("visual_projection.0.bias")
     pair = CLIPPair(towers, bias.shape[0] if bias is not None and bias.ndim == 1 else 1,
                     rngs=nnx.Rngs(0))
-    want = heads_state_dict(pair, 0.0)
+    want = export_heads(pair)
     bad = sorted(set(want) ^ set(tensors)) + [
         f"{k}: file {tuple(tensors[k].shape)}, model {want[k].shape}"
         for k in sorted(set(want) & set(tensors)) if tensors[k].shape != want[k].shape]
     if bad:
-        raise clip.CheckpointError(f"{file} does not hold heads for {folder}'s towers: "
-                                   f"{', '.join(bad)}")
-    for name in _HEADS:
-        head = getattr(pair, name)
-        head.linear.kernel[...] = jnp.asarray(tensors[f"{name}.0.weight"].T)
-        head.linear.bias[...] = jnp.asarray(tensors[f"{name}.0.bias"])
-        head.norm.scale[...] = jnp.asarray(tensors[f"{name}.1.weight"])
-        head.norm.bias[...] = jnp.asarray(tensors[f"{name}.1.bias"])
+        raise clip.CheckpointError(f"{folder / hf_weights.WEIGHTS_NAME}: its heads do not fit "
+                                   f"the towers: {', '.join(bad)}")
+    for ours, theirs in EXPORT_HEAD_NAMES.items():
+        head = getattr(pair, ours)
+        head.linear.kernel[...] = jnp.asarray(tensors[f"{theirs}.0.weight"].T)
+        head.linear.bias[...] = jnp.asarray(tensors[f"{theirs}.0.bias"])
+        head.norm.scale[...] = jnp.asarray(tensors[f"{theirs}.1.weight"])
+        head.norm.bias[...] = jnp.asarray(tensors[f"{theirs}.1.bias"])
     return pair

@@ -2,23 +2,31 @@
 
     python -m sclaro_jax.train.export --workdir DIR --level object --out OUT [--teacher] [--step N]
 
-OUT gets a Hugging Face `CLIPModel` folder (config.json + model.safetensors: that level's
-vision and text towers; the CLIP tokenizer's vocab.json, merges.txt, tokenizer_config.json and
-special_tokens_map.json; preprocessor_config.json, our image views as `CLIPImageProcessor`
-settings) and `scenarioclip_heads.safetensors` with the level's Linear+LayerNorm heads in
-`torch.nn.Sequential(Linear, LayerNorm)` key names (`vision_head.0.weight`, ...) and its
-`logit_scale`. ScenarioCLIP does not use CLIP's own projections: they are written as zeros, so
-`get_image_features` / `get_text_features` on the folder are zero by design, and our own readers
-refuse the folder without its heads (`clip.from_hf` raises; `scenarioclip.from_export` and
-`python -m sclaro_jax.eval.rocs --model OUT` load towers and heads). Reproduce our embeddings in
-PyTorch with (README has the same):
+OUT is a Hugging Face model folder that transformers loads with the model code it carries:
 
-    clip = transformers.CLIPModel.from_pretrained(OUT)
-    heads = safetensors.torch.load_file(f"{OUT}/scenarioclip_heads.safetensors")
-    vision_head = nn.Sequential(nn.Linear(768, 512), nn.LayerNorm(512))
-    vision_head.load_state_dict({k[12:]: v for k, v in heads.items()
-                                 if k.startswith("vision_head.")})
-    image_emb = vision_head(clip.vision_model(pixel_values=x).pooler_output)
+- config.json: a `CLIPConfig` of model_type "scenarioclip" (`projection_dim` = the heads' size),
+  with `auto_map` sending `AutoConfig`, `AutoModel` and `AutoModelForZeroShotImageClassification`
+  to modeling_scenarioclip.py;
+- modeling_scenarioclip.py: `ScenarioCLIPModel`, transformers' `CLIPModel` whose
+  `visual_projection` / `text_projection` are the level's heads, `nn.Sequential(nn.Linear(hidden,
+  D), nn.LayerNorm(D))`, so `get_image_features` / `get_text_features` give our `encode_image` /
+  `encode_text` and `forward`'s `logits_per_image` is exp(logit_scale) * cos;
+- model.safetensors: the level's vision and text towers, its heads (`visual_projection.0.weight`,
+  ...) and `logit_scale`;
+- the CLIP tokenizer's vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json,
+  and preprocessor_config.json (our image views as `CLIPImageProcessor` settings), so
+  `CLIPProcessor.from_pretrained(OUT)` gives our token ids and pixels.
+
+In PyTorch (README has the same):
+
+    model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
+    processor = transformers.CLIPProcessor.from_pretrained(OUT)
+    image_emb = model.get_image_features(**processor(images=image, return_tensors="pt"))
+
+`transformers.pipeline("zero-shot-image-classification", model=OUT, trust_remote_code=True)`
+runs on it too. Our own readers: `scenarioclip.from_export(OUT)` and `python -m
+sclaro_jax.eval.rocs --model OUT` load towers and heads; `clip.from_hf` refuses the folder (its
+projections are not CLIP's) unless `towers_only=True`.
 """
 
 from __future__ import annotations
@@ -26,10 +34,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+from pathlib import Path
 
-import jax.numpy as jnp
-from flax import nnx
+import numpy as np
 
 from sclaro_jax import ops
 # load_checkpoint / run_config live in sclaro_jax.checkpoint (below train and eval); re-exported
@@ -37,10 +46,12 @@ from sclaro_jax import ops
 from sclaro_jax.checkpoint import load_checkpoint, run_config  # noqa: F401
 from sclaro_jax.data.tokenizer import ClipTokenizer
 from sclaro_jax.models import clip, hf_weights
-from sclaro_jax.models.clip import HEADS_FILE
-from sclaro_jax.models.scenarioclip import LEVELS, heads_state_dict
+from sclaro_jax.models.scenarioclip import LEVELS, export_heads
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+# The transformers remote code each export carries (package data: a text file to copy; it
+# imports torch, so nothing in sclaro_jax imports it).
+REMOTE_CODE = Path(clip.__file__).parent / "remote" / "modeling_scenarioclip.py"
 
 
 def image_processor_config(size: int) -> dict:
@@ -49,6 +60,7 @@ def image_processor_config(size: int) -> dict:
     CLIP's mean and std)."""
     return {
         "image_processor_type": "CLIPImageProcessor",
+        "processor_class": "CLIPProcessor",  # what AutoProcessor.from_pretrained builds
         "do_convert_rgb": True,
         "do_resize": True,
         "size": {"shortest_edge": size},
@@ -64,24 +76,34 @@ def image_processor_config(size: int) -> dict:
 
 
 def export_level(model, level: str, out: str) -> str:
-    """Write `level`'s towers as a Hugging Face CLIPModel folder with the CLIP tokenizer's files
-    and `preprocessor_config.json`, plus its heads (`HEADS_FILE`)."""
+    """Write `level` of `model` to the folder `out` as the module docstring describes: towers,
+    heads and logit scale in model.safetensors, the config with its `auto_map`, the remote code
+    (`REMOTE_CODE`), the CLIP tokenizer's files and `preprocessor_config.json`."""
     if level not in LEVELS:
         raise ValueError(f"level {level!r} is not one of {LEVELS}")
     pair = model.pair(level)
     config = pair.config.replace(projection_dim=pair.vision_head.linear.out_features)
-    towers = nnx.eval_shape(lambda: clip.create(config))
-    towers.vision_model = pair.vision_model
-    towers.text_model = pair.text_model
-    for proj in (towers.visual_projection, towers.text_projection):
-        proj.kernel = nnx.Param(jnp.zeros(proj.kernel.shape, jnp.float32))
-    towers.logit_scale = nnx.Param(jnp.asarray(model.logit_scale(level), jnp.float32))
-    clip.to_hf(towers, out)
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v for k, v in hf_weights.hf_state_dict(pair).items()
+               if k.startswith(("vision_model.", "text_model."))}
+    tensors |= export_heads(pair)
+    tensors["logit_scale"] = np.asarray(model.logit_scale(level), np.float32).reshape(())
+    hf_weights.save_safetensors(tensors, folder / hf_weights.WEIGHTS_NAME,
+                                metadata={"format": "pt"})
+    shutil.copyfile(REMOTE_CODE, folder / REMOTE_CODE.name)
+    module = REMOTE_CODE.stem
+    (folder / "config.json").write_text(json.dumps(clip.hf_config(config) | {
+        "architectures": ["ScenarioCLIPModel"],
+        "model_type": clip.EXPORT_MODEL_TYPE,
+        "auto_map": {"AutoConfig": f"{module}.ScenarioCLIPConfig",
+                     "AutoModel": f"{module}.ScenarioCLIPModel",
+                     "AutoModelForZeroShotImageClassification": f"{module}.ScenarioCLIPModel"},
+        "scenarioclip_level": level,
+    }, indent=2))
     ClipTokenizer().save_pretrained(out, length=config.text.max_position_embeddings)
-    with open(os.path.join(out, PREPROCESSOR_FILE), "w", encoding="utf-8") as f:
+    with open(folder / PREPROCESSOR_FILE, "w", encoding="utf-8") as f:
         json.dump(image_processor_config(config.vision.image_size), f, indent=2)
-    hf_weights.save_safetensors(heads_state_dict(pair, model.logit_scale(level)),
-                                os.path.join(out, HEADS_FILE), metadata={"format": "pt"})
     return out
 
 
