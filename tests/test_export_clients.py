@@ -179,3 +179,25 @@ def test_zero_shot_pipeline_scores_are_our_softmax(tiny, tiny_export):
                                                      candidate_labels=labels)}
         np.testing.assert_allclose([got[label] for label in labels], want, atol=1e-5, rtol=0)
         assert max(want) - min(want) > 1e-3  # scores that tell the labels apart
+
+
+def test_remote_model_initialises_its_heads_and_round_trips_to_our_reader(tiny, tiny_export,
+                                                                          tmp_path):
+    """A fresh `ScenarioCLIPModel` (from_config) initialises the heads by its own rule (not
+    CLIP's, which needs a bare `.weight`); a loaded one saved by `save_pretrained` (e.g. after
+    fine-tuning in PyTorch) is read back by `scenarioclip.from_export` with the same weights."""
+    config = transformers.AutoConfig.from_pretrained(tiny_export, trust_remote_code=True)
+    assert type(config).__name__ == "ScenarioCLIPConfig" and config.projection_dim == 24
+    torch.manual_seed(0)
+    fresh = transformers.AutoModel.from_config(config, trust_remote_code=True)
+    for head, width in ((fresh.visual_projection, 64), (fresh.text_projection, 48)):
+        assert head[0].weight.std().item() == pytest.approx(width ** -0.5, rel=0.15)
+        assert not head[0].bias.any() and not head[1].bias.any()
+        assert bool((head[1].weight == 1).all())
+    assert fresh.logit_scale.item() == pytest.approx(config.logit_scale_init_value)
+    hf = _auto_model(tiny_export)
+    hf.save_pretrained(tmp_path / "saved")
+    pixels = np.random.default_rng(4).normal(size=(2, 32, 32, 3)).astype(np.float32)
+    back = scenarioclip.from_export(tmp_path / "saved")
+    np.testing.assert_array_equal(back.encode_image(jnp.asarray(pixels)),
+                                  tiny.pair("object").encode_image(jnp.asarray(pixels)))

@@ -46,20 +46,31 @@ class ScenarioCLIPModel(CLIPModel):
         self.post_init()
 
     def _init_weights(self, module):
-        """CLIP's initialisation, but the projections are heads, not bare matrices (CLIP's own
-        rule would look for their `.weight`): Linear normal(0, width ** -0.5), zero bias;
-        LayerNorm ones and zeros. Weights read from a checkpoint are not touched."""
-        if not isinstance(module, ScenarioCLIPModel):
-            super()._init_weights(module)
-            return
+        """CLIP's initialisation, but for the heads (CLIP's rule for the projections looks for
+        a `.weight` they do not have): Linear normal(0, width ** -0.5), zero bias; LayerNorm
+        ones and zeros; `logit_scale` the config's init value. Weights read from a checkpoint
+        are not touched."""
         factor = self.config.initializer_factor
-        for head, width in ((module.visual_projection, module.vision_embed_dim),
-                            (module.text_projection, module.text_embed_dim)):
-            init.normal_(head[0].weight, std=width ** -0.5 * factor)
-            init.zeros_(head[0].bias)
-            init.ones_(head[1].weight)
-            init.zeros_(head[1].bias)
-        init.constant_(module.logit_scale, self.config.logit_scale_init_value)
+        for head, width in self._heads():
+            if module is head[0]:
+                init.normal_(module.weight, std=width ** -0.5 * factor)
+                init.zeros_(module.bias)
+                return
+            if module is head[1]:
+                init.ones_(module.weight)
+                init.zeros_(module.bias)
+                return
+        super()._init_weights(module)
+        if isinstance(module, ScenarioCLIPModel):
+            init.constant_(module.logit_scale, self.config.logit_scale_init_value)
+
+    def _heads(self):
+        """(head, input width) pairs; none while `CLIPModel.__init__` runs (it initialises
+        the model before the heads replace CLIP's projections)."""
+        if not isinstance(getattr(self, "visual_projection", None), nn.Sequential):
+            return []
+        return [(self.visual_projection, self.vision_embed_dim),
+                (self.text_projection, self.text_embed_dim)]
 
 
 __all__ = ["ScenarioCLIPConfig", "ScenarioCLIPModel"]
