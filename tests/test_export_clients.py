@@ -201,3 +201,24 @@ def test_remote_model_initialises_its_heads_and_round_trips_to_our_reader(tiny, 
     back = scenarioclip.from_export(tmp_path / "saved")
     np.testing.assert_array_equal(back.encode_image(jnp.asarray(pixels)),
                                   tiny.pair("object").encode_image(jnp.asarray(pixels)))
+
+
+def test_readme_snippet_gives_our_embeddings(tiny, tiny_export):
+    """README's lines, verbatim: AutoModel + CLIPProcessor on an image (32 x 32: no resampling,
+    so the processor's pixels are exactly ours) and on captions (padded to the longest, with an
+    attention mask: the EOT pooling sees the same tokens as our 77-token ids)."""
+    image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (32, 32, 3), np.uint8))
+    captions = ["a dog on a mat", "a man riding a horse on the beach"]
+    OUT = tiny_export  # noqa: N806  (README's name)
+    model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
+    processor = transformers.CLIPProcessor.from_pretrained(OUT)
+    inputs = processor(images=image, return_tensors="pt")
+    with torch.no_grad():
+        image_emb = model.get_image_features(**inputs).pooler_output  # [1, D]
+        text_emb = model.get_text_features(**processor(text=captions, padding=True,
+                                                       return_tensors="pt")).pooler_output
+    pair = tiny.pair("object")
+    ours = pair.encode_image(jnp.asarray(_our_pixels(np.asarray(image), 32)[None]))
+    np.testing.assert_allclose(image_emb.numpy(), np.asarray(ours), atol=1e-5, rtol=0)
+    ours = pair.encode_text(jnp.asarray(ClipTokenizer()(captions, length=77)))
+    np.testing.assert_allclose(text_emb.numpy(), np.asarray(ours), atol=1e-5, rtol=0)

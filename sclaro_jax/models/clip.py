@@ -290,8 +290,8 @@ def create(config: CLIPConfig | str = "ViT-B/32", *, seed: int = 0, dtype=jnp.fl
 
 
 def _config_from_hf(raw: Mapping[str, Any], where: str) -> CLIPConfig:
-    if raw.get("model_type") not in ("clip", EXPORT_MODEL_TYPE, None) or "vision_config" not in raw \
-            or "text_config" not in raw:
+    if raw.get("model_type") not in ("clip", EXPORT_MODEL_TYPE, None) \
+            or "vision_config" not in raw or "text_config" not in raw:
         raise CheckpointError(
             f"{where} is not a Hugging Face CLIPModel config (model_type="
             f"{raw.get('model_type')!r}, needs 'vision_config' and 'text_config')")

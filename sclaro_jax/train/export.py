@@ -4,9 +4,9 @@
 
 OUT is a Hugging Face model folder that transformers loads with the model code it carries:
 
-- config.json: a `CLIPConfig` of model_type "scenarioclip" (`projection_dim` = the heads' size),
-  with `auto_map` sending `AutoConfig`, `AutoModel` and `AutoModelForZeroShotImageClassification`
-  to modeling_scenarioclip.py;
+- config.json: a `CLIPConfig` of model_type "scenarioclip" (`projection_dim` = the heads' size,
+  `scenarioclip_level` = the level), with `auto_map` sending `AutoConfig`, `AutoModel` and
+  `AutoModelForZeroShotImageClassification` to modeling_scenarioclip.py;
 - modeling_scenarioclip.py: `ScenarioCLIPModel`, transformers' `CLIPModel` whose
   `visual_projection` / `text_projection` are the level's heads, `nn.Sequential(nn.Linear(hidden,
   D), nn.LayerNorm(D))`, so `get_image_features` / `get_text_features` give our `encode_image` /
@@ -17,11 +17,13 @@ OUT is a Hugging Face model folder that transformers loads with the model code i
   and preprocessor_config.json (our image views as `CLIPImageProcessor` settings), so
   `CLIPProcessor.from_pretrained(OUT)` gives our token ids and pixels.
 
-In PyTorch (README has the same):
+In PyTorch (README has the same; transformers 5's `get_*_features` return an output whose
+`pooler_output` is the embedding):
 
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
     processor = transformers.CLIPProcessor.from_pretrained(OUT)
-    image_emb = model.get_image_features(**processor(images=image, return_tensors="pt"))
+    inputs = processor(images=image, return_tensors="pt")
+    image_emb = model.get_image_features(**inputs).pooler_output  # [1, D]
 
 `transformers.pipeline("zero-shot-image-classification", model=OUT, trust_remote_code=True)`
 runs on it too. Our own readers: `scenarioclip.from_export(OUT)` and `python -m

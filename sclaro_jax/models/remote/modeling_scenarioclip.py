@@ -5,7 +5,8 @@ with `trust_remote_code=True`:
 
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
     processor = transformers.CLIPProcessor.from_pretrained(OUT)
-    image_emb = model.get_image_features(**processor(images=image, return_tensors="pt"))
+    inputs = processor(images=image, return_tensors="pt")
+    image_emb = model.get_image_features(**inputs).pooler_output  # [1, D]
 
 `ScenarioCLIPModel` is transformers' `CLIPModel` whose `visual_projection` / `text_projection` are
 the level's heads, `nn.Sequential(nn.Linear(hidden, D), nn.LayerNorm(D, eps=1e-5))`, in place
