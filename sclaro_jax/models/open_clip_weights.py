@@ -6,7 +6,7 @@ Read (`load`, `read_config`): an open_clip checkpoint given as
   `open_clip_model.safetensors` or `open_clip_pytorch_model.bin`;
 * a bare weights file, `.safetensors` or a torch `.bin` / `.pt` / `.pth` (read without torch: the
   zip archive `torch.save` writes, unpickled by a restricted unpickler that rebuilds each tensor
-  from its storage as a numpy array; training checkpoints `{"state_dict": {"module.…": …}}` too).
+  from its storage as a numpy array; training checkpoints `{"state_dict": {"module.<key>": ...}}` too).
   The sizes come from the tensors' shapes (heads: width / 64, the convention of OpenAI's and
   open_clip's own state-dict builder), but the activation is not in the weights: it comes from an
   `open_clip_config.json` beside the file, else from a suffix the user adds to the path,
@@ -358,6 +358,8 @@ def config_from_open_clip(model_cfg: Mapping[str, Any], where: str) -> clip.CLIP
         raise CheckpointError(f"{where}: vision width {vw} is not a multiple of head_width "
                               f"{head_width}")
     pool = text.get("pool_type", "argmax")
+    scale = model_cfg.get("init_logit_scale")  # only for a random init; the weights hold it
+    extra = {} if scale is None else {"logit_scale_init_value": float(scale)}
     return clip.CLIPConfig(
         vision=clip.VisionConfig(
             hidden_size=vw, intermediate_size=int(vw * vision.get("mlp_ratio", 4.0)),
@@ -370,8 +372,7 @@ def config_from_open_clip(model_cfg: Mapping[str, Any], where: str) -> clip.CLIP
             max_position_embeddings=text.get("context_length", 77),
             # open_clip's argmax pooling (EOT = the largest id) is our legacy eos id 2
             eos_token_id=2 if pool == "argmax" else text.get("eos_id", 2), hidden_act=act),
-        projection_dim=model_cfg["embed_dim"],
-        logit_scale_init_value=float(model_cfg.get("init_logit_scale", math.log(1 / 0.07))))
+        projection_dim=model_cfg["embed_dim"], **extra)
 
 
 def _count_blocks(state: Mapping[str, Any], prefix: str) -> int:
@@ -447,7 +448,10 @@ def _read_json(file: Path) -> dict:
     return raw
 
 
-def _config(weights: Path, config_file: Path | None, act: str | None, state) -> clip.CLIPConfig:
+def _config(weights: Path, config_file: Path | None, act: str | None, read_state
+            ) -> clip.CLIPConfig:
+    """The checkpoint's config: from `config_file` (checked before any weights are read) or
+    from the shapes of `read_state()` and the activation suffix `act`."""
     if config_file is not None:
         config = config_from_open_clip(_read_json(config_file)["model_cfg"], str(config_file))
         if act is not None and act != config.vision.hidden_act:
@@ -455,20 +459,21 @@ def _config(weights: Path, config_file: Path | None, act: str | None, state) -> 
                 f"{weights}: the activation suffix says {act} but {config_file} says "
                 f"{config.vision.hidden_act} (quick_gelu={act == 'quick_gelu'}): drop the "
                 "suffix or fix the config")
-        _refuse_unsupported_keys(state, str(weights))
+        _refuse_unsupported_keys(read_state(), str(weights))
         return config
     if act is None:
         raise CheckpointError(
             f"{weights}: an open_clip weights file does not say its activation (QuickGELU or "
             f"GELU) and no {CONFIG_NAME} is beside it; name it with a suffix: "
             f"{_act_choices(weights)}")
-    return config_from_state(state, act, str(weights))
+    return config_from_state(read_state(), act, str(weights))
 
 
 def read_config(spec: str | os.PathLike) -> clip.CLIPConfig:
     """The `CLIPConfig` of an open_clip checkpoint (reading shapes, not weights)."""
     weights, config_file, act = _resolve(spec)
-    return _config(weights, config_file, act, read_state_dict(weights, shapes_only=True))
+    return _config(weights, config_file, act,
+                   lambda: read_state_dict(weights, shapes_only=True))
 
 
 # --------------------------------------------------------------------------------------------
@@ -573,8 +578,15 @@ def load(spec: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "a
     """Our `clip.CLIPModel` from an open_clip checkpoint (module docstring: a hub folder, or a
     weights file with `open_clip_config.json` beside it or an activation suffix)."""
     weights, config_file, act = _resolve(spec)
-    state = read_state_dict(weights)
-    config = _config(weights, config_file, act, state)
+    cache: dict = {}
+
+    def read_state():
+        if "state" not in cache:
+            cache["state"] = read_state_dict(weights)
+        return cache["state"]
+
+    config = _config(weights, config_file, act, read_state)
+    state = read_state()
     hf = to_hf_state(state, config, str(weights))
     forms = cpu_gradients.resolve(gradient_forms)
     model = nnx.eval_shape(lambda: clip.CLIPModel(config, dtype=dtype, gradient_forms=forms,

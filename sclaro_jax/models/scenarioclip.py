@@ -155,8 +155,9 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
 
 def load_hf_into_level(model, level: str, path: str) -> None:
     """Replace one level's towers (vision + text) with a pretrained CLIP's weights (a Hugging
-    Face `CLIPModel` folder or an open_clip checkpoint, as `build`'s `init`), in place; the level's Linear+LayerNorm heads and the other levels are untouched.
-    The folder must have the level's tower sizes (`clip.CheckpointError` otherwise). With
+    Face `CLIPModel` folder or an open_clip checkpoint, as `build`'s `init`), in place; the
+    level's Linear+LayerNorm heads and the other levels are untouched. The checkpoint must
+    have the level's tower sizes and activation (`clip.CheckpointError` otherwise). With
     PyramidCLIP every level shares the one pair, so all levels change."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
