@@ -169,6 +169,12 @@ def test_torch_reader_keeps_strides_offsets_and_dtypes(tmp_path):
         want = value.detach().float().numpy() if key == "half" else value.detach().numpy()
         assert np.array_equal(np.asarray(got[key], want.dtype), want), key
         assert got[key].shape == tuple(value.shape)
+    from safetensors.torch import save_file  # bfloat16, which safetensors.numpy cannot read
+
+    save_file({"half": half, "f16": half.half()}, str(tmp_path / "x.safetensors"))
+    got = ocw.read_state_dict(tmp_path / "x.safetensors")
+    assert np.array_equal(np.asarray(got["half"], np.float32), half.float().numpy())
+    assert np.array_equal(got["f16"], half.half().numpy())
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,6 +206,24 @@ def test_tiny_clip_exported_by_the_cli_gives_our_features_in_open_clip(tmp_path,
     assert json.loads((out / "open_clip_config.json").read_text())["model_cfg"]["text_cfg"][
         "pool_type"] == "eos"
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("oc_model", ["gelu"], indirect=True)
+def test_open_clip_to_hugging_face_by_the_cli(oc_model, tmp_path, capsys):
+    import transformers
+
+    _, theirs, hub, _ = oc_model
+    out = tmp_path / "hf"
+    assert export.main(["--model", str(hub), "--format", "hf", "--out", str(out)]) == 0
+    assert f"wrote {hub} to {out} (hf format)" in capsys.readouterr().out
+    hf = transformers.CLIPModel.from_pretrained(out).eval()
+    assert hf.config.vision_config.hidden_act == "gelu"
+    pixels, ids = _inputs(32, 24, seed=3)
+    with torch.no_grad():
+        got = (hf.get_image_features(pixel_values=pixels), hf.get_text_features(input_ids=ids))
+    got = [np.asarray(getattr(g, "pooler_output", g)) for g in got]
+    _assert_close(got, _theirs(theirs, pixels, ids))
+    assert (out / "preprocessor_config.json").is_file() and (out / "vocab.json").is_file()
 
 
 def test_vit_b32_exports_to_open_clip(tmp_path):

@@ -162,7 +162,8 @@ class _TorchUnpickler(pickle.Unpickler):
             return OrderedDict
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
             return self._rebuild_tensor
-        if module == "torch._utils" and name == "_rebuild_parameter":
+        if module == "torch._utils" and name in ("_rebuild_parameter",
+                                                 "_rebuild_parameter_with_state"):
             return lambda data, requires_grad, hooks, *rest: data
         if module == "torch" and name in _STORAGE_DTYPES:
             return name
