@@ -348,6 +348,24 @@ def test_open_clip_settings_we_cannot_express_are_named(tmp_path, section, key, 
 
 
 @pytest.mark.parametrize("oc_model", ["gelu"], indirect=True)
+def test_a_level_takes_open_clip_towers_of_its_activation_only(oc_model):
+    from sclaro_jax.models import scenarioclip
+
+    _, theirs, hub, _ = oc_model
+
+    def build(preset):  # shapes only: load_hf_into_level replaces the towers' every weight
+        return nnx.eval_shape(lambda: scenarioclip.build("pyramidclip", preset=preset,
+                                                         embed_dim=8, warn_random=False))
+
+    msg = _refusal(scenarioclip.load_hf_into_level, build("tiny"), "object", hub)
+    assert "vision tower uses gelu, the object level's quick_gelu" in msg
+    model = build(ocw.read_config(hub))
+    scenarioclip.load_hf_into_level(model, "object", hub)
+    got = np.asarray(model.pair("global").text_model.encoder.layers[1].mlp.fc2.kernel[...]).T
+    assert np.array_equal(got, theirs.state_dict()["transformer.resblocks.1.mlp.c_proj.weight"])
+
+
+@pytest.mark.parametrize("oc_model", ["gelu"], indirect=True)
 def test_unsupported_keys_and_torchscript_are_refused(oc_model, tmp_path):
     variant, theirs, _, _ = oc_model
     state = dict(theirs.state_dict())

@@ -132,8 +132,8 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
     gets its own copy): a Hugging Face CLIPModel folder or an open_clip checkpoint (a hub folder
     with open_clip_config.json, or a weights file: `open_clip_weights`, which tells them apart),
     or randomly initialised from `preset` (a `clip.PRESETS` name or a `clip.CLIPConfig`) with a
-    logged notice
-    (`warn_random=False` drops it: for a model built only to restore trained weights into).
+    logged notice (`warn_random=False` drops it: for a model built only to restore trained
+    weights into).
     `gradient_forms` ("auto", "cpu", "plain") as in `clip.create`, resolved once here."""
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; known: {sorted(MODELS)}")
