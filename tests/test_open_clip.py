@@ -365,6 +365,7 @@ def test_a_level_takes_open_clip_towers_of_its_activation_only(oc_model):
     assert np.array_equal(got, theirs.state_dict()["transformer.resblocks.1.mlp.c_proj.weight"])
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:FutureWarning")
 @pytest.mark.parametrize("oc_model", ["gelu"], indirect=True)
 def test_unsupported_keys_and_torchscript_are_refused(oc_model, tmp_path):
     variant, theirs, _, _ = oc_model
