@@ -22,7 +22,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model = ml_collections.ConfigDict()
     c.model.kind = "scenarioclip"  # scenarioclip | pyramidclip
     c.model.preset = "ViT-B/32"  # sclaro_jax.models.clip.PRESETS, used for random init
-    c.model.init = ""  # a Hugging Face CLIPModel folder (openai/clip-vit-base-patch32)
+    # The pretrained CLIP the towers start from ("": random, from the preset): a Hugging Face
+    # CLIPModel folder (openai/clip-vit-base-patch32), or an open_clip checkpoint: a hub folder
+    # (open_clip_config.json + open_clip_model.safetensors / open_clip_pytorch_model.bin), or a
+    # weights file (.safetensors / .bin / .pt) with its open_clip_config.json beside it or its
+    # activation named by a suffix, FILE:quickgelu or FILE:gelu (sclaro_jax.models.
+    # open_clip_weights). Only plain ViT CLIP models load; others are refused.
+    c.model.init = ""
     c.model.dtype = "float32"  # compute dtype of the towers' matmuls; "bfloat16" on GPU
     c.model.embed_dim = 512
     c.model.gradient_forms = "auto"  # scenarioclip.build's gradient_forms

@@ -9,6 +9,7 @@ with) and `checkpoints/<step>/` (orbax: the training state `state`, with `params
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import jax
@@ -17,7 +18,9 @@ import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from sclaro_jax.models import scenarioclip
+from sclaro_jax.models import clip, open_clip_weights, scenarioclip
+
+log = logging.getLogger(__name__)
 
 
 def run_config(workdir: str) -> ml_collections.ConfigDict:
@@ -35,9 +38,20 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
 
 def build_model(config, *, abstract: bool = False):
     """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into: its
-    towers' random init is not used, so `scenarioclip.build`'s notice about it is not logged)."""
+    towers' random init is not used, so `scenarioclip.build`'s notice about it is not logged).
+    A run started from a pretrained CLIP (`config.model.init`) has that checkpoint's tower
+    config (sizes, activation, text length), read from its config or shapes, not its weights;
+    the preset when the checkpoint is no longer there (logged)."""
+    preset = config.model.preset
+    if abstract and config.model.init:
+        try:
+            preset = open_clip_weights.pretrained_config(config.model.init)
+        except (clip.CheckpointError, OSError) as err:
+            log.warning("model.init %s cannot be read (%s): the towers are built from preset "
+                        "%s, which must match it", config.model.init, err, preset)
+
     def make():
-        return scenarioclip.build(config.model.kind, preset=config.model.preset,
+        return scenarioclip.build(config.model.kind, preset=preset,
                                   init="" if abstract else config.model.init,
                                   warn_random=not abstract,
                                   dtype=jnp.dtype(config.model.dtype), seed=config.seed,

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sclaro_jax.models import clip, cpu_gradients, hf_weights
+from sclaro_jax.models import clip, cpu_gradients, hf_weights, open_clip_weights
 
 log = logging.getLogger(__name__)
 
@@ -128,9 +128,12 @@ MODELS = {"scenarioclip": ScenarioCLIP, "pyramidclip": PyramidCLIP}
 def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "",
           dtype=jnp.float32, seed: int = 0, embed_dim: int = 512, gradient_forms: str = "auto",
           warn_random: bool = True):
-    """A ScenarioCLIP / PyramidCLIP model; towers from the Hugging Face CLIP folder `init`
-    (each pair gets its own copy), or randomly initialised from `preset` with a logged notice
-    (`warn_random=False` drops it: for a model built only to restore trained weights into).
+    """A ScenarioCLIP / PyramidCLIP model; towers from the pretrained CLIP `init` (each pair
+    gets its own copy): a Hugging Face CLIPModel folder or an open_clip checkpoint (a hub folder
+    with open_clip_config.json, or a weights file: `open_clip_weights`, which tells them apart),
+    or randomly initialised from `preset` (a `clip.PRESETS` name or a `clip.CLIPConfig`) with a
+    logged notice (`warn_random=False` drops it: for a model built only to restore trained
+    weights into).
     `gradient_forms` ("auto", "cpu", "plain") as in `clip.create`, resolved once here."""
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; known: {sorted(MODELS)}")
@@ -138,25 +141,34 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
 
     def make_towers(i: int) -> clip.CLIPModel:
         if init:
-            return clip.from_hf(init, dtype=dtype, gradient_forms=forms, towers_only=True)
+            return open_clip_weights.load_clip(init, dtype=dtype, gradient_forms=forms,
+                                               towers_only=True)
         return clip.create(preset, seed=seed + 1 + i, dtype=dtype, gradient_forms=forms)
 
     if not init and warn_random:
         log.warning("model.init is empty: %s towers start from random weights (preset %s), "
                     "not from a pretrained CLIP; pass --config.model.init=PATH to a Hugging "
-                    "Face CLIPModel folder (e.g. openai/clip-vit-base-patch32)", kind, preset)
+                    "Face CLIPModel folder (e.g. openai/clip-vit-base-patch32) or an open_clip "
+                    "checkpoint", kind, preset)
     return MODELS[kind](make_towers, embed_dim, rngs=nnx.Rngs(seed))
 
 
 def load_hf_into_level(model, level: str, path: str) -> None:
-    """Replace one level's towers (vision + text) with a Hugging Face `CLIPModel` folder's
-    weights, in place; the level's Linear+LayerNorm heads and the other levels are untouched.
-    The folder must have the level's tower sizes (`clip.CheckpointError` otherwise). With
+    """Replace one level's towers (vision + text) with a pretrained CLIP's weights (a Hugging
+    Face `CLIPModel` folder or an open_clip checkpoint, as `build`'s `init`), in place; the
+    level's Linear+LayerNorm heads and the other levels are untouched. The checkpoint must
+    have the level's tower sizes and activation (`clip.CheckpointError` otherwise). With
     PyramidCLIP every level shares the one pair, so all levels change."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     pair = model.pair(level)
-    towers = clip.from_hf(path, dtype=pair.vision_model.dtype, towers_only=True)
+    towers = open_clip_weights.load_clip(path, dtype=pair.vision_model.dtype, towers_only=True)
+    for tower in ("vision", "text"):
+        ours, theirs = getattr(pair.config, tower), getattr(towers.config, tower)
+        if ours.hidden_act != theirs.hidden_act:
+            raise clip.CheckpointError(
+                f"{path}: its {tower} tower uses {theirs.hidden_act}, the {level} level's "
+                f"{ours.hidden_act}; the weights would be computed with the wrong activation")
     for name in ("vision_model", "text_model"):
         ours, theirs = nnx.state(getattr(pair, name)), nnx.state(getattr(towers, name))
         mismatch = [f"{jax.tree_util.keystr(k)}: {a.shape} vs {b.shape}" for (k, a), (_, b) in

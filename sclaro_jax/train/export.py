@@ -1,6 +1,14 @@
 """Export one level of a trained ScenarioCLIP / PyramidCLIP checkpoint for PyTorch users.
 
     python -m sclaro_jax.train.export --workdir DIR --level object --out OUT [--teacher] [--step N]
+    python -m sclaro_jax.train.export --model CLIP --format open_clip --out OUT
+
+`--model CLIP` exports a plain CLIP instead (a Hugging Face CLIPModel folder or an open_clip
+checkpoint, as `config.model.init` takes them): `--format open_clip` writes an open_clip hub
+folder (`open_clip_config.json` + `open_clip_model.safetensors`, which
+`open_clip.create_model_and_transforms("local-dir:OUT")` loads), `--format hf` (the default) a
+Hugging Face CLIPModel folder. A trained level cannot go to open_clip: its Linear+LayerNorm heads
+have no place in open_clip's CLIP, so `--format open_clip --workdir` is refused.
 
 OUT is a Hugging Face model folder that transformers loads with the model code it carries:
 
@@ -47,7 +55,7 @@ from sclaro_jax import ops
 # here for callers of the old place.
 from sclaro_jax.checkpoint import load_checkpoint, run_config  # noqa: F401
 from sclaro_jax.data.tokenizer import ClipTokenizer
-from sclaro_jax.models import clip, hf_weights
+from sclaro_jax.models import clip, hf_weights, open_clip_weights
 from sclaro_jax.models.scenarioclip import LEVELS, export_heads
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -109,6 +117,40 @@ def export_level(model, level: str, out: str) -> str:
     return out
 
 
+def open_clip_preprocess_cfg(size: int) -> dict:
+    """open_clip's `preprocess_cfg` of our image views (as `image_processor_config`: bicubic
+    resize of the short side, centre crop, CLIP's mean and std)."""
+    return {"size": size, "mode": "RGB", "mean": ops.CLIP_MEAN.tolist(),
+            "std": ops.CLIP_STD.tolist(), "interpolation": "bicubic", "resize_mode": "shortest",
+            "fill_color": 0}
+
+
+FORMATS = ("hf", "open_clip")
+OPEN_CLIP_LEVEL_REFUSAL = (
+    "--format open_clip cannot hold a trained ScenarioCLIP/PyramidCLIP level: its embeddings "
+    "come from Linear+LayerNorm heads that open_clip's CLIP has no place for, so the file would "
+    "not give them; export the level with --format hf (a Hugging Face folder whose model code "
+    "applies the heads), or pass --model for a plain CLIP")
+
+
+def export_clip(spec: str, out: str, fmt: str = "open_clip") -> str:
+    """Write the plain CLIP `spec` (a Hugging Face CLIPModel folder or an open_clip checkpoint:
+    `open_clip_weights.load_clip`) to `out` as an open_clip hub folder (`fmt` "open_clip") or a
+    Hugging Face CLIPModel folder with tokenizer and preprocessor files ("hf")."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format {fmt!r} is not one of {FORMATS}")
+    model = open_clip_weights.load_clip(spec)
+    size = model.config.vision.image_size
+    if fmt == "open_clip":
+        open_clip_weights.save(model, out, preprocess_cfg=open_clip_preprocess_cfg(size))
+        return out
+    clip.to_hf(model, out)
+    ClipTokenizer().save_pretrained(out, length=model.config.text.max_position_embeddings)
+    with open(os.path.join(out, PREPROCESSOR_FILE), "w", encoding="utf-8") as f:
+        json.dump(image_processor_config(size), f, indent=2)
+    return out
+
+
 class UsageError(ValueError):
     """A command-line mistake the message says how to fix."""
 
@@ -144,8 +186,15 @@ def main(argv=None) -> int:
     --out) or 1 (workdir, checkpoint); --verbose shows their traceback instead."""
     parser = _Parser(prog="python -m sclaro_jax.train.export",
                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", required=True, help="a training workdir")
-    parser.add_argument("--level", required=True, choices=LEVELS)
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--workdir", help="a training workdir (export one level: --level)")
+    source.add_argument("--model", help="a plain CLIP to export instead: a Hugging Face "
+                        "CLIPModel folder or an open_clip checkpoint (hub folder, or FILE with "
+                        "open_clip_config.json beside it, or FILE:quickgelu / FILE:gelu)")
+    parser.add_argument("--level", choices=LEVELS, help="the level of --workdir to export")
+    parser.add_argument("--format", choices=FORMATS, default="hf",
+                        help="hf: a Hugging Face CLIPModel folder (default); open_clip: an "
+                        "open_clip hub folder (--model only)")
     parser.add_argument("--out", required=True, help="output folder (new or empty)")
     parser.add_argument("--step", type=int, default=None,
                         help="checkpoint step (default: the newest)")
@@ -154,10 +203,21 @@ def main(argv=None) -> int:
                         help="print the traceback of an error, not just its message")
     args = parser.parse_args(argv)
     try:
+        if args.model is not None:
+            if args.level or args.step is not None or args.teacher:
+                raise UsageError("--level, --step and --teacher are for --workdir, not --model")
+            check_out(args.out)
+            export_clip(args.model, args.out, args.format)
+            print(f"wrote {args.model} to {args.out} ({args.format} format)")
+            return 0
+        if args.format == "open_clip":
+            raise UsageError(OPEN_CLIP_LEVEL_REFUSAL)
+        if args.level is None:
+            raise UsageError("--workdir needs --level (one of " + ", ".join(LEVELS) + ")")
         check_out(args.out)
         model, step = load_checkpoint(args.workdir, args.step, teacher=args.teacher)
         export_level(model, args.level, args.out)
-    except (UsageError, FileNotFoundError) as e:
+    except (UsageError, FileNotFoundError, clip.CheckpointError) as e:
         if args.verbose:
             raise
         print(f"error: {e}", file=sys.stderr)
