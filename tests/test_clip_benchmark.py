@@ -156,6 +156,7 @@ def test_clip_benchmark_cli_reproduces_our_zero_shot_action_accuracy(folders, ou
     assert metrics["mean_per_class_recall"] == pytest.approx(recall, abs=1e-9)
 
 
+@pytest.mark.filterwarnings("ignore:WebDataset\\(shardshuffle:UserWarning")
 def test_clip_benchmark_retrieval_gives_our_recall(model, folders, ours, tmp_path, capsys):
     from data_prep import clip_benchmark as cb
     from sclaro_jax.eval import embedding
@@ -210,3 +211,43 @@ def test_user_errors_name_the_file_and_the_fix(folders, demo_dir, tmp_path, caps
             module.main(["--help"])
         assert exit_.value.code == 0
         assert "--model_type" in capsys.readouterr().out if module is cb else True
+
+
+def test_an_export_with_auto_map_loads_through_automodel(folders, monkeypatch, tmp_path):
+    """config.json with an `auto_map`: the model is `AutoModel.from_pretrained(EXPORT,
+    trust_remote_code=True)` and its `get_*_features` (a tensor, or transformers 5's output
+    with `pooler_output`) are the embeddings; no heads file needed."""
+    import shutil
+
+    import transformers
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    from data_prep import clip_benchmark as cb
+
+    heads = cb.SclaroClip(folders["export"])
+    auto = tmp_path / "auto"
+    shutil.copytree(folders["export"], auto, ignore=shutil.ignore_patterns(cb.HEADS_FILE))
+    config = json.loads((auto / "config.json").read_text())
+    config["auto_map"] = {"AutoModel": "modeling_scenarioclip.ScenarioClipModel"}
+    (auto / "config.json").write_text(json.dumps(config))
+    calls = []
+
+    class Remote:  # the remote-code model's interface
+        def get_image_features(self, pixel_values):
+            return BaseModelOutputWithPooling(pooler_output=heads.encode_image(pixel_values))
+
+        def get_text_features(self, input_ids):
+            return heads.encode_text(input_ids)
+
+    def from_pretrained(path, **kwargs):
+        calls.append((str(path), kwargs))
+        return Remote()
+
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", from_pretrained)
+    model, transform, tokenizer = cb.load_sclaro("sclaro", str(auto))
+    assert calls == [(str(auto), {"trust_remote_code": True})]
+    x = torch.randn(2, 3, 32, 32)
+    ids = tokenizer(["a dog", "two cats on a mat"])
+    with torch.no_grad():
+        torch.testing.assert_close(model.encode_image(x), heads.encode_image(x))
+        torch.testing.assert_close(model.encode_text(ids), heads.encode_text(ids))

@@ -23,10 +23,13 @@ Which image: by default the one our evaluator makes the image's global view from
 benchmark sees our evaluator's pixels: a version-2 record's stored `train_image` (a JPEG
 downscale of the photograph), a version-1 record's photograph. The view is
 `augment.resize_centre_crop` of it; a `train_image`'s view is taken from the box the transform
-takes from the photograph, scaled to the copy, so the JPEG gets a comment segment
-(`sclaro-photo-size=WxH`, `PHOTO_SIZE_TAG`; pixel data untouched) that `photo_size_of` reads
-back from a decoded PIL image (`data_prep.clip_benchmark`'s transform does). `--originals`
-stores the full-size photographs instead (records written with originals).
+takes from the photograph, scaled to the copy, so the JPEG gets one more comment segment
+(`sclaro-photo-size=WxH`, `PHOTO_SIZE_TAG`, the last before its scan; pixel data untouched)
+that `photo_size_of` reads back from a decoded PIL image (`data_prep.clip_benchmark`'s
+transform does; without the tag the view may shift by up to a pixel). The benchmark model's
+image size should be the dataset's view size (`view_size` in OUT/sclaro_wds.json), as our
+evaluator requires. `--originals` stores the full-size photographs instead (records written
+with originals).
 
 No model and no trained run is needed; this module imports neither JAX nor torch.
 """
@@ -229,6 +232,7 @@ def write_wds(data_dir: str, split: str, out: str, *,
                "classes": len(classes) if task == "zeroshot_classification" else None,
                "dataset": os.path.abspath(ds.root), "manifest_sha256": ds.identity,
                "image": "original" if originals else "evaluator view source",
+               "view_size": ds.view_size,
                "template": TEMPLATE if task == "zeroshot_classification" else None}
     text(INFO_FILE, json.dumps(summary, indent=1) + "\n")
     return summary
@@ -238,8 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     p = cli.ArgumentParser(
         prog="python -m sclaro_jax.eval.wds",
         description="Write a split of a SCLARO dataset as a local CLIP_benchmark webdataset "
-                    "(evaluate it with: python -m data_prep.clip_benchmark eval --model_type "
-                    "sclaro --dataset wds/NAME --dataset_root OUT ...).",
+                    "(no trained run needed); evaluate an exported level on it with LAION's "
+                    "CLIP_benchmark: python -m data_prep.clip_benchmark eval --help.",
         formatter_class=cli.DefaultsOnce)
     p.add_argument("--data", required=True, help="SCLARO dataset folder (its manifest.json)")
     p.add_argument("--split", default="test", help="split to write")
