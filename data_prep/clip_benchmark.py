@@ -25,7 +25,9 @@ This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag
 Pass `--no_amp` for our numbers: clip_benchmark's default mixed precision runs the towers and
 the scores in bfloat16 on a CPU (float16 on a GPU). Without `--output`, the result file is named
 after the export folder's name (clip_benchmark's default template would put its whole path in
-the file name).
+the file name). A local `wds/` dataset gets at most one loader worker per shard (webdataset
+fails a worker without one). clip_benchmark 1.6.2's top-k accuracy fails under NumPy >= 2.3;
+`register` replaces it with the same computation when it does.
 """
 
 from __future__ import annotations
@@ -234,6 +236,25 @@ def _fix_accuracy() -> None:
         zc.accuracy = _accuracy
 
 
+def _cap_workers(args) -> None:
+    """At most one data-loader worker per shard of a local `wds/` dataset: webdataset fails a
+    worker that gets no shard ("No samples found ... fewer shards than workers")."""
+    if not args.dataset.startswith("wds/") or args.num_workers <= 1:
+        return
+    name = args.dataset[len("wds/"):]
+    root = args.dataset_root.format(dataset=name, dataset_cleaned=name.replace("/", "-"))
+    path = os.path.join(root, args.split, "nshards.txt")
+    try:
+        with open(path, encoding="utf-8") as f:
+            shards = int(f.read().strip())
+    except (OSError, ValueError):
+        return  # clip_benchmark reports a missing or bad nshards.txt itself
+    if 0 < shards < args.num_workers:
+        if args.verbose:
+            print(f"{path}: {shards} shard(s): --num_workers {args.num_workers} -> {shards}")
+        args.num_workers = shards
+
+
 def register() -> None:
     """Add `sclaro` to clip_benchmark's model types, in place (its parser reads MODEL_TYPES as
     it is built, `load_clip` looks TYPE2FUNC up), and name default result files after the
@@ -250,6 +271,7 @@ def register() -> None:
         return
 
     def run_with_names(args):
+        _cap_workers(args)
         if args.model_type == MODEL_TYPE and args.output == DEFAULT_OUTPUT:
             names = {k: os.path.basename(os.path.normpath(getattr(args, k)))
                      for k in ("pretrained", "model")}

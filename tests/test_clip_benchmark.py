@@ -134,10 +134,12 @@ def test_clip_benchmark_cli_reproduces_our_zero_shot_action_accuracy(folders, ou
     result = _run_cli("eval", "--model_type", "sclaro", "--model", "sclaro",
                       "--pretrained", folders["export"], "--dataset", "wds/sclaro_actions",
                       "--dataset_root", folders["actions"], "--split", SPLIT,
-                      "--task", "zeroshot_classification", "--no_amp", "--num_workers", "0",
+                      "--task", "zeroshot_classification", "--no_amp", "--num_workers", "8",
                       "--batch_size", "4", "--dump_classnames", "--dump_templates",
                       "--save_clf", base / "clf.pt", "--quiet", cwd=base)
     assert result.returncode == 0, result.stderr[-3000:]
+    # 10 images in 4 shards (a quarter each, rounded up): one loader worker per shard, not 8
+    assert (folders["actions"] / SPLIT / "nshards.txt").read_text() == "4\n"
     # no --output: the file is named after the export folder, not its path
     out = base / "sclaro_actions_export_sclaro_en_zeroshot_classification.json"
     dump = json.loads(out.read_text())

@@ -52,6 +52,7 @@ from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import DatasetError, open_dataset
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval")
+MAX_SHARD = 1000  # images a shard at most, by default
 TEMPLATE = "{c}"  # our zero-shot evaluator encodes the class string alone
 INFO_FILE = "sclaro_wds.json"
 PHOTO_SIZE_TAG = b"sclaro-photo-size="
@@ -150,19 +151,22 @@ def _check_out(out: str) -> None:
 
 
 def write_wds(data_dir: str, split: str, out: str, *,
-              task: str = "zeroshot_classification", shard_size: int = 1000,
+              task: str = "zeroshot_classification", shard_size: int | None = None,
               originals: bool = False, progress: bool = True) -> dict:
     """Write `split` of the dataset folder `data_dir` as a CLIP_benchmark webdataset in `out`
-    (a new or empty folder; the module docstring gives the layout). Returns a summary
+    (a new or empty folder; the module docstring gives the layout), `shard_size` images a tar
+    (default: a quarter of the split, at most MAX_SHARD). Returns a summary
     {"out", "task", "split", "images", "skipped", "shards", "classes"} (also in
     OUT/sclaro_wds.json)."""
     if task not in TASKS:
         raise WdsError(f"task {task!r} is not one of {TASKS}")
-    if shard_size < 1:
+    if shard_size is not None and shard_size < 1:
         raise WdsError(f"shard size {shard_size} must be at least 1")
     _check_out(out)
     ds = open_dataset(data_dir)
     ds.paths(split)  # DatasetError naming the folder and its splits
+    if shard_size is None:  # clip_benchmark's 4 loader workers get a shard each, if they can
+        shard_size = min(MAX_SHARD, max(1, -(-ds.num_records(split) // 4)))
     classes = list(ds.vocab.actions)
     actions_file = os.path.join(ds.root, schema.VOCAB_FILES["actions"])
     if task == "zeroshot_classification" and not classes:
@@ -251,7 +255,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default="zeroshot_classification", choices=TASKS,
                    help="classification: images + action labels, classnames.txt, the '{c}' "
                         "template; retrieval: images + captions")
-    p.add_argument("--shard-size", type=int, default=1000, help="images per tar shard")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help=f"images per tar shard (default: a quarter of the split's, at most "
+                        f"{MAX_SHARD}: clip_benchmark's 4 loader workers read one shard each)")
     p.add_argument("--originals", action="store_true",
                    help="store the full-size photographs, not the image our evaluator makes "
                         "its view from")
