@@ -208,6 +208,25 @@ def test_user_errors_name_the_file_and_the_fix(folders, demo_dir, tmp_path, caps
         err = capsys.readouterr().err
         assert err.startswith("error: ") and want in err and err.count("\n") == 1
     assert not (tmp_path / "w").exists()
+    # a record that fails half-way leaves no partial dataset behind
+    calls = []
+
+    def failing(sample, where, originals):
+        calls.append(where)
+        if len(calls) == 3:
+            raise wds.WdsError(f"{where}: planted")
+        return real(sample, where, originals)
+
+    real = wds._image_bytes
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        calls.clear()
+        (tmp_path / "empty").mkdir(exist_ok=True)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(wds, "_image_bytes", failing)
+            with pytest.raises(wds.WdsError, match="record 2 .*planted"):
+                wds.write_wds(demo_dir, SPLIT, str(out), shard_size=1, progress=False)
+        assert len(calls) == 3
+        assert not (tmp_path / "new").exists() and os.listdir(tmp_path / "empty") == []
     for module in (wds, cb):
         with pytest.raises(SystemExit) as exit_:
             module.main(["--help"])

@@ -41,6 +41,7 @@ import io
 import json
 import os
 import re
+import shutil
 import sys
 import tarfile
 from typing import Sequence
@@ -171,6 +172,24 @@ def write_wds(data_dir: str, split: str, out: str, *,
     actions_file = os.path.join(ds.root, schema.VOCAB_FILES["actions"])
     if task == "zeroshot_classification" and not classes:
         raise WdsError(f"{actions_file} lists no action: zero-shot classification needs classes")
+    created = not os.path.exists(out)
+    try:
+        return _write(ds, split, out, task, shard_size, originals, progress)
+    except BaseException:  # leave no half-written dataset: `out` was new or empty
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for name in os.listdir(out):
+                path = os.path.join(out, name)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        raise
+
+
+def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool,
+           progress: bool) -> dict:
+    """`write_wds` after its checks."""
+    classes = list(ds.vocab.actions)
+    actions_file = os.path.join(ds.root, schema.VOCAB_FILES["actions"])
     index = {c: i for i, c in enumerate(classes)}
     split_dir = os.path.join(out, split)
     os.makedirs(split_dir, exist_ok=True)
@@ -275,9 +294,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     skipped = f" ({summary['skipped']} left out)" if summary["skipped"] else ""
+    name = os.path.basename(os.path.normpath(args.out))
     print(f"wrote {summary['images']} images of {args.split}{skipped} in {summary['shards']} "
-          f"shard(s) to {args.out}: evaluate with --dataset wds/{os.path.basename(os.path.normpath(args.out))} "
-          f"--dataset_root {args.out} --split {args.split} --task {args.task}")
+          f"shard(s) to {args.out}: evaluate with python -m data_prep.clip_benchmark eval "
+          f"--model_type sclaro --pretrained EXPORT --dataset wds/{name} --dataset_root "
+          f"{args.out} --split {args.split} --task {args.task} --no_amp")
     return 0
 
 
