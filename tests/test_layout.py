@@ -200,7 +200,8 @@ def test_data_prep_help():
     assert result.returncode == 0 and "annotation pipeline" in result.stdout
 
 
-@pytest.mark.parametrize("module", ["sclaro_jax.eval.rocs", "sclaro_jax.eval.suite"])
+@pytest.mark.parametrize("module", ["sclaro_jax.eval.rocs", "sclaro_jax.eval.suite",
+                                    "sclaro_jax.eval.wds"])
 def test_eval_cli_help(module):
     result = _run("-m", module, "--help")
     assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stderr[-2000:]

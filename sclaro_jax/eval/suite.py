@@ -21,6 +21,10 @@ Writes OUT/eval.json (every number and setting), OUT/eval.md (the tables) and OU
 (`sclaro_jax.eval.registry`), built from a `config.evals` this module writes from its settings,
 the same list training runs periodically from the run's own `config.evals`. Callable from
 Python too (`evaluate_workdirs`).
+
+To run LAION's CLIP_benchmark on an exported level instead, write the split as a CLIP_benchmark
+webdataset with `python -m sclaro_jax.eval.wds` (no trained run needed) and evaluate it with
+`python -m data_prep.clip_benchmark eval --model_type sclaro ...`.
 """
 
 from __future__ import annotations

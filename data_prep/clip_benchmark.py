@@ -1,0 +1,307 @@
+"""Evaluate an exported ScenarioCLIP level with LAION's CLIP_benchmark (the `clip-benchmark`
+package), as any CLIP model is evaluated there.
+
+    python -m sclaro_jax.train.export --workdir RUN --level global --out EXPORT
+    python -m sclaro_jax.eval.wds --data DATASET --split test --out WDS/sclaro_actions
+    python -m data_prep.clip_benchmark eval --model_type sclaro --model sclaro \
+        --pretrained EXPORT --dataset wds/sclaro_actions --dataset_root WDS/sclaro_actions \
+        --task zeroshot_classification --no_amp --output actions.json
+
+This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag of
+`clip_benchmark eval --help`) with one more `--model_type`, `sclaro`, registered in its
+`TYPE2FUNC` / `MODEL_TYPES`: `--pretrained` (or `--model`) is the export folder, and
+`load_sclaro` returns
+- a torch module whose `encode_image` / `encode_text` give our embeddings (the level's head
+  outputs): `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`'s
+  `get_image_features` / `get_text_features` when the export's config.json has an `auto_map`,
+  otherwise the `CLIPModel` towers with the Linear+LayerNorm heads of
+  `scenarioclip_heads.safetensors` (`sclaro_jax.train.export`'s docstring);
+- our evaluation view as the transform: `sclaro_jax.data.augment.resize_centre_crop` (bicubic
+  short-side resize + centre crop, at the export's crop size; from the photograph's box when the
+  image is a tagged downscale, `sclaro_jax.eval.wds.photo_size_of`) and CLIP's normalisation
+  (the export's preprocessor_config.json mean / std, `sclaro_jax.ops.normalize`'s arithmetic);
+- our tokenizer (`sclaro_jax.data.tokenizer.ClipTokenizer`) at the export's context length.
+
+Pass `--no_amp` for our numbers: clip_benchmark's default mixed precision runs the towers and
+the scores in bfloat16 on a CPU (float16 on a GPU). Without `--output`, the result file is named
+after the export folder's name (clip_benchmark's default template would put its whole path in
+the file name). A local `wds/` dataset gets at most one loader worker per shard (webdataset
+fails a worker without one). clip_benchmark 1.6.2's top-k accuracy fails under NumPy >= 2.3;
+`register` replaces it with the same computation when it does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+HEADS_FILE = "scenarioclip_heads.safetensors"  # sclaro_jax.models.clip.HEADS_FILE
+PREPROCESSOR_FILE = "preprocessor_config.json"
+MODEL_TYPE = "sclaro"
+DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"  # clip_benchmark's
+
+
+class ExportError(ValueError):
+    """A folder that is not a ScenarioCLIP export; the message names the file and the fix."""
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise ExportError(f"{path} not found: {os.path.dirname(path)} is not a ScenarioCLIP "
+                          "export; write one with `python -m sclaro_jax.train.export --workdir "
+                          "RUN --level LEVEL --out DIR`") from None
+    except json.JSONDecodeError as e:
+        raise ExportError(f"{path} is not valid JSON ({e}); export the level again") from None
+
+
+def _features(out) -> torch.Tensor:
+    """A `get_*_features` result: a tensor, or transformers 5's output with `pooler_output`."""
+    if isinstance(out, torch.Tensor):
+        return out
+    for name in ("pooler_output", "image_embeds", "text_embeds"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    raise TypeError(f"cannot read features from a {type(out).__name__}")
+
+
+class SclaroClip(torch.nn.Module):
+    """One exported ScenarioCLIP level with clip_benchmark's interface: `encode_image(pixels
+    [N, 3, S, S])` and `encode_text(ids [N, L])` -> the level's embeddings (head outputs, not
+    normalised; clip_benchmark normalises)."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        import transformers
+
+        config = _read_json(os.path.join(folder, "config.json"))
+        self.folder = folder
+        self.auto = bool(config.get("auto_map"))
+        if self.auto:
+            self.model = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)
+            return
+        heads_path = os.path.join(folder, HEADS_FILE)
+        if not os.path.exists(heads_path):
+            raise ExportError(f"{heads_path} not found: {folder} holds CLIP towers without "
+                              "ScenarioCLIP's heads (its own projections are zeros); export the "
+                              "level with `python -m sclaro_jax.train.export`, which writes both")
+        from safetensors.torch import load_file
+
+        self.model = transformers.CLIPModel.from_pretrained(folder)
+        heads = load_file(heads_path)
+        self.vision_head = self._head(heads, "vision_head.",
+                                      self.model.config.vision_config.hidden_size, heads_path)
+        self.text_head = self._head(heads, "text_head.",
+                                    self.model.config.text_config.hidden_size, heads_path)
+
+    @staticmethod
+    def _head(heads: dict, prefix: str, width: int, path: str) -> torch.nn.Sequential:
+        state = {k[len(prefix):]: v for k, v in heads.items() if k.startswith(prefix)}
+        if "0.weight" not in state:
+            raise ExportError(f"{path} has no {prefix}0.weight: not a ScenarioCLIP heads file; "
+                              "export the level again")
+        dim = state["0.weight"].shape[0]
+        head = torch.nn.Sequential(torch.nn.Linear(width, dim), torch.nn.LayerNorm(dim))
+        head.load_state_dict(state)
+        return head
+
+    def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        if self.auto:
+            return _features(self.model.get_image_features(pixel_values=pixel_values))
+        pooled = self.model.vision_model(pixel_values=pixel_values).pooler_output
+        return self.vision_head(pooled)
+
+    def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.auto:
+            return _features(self.model.get_text_features(input_ids=input_ids))
+        return self.text_head(self.model.text_model(input_ids=input_ids).pooler_output)
+
+
+class EvalView:
+    """PIL image -> float32 [3, S, S]: our evaluation view (`augment.resize_centre_crop`, from
+    the photograph's box when the image carries `wds.photo_size_of`'s tag) normalised as
+    `ops.normalize` does, with the export's mean and std."""
+
+    def __init__(self, size: int, mean: Sequence[float], std: Sequence[float]):
+        self.size = int(size)
+        self.mean = np.asarray(mean, np.float32)
+        self.std = np.asarray(std, np.float32)
+
+    def pixels(self, img: Image.Image) -> np.ndarray:
+        """The uint8 [S, S, 3] view, before normalising."""
+        from sclaro_jax.data import augment
+        from sclaro_jax.eval.wds import photo_size_of
+
+        photo = photo_size_of(img)
+        return np.asarray(augment.resize_centre_crop(img.convert("RGB"), self.size, photo))
+
+    def __call__(self, img: Image.Image) -> torch.Tensor:
+        x = self.pixels(img).astype(np.float32) / np.float32(255.0)
+        x = (x - self.mean) / self.std
+        return torch.from_numpy(np.ascontiguousarray(x.transpose(2, 0, 1)))
+
+    def __repr__(self) -> str:
+        return f"EvalView(size={self.size}, bicubic resize_centre_crop, CLIP normalisation)"
+
+
+class Tokenizer:
+    """texts -> int64 [N, context_length]: `ClipTokenizer`'s ids (padded with <|endoftext|>,
+    truncated keeping the end token), as our evaluators tokenize."""
+
+    def __init__(self, context_length: int):
+        from sclaro_jax.data.tokenizer import ClipTokenizer
+
+        self.context_length = int(context_length)
+        self._tok = ClipTokenizer()
+
+    def __call__(self, texts) -> torch.Tensor:
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        return torch.from_numpy(np.asarray(self._tok(texts, length=self.context_length),
+                                           np.int64))
+
+
+def export_folder(model_name: str, pretrained: str) -> str:
+    """The export folder clip_benchmark's --pretrained (else --model) names."""
+    for candidate in (pretrained, model_name):
+        if candidate and os.path.isdir(candidate):
+            return candidate
+    raise ExportError(f"--pretrained {pretrained!r} (and --model {model_name!r}) is not a "
+                      "folder: with --model_type sclaro pass an export folder, written by "
+                      "`python -m sclaro_jax.train.export --workdir RUN --level LEVEL --out DIR`")
+
+
+def view_settings(folder: str) -> tuple[int, list, list]:
+    """(crop size, mean, std) of the export's preprocessor_config.json (our view's settings,
+    `sclaro_jax.train.export.image_processor_config`); refuses other resampling."""
+    path = os.path.join(folder, PREPROCESSOR_FILE)
+    config = _read_json(path)
+    size = config.get("crop_size", {}).get("height")
+    shortest = config.get("size", {}).get("shortest_edge")
+    if (not size or shortest != size or config.get("resample") != 3
+            or not config.get("do_center_crop", False)):
+        raise ExportError(f"{path}: not our evaluation view (bicubic resize of the short side "
+                          "to the crop size, then a centre crop); export the level again with "
+                          "`python -m sclaro_jax.train.export`")
+    return int(size), config["image_mean"], config["image_std"]
+
+
+def context_length(folder: str) -> int:
+    """The text tower's context length: tokenizer_config.json's `model_max_length`, else
+    config.json's text_config.max_position_embeddings."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.exists(path):
+        length = _read_json(path).get("model_max_length")
+        if isinstance(length, int) and 0 < length < 1 << 20:
+            return length
+    text = _read_json(os.path.join(folder, "config.json")).get("text_config", {})
+    return int(text.get("max_position_embeddings", 77))
+
+
+def load_sclaro(model_name: str = MODEL_TYPE, pretrained: str = "", cache_dir: str | None = None,
+                device="cpu"):
+    """clip_benchmark's loader for `--model_type sclaro`: (model, transform, tokenizer) of the
+    export folder named by --pretrained (or --model)."""
+    folder = export_folder(model_name, pretrained)
+    size, mean, std = view_settings(folder)
+    model = SclaroClip(folder).to(device).eval()
+    return model, EvalView(size, mean, std), Tokenizer(context_length(folder))
+
+
+def _accuracy(output: torch.Tensor, target: torch.Tensor, topk=(1,)) -> list[float]:
+    """clip_benchmark's `zeroshot_classification.accuracy` (the share of rows whose target is
+    among the top-k logits), returning Python floats with NumPy 2 too."""
+    pred = output.topk(max(topk), 1, True, True)[1].t()
+    correct = pred.eq(target.view(1, -1).expand_as(pred))
+    return [float(correct[:k].reshape(-1).float().sum().item()) / len(target) for k in topk]
+
+
+def _fix_accuracy() -> None:
+    """clip_benchmark 1.6.2's `accuracy` converts a one-element array with `float()`, which
+    NumPy >= 2.3 refuses (TypeError after every image was encoded): use `_accuracy` when its
+    own fails on a two-row example."""
+    from clip_benchmark.metrics import zeroshot_classification as zc
+
+    try:
+        zc.accuracy(torch.eye(2), torch.arange(2), topk=(1,))
+    except TypeError:
+        zc.accuracy = _accuracy
+
+
+def _cap_workers(args) -> None:
+    """At most one data-loader worker per shard of a local `wds/` dataset: webdataset fails a
+    worker that gets no shard ("No samples found ... fewer shards than workers")."""
+    if not args.dataset.startswith("wds/") or args.num_workers <= 1:
+        return
+    name = args.dataset[len("wds/"):]
+    root = args.dataset_root.format(dataset=name, dataset_cleaned=name.replace("/", "-"))
+    path = os.path.join(root, args.split, "nshards.txt")
+    try:
+        with open(path, encoding="utf-8") as f:
+            shards = int(f.read().strip())
+    except (OSError, ValueError):
+        return  # clip_benchmark reports a missing or bad nshards.txt itself
+    if 0 < shards < args.num_workers:
+        if args.verbose:
+            print(f"{path}: {shards} shard(s): --num_workers {args.num_workers} -> {shards}")
+        args.num_workers = shards
+
+
+def register() -> None:
+    """Add `sclaro` to clip_benchmark's model types, in place (its parser reads MODEL_TYPES as
+    it is built, `load_clip` looks TYPE2FUNC up), and name default result files after the
+    export folder's name rather than its path."""
+    from clip_benchmark import cli as cb_cli
+    from clip_benchmark import models
+
+    models.TYPE2FUNC[MODEL_TYPE] = load_sclaro
+    if MODEL_TYPE not in models.MODEL_TYPES:
+        models.MODEL_TYPES.append(MODEL_TYPE)
+    _fix_accuracy()
+    run = cb_cli.run
+    if getattr(run, "_sclaro", False):
+        return
+
+    def run_with_names(args):
+        _cap_workers(args)
+        if args.model_type == MODEL_TYPE and args.output == DEFAULT_OUTPUT:
+            names = {k: os.path.basename(os.path.normpath(getattr(args, k)))
+                     for k in ("pretrained", "model")}
+            args.output = DEFAULT_OUTPUT.replace("{pretrained}", names["pretrained"]).replace(
+                "{model}", names["model"])
+        return run(args)
+
+    run_with_names._sclaro = True
+    cb_cli.run = run_with_names
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """clip_benchmark's command line with the `sclaro` model type (module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+    register()
+    from clip_benchmark import cli as cb_cli
+
+    old = sys.argv
+    sys.argv = ["python -m data_prep.clip_benchmark", *argv]
+    try:
+        cb_cli.main()
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        sys.argv = old
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
