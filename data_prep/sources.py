@@ -1,12 +1,14 @@
-"""Source adapters: the still images of SCLARO's five source datasets (and a plain folder).
+"""Source adapters: the still images of SCLARO's five source datasets (and a plain folder,
+webdataset .tar shards and Hugging Face `datasets` folders).
 
     for item in iter_source("openpsg", "/data/openpsg"):
         data, image = read_image(item)
 
 Each adapter lists one source's images from its released on-disk layout (documented in the
 adapter's docstring) as `SourceItem`s, sorted by id; images are read later, one at a time, by
-`read_image`. Video sources (MMiT, PVSG) are read from already-extracted frames: extracting
-frames from videos is not done here.
+`read_image` (an image inside a .tar or a `datasets` folder is read in place: the item keeps the
+tar member's byte range, or the dataset row). Video sources (MMiT, PVSG) are read from
+already-extracted frames: extracting frames from videos is not done here.
 
 Ids are "<source>/<path-like key>", unique across sources, without whitespace (characters other
 than letters, digits and ``/!$&'()*+,-.:;=@_~`` are percent-encoded, so distinct keys stay
@@ -416,6 +418,7 @@ def webdataset(root: str, *, name: str = "webdataset",
     `skip_missing`. The caption is kept in `SourceItem.caption`.
     """
     title = "webdataset"
+    name = str(name)  # --source-option name=123 arrives as a number
     missing = 0
     for tar_path in _tar_paths(root):
         shard = os.path.basename(tar_path)
@@ -532,6 +535,10 @@ def hf(root: str, *, name: str = "hf", split: str | None = None,
     """
     import datasets
     title = "hf"
+    # --source-option values arrive parsed as JSON: name=2024 is a number
+    name, split, image_column, id_column, caption_column = (
+        None if v is None else str(v)
+        for v in (name, split, image_column, id_column, caption_column))
     try:
         ds = datasets.load_from_disk(root)
     except Exception as e:  # FileNotFoundError, an unreadable folder

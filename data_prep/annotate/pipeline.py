@@ -55,7 +55,8 @@ log = logging.getLogger("data_prep.annotate")
 
 @dataclasses.dataclass(frozen=True)
 class AnnotateConfig:
-    source: str  # a data_prep.sources kind: folder, mmit, cc3m, openpsg, pvsg, kitti2015
+    source: str  # a data_prep.sources kind: folder, mmit, cc3m, openpsg, pvsg, kitti2015,
+    #              webdataset, hf
     root: str  # the source's root folder
     out: str  # dataset folder to write
     source_options: tuple = ()  # (key, value) pairs for data_prep.sources.iter_source
