@@ -24,10 +24,77 @@ class SourceError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class SourceItem:
     id: str  # "<source>/<key>": stable, unique across sources, no whitespace
-    source: str  # one of data_prep.sources.SOURCES
-    path: str  # absolute path of the image file
+    source: str  # the adapter's name (data_prep.sources.SOURCES), or the name= option's
+    path: str  # absolute path of the image file, the .tar holding it, or the datasets folder
     action: str | None = None  # ground-truth action (MMiT), else None
     caption: str | None = None  # the source's own caption (CC3M), kept for reference
+    # an image inside a .tar (webdataset): its member name, data offset and size in bytes
+    member: str | None = None
+    offset: int | None = None
+    size: int | None = None
+    # an image in a `datasets` folder (hf): split (None: a single Dataset), image column, row
+    split: str | None = None
+    column: str | None = None
+    row: int | None = None
+
+    @property
+    def where(self) -> str:
+        """The file (and the member or row inside it) for messages."""
+        if self.offset is not None:
+            return f"{self.path} member {self.member}"
+        if self.row is not None:
+            split = f" split {self.split}" if self.split is not None else ""
+            return f"{self.path}{split} row {self.row} column {self.column}"
+        return self.path
+
+    def locator(self) -> dict:
+        """The optional fields saying where inside `path` the image is (JSON-able)."""
+        return {f: getattr(self, f) for f in LOCATOR_FIELDS if getattr(self, f) is not None}
+
+
+LOCATOR_FIELDS = ("member", "offset", "size", "split", "column", "row")
+
+
+def read_bytes(item: SourceItem) -> bytes:
+    """The stored bytes of the item's image: the file, the tar member's byte range (read in
+    place, nothing unpacked), or the `datasets` row's raw image bytes."""
+    if item.offset is not None:
+        with open(item.path, "rb") as f:
+            f.seek(item.offset)
+            data = f.read(item.size)
+        if len(data) != item.size:
+            raise OSError(f"the tar is truncated: {len(data)} of the member's {item.size} "
+                          f"bytes are there")
+        return data
+    if item.row is not None:
+        return _hf_row_bytes(item)
+    with open(item.path, "rb") as f:
+        return f.read()
+
+
+_HF_OPEN: dict = {}  # (folder, split, column) -> the dataset, opened once per process
+
+
+def _hf_row_bytes(item: SourceItem) -> bytes:
+    key = (item.path, item.split, item.column)
+    ds = _HF_OPEN.get(key)
+    if ds is None:
+        import datasets
+        ds = datasets.load_from_disk(item.path)
+        if item.split is not None:
+            ds = ds[item.split]
+        ds = ds.select_columns([item.column]).cast_column(item.column,
+                                                          datasets.Image(decode=False))
+        _HF_OPEN[key] = ds
+    value = ds[item.row][item.column]
+    if not isinstance(value, dict):
+        raise OSError(f"expected an image ({{'bytes', 'path'}}), got {type(value).__name__}")
+    if value.get("bytes") is not None:
+        return value["bytes"]
+    if value.get("path"):
+        with open(value["path"], "rb") as f:
+            return f.read()
+    raise OSError("the row has neither image bytes nor a path")
 
 
 def read_image(item: SourceItem) -> tuple[bytes, Image.Image]:
@@ -36,18 +103,17 @@ def read_image(item: SourceItem) -> tuple[bytes, Image.Image]:
     JPEG and PNG files are returned byte for byte; other formats (BMP, WebP, ...) are re-encoded
     losslessly as PNG. Pixels are kept as stored: EXIF orientation is not applied, exactly as
     `sclaro_jax.data.schema.decode_image` decodes the record later, so boxes and masks computed
-    on the returned image match the pixels a reader sees. SourceError naming the item if the
-    file is missing or does not decode.
+    on the returned image match the pixels a reader sees. SourceError naming the item (and the
+    tar member or dataset row) if the image is missing or does not decode.
     """
     try:
-        with open(item.path, "rb") as f:
-            data = f.read()
+        data = read_bytes(item)
         img = Image.open(io.BytesIO(data))
         img.load()
         fmt = img.format
         rgb = img if img.mode == "RGB" else img.convert("RGB")
     except Exception as e:  # OSError, PIL.UnidentifiedImageError, DecompressionBombError, ...
-        raise SourceError(f"{item.id}: cannot read image {item.path}: "
+        raise SourceError(f"{item.id}: cannot read image {item.where}: "
                           f"{type(e).__name__}: {e}") from None
     if fmt not in KEPT_FORMATS:
         buf = io.BytesIO()

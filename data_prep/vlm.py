@@ -73,6 +73,10 @@ REPLY_IDS = {
     "openpsg": "'openpsg/<image_id>'",
     "pvsg": "'pvsg/<video_id>/<frame:04d>'",
     "kitti2015": "'kitti2015/<subset>/<camera>/NNNNNN_10'",
+    "webdataset": "'<name>/<tar file name without .tar>/<key>' (name: the source option name=, "
+                  "default 'webdataset'; name=cc3m gives the cc3m ids)",
+    "hf": "'<name>/<id column value or zero-padded row>' (name: the source option name=, "
+          "default 'hf')",
 }
 
 

@@ -139,7 +139,8 @@ def roots(tmp_path_factory):
 # --------------------------------------------------------------------------- adapters
 
 def test_registry_names_every_source():
-    assert set(sources.SOURCES) == {"mmit", "cc3m", "openpsg", "pvsg", "kitti2015", "folder"}
+    assert set(sources.SOURCES) == {"mmit", "cc3m", "openpsg", "pvsg", "kitti2015", "folder",
+                                    "webdataset", "hf"}
 
 
 def test_mmit_first_label_and_middle_frame_in_natural_order(roots):
@@ -260,11 +261,12 @@ def test_folder_recursive_sorted_skips_hidden_and_non_images(roots):
 
 
 def test_ids_unique_across_sources_without_whitespace(roots):
-    everything = [item for kind in sources.SOURCES for item in iter_source(kind, roots[kind])]
+    # (webdataset and hf: tests/test_streaming_sources.py)
+    everything = [item for kind in roots for item in iter_source(kind, roots[kind])]
     all_ids = [item.id for item in everything]
     assert len(set(all_ids)) == len(all_ids) == 3 + 3 + 2 + 5 + 4 + 5
     assert not any(any(c.isspace() for c in i) for i in all_ids)
-    assert {item.source for item in everything} == set(sources.SOURCES)
+    assert {item.source for item in everything} == set(roots)
     assert all(item.id.startswith(item.source + "/") for item in everything)
 
 

@@ -20,12 +20,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
     from data_prep.vlm import REPLY_IDS
     ann = command(sub, "annotate", run, __doc__)
     ann.add_argument("--source", default="folder",
-                     choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015"),
-                     help="layout of --root (default: a plain folder of images)")
-    ann.add_argument("--root", required=True, help="the source's root folder")
+                     choices=("folder", "mmit", "cc3m", "openpsg", "pvsg", "kitti2015",
+                              "webdataset", "hf"),
+                     help="layout of --root (default: a plain folder of images); webdataset: "
+                          "uncompressed .tar shards read in place (img2dataset's webdataset "
+                          "output); hf: a Hugging Face datasets folder (save_to_disk)")
+    ann.add_argument("--root", required=True,
+                     help="the source's root folder; for webdataset also one .tar or a brace "
+                          "pattern such as 'DIR/{00000..00009}.tar' (quote it)")
     ann.add_argument("--source-option", action="append", default=[], metavar="KEY=VALUE",
                      help="an option of the source adapter (data_prep.sources), e.g. "
-                          "frames_per_video=3 or skip_missing=true; repeatable")
+                          "frames_per_video=3 or skip_missing=true; webdataset: name=cc3m "
+                          "(ids cc3m/<shard>/<key>, as the cc3m files layout); hf: split=train, "
+                          "image_column=, id_column=, caption_column=, name=; repeatable")
     ann.add_argument("--out", required=True, help="dataset folder to write")
     ann.add_argument("--work", default="", help="cache folder (default: OUT.work)")
     ann.add_argument("--vlm", default="", help="local folder of an image-text-to-text model "
@@ -80,15 +87,30 @@ def engine_flags(ann: argparse.ArgumentParser) -> None:
                           "SAM actor)")
     eng.add_argument("--sam-gpus", type=float, default=0.5, metavar="G",
                      help="GPUs per SAM actor (default 0.5)")
-    eng.add_argument("--stage-cpus", type=float, default=1.0, metavar="C",
-                     help="CPUs per stage actor (default 1; on CPU-only machines also its "
-                          "torch threads)")
+    eng.add_argument("--stage-cpus", type=stage_cpus, default="auto", metavar="C",
+                     help="CPUs per stage actor, or auto (default): the cluster's CPUs less "
+                          "0.25 for writing, shared by the stage actors, at most 1 each (so "
+                          "the defaults start on 2 cores); its whole part, at least 1, is the "
+                          "actor's torch threads")
     eng.add_argument("--stage-concurrency", action="append", default=[], metavar="STAGE=N",
                      help="actors of a stage (vlm, detector, sam), e.g. detector=2; N alone "
                           "sets every stage; repeatable (default 1 each)")
     eng.add_argument("--retries", type=int, default=2, metavar="N",
                      help="retries of a block whose stage raises or whose actor dies, before "
                           "the run stops (default 2)")
+
+
+def stage_cpus(value: str):
+    """--stage-cpus: "auto" or a number > 0."""
+    if value == "auto":
+        return value
+    try:
+        cpus = float(value)
+    except ValueError:
+        cpus = 0.0
+    if not cpus > 0:
+        raise argparse.ArgumentTypeError(f"expected auto or a number of CPUs > 0, got {value!r}")
+    return cpus
 
 
 def run(args) -> int:

@@ -55,7 +55,8 @@ log = logging.getLogger("data_prep.annotate")
 
 @dataclasses.dataclass(frozen=True)
 class AnnotateConfig:
-    source: str  # a data_prep.sources kind: folder, mmit, cc3m, openpsg, pvsg, kitti2015
+    source: str  # a data_prep.sources kind: folder, mmit, cc3m, openpsg, pvsg, kitti2015,
+    #              webdataset, hf
     root: str  # the source's root folder
     out: str  # dataset folder to write
     source_options: tuple = ()  # (key, value) pairs for data_prep.sources.iter_source
@@ -85,7 +86,7 @@ class AnnotateConfig:
     vlm_gpus: float = 1.0  # GPUs per stage actor (fractions share a GPU)
     detector_gpus: float = 0.5
     sam_gpus: float = 0.5
-    stage_cpus: float = 1.0  # CPUs per stage actor
+    stage_cpus: float | str = "auto"  # CPUs per stage actor; auto: the cluster's, shared
     stage_concurrency: tuple = ()  # (stage, actors) pairs; a stage not named gets 1
     retries: int = 2  # attempts after the first for a block that raises or whose actor dies
     faults: tuple = ()  # testing only: (stage, block, "raise" | "kill") injected once each

@@ -24,7 +24,9 @@ block has landed. A rerun (with either engine) skips the finished blocks.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
+import math
 import logging
 import os
 import signal
@@ -44,6 +46,7 @@ STAGE_NAMES = {"vlm": "vlm", "detector": "detect", "detect": "detect", "sam": "s
                "segment": "segment"}
 STAGE_LABELS = {"vlm": "vlm", "detect": "detector", "segment": "sam", "write": "write"}
 SINK_CPUS = 0.25  # a block write is light: leave the CPUs to the stage actors
+MIN_AUTO_CPUS = 0.25  # --stage-cpus auto never gives an actor less than this
 INSTALL = 'pip install -e ".[cluster]" from the sclaro-jax checkout (Ray Data)'
 
 
@@ -119,7 +122,8 @@ def _by_block(rows: list[dict]) -> list[tuple[int, list[dict]]]:
 
 def _item(r: dict) -> SourceItem:
     return SourceItem(id=r["id"], source=r["source"], path=r["path"],
-                      action=r["action"] or None, caption=r["caption"] or None)
+                      action=r["action"] or None, caption=r["caption"] or None,
+                      **json.loads(r["locator"]))
 
 
 def source_frames(run) -> list:
@@ -134,6 +138,7 @@ def source_frames(run) -> list:
             "id": [it.id for it in chunk], "source": [it.source for it in chunk],
             "path": [it.path for it in chunk], "action": [it.action or "" for it in chunk],
             "caption": [it.caption or "" for it in chunk],
+            "locator": [json.dumps(it.locator()) for it in chunk],  # a tar member, a row
             "inputs": [inputs] * len(chunk)}))
     return frames
 
@@ -352,19 +357,41 @@ def _resources(cfg) -> tuple[dict, dict]:
         if g > have_gpus and have_gpus:
             raise ValueError(f"--{STAGES[k][1].replace('_', '-')} {g}: one actor needs more "
                              f"GPUs than the cluster's {have_gpus:g}")
-    need_cpus = sum(actors[k] * cfg.stage_cpus for k in STAGES) + SINK_CPUS
     have_cpus = total.get("CPU", 0)
-    if need_cpus > have_cpus:
-        pools = ", ".join(f"{STAGES[k][0]} {actors[k]}" for k in STAGES)
+    n_actors = sum(actors[k] for k in STAGES)
+    pools = ", ".join(f"{STAGES[k][0]} {actors[k]}" for k in STAGES)
+    if cfg.stage_cpus == "auto":
+        cpus = auto_stage_cpus(have_cpus, n_actors)
+        if cpus is None:
+            raise ValueError(
+                f"--stage-cpus auto: the Ray cluster's {have_cpus:g} CPUs cannot hold "
+                f"{n_actors} stage actors ({pools}) of at least {MIN_AUTO_CPUS:g} CPUs each "
+                f"plus {SINK_CPUS} for writing: lower --stage-concurrency, pass a smaller "
+                f"--stage-cpus, or run on a machine (or --ray-address cluster) with more CPUs")
+    else:
+        cpus = float(cfg.stage_cpus)
+        if cpus <= 0:
+            raise ValueError(f"--stage-cpus must be > 0 (or auto), got {cpus:g}")
+    need_cpus = n_actors * cpus + SINK_CPUS
+    if need_cpus > have_cpus + 1e-9:
         raise ValueError(
-            f"the stage actors need {need_cpus:g} CPUs ({pools} actors x --stage-cpus {cfg.stage_cpus:g}, plus {SINK_CPUS} for writing) but the "
-            f"Ray cluster has {have_cpus:g}: lower --stage-cpus or --stage-concurrency")
+            f"the stage actors need {need_cpus:g} CPUs ({pools} actors x --stage-cpus "
+            f"{cpus:g}, plus {SINK_CPUS} for writing) but the Ray cluster has {have_cpus:g}: "
+            f"lower --stage-cpus or --stage-concurrency")
     need_gpus = sum(actors[k] * gpus[k] for k in STAGES)
     if need_gpus > have_gpus + 1e-9:
         log.warning("the stage actors ask for %g GPUs and the cluster has %g: some actors wait "
                     "for a GPU (lower --stage-concurrency or the --*-gpus fractions)",
                     need_gpus, have_gpus)
-    return actors, gpus
+    return actors, gpus, cpus
+
+
+def auto_stage_cpus(have_cpus: float, n_actors: int) -> float | None:
+    """`--stage-cpus auto`: the cluster's CPUs less the writer's, shared by the stage actors,
+    at most 1 each (rounded down to 0.01, so the total stays within the cluster); None when
+    that leaves an actor less than MIN_AUTO_CPUS."""
+    share = min(1.0, math.floor((have_cpus - SINK_CPUS) / max(1, n_actors) * 100) / 100)
+    return share if share >= MIN_AUTO_CPUS else None
 
 
 def start_ray(address: str = "", **kwargs) -> None:
@@ -411,7 +438,8 @@ def run(run_state) -> dict:
 def _pipeline(run_state, cfg, todo) -> None:
     import ray
     from ray.data import DataContext
-    actors, gpus = _resources(cfg)
+    actors, gpus, cpus = _resources(cfg)
+    cfg = dataclasses.replace(cfg, stage_cpus=cpus)  # the actors' torch threads follow it
     ctx = DataContext.get_current()
     ctx.target_max_block_size = None  # never split a block: the sink writes whole blocks
     ctx.enable_progress_bars = cfg.progress
@@ -419,12 +447,13 @@ def _pipeline(run_state, cfg, todo) -> None:
     log.warning("annotating %d blocks (%d images) with Ray: %s", len(todo),
                 sum(len(c) for _, c in todo),
                 ", ".join(f"{STAGES[k][0]} {actors[k]} actor{'s' * (actors[k] != 1)}"
-                          f"{f' x {gpus[k]:g} GPU' if gpus[k] else ''}" for k in STAGES))
+                          f" x {cpus:g} CPU{f' + {gpus[k]:g} GPU' if gpus[k] else ''}"
+                          for k in STAGES))
     ds = ray.data.from_pandas(source_frames(run_state))
     for k, actor in ACTORS.items():
         # an actor that dies is restarted and its block retried by Ray; a stage that raises is
         # retried in the actor (`retrying`)
         ds = ds.map_batches(actor, fn_constructor_args=(cfg,), batch_size=None,
                             compute=ray.data.ActorPoolStrategy(size=actors[k]),
-                            num_cpus=cfg.stage_cpus, num_gpus=gpus[k])
+                            num_cpus=cpus, num_gpus=gpus[k])
     ds.write_datasink(BlockSink(cfg, run_state.run_id), ray_remote_args={"num_cpus": SINK_CPUS})
