@@ -13,9 +13,8 @@ This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag
 `load_sclaro` returns
 - a torch module whose `encode_image` / `encode_text` give our embeddings (the level's head
   outputs): `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`'s
-  `get_image_features` / `get_text_features` when the export's config.json has an `auto_map`,
-  otherwise the `CLIPModel` towers with the Linear+LayerNorm heads of
-  `scenarioclip_heads.safetensors` (`sclaro_jax.train.export`'s docstring);
+  `get_image_features` / `get_text_features` (the export carries the model code that applies
+  the heads, `sclaro_jax.train.export`);
 - our evaluation view as the transform: `sclaro_jax.data.augment.resize_centre_crop` (bicubic
   short-side resize + centre crop, at the export's crop size; from the photograph's box when the
   image is a tagged downscale, `sclaro_jax.eval.wds.photo_size_of`) and CLIP's normalisation
@@ -41,7 +40,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-HEADS_FILE = "scenarioclip_heads.safetensors"  # sclaro_jax.models.clip.HEADS_FILE
+EXPORT_MODEL_TYPE = "scenarioclip"  # sclaro_jax.models.clip.EXPORT_MODEL_TYPE
+REMOTE_CODE = "modeling_scenarioclip.py"  # the model code an export carries
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MODEL_TYPE = "sclaro"
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"  # clip_benchmark's
@@ -83,47 +83,27 @@ class SclaroClip(torch.nn.Module):
         super().__init__()
         import transformers
 
-        config = _read_json(os.path.join(folder, "config.json"))
+        path = os.path.join(folder, "config.json")
+        config = _read_json(path)
+        if config.get("model_type") != EXPORT_MODEL_TYPE or not config.get("auto_map"):
+            raise ExportError(
+                f"{path}: model_type {config.get('model_type')!r}"
+                f"{'' if config.get('auto_map') else ' without an auto_map'}, not a ScenarioCLIP "
+                f"export ({EXPORT_MODEL_TYPE!r} with its model code); write one with `python -m "
+                "sclaro_jax.train.export --workdir RUN --level LEVEL --out DIR` (exports made "
+                "before the heads moved into model.safetensors need writing again)")
+        code = os.path.join(folder, REMOTE_CODE)
+        if not os.path.isfile(code):
+            raise ExportError(f"{code} not found: the export's model code is missing; export "
+                              "the level again with `python -m sclaro_jax.train.export`")
         self.folder = folder
-        self.auto = bool(config.get("auto_map"))
-        if self.auto:
-            self.model = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)
-            return
-        heads_path = os.path.join(folder, HEADS_FILE)
-        if not os.path.exists(heads_path):
-            raise ExportError(f"{heads_path} not found: {folder} holds CLIP towers without "
-                              "ScenarioCLIP's heads (its own projections are zeros); export the "
-                              "level with `python -m sclaro_jax.train.export`, which writes both")
-        from safetensors.torch import load_file
-
-        self.model = transformers.CLIPModel.from_pretrained(folder)
-        heads = load_file(heads_path)
-        self.vision_head = self._head(heads, "vision_head.",
-                                      self.model.config.vision_config.hidden_size, heads_path)
-        self.text_head = self._head(heads, "text_head.",
-                                    self.model.config.text_config.hidden_size, heads_path)
-
-    @staticmethod
-    def _head(heads: dict, prefix: str, width: int, path: str) -> torch.nn.Sequential:
-        state = {k[len(prefix):]: v for k, v in heads.items() if k.startswith(prefix)}
-        if "0.weight" not in state:
-            raise ExportError(f"{path} has no {prefix}0.weight: not a ScenarioCLIP heads file; "
-                              "export the level again")
-        dim = state["0.weight"].shape[0]
-        head = torch.nn.Sequential(torch.nn.Linear(width, dim), torch.nn.LayerNorm(dim))
-        head.load_state_dict(state)
-        return head
+        self.model = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        if self.auto:
-            return _features(self.model.get_image_features(pixel_values=pixel_values))
-        pooled = self.model.vision_model(pixel_values=pixel_values).pooler_output
-        return self.vision_head(pooled)
+        return _features(self.model.get_image_features(pixel_values=pixel_values))
 
     def encode_text(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.auto:
-            return _features(self.model.get_text_features(input_ids=input_ids))
-        return self.text_head(self.model.text_model(input_ids=input_ids).pooler_output)
+        return _features(self.model.get_text_features(input_ids=input_ids))
 
 
 class EvalView:

@@ -27,6 +27,8 @@ def _value(action) -> list[str]:
         return []
     if action.choices:
         return [str(next(iter(action.choices)))]
+    if action.dest == "stage_cpus":  # "auto" or a number
+        return ["0.5"]
     return [{int: "3", float: "0.5"}.get(action.type, "v")]
 
 

@@ -191,8 +191,17 @@ def test_user_errors_name_the_file_and_the_fix(folders, demo_dir, tmp_path, caps
     for name in ("config.json", "preprocessor_config.json"):
         (towers / name).write_bytes((Path(folders["export"]) / name).read_bytes())
     capsys.readouterr()
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    config = json.loads((towers / "config.json").read_text())
+    config.pop("auto_map")
+    config["model_type"] = "clip"
+    (plain / "config.json").write_text(json.dumps(config))
+    (plain / "preprocessor_config.json").write_bytes((towers / "preprocessor_config.json")
+                                                     .read_bytes())
     for folder, want in ((tmp_path / "nope", "is not a folder"),
-                         (towers, f"{towers / cb.HEADS_FILE} not found")):
+                         (towers, f"{towers / cb.REMOTE_CODE} not found"),
+                         (plain, "model_type 'clip' without an auto_map, not a ScenarioCLIP")):
         code = cb.main(["eval", "--model_type", "sclaro", "--pretrained", str(folder),
                         "--dataset", "wds/sclaro_actions", "--dataset_root",
                         str(folders["actions"]), "--split", SPLIT, "--quiet"])
@@ -233,42 +242,3 @@ def test_user_errors_name_the_file_and_the_fix(folders, demo_dir, tmp_path, caps
         assert exit_.value.code == 0
         assert "--model_type" in capsys.readouterr().out if module is cb else True
 
-
-def test_an_export_with_auto_map_loads_through_automodel(folders, monkeypatch, tmp_path):
-    """config.json with an `auto_map`: the model is `AutoModel.from_pretrained(EXPORT,
-    trust_remote_code=True)` and its `get_*_features` (a tensor, or transformers 5's output
-    with `pooler_output`) are the embeddings; no heads file needed."""
-    import shutil
-
-    import transformers
-    from transformers.modeling_outputs import BaseModelOutputWithPooling
-
-    from data_prep import clip_benchmark as cb
-
-    heads = cb.SclaroClip(folders["export"])
-    auto = tmp_path / "auto"
-    shutil.copytree(folders["export"], auto, ignore=shutil.ignore_patterns(cb.HEADS_FILE))
-    config = json.loads((auto / "config.json").read_text())
-    config["auto_map"] = {"AutoModel": "modeling_scenarioclip.ScenarioClipModel"}
-    (auto / "config.json").write_text(json.dumps(config))
-    calls = []
-
-    class Remote:  # the remote-code model's interface
-        def get_image_features(self, pixel_values):
-            return BaseModelOutputWithPooling(pooler_output=heads.encode_image(pixel_values))
-
-        def get_text_features(self, input_ids):
-            return heads.encode_text(input_ids)
-
-    def from_pretrained(path, **kwargs):
-        calls.append((str(path), kwargs))
-        return Remote()
-
-    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", from_pretrained)
-    model, transform, tokenizer = cb.load_sclaro("sclaro", str(auto))
-    assert calls == [(str(auto), {"trust_remote_code": True})]
-    x = torch.randn(2, 3, 32, 32)
-    ids = tokenizer(["a dog", "two cats on a mat"])
-    with torch.no_grad():
-        torch.testing.assert_close(model.encode_image(x), heads.encode_image(x))
-        torch.testing.assert_close(model.encode_text(ids), heads.encode_text(ids))

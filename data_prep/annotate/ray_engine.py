@@ -1,24 +1,24 @@
 """`python -m data_prep annotate --engine ray`: the three stages as a Ray Data pipeline.
 
 The source becomes a Ray dataset with one row per image (block, id, path, ...) and one Ray block
-per annotation block (the same fixed chunks of `--batch-size` images as `--engine local`).
-Each stage is a `map_batches` over an actor class that loads its model once per actor and runs
-the stage function of `data_prep.annotate.stages` on one whole block at a time:
+per annotation block (the same fixed chunks of `--batch-size` images as `--engine local`). Each
+stage is a `map_batches` over an actor class that loads its model once per actor and runs the stage
+function of `data_prep.annotate.stages` on one whole block at a time:
 
     vlm      stage 1 (reads the images, asks the VLM, parses and triages the replies)
     detector stage 2 (GroundingDINO on the images that kept objects and relations)
     sam      stage 3 (SAM masks, focused regions, the encoded records)
 
-Stages run concurrently and stream: while SAM works on block 3, GroundingDINO can be on block 4
-and the VLM on block 5, with Ray's backpressure bounding what waits between them. Each stage has
-its own pool of actors (`--stage-concurrency detector=2`) and its own GPU share (`--vlm-gpus 1
+Stages run concurrently and stream: while SAM works on block 3, GroundingDINO can be on block 4 and
+the VLM on block 5, with Ray's backpressure bounding what waits between them. Each stage has its
+own pool of actors (`--stage-concurrency detector=2`) and its own GPU share (`--vlm-gpus 1
 --detector-gpus 0.5 --sam-gpus 0.5` lets GroundingDINO and SAM share one GPU).
 
-`BlockSink`, a Ray `Datasink`, writes each block's ArrayRecord shard and marker under the
-block's own name (`WORK/blocks/NNNNNN.*`), so a retried task replaces its own files and never
-duplicates a record. A block whose stage raises, or whose actor dies, is retried (`--retries`,
-default 2) by Ray; the driver writes the dataset, manifest and vocabularies only after every
-block has landed. A rerun (with either engine) skips the finished blocks.
+`BlockSink`, a Ray `Datasink`, writes each block's ArrayRecord shard and marker under the block's
+own name (`WORK/blocks/NNNNNN.*`), so a retried task replaces its own files and never duplicates a
+record. A block whose stage raises, or whose actor dies, is retried (`--retries`, default 2) by
+Ray; the driver writes the dataset, manifest and vocabularies only after every block has landed. A
+rerun (with either engine) skips the finished blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import math
 import logging
 import os
 import signal
@@ -93,9 +92,7 @@ def _rows(batch) -> list[dict]:
 
 
 def _plain(v):
-    if isinstance(v, np.generic):
-        return v.item()
-    return v
+    return v.item() if isinstance(v, np.generic) else v
 
 
 def _columns(rows: list[dict]) -> dict:
@@ -335,13 +332,13 @@ class BlockSink(_Datasink):
 # --------------------------------------------------------------------------- the driver
 
 
-def _resources(cfg) -> tuple[dict, dict]:
-    """(actors per stage, GPUs per actor of each stage), checked against the cluster."""
+def _resources(cfg) -> tuple[dict, dict, float]:
+    """(actors per stage, GPUs per actor of each stage, CPUs per actor), checked."""
     import ray
     actors = {k: 1 for k in STAGES}
     actors.update(dict(cfg.stage_concurrency))
     total = ray.cluster_resources()
-    have_gpus = total.get("GPU", 0)
+    have_gpus, have_cpus = total.get("GPU", 0), total.get("CPU", 0)
     gpus = {}
     for k, (name, field) in STAGES.items():
         g = float(getattr(cfg, field))
@@ -357,40 +354,34 @@ def _resources(cfg) -> tuple[dict, dict]:
         if g > have_gpus and have_gpus:
             raise ValueError(f"--{STAGES[k][1].replace('_', '-')} {g}: one actor needs more "
                              f"GPUs than the cluster's {have_gpus:g}")
-    have_cpus = total.get("CPU", 0)
     n_actors = sum(actors[k] for k in STAGES)
     pools = ", ".join(f"{STAGES[k][0]} {actors[k]}" for k in STAGES)
-    if cfg.stage_cpus == "auto":
-        cpus = auto_stage_cpus(have_cpus, n_actors)
-        if cpus is None:
-            raise ValueError(
-                f"--stage-cpus auto: the Ray cluster's {have_cpus:g} CPUs cannot hold "
-                f"{n_actors} stage actors ({pools}) of at least {MIN_AUTO_CPUS:g} CPUs each "
-                f"plus {SINK_CPUS} for writing: lower --stage-concurrency, pass a smaller "
-                f"--stage-cpus, or run on a machine (or --ray-address cluster) with more CPUs")
-    else:
-        cpus = float(cfg.stage_cpus)
-        if cpus <= 0:
-            raise ValueError(f"--stage-cpus must be > 0 (or auto), got {cpus:g}")
-    need_cpus = n_actors * cpus + SINK_CPUS
-    if need_cpus > have_cpus + 1e-9:
+    if (cpus := auto_stage_cpus(have_cpus, n_actors, cfg.stage_cpus)) is None:
+        raise ValueError(
+            f"--stage-cpus auto: the Ray cluster's {have_cpus:g} CPUs cannot hold {n_actors} "
+            f"stage actors ({pools}) of at least {MIN_AUTO_CPUS:g} CPUs each plus {SINK_CPUS} "
+            f"for writing: lower --stage-concurrency, pass a smaller --stage-cpus, or run on a "
+            f"machine (or --ray-address cluster) with more CPUs")
+    if cpus <= 0:
+        raise ValueError(f"--stage-cpus must be > 0 (or auto), got {cpus:g}")
+    if (need_cpus := n_actors * cpus + SINK_CPUS) > have_cpus + 1e-9:
         raise ValueError(
             f"the stage actors need {need_cpus:g} CPUs ({pools} actors x --stage-cpus "
             f"{cpus:g}, plus {SINK_CPUS} for writing) but the Ray cluster has {have_cpus:g}: "
             f"lower --stage-cpus or --stage-concurrency")
-    need_gpus = sum(actors[k] * gpus[k] for k in STAGES)
-    if need_gpus > have_gpus + 1e-9:
+    if (need_gpus := sum(actors[k] * gpus[k] for k in STAGES)) > have_gpus + 1e-9:
         log.warning("the stage actors ask for %g GPUs and the cluster has %g: some actors wait "
                     "for a GPU (lower --stage-concurrency or the --*-gpus fractions)",
                     need_gpus, have_gpus)
     return actors, gpus, cpus
 
 
-def auto_stage_cpus(have_cpus: float, n_actors: int) -> float | None:
-    """`--stage-cpus auto`: the cluster's CPUs less the writer's, shared by the stage actors,
-    at most 1 each (rounded down to 0.01, so the total stays within the cluster); None when
-    that leaves an actor less than MIN_AUTO_CPUS."""
-    share = min(1.0, math.floor((have_cpus - SINK_CPUS) / max(1, n_actors) * 100) / 100)
+def auto_stage_cpus(have_cpus: float, n_actors: int, setting="auto") -> float | None:
+    """CPUs per stage actor: a number `setting`, or for `auto` the cluster's less the writer's,
+    shared, at most 1 each (floored to 0.01); None if that is under MIN_AUTO_CPUS."""
+    if setting != "auto":
+        return float(setting)
+    share = min(1.0, int((have_cpus - SINK_CPUS) / max(1, n_actors) * 100) / 100)
     return share if share >= MIN_AUTO_CPUS else None
 
 

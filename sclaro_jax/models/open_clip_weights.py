@@ -32,12 +32,7 @@ bias, ...) is refused with the setting or key named (`CheckpointError`).
 from __future__ import annotations
 
 import json
-import math
 import os
-import pickle
-import re
-import zipfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,6 +42,10 @@ from flax import nnx
 
 from sclaro_jax.models import clip, cpu_gradients, hf_weights
 from sclaro_jax.models.hf_weights import CheckpointError
+from sclaro_jax.models.open_clip_config import (HEAD_WIDTH, _refuse_unsupported_keys,  # noqa: F401
+                                                config_from_open_clip, config_from_state,
+                                                model_config)
+from sclaro_jax.models.torch_files import read_state_dict, read_torch_file  # noqa: F401
 
 CONFIG_NAME = "open_clip_config.json"
 WEIGHTS_NAME = "open_clip_model.safetensors"
@@ -56,7 +55,6 @@ WEIGHTS_NAMES = ("open_clip_model.safetensors", "open_clip_pytorch_model.safeten
 FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 # The activation suffix of a bare file (`FILE:quickgelu`) -> our `hidden_act`.
 ACTIVATIONS = {"quickgelu": "quick_gelu", "gelu": "gelu"}
-HEAD_WIDTH = 64  # a bare file's heads: width / 64
 # Entries some checkpoints carry besides the weights (JIT leftovers, buffers): never loaded.
 _IGNORED_KEYS = ("input_resolution", "context_length", "vocab_size", "attn_mask",
                  "visual.attn_mask")
@@ -114,331 +112,8 @@ def _resolve(spec) -> tuple[Path, Path | None, str | None]:
 
 
 # --------------------------------------------------------------------------------------------
-# Reading weights without torch
-# --------------------------------------------------------------------------------------------
-
-_STORAGE_DTYPES = {
-    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
-    "BFloat16Storage": "bfloat16", "LongStorage": np.int64, "IntStorage": np.int32,
-    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8,
-    "BoolStorage": np.bool_,
-}
-
-
-def _np_dtype(name):
-    if name == "bfloat16":
-        import ml_dtypes  # installed with jax
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(name)
-
-
-class _Storage:
-    def __init__(self, dtype, read):
-        self.dtype, self._read, self._array = dtype, read, None
-
-    def array(self) -> np.ndarray:
-        if self._array is None:
-            self._array = np.frombuffer(self._read(), self.dtype)
-        return self._array
-
-
-class _Shape:
-    """A tensor's shape and dtype without its data (`read_shapes`)."""
-
-    def __init__(self, shape, dtype):
-        self.shape, self.dtype = tuple(shape), dtype
-
-
-class _TorchUnpickler(pickle.Unpickler):
-    """Unpickles a `torch.save` archive's data.pkl: only containers, numbers and tensors."""
-
-    def __init__(self, file, read_record, where: str, shapes_only: bool):
-        super().__init__(file)
-        self._read_record, self._where, self._shapes_only = read_record, where, shapes_only
-        self._storages: dict[str, _Storage] = {}
-
-    def find_class(self, module, name):
-        if module == "collections" and name == "OrderedDict":
-            return OrderedDict
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return self._rebuild_tensor
-        if module == "torch._utils" and name in ("_rebuild_parameter",
-                                                 "_rebuild_parameter_with_state"):
-            return lambda data, requires_grad, hooks, *rest: data
-        if module == "torch" and name in _STORAGE_DTYPES:
-            return name
-        if module == "torch" and name == "Size":
-            return tuple
-        if module == "builtins" and name in ("set", "frozenset", "slice"):
-            return {"set": set, "frozenset": frozenset, "slice": slice}[name]
-        if module.startswith("__torch__"):
-            raise CheckpointError(
-                f"{self._where} is a TorchScript archive (e.g. OpenAI's original .pt files), "
-                "not a state dict: load it with open_clip and save its state_dict() with "
-                "torch.save or safetensors, then pass that file")
-        raise CheckpointError(
-            f"{self._where} pickles {module}.{name}, which this reader does not rebuild (it "
-            "reads state dicts of tensors only): save the model's state_dict() alone, or as "
-            "safetensors")
-
-    def persistent_load(self, pid):
-        if not (isinstance(pid, tuple) and pid and pid[0] == "storage"):
-            raise CheckpointError(f"{self._where}: unknown persistent id {pid!r} in data.pkl")
-        _, kind, key, _location, _numel = pid[:5]
-        if kind not in _STORAGE_DTYPES:
-            raise CheckpointError(f"{self._where}: storage type {kind!r} is not supported")
-        if key not in self._storages:
-            self._storages[key] = _Storage(_np_dtype(_STORAGE_DTYPES[kind]),
-                                           lambda key=key: self._read_record(key))
-        return self._storages[key]
-
-    def _rebuild_tensor(self, storage: _Storage, offset, size, stride, *_):
-        if self._shapes_only:
-            return _Shape(size, storage.dtype)
-        flat = storage.array()
-        item = flat.itemsize
-        view = np.lib.stride_tricks.as_strided(
-            flat[offset:], shape=tuple(size), strides=tuple(s * item for s in stride))
-        return np.array(view)  # a copy: its own contiguous memory
-
-
-def read_torch_file(path: str | os.PathLike, *, shapes_only: bool = False) -> Any:
-    """The object a `torch.save` zip archive holds, tensors as numpy arrays (or `_Shape`s with
-    `shapes_only`), rebuilt without torch; anything but containers, numbers and tensors is
-    refused."""
-    where = os.fspath(path)
-    if not zipfile.is_zipfile(where):
-        raise CheckpointError(
-            f"{where} is not a zip archive: a legacy (pre-1.6) torch file or not a torch file at "
-            "all. Re-save it with torch.save (or as .safetensors) and pass that file")
-    with zipfile.ZipFile(where) as archive:
-        names = archive.namelist()
-        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not pkl:
-            raise CheckpointError(f"{where}: the zip archive has no data.pkl: not a torch file")
-        prefix = pkl[0][: -len("data.pkl")]
-        order = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in names \
-            else "little"
-        if order.strip() != "little":
-            raise CheckpointError(f"{where}: big-endian torch files are not supported")
-
-        def read_record(key: str) -> bytes:
-            return archive.read(f"{prefix}data/{key}")
-
-        with archive.open(pkl[0]) as f:
-            return _TorchUnpickler(f, read_record, where, shapes_only).load()
-
-
-def _safetensors(path: Path, shapes_only: bool) -> dict:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            if shapes_only:
-                return {k: _Shape(f.get_slice(k).get_shape(), None) for k in f.keys()}
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except CheckpointError:
-        raise
-    except Exception as err:  # a truncated / corrupt file, or bf16 numpy cannot hold
-        if "bf16" in str(err).lower() or "bfloat16" in str(err).lower():
-            return _safetensors_bf16(path, shapes_only)
-        raise CheckpointError(f"{path}: cannot read the safetensors weights ({err})") from err
-
-
-def _safetensors_bf16(path: Path, shapes_only: bool) -> dict:
-    """safetensors with bfloat16 tensors (safetensors.numpy cannot hold them): parsed here."""
-    raw = path.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    dtypes = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
-              "I32": np.int32, "BF16": "bfloat16"}
-    out = {}
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        dtype = _np_dtype(dtypes[info["dtype"]])
-        if shapes_only:
-            out[key] = _Shape(info["shape"], dtype)
-            continue
-        start, stop = info["data_offsets"]
-        out[key] = np.frombuffer(raw[8 + n + start:8 + n + stop], dtype).reshape(info["shape"])
-    return out
-
-
-def read_state_dict(path: str | os.PathLike, *, shapes_only: bool = False) -> dict[str, Any]:
-    """The open_clip state dict of a weights file (numpy arrays; `_Shape`s with `shapes_only`):
-    a training checkpoint's `state_dict` entry, its `module.` prefixes dropped."""
-    path = Path(path)
-    if path.suffix.lower() == ".safetensors":
-        state = _safetensors(path, shapes_only)
-    else:
-        state = read_torch_file(path, shapes_only=shapes_only)
-    if isinstance(state, dict) and "state_dict" in state:
-        state = state["state_dict"]
-    if not isinstance(state, dict) or not state:
-        raise CheckpointError(f"{path} holds no state dict (a dict of tensors, or a training "
-                              "checkpoint with a 'state_dict' entry)")
-    if all(str(k).startswith("module.") for k in state):
-        state = {k[len("module."):]: v for k, v in state.items()}
-    return dict(state)
-
-
-# --------------------------------------------------------------------------------------------
 # Configs
 # --------------------------------------------------------------------------------------------
-
-# Settings our CLIP computes exactly, each with the values we accept (None: any value, it does
-# not change the weights or the embeddings).
-_TOP_OK = {"embed_dim": None, "quick_gelu": None, "vision_cfg": None, "text_cfg": None,
-           "init_logit_scale": None, "cast_dtype": None, "output_dict": None,
-           "init_logit_bias": (None,), "custom_text": (False,),
-           "nonscalar_logit_scale": (False,)}
-_VISION_OK = {"layers": None, "width": None, "head_width": None, "mlp_ratio": None,
-              "patch_size": None, "image_size": None, "patch_dropout": None,
-              "output_tokens": None, "attn_pooler_queries": None, "attn_pooler_heads": None,
-              "ls_init_value": (None,), "attentional_pool": (False,), "no_ln_pre": (False,),
-              "pos_embed_type": ("learnable",), "final_ln_after_pool": (False,),
-              "pool_type": ("tok",), "act_kwargs": (None, {}), "norm_kwargs": (None, {}),
-              "block_type": (None, "default"), "qk_norm": (False,),
-              "scaled_cosine_attn": (False,), "scale_heads": (False,),
-              "scale_attn_inner": (False,), "scale_attn": (False,), "scale_fc": (False,),
-              "timm_model_name": (None, ""), "timm_model_pretrained": None, "timm_pool": None,
-              "timm_proj": None, "timm_proj_bias": None, "timm_drop": None,
-              "timm_drop_path": None}
-_TEXT_OK = {"context_length": None, "vocab_size": None, "width": None, "heads": None,
-            "layers": None, "mlp_ratio": None, "output_tokens": None, "pad_id": None,
-            "eos_id": None, "hf_model_pretrained": None, "hf_proj_type": None,
-            "hf_pooler_type": None,
-            "ls_init_value": (None,), "embed_cls": (False,), "no_causal_mask": (False,),
-            "final_ln_after_pool": (False,), "pool_type": ("argmax", "eos"),
-            "proj_bias": (False,), "proj_type": ("linear",), "act_kwargs": (None, {}),
-            "norm_kwargs": (None, {}), "block_type": (None, "default"), "qk_norm": (False,),
-            "scaled_cosine_attn": (False,), "scale_heads": (False,),
-            "scale_attn_inner": (False,), "scale_attn": (False,), "scale_fc": (False,),
-            "hf_model_name": (None, ""), "hf_tokenizer_name": (None, ""),
-            "tokenizer_mode": (None,), "tokenizer_kwargs": (None, {})}
-
-
-def _check_settings(section: Mapping[str, Any], allowed: Mapping[str, Any], where: str):
-    for key, value in section.items():
-        if key not in allowed:
-            raise CheckpointError(f"{where}: the open_clip setting {key!r} is not one our CLIP "
-                                  "can express (only plain ViT CLIP models load)")
-        ok = allowed[key]
-        if ok is not None and value not in ok:
-            raise CheckpointError(
-                f"{where}: open_clip setting {key}={value!r} is not supported (our CLIP needs "
-                f"{' or '.join(repr(v) for v in ok)}): only plain ViT CLIP models load")
-
-
-def config_from_open_clip(model_cfg: Mapping[str, Any], where: str) -> clip.CLIPConfig:
-    """Our `CLIPConfig` from an open_clip `model_cfg`; settings we cannot compute are refused,
-    naming them."""
-    if not isinstance(model_cfg, Mapping):
-        raise CheckpointError(f"{where} has no 'model_cfg' object")
-    _check_settings(model_cfg, _TOP_OK, f"{where} model_cfg")
-    vision, text = model_cfg.get("vision_cfg") or {}, model_cfg.get("text_cfg") or {}
-    _check_settings(vision, _VISION_OK, f"{where} model_cfg.vision_cfg")
-    _check_settings(text, _TEXT_OK, f"{where} model_cfg.text_cfg")
-    if "embed_dim" not in model_cfg:
-        raise CheckpointError(f"{where}: model_cfg has no embed_dim")
-    layers = vision.get("layers", 12)
-    if not isinstance(layers, int):
-        raise CheckpointError(f"{where}: model_cfg.vision_cfg.layers={layers!r} is a ResNet "
-                              "image tower; only ViT image towers load")
-    image = vision.get("image_size", 224)
-    if isinstance(image, (list, tuple)):
-        if len(set(image)) != 1:
-            raise CheckpointError(f"{where}: model_cfg.vision_cfg.image_size={image!r} is not "
-                                  "square; only square images are supported")
-        image = image[0]
-    act = "quick_gelu" if model_cfg.get("quick_gelu", False) else "gelu"
-    vw, tw = vision.get("width", 768), text.get("width", 512)
-    head_width = vision.get("head_width", 64)
-    if vw % head_width:
-        raise CheckpointError(f"{where}: vision width {vw} is not a multiple of head_width "
-                              f"{head_width}")
-    pool = text.get("pool_type", "argmax")
-    scale = model_cfg.get("init_logit_scale")  # only for a random init; the weights hold it
-    extra = {} if scale is None else {"logit_scale_init_value": float(scale)}
-    return clip.CLIPConfig(
-        vision=clip.VisionConfig(
-            hidden_size=vw, intermediate_size=int(vw * vision.get("mlp_ratio", 4.0)),
-            num_hidden_layers=layers, num_attention_heads=vw // head_width,
-            image_size=int(image), patch_size=vision.get("patch_size", 16), hidden_act=act),
-        text=clip.TextConfig(
-            hidden_size=tw, intermediate_size=int(tw * text.get("mlp_ratio", 4.0)),
-            num_hidden_layers=text.get("layers", 12), num_attention_heads=text.get("heads", 8),
-            vocab_size=text.get("vocab_size", 49408),
-            max_position_embeddings=text.get("context_length", 77),
-            # open_clip's argmax pooling (EOT = the largest id) is our legacy eos id 2
-            eos_token_id=2 if pool == "argmax" else text.get("eos_id", 2), hidden_act=act),
-        projection_dim=model_cfg["embed_dim"], **extra)
-
-
-def _count_blocks(state: Mapping[str, Any], prefix: str) -> int:
-    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    found = {int(m.group(1)) for k in state if (m := pattern.match(k))}
-    return max(found) + 1 if found else 0
-
-
-def _refuse_unsupported_keys(state: Mapping[str, Any], where: str) -> None:
-    """Name the first key of an open_clip model our CLIP cannot express."""
-    markers = [
-        ("visual.trunk.", "a timm image tower"),
-        ("visual.layer1.", "a ResNet image tower"),
-        ("visual.attn_pool.", "attention pooling in the image tower"),
-        ("text.", "a custom text tower (CustomTextCLIP: a Hugging Face or custom text "
-                  "encoder)"),
-        ("logit_bias", "SigLIP's logit bias"),
-        (".ls_1.", "layer scale"),
-        ("text_decoder.", "a CoCa text decoder"),
-    ]
-    for marker, what in markers:
-        key = next((k for k in state if k.startswith(marker) or
-                    (marker.startswith(".") and marker in k)), None)
-        if key is not None:
-            raise CheckpointError(f"{where}: key {key!r} belongs to {what}, which our CLIP "
-                                  "cannot express; only plain ViT CLIP models load")
-    for need in ("visual.conv1.weight", "visual.proj", "token_embedding.weight",
-                 "text_projection", "visual.ln_pre.weight"):
-        if need not in state:
-            raise CheckpointError(f"{where}: no {need!r}: not a plain ViT open_clip CLIP state "
-                                  "dict (a different image or text tower, or no projection)")
-
-
-def config_from_state(state: Mapping[str, Any], act: str, where: str) -> clip.CLIPConfig:
-    """Our `CLIPConfig` from an open_clip state dict's shapes (arrays or `_Shape`s) and the
-    activation the user named; heads are width / 64."""
-    _refuse_unsupported_keys(state, where)
-    conv = tuple(state["visual.conv1.weight"].shape)
-    vw, patch = conv[0], conv[2]
-    grid = math.isqrt(state["visual.positional_embedding"].shape[0] - 1)
-    tw = state["token_embedding.weight"].shape[1]
-    for name, width in (("vision", vw), ("text", tw)):
-        if width % HEAD_WIDTH:
-            raise CheckpointError(
-                f"{where}: {name} width {width} is not a multiple of {HEAD_WIDTH}, so the heads "
-                "cannot be read from the weights: put the model's open_clip_config.json beside "
-                "the file")
-    return clip.CLIPConfig(
-        vision=clip.VisionConfig(
-            hidden_size=vw,
-            intermediate_size=state["visual.transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
-            num_hidden_layers=_count_blocks(state, "visual.transformer.resblocks."),
-            num_attention_heads=vw // HEAD_WIDTH, image_size=grid * patch, patch_size=patch,
-            hidden_act=act),
-        text=clip.TextConfig(
-            hidden_size=tw,
-            intermediate_size=state["transformer.resblocks.0.mlp.c_fc.weight"].shape[0],
-            num_hidden_layers=_count_blocks(state, "transformer.resblocks."),
-            num_attention_heads=tw // HEAD_WIDTH,
-            vocab_size=state["token_embedding.weight"].shape[0],
-            max_position_embeddings=state["positional_embedding"].shape[0],
-            eos_token_id=2, hidden_act=act),
-        projection_dim=state["visual.proj"].shape[1])
-
-
 def _read_json(file: Path) -> dict:
     try:
         raw = json.loads(file.read_text())
@@ -619,40 +294,6 @@ def pretrained_config(spec: str | os.PathLike) -> clip.CLIPConfig:
     except ValueError as err:
         raise CheckpointError(f"{file} is not valid JSON ({err})") from None
     return clip._config_from_hf(raw, str(file))
-
-
-def model_config(config: clip.CLIPConfig, where: str = "the model") -> dict[str, Any]:
-    """The open_clip `model_cfg` of our config; `CheckpointError` for one open_clip cannot
-    express."""
-    v, t = config.vision, config.text
-    acts = {v.hidden_act, t.hidden_act}
-    if len(acts) != 1 or not acts <= {"quick_gelu", "gelu"}:
-        raise CheckpointError(
-            f"{where}: hidden_act vision={v.hidden_act!r}, text={t.hidden_act!r}; open_clip "
-            "needs both 'quick_gelu' or both 'gelu'")
-    bad = [f"{name} {what}" for name, c in (("vision", v), ("text", t)) for what in
-           ([f"layer_norm_eps={c.layer_norm_eps}"] if c.layer_norm_eps != 1e-5 else []) +
-           ([f"intermediate_size={c.intermediate_size}"]
-            if c.intermediate_size != int(c.hidden_size * (c.intermediate_size / c.hidden_size))
-            else [])]
-    if v.num_channels != 3:
-        bad.append(f"vision num_channels={v.num_channels}")
-    if bad:
-        raise CheckpointError(f"{where}: open_clip cannot express {', '.join(bad)}")
-    text = {"context_length": t.max_position_embeddings, "vocab_size": t.vocab_size,
-            "width": t.hidden_size, "heads": t.num_attention_heads,
-            "layers": t.num_hidden_layers, "mlp_ratio": t.intermediate_size / t.hidden_size}
-    if t.eos_token_id != 2:  # pool at the first eos id, as our TextTransformer does
-        text |= {"pool_type": "eos", "eos_id": t.eos_token_id}
-    return {
-        "embed_dim": config.projection_dim,
-        "quick_gelu": v.hidden_act == "quick_gelu",
-        "vision_cfg": {"image_size": v.image_size, "layers": v.num_hidden_layers,
-                       "width": v.hidden_size, "head_width": v.hidden_size // v.num_attention_heads,
-                       "mlp_ratio": v.intermediate_size / v.hidden_size,
-                       "patch_size": v.patch_size},
-        "text_cfg": text,
-    }
 
 
 def save(model: clip.CLIPModel, out: str | os.PathLike, *,
