@@ -140,14 +140,21 @@ def _our_pixels(image: np.ndarray, size: int) -> np.ndarray:
     return ops.normalize(np.asarray(augment.resize_centre_crop(Image.fromarray(image), size)))
 
 
-def test_processors_give_our_pixels_and_ids(tiny_export):
+def _no_prompt(*args):
+    raise AssertionError("transformers asked whether to run the folder's code")
+
+
+def test_processors_give_our_pixels_and_ids(tiny_export, monkeypatch):
+    """With trust_remote_code=True (README's line) the processors load without transformers'
+    interactive remote-code prompt (AutoTokenizer reads the folder's config)."""
     import skimage.data
 
+    monkeypatch.setattr("builtins.input", _no_prompt)
     captions = ["a photo of a cat", "A man RIDING a horse, on the beach!", "café naïve 日本語"]
     image = skimage.data.coffee()  # 400 x 600: resized to 32 x 48, then cropped
     grey_level = 1 / 255 / ops.CLIP_STD.min()
     for cls in (transformers.CLIPProcessor, transformers.AutoProcessor):
-        processor = cls.from_pretrained(tiny_export)
+        processor = cls.from_pretrained(tiny_export, trust_remote_code=True)
         assert type(processor) is transformers.CLIPProcessor, cls
         batch = processor(text=captions, images=image, padding="max_length", truncation=True,
                           return_tensors="np")
@@ -203,15 +210,16 @@ def test_remote_model_initialises_its_heads_and_round_trips_to_our_reader(tiny, 
                                   tiny.pair("object").encode_image(jnp.asarray(pixels)))
 
 
-def test_readme_snippet_gives_our_embeddings(tiny, tiny_export):
+def test_readme_snippet_gives_our_embeddings(tiny, tiny_export, monkeypatch):
     """README's lines, verbatim: AutoModel + CLIPProcessor on an image (32 x 32: no resampling,
     so the processor's pixels are exactly ours) and on captions (padded to the longest, with an
     attention mask: the EOT pooling sees the same tokens as our 77-token ids)."""
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (32, 32, 3), np.uint8))
     captions = ["a dog on a mat", "a man riding a horse on the beach"]
     OUT = tiny_export  # noqa: N806  (README's name)
+    monkeypatch.setattr("builtins.input", _no_prompt)
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
-    processor = transformers.CLIPProcessor.from_pretrained(OUT)
+    processor = transformers.CLIPProcessor.from_pretrained(OUT, trust_remote_code=True)
     inputs = processor(images=image, return_tensors="pt")
     with torch.no_grad():
         image_emb = model.get_image_features(**inputs).pooler_output  # [1, D]

@@ -23,13 +23,15 @@ OUT is a Hugging Face model folder that transformers loads with the model code i
   ...) and `logit_scale`;
 - the CLIP tokenizer's vocab.json, merges.txt, tokenizer_config.json, special_tokens_map.json,
   and preprocessor_config.json (our image views as `CLIPImageProcessor` settings), so
-  `CLIPProcessor.from_pretrained(OUT)` gives our token ids and pixels.
+  `CLIPProcessor.from_pretrained(OUT, trust_remote_code=True)` gives our token ids and pixels
+  (transformers' tokenizer loader reads the config, so without the flag it asks whether to run
+  the folder's code; `CLIPTokenizer.from_pretrained(OUT)` alone does not).
 
 In PyTorch (README has the same; transformers 5's `get_*_features` return an output whose
 `pooler_output` is the embedding):
 
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
-    processor = transformers.CLIPProcessor.from_pretrained(OUT)
+    processor = transformers.CLIPProcessor.from_pretrained(OUT, trust_remote_code=True)
     inputs = processor(images=image, return_tensors="pt")
     image_emb = model.get_image_features(**inputs).pooler_output  # [1, D]
 
