@@ -229,9 +229,14 @@ def test_unknown_train_keys_are_refused_with_the_known_ones(demo_dir, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
-def test_export_cli_from_the_demo_run(uninterrupted, tmp_path):
+def test_export_cli_from_the_demo_run(uninterrupted, tmp_path, monkeypatch):
     # the export CLI on the workdir the demo run left: its latest checkpoint, read by PyTorch
-    from test_export import _torch_embeddings
+    # (transformers' AutoModel with the export's model code; its module copy goes to tmp_path)
+    import transformers.dynamic_module_utils as dynamic
+    from test_export_clients import _auto_model, _torch_embeddings
+
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
+    monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
 
     from sclaro_jax.train import export
     out = tmp_path / "exported"
@@ -244,7 +249,7 @@ def test_export_cli_from_the_demo_run(uninterrupted, tmp_path):
     assert step == STEPS
     pixels = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
     ids = np.array([[49406, 320, 49407, 0], [49406, 7, 8, 49407]], np.int32)
-    img, txt, _, _ = _torch_embeddings(out, pixels, ids)
+    img, txt = _torch_embeddings(_auto_model(out), pixels, ids)
     np.testing.assert_allclose(img, np.asarray(model.pair("global").encode_image(pixels)),
                                atol=1e-5)
     np.testing.assert_allclose(txt, np.asarray(model.pair("global").encode_text(ids)),

@@ -147,6 +147,19 @@ def load_hf_state(model: nnx.Module, tensors: Mapping[str, np.ndarray], where: s
         var.set_value(jnp.asarray(value, dtype=var.dtype))
 
 
+def read_config_json(path: str | os.PathLike) -> tuple[dict, Path]:
+    """(config.json's dict, its path) of a Hugging Face model folder; CheckpointError naming the
+    folder or file when it is missing or not JSON."""
+    folder = Path(path)
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
+    try:
+        return json.loads(config_file.read_text()), config_file
+    except ValueError as err:
+        raise CheckpointError(f"{config_file} is not valid JSON ({err})") from None
+
+
 def load(path: str | os.PathLike, config_from_hf: Callable[[Mapping[str, Any], str], Any],
          build: Callable[[Any], nnx.Module], kind: Callable[[Any], str],
          prepare: Callable[[Any, dict[str, np.ndarray]], dict[str, np.ndarray]] | None = None
@@ -156,13 +169,7 @@ def load(path: str | os.PathLike, config_from_hf: Callable[[Mapping[str, Any], s
     from the safetensors), `kind(config)` the model's name for error messages;
     `prepare(config, tensors)`, when given, returns the tensors to load in place of the file's."""
     folder = Path(path)
-    config_file = folder / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        raw = json.loads(config_file.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{config_file} is not valid JSON ({err})") from None
+    raw, config_file = read_config_json(folder)
     config = config_from_hf(raw, str(config_file))
     tensors = read_safetensors(folder)
     if prepare is not None:

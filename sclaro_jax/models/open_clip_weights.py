@@ -285,14 +285,7 @@ def pretrained_config(spec: str | os.PathLike) -> clip.CLIPConfig:
     """The `CLIPConfig` of either kind of checkpoint, without reading its weights."""
     if is_open_clip(spec):
         return read_config(spec)
-    folder = Path(spec)
-    file = folder / "config.json"
-    if not file.is_file():
-        raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
-    try:
-        raw = json.loads(file.read_text())
-    except ValueError as err:
-        raise CheckpointError(f"{file} is not valid JSON ({err})") from None
+    raw, file = hf_weights.read_config_json(spec)
     return clip._config_from_hf(raw, str(file))
 
 
