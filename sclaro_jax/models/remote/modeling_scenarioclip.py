@@ -4,7 +4,7 @@ This file is copied into each export of `python -m sclaro_jax.train.export`; tra
 with `trust_remote_code=True`:
 
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
-    processor = transformers.CLIPProcessor.from_pretrained(OUT)
+    processor = transformers.CLIPProcessor.from_pretrained(OUT, trust_remote_code=True)
     inputs = processor(images=image, return_tensors="pt")
     image_emb = model.get_image_features(**inputs).pooler_output  # [1, D]
 
