@@ -73,7 +73,10 @@ def _older_export(tiny_model, folder):
     for proj in (towers.visual_projection, towers.text_projection):
         proj.kernel[...] = jnp.zeros_like(proj.kernel[...])
     clip.to_hf(towers, folder)
-    hf_weights.save_safetensors(scenarioclip.heads_state_dict(pair, 0.0),
+    legacy = {f"{ours}{key[len(theirs):]}": value  # vision_head.0.weight, ...
+              for key, value in scenarioclip.export_heads(pair).items()
+              for ours, theirs in scenarioclip.EXPORT_HEAD_NAMES.items() if key.startswith(theirs)}
+    hf_weights.save_safetensors(legacy | {"logit_scale": np.zeros((), np.float32)},
                                 folder / clip.HEADS_FILE)
     return folder
 

@@ -185,35 +185,22 @@ def load_hf_into_level(model, level: str, path: str) -> None:
 # One level as a Hugging Face folder with its heads (`sclaro_jax.train.export`)
 # --------------------------------------------------------------------------------------------
 
-_HEADS = ("vision_head", "text_head")
 # Our head -> the CLIPModel attribute it stands in for in an export (`clip.PROJECTIONS`).
 EXPORT_HEAD_NAMES = {"vision_head": "visual_projection", "text_head": "text_projection"}
 
 
-def heads_state_dict(pair: CLIPPair, logit_scale) -> dict[str, np.ndarray]:
-    """A pair's Linear+LayerNorm heads and `logit_scale` in torch `nn.Sequential` key names
-    (`vision_head.0.weight`, ...)."""
-    out = {}
-    for name in _HEADS:
-        head = getattr(pair, name)
-        out[f"{name}.0.weight"] = np.asarray(head.linear.kernel[...]).T
-        out[f"{name}.0.bias"] = np.asarray(head.linear.bias[...])
-        out[f"{name}.1.weight"] = np.asarray(head.norm.scale[...])
-        out[f"{name}.1.bias"] = np.asarray(head.norm.bias[...])
-    out["logit_scale"] = np.asarray(logit_scale, np.float32).reshape(())
-    return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
-
-
 def export_heads(pair: CLIPPair) -> dict[str, np.ndarray]:
-    """A pair's heads under the names of an export's model.safetensors (`visual_projection.0.
-    weight`, ...: `heads_state_dict`'s, head renamed by `EXPORT_HEAD_NAMES`), the keys the
-    export's transformers remote code and `from_export` read."""
+    """A pair's Linear+LayerNorm heads in torch `nn.Sequential` key names under the names of an
+    export's model.safetensors (`visual_projection.0.weight`, ...: `EXPORT_HEAD_NAMES`), the
+    keys the export's transformers remote code and `from_export` read."""
     out = {}
-    for key, value in heads_state_dict(pair, 0.0).items():
-        head, _, rest = key.partition(".")
-        if head in EXPORT_HEAD_NAMES:
-            out[f"{EXPORT_HEAD_NAMES[head]}.{rest}"] = value
-    return out
+    for ours, theirs in EXPORT_HEAD_NAMES.items():
+        head = getattr(pair, ours)
+        out[f"{theirs}.0.weight"] = np.asarray(head.linear.kernel[...]).T
+        out[f"{theirs}.0.bias"] = np.asarray(head.linear.bias[...])
+        out[f"{theirs}.1.weight"] = np.asarray(head.norm.scale[...])
+        out[f"{theirs}.1.bias"] = np.asarray(head.norm.bias[...])
+    return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
 
 
 def from_export(path: str | os.PathLike, *, dtype=jnp.float32, gradient_forms: str = "auto"

@@ -113,10 +113,16 @@ def export_level(model, level: str, out: str) -> str:
                      "AutoModelForZeroShotImageClassification": f"{module}.ScenarioCLIPModel"},
         "scenarioclip_level": level,
     }, indent=2))
-    ClipTokenizer().save_pretrained(out, length=config.text.max_position_embeddings)
-    with open(folder / PREPROCESSOR_FILE, "w", encoding="utf-8") as f:
-        json.dump(image_processor_config(config.vision.image_size), f, indent=2)
+    write_processor_files(out, config)
     return out
+
+
+def write_processor_files(out: str | os.PathLike, config: clip.CLIPConfig) -> None:
+    """The CLIP tokenizer's files (at the text tower's context length) and
+    `preprocessor_config.json` (our image views at its image size) in the folder `out`."""
+    ClipTokenizer().save_pretrained(out, length=config.text.max_position_embeddings)
+    with open(Path(out) / PREPROCESSOR_FILE, "w", encoding="utf-8") as f:
+        json.dump(image_processor_config(config.vision.image_size), f, indent=2)
 
 
 def open_clip_preprocess_cfg(size: int) -> dict:
@@ -147,9 +153,7 @@ def export_clip(spec: str, out: str, fmt: str = "open_clip") -> str:
         open_clip_weights.save(model, out, preprocess_cfg=open_clip_preprocess_cfg(size))
         return out
     clip.to_hf(model, out)
-    ClipTokenizer().save_pretrained(out, length=model.config.text.max_position_embeddings)
-    with open(os.path.join(out, PREPROCESSOR_FILE), "w", encoding="utf-8") as f:
-        json.dump(image_processor_config(size), f, indent=2)
+    write_processor_files(out, model.config)
     return out
 
 
