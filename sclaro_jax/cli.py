@@ -76,3 +76,8 @@ class DefaultsOnce(argparse.HelpFormatter):
                 or "default" in text or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)".lstrip()
+
+
+def parser(prog: str, description: str) -> ArgumentParser:
+    """A command's top-level parser: `ArgumentParser` with the `DefaultsOnce` help."""
+    return ArgumentParser(prog=prog, description=description, formatter_class=DefaultsOnce)

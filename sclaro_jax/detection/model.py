@@ -54,20 +54,20 @@ class DetectorConfig:
     rpn_post_nms_top_n_train: int = 2000
     rpn_pre_nms_top_n_test: int = 1000
     rpn_post_nms_top_n_test: int = 1000
-    rpn_nms_thresh: float = 0.7
-    rpn_fg_iou_thresh: float = 0.7
-    rpn_bg_iou_thresh: float = 0.3
-    rpn_batch_size_per_image: int = 256
-    rpn_positive_fraction: float = 0.5
-    box_fg_iou_thresh: float = 0.5
-    box_bg_iou_thresh: float = 0.5
-    box_batch_size_per_image: int = 512
-    box_positive_fraction: float = 0.25
-    roi_output_size: int = 7
-    representation_size: int = 1024
-    box_score_thresh: float = 1e-4
-    box_nms_thresh: float = 0.5
-    detections_per_img: int = 300
+    rpn_nms_thresh: float = 0.7           # IoU above which NMS drops a proposal
+    rpn_fg_iou_thresh: float = 0.7        # anchor sampling: IoU with a box for a positive,
+    rpn_bg_iou_thresh: float = 0.3        #   below this a negative, between them ignored
+    rpn_batch_size_per_image: int = 256   # anchors sampled per image for the RPN losses,
+    rpn_positive_fraction: float = 0.5    #   at most this fraction positive
+    box_fg_iou_thresh: float = 0.5        # proposal sampling for the RoI heads, the same
+    box_bg_iou_thresh: float = 0.5        #   rule (equal thresholds: nothing ignored)
+    box_batch_size_per_image: int = 512   # proposals sampled per image,
+    box_positive_fraction: float = 0.25   #   at most this fraction positive
+    roi_output_size: int = 7              # RoIAlign output, per side
+    representation_size: int = 1024       # the two-layer MLP box head's width
+    box_score_thresh: float = 1e-4        # inference: scores kept above this,
+    box_nms_thresh: float = 0.5           #   per-class NMS at this IoU,
+    detections_per_img: int = 300         #   and at most this many per image
     # Per-class NMS at inference takes the `box_candidates` best (proposal, class) scores of an
     # image (a static size; torchvision keeps every score above the threshold instead).
     box_candidates: int = 4000

@@ -44,12 +44,11 @@ LEVEL_CHOICES = ("global", "object", "relation")  # the levels whose encoders se
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m sclaro_jax.eval.detect",
-        description="Faster R-CNN + FPN detection with a run's encoders as backbones: train on "
-                    "a SCLARO dataset's boxes, evaluate COCO-style AP (appendix protocol). "
-                    "Recipe overrides: --config.KEY=VALUE (repeatable), as launch/train.py.",
-        formatter_class=cli.DefaultsOnce)
+    p = cli.parser(
+        "python -m sclaro_jax.eval.detect",
+        "Faster R-CNN + FPN detection with a run's encoders as backbones: train on "
+        "a SCLARO dataset's boxes, evaluate COCO-style AP (appendix protocol). "
+        "Recipe overrides: --config.KEY=VALUE (repeatable), as launch/train.py.")
     p.add_argument("--workdir", required=True,
                    help="a ScenarioCLIP / PyramidCLIP training workdir, or a Hugging Face "
                         "CLIPModel folder")

@@ -199,11 +199,10 @@ def markdown(results: dict[str, dict[str, dict]], title: str = "") -> str:
 # --------------------------------------------------------------------------------------------
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m sclaro_jax.eval.rocs",
-        description=__doc__.split("\n\n")[0].rstrip(".") + ": Global, Global+CSLS and MINER "
-        "R@1/5/10 and hubness on ROCS, COCO 5K and Flickr30K 1K.",
-        formatter_class=cli.DefaultsOnce)
+    p = cli.parser(
+        "python -m sclaro_jax.eval.rocs",
+        __doc__.split("\n\n")[0].rstrip(".") + ": Global, Global+CSLS and MINER "
+        "R@1/5/10 and hubness on ROCS, COCO 5K and Flickr30K 1K.")
     g = p.add_argument_group("model")
     g.add_argument("--model", required=True,
                    help="Hugging Face CLIPModel / SiglipModel / Siglip2Model folder, a "

@@ -242,11 +242,10 @@ def _slug(name: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m sclaro_jax.eval.suite",
-        description="Evaluate ScenarioCLIP / baseline checkpoints: zero-shot retrieval, linear "
-                    "probe, PredCls / SGCls, relation localisation, figures, parameters / FLOPs.",
-        formatter_class=cli.DefaultsOnce)
+    p = cli.parser(
+        "python -m sclaro_jax.eval.suite",
+        "Evaluate ScenarioCLIP / baseline checkpoints: zero-shot retrieval, linear "
+        "probe, PredCls / SGCls, relation localisation, figures, parameters / FLOPs.")
     p.add_argument("--workdir", action="append", required=True, metavar="[NAME=]DIR",
                    help="training workdir to evaluate (repeatable; NAME labels its column)")
     p.add_argument("--config", help="config file[:variant] that built the runs (default: each "

@@ -153,10 +153,9 @@ def make_planted_split(out: str | os.PathLike, *, num_images: int = 56, width: i
 
 
 def _parser() -> cli.ArgumentParser:
-    parser = cli.ArgumentParser(
-        prog="python -m sclaro_jax.eval.synthetic",
-        description="Write the planted-colours retrieval benchmark (COCO captions JSON + PNGs).",
-        formatter_class=cli.DefaultsOnce)
+    parser = cli.parser(
+        "python -m sclaro_jax.eval.synthetic",
+        "Write the planted-colours retrieval benchmark (COCO captions JSON + PNGs).")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--num-images", type=int, default=56, help="images to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed")

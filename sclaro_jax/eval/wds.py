@@ -262,12 +262,11 @@ def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = cli.ArgumentParser(
-        prog="python -m sclaro_jax.eval.wds",
-        description="Write a split of a SCLARO dataset as a local CLIP_benchmark webdataset "
-                    "(no trained run needed); evaluate an exported level on it with LAION's "
-                    "CLIP_benchmark: python -m data_prep.clip_benchmark eval --help.",
-        formatter_class=cli.DefaultsOnce)
+    p = cli.parser(
+        "python -m sclaro_jax.eval.wds",
+        "Write a split of a SCLARO dataset as a local CLIP_benchmark webdataset "
+        "(no trained run needed); evaluate an exported level on it with LAION's "
+        "CLIP_benchmark: python -m data_prep.clip_benchmark eval --help.")
     p.add_argument("--data", required=True, help="SCLARO dataset folder (its manifest.json)")
     p.add_argument("--split", default="test", help="split to write")
     p.add_argument("--out", required=True, help="output folder, new or empty")
