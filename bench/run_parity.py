@@ -38,17 +38,24 @@ def _run(code, args):
     return result.stdout
 
 
-def scn(code, out, data, steps):
+def _longer(code):
+    """The flag that lets CHECKOUT continue a run to a new length (the run's length is part of
+    its config since the run folder checks it; older checkouts continue without it)."""
+    with open(os.path.join(code, "sclaro_jax", "eval", "detect.py"), encoding="utf-8") as f:
+        return ["--allow-config-change"] if "--allow-config-change" in f.read() else []
+
+
+def scn(code, out, data, steps, longer=()):
     _run(code, ["launch/train.py", "--config", "configs/scenarioclip.py:demo", "--workdir",
                 os.path.join(out, "scn"), f"--config.data.dir={data}",
-                f"--config.train.steps={steps}", *SCN])
+                f"--config.train.steps={steps}", *SCN, *longer])
 
 
-def det(code, out, data, epochs):
+def det(code, out, data, epochs, longer=()):
     sets = [x for kv in DET + [f"epochs={epochs}"] for x in ("--set", kv)]
     _run(code, ["-m", "sclaro_jax.eval.detect", "--workdir", os.path.join(out, "scn"),
                 "--data", data, "--config", "demo", "--out", os.path.join(out, "det"),
-                "--no-progress", *sets])
+                "--no-progress", *sets, *longer])
 
 
 def cmd_run(args):
@@ -65,8 +72,8 @@ def cmd_resume(args):
         shutil.copytree(os.path.join(args.source, name), os.path.join(args.out, name),
                         dirs_exist_ok=True)
     data = os.path.join(args.out, "demo")
-    scn(args.code, args.out, data, 28)
-    det(args.code, args.out, data, 4)
+    scn(args.code, args.out, data, 28, _longer(args.code))
+    det(args.code, args.out, data, 4, _longer(args.code))
 
 
 def _rows(path):

@@ -55,6 +55,20 @@ def test_rerun_resumes_from_the_last_checkpoint(overfit, caplog):
     assert again["metrics"]["AP50"] == pytest.approx(results["metrics"]["AP50"], abs=1e-6)
 
 
+def test_a_longer_recipe_continues_only_when_allowed(overfit, capsys):
+    """The run's length is part of its recipe: eval.detect refuses another `epochs` for the
+    --out run in one error line that names --allow-config-change, which it accepts."""
+    argv, out, results = overfit
+    longer = [*argv, "--config.epochs=101"]
+    assert cli.main(longer) == 2
+    err = capsys.readouterr().err
+    assert "trained with another config" in err and "epochs: 100 in the run, 101 now" in err
+    assert "--allow-config-change" in err
+    assert cli.main([*longer, "--allow-config-change"]) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert again["steps"] > results["steps"] and again["config"]["epochs"] == 101
+
+
 def _tiny_run(tiny_hf, demo_dir, out, stop_at=None):
     folder, _ = tiny_hf
     config = train.default_config("demo")

@@ -67,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="deprecated alias of --config.KEY=VALUE")
     p.add_argument("--split", default=None, help="evaluation split (default: the recipe's)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="continue the --out run with a recipe that differs from the one it was "
+                        "trained with (both are kept), as launch/train.py")
     p.add_argument("--verbose", action="store_true", help="tracebacks on errors")
     return p
 
@@ -145,7 +148,8 @@ def run(args) -> dict:
     out = Path(args.out or Path(args.workdir) / "detection" / tag)
     out.mkdir(parents=True, exist_ok=True)
     graphdef, state, info = trainer.fit(config, str(out), prepared,
-                                        progress=not args.no_progress)
+                                        progress=not args.no_progress,
+                                        allow_config_change=args.allow_config_change)
     eval_examples, _ = data.load_examples(args.data, split, classes=prepared.classes)
     cfg = prepared.model.cfg
     originals = eval_examples
