@@ -360,13 +360,16 @@ def test_csls_cpu_kernel_tiny_and_tied_matrices():
 
 @pytest.mark.parametrize("k", [1, 2, 5])
 def test_csls_cpu_kernel_across_its_first_rows_phase(k):
-    """Past the first 2 x 64 x k rows the columns' lists leave the compare-exchange phase for
-    thresholds: rows before, at and after that row (ties included) give numpy's means."""
+    """Past the first BLOCK x k rows the columns' lists leave the compare-exchange phase for
+    thresholds: rows before, at and after that row (ties included) give numpy's means; a block
+    whose every score beats its threshold, and one where only the last bit of the mask does."""
     from sclaro_jax.miner import _cpu_csls
 
     rng = np.random.default_rng(k)
-    x = np.round(rng.standard_normal((2 * 64 * k + 70, 300)), 1).astype(np.float32)
-    x[2 * 64 * k] = 9.0  # the first row after the phase beats every column's list
+    cold = _cpu_csls.BLOCK * k
+    x = np.round(rng.standard_normal((cold + 70, 300)), 1).astype(np.float32)
+    x[cold] = 9.0  # the first row after the phase beats every column's list
+    x[cold + 1, [63, 127]] = 10.0  # bit 63 of two blocks' masks, nothing else in them
     r_q, r_i = _cpu_csls.topk_means(x, k)
     np.testing.assert_allclose(r_q, np.sort(x, 1)[:, -k:].mean(1), atol=1e-6)
     np.testing.assert_allclose(r_i, np.sort(x, 0)[-k:].mean(0), atol=1e-6)

@@ -10,11 +10,12 @@ Two passes over the matrix, where XLA's blocked top-k makes one per axis plus th
    largest scores. The columns are cut into one stripe per thread; a thread walks its stripe
    row by row, so it reads memory in order and its column state (a threshold per column, the
    k best per column) stays in cache. Blocks of `BLOCK` scores are compared with the row's and
-   the columns' thresholds (the smallest of the k kept) in one test; only a block holding a
-   score above a threshold is looked at score by score, and that is rare: a score enters a
-   list of k when it beats the k-th best seen so far. The first 2 x BLOCK x k rows, where it is
-   not rare, go into the columns' lists by branch-free compare-exchanges instead (SIMD code).
-   Each stripe keeps its own k best per row; the stripes' lists are merged at the end.
+   the columns' thresholds (the smallest of the k kept) in one test; in a block holding a
+   score above a threshold, a bit mask of those scores (`_beats`) gives the ones to look at,
+   and that is rare: a score enters a list of k when it beats the k-th best seen so far. The
+   first BLOCK x k rows, where it is not rare, go into the columns' lists by branch-free
+   compare-exchanges instead (SIMD code). Each stripe keeps its own k best per row; the
+   stripes' lists are merged at the end (`_merged_means`).
 2. `_combine` writes 2 S - r_q - r_i, into a fresh buffer or over S itself.
 
 Sums are accumulated in float64 and divided once. The values are exact top-k means (ties do
@@ -31,11 +32,31 @@ import jax
 import jax.numpy as jnp
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 # Scores compared with the thresholds in one test (measured fastest of 32-128, see
 # bench/README.md, "CSLS against the authors' kernels").
 BLOCK = 64
+assert BLOCK <= 64  # a block's hits are one uint64 bit mask (`_beats`)
+
+
+@intrinsic
+def _trailing_zeros(typingctx, x):
+    """The index of the lowest set bit of a uint64 (LLVM's cttz: one instruction)."""
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], ir.Constant(ir.IntType(1), 0))
+    return types.uint64(types.uint64), codegen
+
+
+@njit(inline="always", boundscheck=False, nogil=True)
+def _beats(block, row_low, block_low):
+    """Bit j set where block[j] beats the row's threshold or its column's."""
+    bits = np.uint64(0)
+    for j in range(BLOCK):
+        bits |= np.uint64((block[j] > row_low) | (block[j] > block_low[j])) << np.uint64(j)
+    return bits
 
 
 @njit(inline="always", boundscheck=False, nogil=True)
@@ -100,9 +121,9 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
         lane_best = np.empty(max(k_rows, 1), np.float32)
         prime = rows and full > 0 and k_rows <= BLOCK
         # The first rows go into the columns' lists by `_insert_columns` (no thresholds yet:
-        # nearly every block would be looked at score by score), until a block of BLOCK
-        # scores beats a column's threshold with odds of about one in two.
-        cold = min(n_rows, 2 * BLOCK * k_cols) if cols and k_cols <= BLOCK else 0
+        # nearly every block would hold scores to look at), for BLOCK x k rows: after r rows
+        # a block of BLOCK scores beats a column's threshold with odds of about BLOCK k / r.
+        cold = min(n_rows, BLOCK * k_cols) if cols and k_cols <= BLOCK else 0
         levels = np.full((k_cols if cold else 1, width if cold else 1), neg, np.float32)
         carry = np.empty(width if cold else 1, np.float32)
         if cold:
@@ -132,8 +153,11 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
                 hit = False
                 for j in range(BLOCK):
                     hit |= (block[j] > row_low) | (block[j] > block_low[j])
-                if hit:
-                    for j in range(BLOCK):
+                if hit:  # only the scores that beat a threshold, by their bits
+                    bits = _beats(block, row_low, block_low)
+                    while bits:
+                        j = _trailing_zeros(bits)
+                        bits &= bits - np.uint64(1)
                         v = block[j]
                         if v > row_low:
                             row_low = max(_replace_smallest(best, v), floor)
@@ -149,14 +173,7 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
                 _insert_columns(levels, row, carry)
                 if r == cold - 1:  # from the next row on, thresholds and sorted lists of k
                     _levels_to_lists(levels, col_best[c0:c1], low)
-    r_q = np.zeros(n_rows if rows else 0, np.float32)
-    if rows:
-        for r in prange(n_rows):
-            merged = np.sort(row_best[:, r, :].copy().ravel())
-            total = 0.0
-            for i in range(k_rows):
-                total += merged[merged.shape[0] - 1 - i]
-            r_q[r] = total / k_rows
+    r_q = _merged_means(row_best, k_rows, stripes) if rows else np.zeros(0, np.float32)
     r_i = np.zeros(n_cols if cols else 0, np.float32)
     if cols:
         for c in prange(n_cols):
@@ -165,6 +182,30 @@ def _topk_means(s, k_rows, k_cols, rows, cols, stripes):
                 total += col_best[c, i]
             r_i[c] = total / k_cols
     return r_q, r_i
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _merged_means(row_best, k, chunks_per_thread=4):
+    """`row_best [stripes, rows, k]` (each stripe's k best of a row, ascending) -> each row's
+    mean of its k best over all stripes: a merge from the lists' tops, no sort, no allocation
+    per row."""
+    stripes, n_rows = row_best.shape[0], row_best.shape[1]
+    r_q = np.zeros(n_rows, np.float32)
+    chunks = stripes * chunks_per_thread
+    for t in prange(chunks):
+        top = np.empty(stripes, np.int64)
+        for r in range(t * n_rows // chunks, (t + 1) * n_rows // chunks):
+            top[:] = k - 1
+            total = 0.0
+            for _ in range(k):  # a list runs out only at the last pick, so top stays >= 0
+                pick = 0
+                for u in range(1, stripes):
+                    if row_best[u, r, top[u]] > row_best[pick, r, top[pick]]:
+                        pick = u
+                total += row_best[pick, r, top[pick]]
+                top[pick] -= 1
+            r_q[r] = total / k
+    return r_q
 
 
 @njit(parallel=True, cache=True, boundscheck=False, nogil=True)
