@@ -108,7 +108,7 @@ def _count_blocks(state: Mapping[str, Any], prefix: str) -> int:
     return max(found) + 1 if found else 0
 
 
-def _refuse_unsupported_keys(state: Mapping[str, Any], where: str) -> None:
+def refuse_unsupported_keys(state: Mapping[str, Any], where: str) -> None:
     """Name the first key of an open_clip model our CLIP cannot express."""
     markers = [
         ("visual.trunk.", "a timm image tower"),
@@ -136,7 +136,7 @@ def _refuse_unsupported_keys(state: Mapping[str, Any], where: str) -> None:
 def config_from_state(state: Mapping[str, Any], act: str, where: str) -> clip.CLIPConfig:
     """Our `CLIPConfig` from an open_clip state dict's shapes (arrays or `_Shape`s) and the
     activation the user named; heads are width / 64."""
-    _refuse_unsupported_keys(state, where)
+    refuse_unsupported_keys(state, where)
     conv = tuple(state["visual.conv1.weight"].shape)
     vw, patch = conv[0], conv[2]
     grid = math.isqrt(state["visual.positional_embedding"].shape[0] - 1)

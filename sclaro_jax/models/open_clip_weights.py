@@ -42,10 +42,9 @@ from flax import nnx
 
 from sclaro_jax.models import clip, cpu_gradients, hf_weights
 from sclaro_jax.models.hf_weights import CheckpointError
-from sclaro_jax.models.open_clip_config import (HEAD_WIDTH, _refuse_unsupported_keys,  # noqa: F401
-                                                config_from_open_clip, config_from_state,
-                                                model_config)
-from sclaro_jax.models.torch_files import read_state_dict, read_torch_file  # noqa: F401
+from sclaro_jax.models.open_clip_config import (config_from_open_clip, config_from_state,
+                                                model_config, refuse_unsupported_keys)
+from sclaro_jax.models.torch_files import read_state_dict
 
 CONFIG_NAME = "open_clip_config.json"
 WEIGHTS_NAME = "open_clip_model.safetensors"
@@ -135,7 +134,7 @@ def _config(weights: Path, config_file: Path | None, act: str | None, read_state
                 f"{weights}: the activation suffix says {act} but {config_file} says "
                 f"{config.vision.hidden_act} (quick_gelu={act == 'quick_gelu'}): drop the "
                 "suffix or fix the config")
-        _refuse_unsupported_keys(read_state(), str(weights))
+        refuse_unsupported_keys(read_state(), str(weights))
         return config
     if act is None:
         raise CheckpointError(
@@ -158,14 +157,46 @@ def read_config(spec: str | os.PathLike) -> clip.CLIPConfig:
 
 _BLOCK = {"ln_1": "layer_norm1", "ln_2": "layer_norm2", "attn.out_proj": "self_attn.out_proj",
           "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
+# (open_clip key, Hugging Face key) of the tensors stored transposed on one side
+_TRANSPOSED = (("visual.proj", "visual_projection.weight"),
+               ("text_projection", "text_projection.weight"))
 
 
-def _towers(config: clip.CLIPConfig):
-    """(open_clip prefix, HF prefix, layers) of each tower's blocks."""
-    return (("visual.transformer.resblocks", "vision_model.encoder.layers",
-             config.vision.num_hidden_layers),
-            ("transformer.resblocks", "text_model.encoder.layers",
-             config.text.num_hidden_layers))
+def _key_map(config: clip.CLIPConfig) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """([(open_clip key, HF key)] of the tensors that are only renamed (`_TRANSPOSED` ones
+    transposed too), [(open_clip prefix, HF prefix)] of each block's attention, whose fused
+    `in_proj_{weight,bias}` is HF's `q_proj`, `k_proj`, `v_proj` stacked)."""
+    renamed = [("visual.class_embedding", "vision_model.embeddings.class_embedding"),
+               ("visual.conv1.weight", "vision_model.embeddings.patch_embedding.weight"),
+               ("visual.positional_embedding",
+                "vision_model.embeddings.position_embedding.weight"),
+               ("token_embedding.weight", "text_model.embeddings.token_embedding.weight"),
+               ("positional_embedding", "text_model.embeddings.position_embedding.weight"),
+               ("logit_scale", "logit_scale"), *_TRANSPOSED]
+    for theirs, ours in (("visual.ln_pre", "vision_model.pre_layrnorm"),
+                         ("visual.ln_post", "vision_model.post_layernorm"),
+                         ("ln_final", "text_model.final_layer_norm")):
+        renamed += [(f"{theirs}.{leaf}", f"{ours}.{leaf}") for leaf in ("weight", "bias")]
+    attention = []
+    for oc, hf, n in (("visual.transformer.resblocks", "vision_model.encoder.layers",
+                       config.vision.num_hidden_layers),
+                      ("transformer.resblocks", "text_model.encoder.layers",
+                       config.text.num_hidden_layers)):
+        for i in range(n):
+            a, b = f"{oc}.{i}", f"{hf}.{i}"
+            renamed += [(f"{a}.{theirs}.{leaf}", f"{b}.{ours}.{leaf}")
+                        for theirs, ours in _BLOCK.items() for leaf in ("weight", "bias")]
+            attention.append((a, b))
+    return renamed, attention
+
+
+def _moved(key: str, value) -> np.ndarray:
+    """A renamed tensor as the other side stores it: projections transposed, the logit scale a
+    scalar."""
+    value = np.asarray(value, np.float32)
+    if any(key in pair for pair in _TRANSPOSED):
+        return value.T
+    return value.reshape(()) if key == "logit_scale" else value
 
 
 def to_hf_state(state: Mapping[str, np.ndarray], config: clip.CLIPConfig, where: str
@@ -179,34 +210,16 @@ def to_hf_state(state: Mapping[str, np.ndarray], config: clip.CLIPConfig, where:
         if key not in state:
             raise CheckpointError(f"{where}: missing key {key!r} for a CLIP of this config")
         used.add(key)
-        return np.asarray(state[key], np.float32)
+        return state[key]
 
-    out = {
-        "vision_model.embeddings.class_embedding": take("visual.class_embedding"),
-        "vision_model.embeddings.patch_embedding.weight": take("visual.conv1.weight"),
-        "vision_model.embeddings.position_embedding.weight":
-            take("visual.positional_embedding"),
-        "visual_projection.weight": take("visual.proj").T,
-        "text_model.embeddings.token_embedding.weight": take("token_embedding.weight"),
-        "text_model.embeddings.position_embedding.weight": take("positional_embedding"),
-        "text_projection.weight": take("text_projection").T,
-        "logit_scale": take("logit_scale").reshape(()),
-    }
-    for ours, theirs in (("vision_model.pre_layrnorm", "visual.ln_pre"),
-                         ("vision_model.post_layernorm", "visual.ln_post"),
-                         ("text_model.final_layer_norm", "ln_final")):
+    renamed, attention = _key_map(config)
+    out = {hf: _moved(oc, take(oc)) for oc, hf in renamed}
+    for a, b in attention:
         for leaf in ("weight", "bias"):
-            out[f"{ours}.{leaf}"] = take(f"{theirs}.{leaf}")
-    for oc, hf, n in _towers(config):
-        for i in range(n):
-            a, b = f"{oc}.{i}", f"{hf}.{i}"
-            for theirs, ours in _BLOCK.items():
-                for leaf in ("weight", "bias"):
-                    out[f"{b}.{ours}.{leaf}"] = take(f"{a}.{theirs}.{leaf}")
-            for leaf in ("weight", "bias"):
-                q, k, v = np.split(take(f"{a}.attn.in_proj_{leaf}"), 3, axis=0)
-                for name, part in zip("qkv", (q, k, v)):
-                    out[f"{b}.self_attn.{name}_proj.{leaf}"] = part
+            q, k, v = np.split(np.asarray(take(f"{a}.attn.in_proj_{leaf}"), np.float32), 3,
+                               axis=0)
+            for name, part in zip("qkv", (q, k, v)):
+                out[f"{b}.self_attn.{name}_proj.{leaf}"] = part
     extra = sorted(set(state) - used)
     if extra:
         shown = ", ".join(extra[:8]) + (f", ... ({len(extra)} in all)" if len(extra) > 8 else "")
@@ -217,30 +230,12 @@ def to_hf_state(state: Mapping[str, np.ndarray], config: clip.CLIPConfig, where:
 def from_hf_state(hf: Mapping[str, np.ndarray], config: clip.CLIPConfig
                   ) -> dict[str, np.ndarray]:
     """Hugging Face `CLIPModel` keys -> an open_clip state dict (float32)."""
-    out = {
-        "visual.class_embedding": hf["vision_model.embeddings.class_embedding"],
-        "visual.conv1.weight": hf["vision_model.embeddings.patch_embedding.weight"],
-        "visual.positional_embedding": hf["vision_model.embeddings.position_embedding.weight"],
-        "visual.proj": hf["visual_projection.weight"].T,
-        "token_embedding.weight": hf["text_model.embeddings.token_embedding.weight"],
-        "positional_embedding": hf["text_model.embeddings.position_embedding.weight"],
-        "text_projection": hf["text_projection.weight"].T,
-        "logit_scale": hf["logit_scale"].reshape(()),
-    }
-    for ours, theirs in (("vision_model.pre_layrnorm", "visual.ln_pre"),
-                         ("vision_model.post_layernorm", "visual.ln_post"),
-                         ("text_model.final_layer_norm", "ln_final")):
+    renamed, attention = _key_map(config)
+    out = {oc: _moved(hfk, hf[hfk]) for oc, hfk in renamed}
+    for a, b in attention:
         for leaf in ("weight", "bias"):
-            out[f"{theirs}.{leaf}"] = hf[f"{ours}.{leaf}"]
-    for oc, hfp, n in _towers(config):
-        for i in range(n):
-            a, b = f"{oc}.{i}", f"{hfp}.{i}"
-            for theirs, ours in _BLOCK.items():
-                for leaf in ("weight", "bias"):
-                    out[f"{a}.{theirs}.{leaf}"] = hf[f"{b}.{ours}.{leaf}"]
-            for leaf in ("weight", "bias"):
-                out[f"{a}.attn.in_proj_{leaf}"] = np.concatenate(
-                    [hf[f"{b}.self_attn.{x}_proj.{leaf}"] for x in "qkv"], axis=0)
+            out[f"{a}.attn.in_proj_{leaf}"] = np.concatenate(
+                [hf[f"{b}.self_attn.{x}_proj.{leaf}"] for x in "qkv"], axis=0)
     return {k: np.array(v, np.float32, order="C") for k, v in out.items()}
 
 

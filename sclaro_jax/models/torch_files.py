@@ -141,8 +141,6 @@ def _safetensors(path: Path, shapes_only: bool) -> dict:
             if shapes_only:
                 return {k: _Shape(f.get_slice(k).get_shape(), None) for k in f.keys()}
             return {k: f.get_tensor(k) for k in f.keys()}
-    except CheckpointError:
-        raise
     except Exception as err:  # a truncated / corrupt file, or bf16 numpy cannot hold
         if "bf16" in str(err).lower() or "bfloat16" in str(err).lower():
             return _safetensors_bf16(path, shapes_only)
