@@ -94,16 +94,19 @@ class ShardedDataset:
             finally:
                 reader.close()
 
-    def samples(self, split: str, *, skip_bad: bool = False):
+    def samples(self, split: str, *, skip_bad: bool = False, located: bool = False):
         """Every record of a split, decoded (images stay encoded), in order: the one record
-        reader of the library and data_prep. A record that does not decode raises
-        `DatasetError` naming its shard and index, or is passed over with `skip_bad`."""
+        reader of the library and data_prep; with `located`, (where, sample) pairs (`where` as
+        `records` gives it, for messages about the sample). A record that does not decode
+        raises `DatasetError` naming its shard and index, or is passed over with `skip_bad`."""
         for where, record in self.records(split):
             try:
-                yield schema.decode(record)
+                sample = schema.decode(record)
             except schema.RecordError as e:
-                if not skip_bad:
-                    raise DatasetError(f"{where}: {e}") from None
+                if skip_bad:
+                    continue
+                raise DatasetError(f"{where}: {e}") from None
+            yield (where, sample) if located else sample
 
     def check_files(self, split: str | None = None) -> None:
         """The quick check of the shards (of `split`, or of every split) against the manifest

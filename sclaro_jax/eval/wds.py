@@ -174,7 +174,7 @@ def write_wds(data_dir: str, split: str, out: str, *,
         raise WdsError(f"{actions_file} lists no action: zero-shot classification needs classes")
     created = not os.path.exists(out)
     try:
-        return _write(ds, split, out, task, shard_size, originals, progress)
+        return _write(ds, split, out, task, shard_size, originals, progress, classes)
     except BaseException:  # leave no half-written dataset: `out` was new or empty
         if created:
             shutil.rmtree(out, ignore_errors=True)
@@ -186,9 +186,8 @@ def write_wds(data_dir: str, split: str, out: str, *,
 
 
 def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool,
-           progress: bool) -> dict:
-    """`write_wds` after its checks."""
-    classes = list(ds.vocab.actions)
+           progress: bool, classes: list[str]) -> dict:
+    """`write_wds` after its checks (`classes`: the dataset's actions)."""
     actions_file = os.path.join(ds.root, schema.VOCAB_FILES["actions"])
     index = {c: i for i, c in enumerate(classes)}
     split_dir = os.path.join(out, split)
@@ -198,12 +197,8 @@ def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool
     bar = tqdm(total=ds.num_records(split), desc=f"wds {split}", unit="img",
                disable=not progress)
     try:
-        for n, (where, record) in enumerate(ds.records(split)):
+        for n, (where, sample) in enumerate(ds.samples(split, located=True)):
             bar.update(1)
-            try:
-                sample = schema.decode(record)
-            except schema.RecordError as e:
-                raise DatasetError(f"{where}: {e}") from None
             captions = _captions(sample.caption)
             if task == "zeroshot_classification":
                 if not sample.action:
