@@ -1,7 +1,8 @@
 """Streaming sources: img2dataset's webdataset shards (`webdataset`) and Hugging Face `datasets`
 folders (`hf`), read in place. `data_prep.sources` registers them (sorting, duplicate and
-empty-listing checks) as the sources `webdataset` and `hf`; the items carry where their bytes lie (a tar member's byte range, a dataset row) and
-`data_prep.source_items.read_image` reads just those bytes when the item's block runs."""
+empty-listing checks) as the sources `webdataset` and `hf`; the items carry where their bytes
+lie (a tar member's byte range, a dataset row) and `data_prep.source_items.read_image` reads
+just those bytes when the item's block runs."""
 
 from __future__ import annotations
 
