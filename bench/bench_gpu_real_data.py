@@ -16,7 +16,8 @@ Run it under `if __name__ == "__main__"` (Grain's workers start with spawn).
 `--counts demo` gives each record its demo photograph's own object / relation counts (real
 data leaves caps slots empty; "full" fills them). Each `--layout` (repeatable) is measured in
 turn: caps at --objects / --relations per image, packed at the sizes planned from the written
-split (every size compiled first). Per layout: examples/s, data_wait_fraction, useful crops/s,
+split. Every executable of every layout is compiled first (`--compile-threads` at a time),
+then each layout timed. Per layout: examples/s, data_wait_fraction, useful crops/s,
 MFU and useful MFU (FLOPs of real crops only, `bench_gpu_train.crop_flops_line`).
 """
 
@@ -51,6 +52,8 @@ def main():
     parser.add_argument("--warmup", type=int, default=4, help="untimed real-data steps")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--compile-threads", type=int, default=1,
+                        help="executables compiled at once before any timing (all layouts)")
     args = parser.parse_args()
     layouts = args.layout or ["caps"]
     workers = args.workers or [max(1, (os.cpu_count() or 2) - 1)]
@@ -59,23 +62,29 @@ def main():
     from sclaro_jax.models import clip
 
     size = clip.config_from_preset(args.preset).vision.image_size
-    data = args.data or os.path.join(tempfile.mkdtemp(), "shards")
+    data = args.data = args.data or os.path.join(tempfile.mkdtemp(), "shards")
     if not os.path.exists(os.path.join(data, "manifest.json")):
         t0 = time.perf_counter()
         build_shards(data, args.samples, n_obj=args.objects, n_rel=args.relations,
                      view_size=size, demo_counts=args.counts == "demo")
         print(f"wrote {args.samples} records to {data} in {time.perf_counter() - t0:.1f} s",
               flush=True)
-    results = [measure(args, data, size, layout, workers) for layout in layouts]
+    runs = [prepare(args, data, size, layout) for layout in layouts]
+    compile_s = compile_all(runs, args.compile_threads)
+    line = None
+    results = []
+    for run in runs:
+        run["flops"] = StepFlops(run["lower"], run["first"], line=line)
+        line = run["flops"].line  # the same step function: one line for every layout
+        results.append(measure(args, run, workers, compile_s))
     print(json.dumps(results, indent=2), flush=True)
 
 
-def measure(args, data: str, size: int, layout: str, workers: list[int]) -> dict:
-    """One layout: the step on a fixed device batch, then fed by Grain with each worker
-    count."""
+def prepare(args, data: str, size: int, layout: str) -> dict:
+    """One layout's step, train state, loader config and the batches of every shape it runs
+    (the caps' one shape; each planned packed size)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from bench_train_step import every_size
     from sclaro_jax.data import packing
@@ -96,16 +105,48 @@ def measure(args, data: str, size: int, layout: str, workers: list[int]) -> dict
     del model
     step = jax.jit(core.make_train_step(graphdef, tx, cfg), donate_argnums=0)
     first = next(iter(make_loader(data, "train", args.batch, config=pcfg, seed=0)))
-    flops = StepFlops(lambda b: step.lower(state, b), first)
+    run = {"layout": layout, "sizes": sizes, "pcfg": pcfg, "step": step, "state": state,
+           "first": first, "shapes": every_size(sizes, first) if sizes else [first]}
+    # FLOPs from lowerings at the state's shapes (the state itself is donated once it trains)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    run["lower"] = lambda b: step.lower(shapes, b)
+    return run
 
+
+def compile_all(runs: list[dict], threads: int) -> float:
+    """Compile every executable of every layout up front, `threads` at a time (XLA releases
+    the GIL while it compiles; the jitted steps then find them in JAX's compilation cache).
+    Returns the wall seconds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(run, b) for run in runs for b in run["shapes"]]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        list(pool.map(lambda job: job[0]["step"].lower(job[0]["state"], job[1]).compile(),
+                      jobs))
+    wall = time.perf_counter() - t0
+    print(f"compiled {len(jobs)} executables, {threads} at a time, in {wall:.1f} s", flush=True)
+    return wall
+
+
+def measure(args, run: dict, workers: list[int], compile_s: float) -> dict:
+    """One layout: the step on a fixed device batch, then fed by Grain with each worker
+    count."""
+    import jax
+    import numpy as np
+
+    from sclaro_jax.data.pipeline import make_loader
+
+    layout, sizes, pcfg, step = run["layout"], run["sizes"], run["pcfg"], run["step"]
+    state, first, flops, data = run.pop("state"), run["first"], run["flops"], args.data
     device_batch = jax.device_put(first)
     t0 = time.perf_counter()
     state, metrics = step(state, device_batch)
     jax.block_until_ready(metrics)
-    compile_s = time.perf_counter() - t0
-    for b in (every_size(sizes, first) if sizes else []):
+    first_call_s = time.perf_counter() - t0
+    for b in run["shapes"]:
         flops(b)
-        state, metrics = step(state, jax.device_put(b))  # every size compiled before timing
+        state, metrics = step(state, jax.device_put(b))  # no compilation: compile_all did it
     for _ in range(3):
         state, metrics = step(state, device_batch)
     jax.block_until_ready(metrics)
@@ -118,7 +159,8 @@ def measure(args, data: str, size: int, layout: str, workers: list[int]) -> dict
     f_all, f_real = flops(first)
     result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "cores": os.cpu_count(), "batch": args.batch, "objects": args.objects,
-              "relations": args.relations, "dtype": args.dtype, "compile_s": compile_s,
+              "relations": args.relations, "dtype": args.dtype, "compile_s_all_layouts": compile_s,
+              "first_call_s": first_call_s,
               "layout": layout, "counts": args.counts,
               "packed_sizes": sizes.describe() if sizes else None,
               "device_batch": {"step_s": device_s, "examples_per_sec": args.batch / device_s,

@@ -132,12 +132,13 @@ def crop_flops_line(lower, packed_batch) -> tuple[float, float, float]:
 class StepFlops:
     """`(all, useful)` FLOPs of the step on a batch of either layout: XLA's count for the step
     lowered at the batch's shape (once per shape), and the crop line (`crop_flops_line`) at the
-    batch's real crops. `lower(batch)` -> the lowered step; `first` is a batch of the run."""
+    batch's real crops. `lower(batch)` -> the lowered step; `first` is a batch of the run;
+    `line` an earlier StepFlops' line of the same step function (not fitted again)."""
 
-    def __init__(self, lower, first: dict):
+    def __init__(self, lower, first: dict, line: tuple[float, float, float] | None = None):
         from sclaro_jax.data import packing
         self.lower = lower
-        self.line = crop_flops_line(lower, packing.pack(first))  # pack keeps a packed batch
+        self.line = line or crop_flops_line(lower, packing.pack(first))  # pack keeps packed
         self.lowered: dict = {}
 
     def __call__(self, batch: dict) -> tuple[float, float]:
