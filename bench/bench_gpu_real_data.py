@@ -54,6 +54,10 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--compile-threads", type=int, default=1,
                         help="executables compiled at once before any timing (all layouts)")
+    parser.add_argument("--flops-of", default="", metavar="LOG",
+                        help="the output of an earlier run (same arguments): count the FLOPs of "
+                             "its batches here, without compiling or timing, and print its "
+                             "results with MFU and useful MFU from its step times")
     args = parser.parse_args()
     layouts = args.layout or ["caps"]
     workers = args.workers or [max(1, (os.cpu_count() or 2) - 1)]
@@ -69,6 +73,9 @@ def main():
                      view_size=size, demo_counts=args.counts == "demo")
         print(f"wrote {args.samples} records to {data} in {time.perf_counter() - t0:.1f} s",
               flush=True)
+    if args.flops_of:
+        print(json.dumps(recount(args, size, read_results(args.flops_of)), indent=2))
+        return
     runs = [prepare(args, data, size, layout) for layout in layouts]
     compile_s = compile_all(runs, args.compile_threads)
     line = None
@@ -129,6 +136,54 @@ def compile_all(runs: list[dict], threads: int) -> float:
     return wall
 
 
+def read_results(path: str) -> list[dict]:
+    """The results list a run prints last (its JSON from a line "[" to a line "]")."""
+    lines = Path(path).read_text().splitlines()
+    try:
+        start = max(i for i, line in enumerate(lines) if line == "[")
+        end = next(i for i in range(start, len(lines)) if lines[i] == "]")
+    except (ValueError, StopIteration):
+        raise SystemExit(f"{path}: no results list (a line '[' ... a line ']') in it") from None
+    return json.loads("\n".join(lines[start:end + 1]))
+
+
+def timed_batches(args, pcfg, workers: int):
+    """The batches a measurement times: the loader of seed 1, after --warmup batches, --steps
+    of them (the same ones for the same records, batch and worker count)."""
+    from sclaro_jax.data.pipeline import make_loader
+
+    it = iter(make_loader(args.data, "train", args.batch, config=pcfg, seed=1,
+                          worker_count=workers, worker_buffer_size=args.buffer))
+    for _ in range(args.warmup):
+        next(it)
+    return [next(it) for _ in range(args.steps)]
+
+
+def recount(args, size: int, results: list[dict]) -> list[dict]:
+    """MFU and useful MFU of an earlier run's results: its batches drawn again, their FLOPs
+    counted here at each batch's shape and real crops, over its step times."""
+    import numpy as np
+
+    peak, line = args.peak_tflops * 1e12, None
+    for result in results:
+        run = prepare(args, args.data, size, result["layout"])
+        flops = StepFlops(run["lower"], run["first"], line=line)
+        line = flops.line
+        f_all, f_real = flops(run["first"])
+        device = result["device_batch"]
+        device.update(mfu=f_all / device["step_s"] / peak,
+                      useful_mfu=f_real / device["step_s"] / peak)
+        for row in result["real_data"]:
+            f_all, f_real = np.sum([flops(b) for b in timed_batches(args, run["pcfg"],
+                                                                    row["workers"])], axis=0)
+            wall = row["step_s"] * args.steps
+            row.update(mfu=f_all / wall / peak, useful_mfu=f_real / wall / peak,
+                       tflops_per_step=f_all / args.steps / 1e12,
+                       useful_tflops_per_step=f_real / args.steps / 1e12)
+        del run
+    return results
+
+
 def measure(args, run: dict, workers: list[int], compile_s: float) -> dict:
     """One layout: the step on a fixed device batch, then fed by Grain with each worker
     count."""
@@ -160,7 +215,7 @@ def measure(args, run: dict, workers: list[int], compile_s: float) -> dict:
     result = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
               "cores": os.cpu_count(), "batch": args.batch, "objects": args.objects,
               "relations": args.relations, "dtype": args.dtype, "compile_s_all_layouts": compile_s,
-              "first_call_s": first_call_s,
+              "first_call_s": first_call_s, "warmup": args.warmup, "steps": args.steps,
               "layout": layout, "counts": args.counts,
               "packed_sizes": sizes.describe() if sizes else None,
               "device_batch": {"step_s": device_s, "examples_per_sec": args.batch / device_s,
