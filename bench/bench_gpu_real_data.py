@@ -87,9 +87,9 @@ def main():
     print(json.dumps(results, indent=2), flush=True)
 
 
-def prepare(args, data: str, size: int, layout: str) -> dict:
+def prepare(args, data: str, size: int, layout: str, data_only: bool = False) -> dict:
     """One layout's step, train state, loader config and the batches of every shape it runs
-    (the caps' one shape; each planned packed size)."""
+    (the caps' one shape; each planned packed size); `data_only`: the loader config alone."""
     import jax
     import jax.numpy as jnp
 
@@ -106,6 +106,8 @@ def prepare(args, data: str, size: int, layout: str) -> dict:
     pcfg = PipelineConfig(image_size=size, max_objects=args.objects,
                           max_relations=args.relations, text_length=32, layout=layout,
                           packed=sizes)
+    if data_only:
+        return {"pcfg": pcfg}
     model = scenarioclip.build("scenarioclip", preset=args.preset, dtype=jnp.dtype(args.dtype))
     cfg = core.TrainConfig(total_steps=10_000)
     graphdef, state, tx = core.init_state(model, cfg)
@@ -148,24 +150,34 @@ def read_results(path: str) -> list[dict]:
 
 
 def timed_batches(args, pcfg, workers: int):
-    """The batches a measurement times: the loader of seed 1, after --warmup batches, --steps
-    of them (the same ones for the same records, batch and worker count)."""
+    """The batches a measurement times, one by one: the loader of seed 1 after --warmup
+    batches, --steps of them (the same ones for the same records, batch and worker count:
+    each Grain worker batches its own share of the records)."""
     from sclaro_jax.data.pipeline import make_loader
 
     it = iter(make_loader(args.data, "train", args.batch, config=pcfg, seed=1,
                           worker_count=workers, worker_buffer_size=args.buffer))
     for _ in range(args.warmup):
         next(it)
-    return [next(it) for _ in range(args.steps)]
+    for _ in range(args.steps):
+        yield next(it)
 
 
 def recount(args, size: int, results: list[dict]) -> list[dict]:
-    """MFU and useful MFU of an earlier run's results: its batches drawn again, their FLOPs
-    counted here at each batch's shape and real crops, over its step times."""
-    import numpy as np
-
+    """MFU and useful MFU of an earlier run's results: its batches drawn again (first, before
+    any model exists, keeping one batch per shape and every batch's real crops), then their
+    FLOPs counted here at each batch's shape and real crops, over its step times."""
     peak, line = args.peak_tflops * 1e12, None
     for result in results:
+        pcfg = prepare(args, args.data, size, result["layout"], data_only=True)["pcfg"]
+        drawn = []
+        for row in result["real_data"]:
+            one, crops = {}, []
+            for b in timed_batches(args, pcfg, row["workers"]):
+                key = (b["object_mask"].shape, b["relation_mask"].shape)
+                one.setdefault(key, b)
+                crops.append((key, real_crops(b)))
+            drawn.append((one, crops))
         run = prepare(args, args.data, size, result["layout"])
         flops = StepFlops(run["lower"], run["first"], line=line)
         line = flops.line
@@ -173,16 +185,15 @@ def recount(args, size: int, results: list[dict]) -> list[dict]:
         device = result["device_batch"]
         device.update(mfu=f_all / device["step_s"] / peak,
                       useful_mfu=f_real / device["step_s"] / peak)
-        for row in result["real_data"]:
-            f_all, f_real = np.sum([flops(b) for b in timed_batches(args, run["pcfg"],
-                                                                    row["workers"])], axis=0)
+        for row, (one, crops) in zip(result["real_data"], drawn):
+            f_all = sum(flops(one[key])[0] for key, _ in crops)
+            f_real = sum(line[0] + line[1] * k_o + line[2] * k_r for _, (k_o, k_r) in crops)
             wall = row["step_s"] * args.steps
             row.update(mfu=f_all / wall / peak, useful_mfu=f_real / wall / peak,
                        tflops_per_step=f_all / args.steps / 1e12,
                        useful_tflops_per_step=f_real / args.steps / 1e12)
-        del run
+        del run, drawn
     return results
-
 
 def measure(args, run: dict, workers: list[int], compile_s: float) -> dict:
     """One layout: the step on a fixed device batch, then fed by Grain with each worker
