@@ -149,31 +149,33 @@ def read_results(path: str) -> list[dict]:
     return json.loads("\n".join(lines[start:end + 1]))
 
 
-def timed_batches(args, pcfg, workers: int):
-    """The batches a measurement times, one by one: the loader of seed 1 after --warmup
-    batches, --steps of them (the same ones for the same records, batch and worker count:
+def timed_batches(args, pcfg, workers: int, warmup: int, steps: int):
+    """The batches a measurement times, one by one: the loader of seed 1 after `warmup`
+    batches, `steps` of them (the same ones for the same records, batch and worker count:
     each Grain worker batches its own share of the records)."""
     from sclaro_jax.data.pipeline import make_loader
 
     it = iter(make_loader(args.data, "train", args.batch, config=pcfg, seed=1,
                           worker_count=workers, worker_buffer_size=args.buffer))
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         next(it)
-    for _ in range(args.steps):
+    for _ in range(steps):
         yield next(it)
 
 
 def recount(args, size: int, results: list[dict]) -> list[dict]:
     """MFU and useful MFU of an earlier run's results: its batches drawn again (first, before
     any model exists, keeping one batch per shape and every batch's real crops), then their
-    FLOPs counted here at each batch's shape and real crops, over its step times."""
+    FLOPs counted here at each batch's shape and real crops, over its step times. Warm-up and
+    timed steps are the run's own where it recorded them, else --warmup / --steps."""
     peak, line = args.peak_tflops * 1e12, None
     for result in results:
+        warmup, steps = result.get("warmup", args.warmup), result.get("steps", args.steps)
         pcfg = prepare(args, args.data, size, result["layout"], data_only=True)["pcfg"]
         drawn = []
         for row in result["real_data"]:
             one, crops = {}, []
-            for b in timed_batches(args, pcfg, row["workers"]):
+            for b in timed_batches(args, pcfg, row["workers"], warmup, steps):
                 key = (b["object_mask"].shape, b["relation_mask"].shape)
                 one.setdefault(key, b)
                 crops.append((key, real_crops(b)))
@@ -187,13 +189,14 @@ def recount(args, size: int, results: list[dict]) -> list[dict]:
                       useful_mfu=f_real / device["step_s"] / peak)
         for row, (one, crops) in zip(result["real_data"], drawn):
             f_all = sum(flops(one[key])[0] for key, _ in crops)
-            f_real = sum(line[0] + line[1] * k_o + line[2] * k_r for _, (k_o, k_r) in crops)
-            wall = row["step_s"] * args.steps
+            f_real = sum(flops.useful(*real) for _, real in crops)
+            wall = row["step_s"] * steps
             row.update(mfu=f_all / wall / peak, useful_mfu=f_real / wall / peak,
-                       tflops_per_step=f_all / args.steps / 1e12,
-                       useful_tflops_per_step=f_real / args.steps / 1e12)
+                       tflops_per_step=f_all / steps / 1e12,
+                       useful_tflops_per_step=f_real / steps / 1e12)
         del run, drawn
     return results
+
 
 def measure(args, run: dict, workers: list[int], compile_s: float) -> dict:
     """One layout: the step on a fixed device batch, then fed by Grain with each worker

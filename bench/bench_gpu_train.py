@@ -158,8 +158,11 @@ class StepFlops:
         shape = (batch["object_mask"].shape, batch["relation_mask"].shape)
         if shape not in self.lowered:
             self.lowered[shape] = lowered_flops(self.lower(batch))
-        k_o, k_r = real_crops(batch)
-        return self.lowered[shape], self.line[0] + self.line[1] * k_o + self.line[2] * k_r
+        return self.lowered[shape], self.useful(*real_crops(batch))
+
+    def useful(self, k_o: int, k_r: int) -> float:
+        """The step's FLOPs at k_o object and k_r relation crops (the crop line)."""
+        return self.line[0] + self.line[1] * k_o + self.line[2] * k_r
 
 
 def main():
