@@ -22,6 +22,8 @@ from flax import nnx
 from sclaro_jax.models import cpu_gradients
 
 Array = jax.Array
+# The named scope of attention's core (q.k, softmax, weights.v), apart from its projections.
+ATTENTION_SCOPE = "attention_core"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,11 +131,12 @@ class Attention(nnx.Module):
         # on XLA:CPU.
         q = heads(self.q_proj(queries)) * jnp.asarray(head_dim**-0.5, self.dtype)
         k, v = heads(self.k_proj(x)), heads(self.v_proj(x))
-        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-        if mask is not None:
-            logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bhqk,bhkd->bhqd", weights, v)
+        with jax.named_scope(ATTENTION_SCOPE):
+            logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+            if mask is not None:
+                logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+            weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+            out = jnp.einsum("bhqk,bhkd->bhqd", weights, v)
         return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, queries.shape[1], d))
 
 

@@ -34,6 +34,9 @@ from sclaro_jax.run.params import label_params, param_name
 
 PyTree = Any
 FROZEN = "frozen"
+# Named scopes of the step's parts (in the compiled module's op names, so a profile can tell
+# them apart: bench/gpu_profile.py).
+AUGMENT_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE, EMA_SCOPE = "augment", "loss", "optimizer", "ema"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +235,8 @@ def level_inputs(batch: dict) -> dict[str, LevelInput]:
     when the batch carries the photometric fields), then `ops.normalize`. float32 pixels were
     CLIP-normalised on the host (`PipelineConfig(pixels="float32")`) and are used as they are."""
     if batch[fields.IMAGE].dtype == jnp.uint8:
-        batch = photometric.augment_batch(batch)  # unchanged without the photometric fields
+        with jax.named_scope(AUGMENT_SCOPE):  # unchanged without the photometric fields
+            batch = photometric.augment_batch(batch)
     valid = jnp.asarray(batch[fields.VALID])
     has = batch.get(fields.HAS_ACTION)
     out = {}
@@ -327,15 +331,17 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig, *,
     labels = None
     if cfg.duplicate_aware:
         labels = {level: batch[fields.LEVEL_FIELDS[level].labels] for level in losses.CROP_LEVELS}
-    return losses.scenarioclip_total(
-        encoded["embeddings"], {level: x.mask for level, x in inputs.items()},
-        {level: model.logit_scale(level) for level in losses.LEVELS},
-        lambda_ca=cfg.lambda_ca, lambda_kd=cfg.lambda_kd,
-        kd_log_scale=None if teacher is None else model.kd_log_scale[...],
-        teacher_image=encoded.get("teacher_image"), teacher_texts=encoded.get("teacher_texts"),
-        kd_direction=cfg.kd_direction, labels=labels, kd_teacher_floor=cfg.kd_teacher_floor,
-        segments={level: inputs[level].segments for level in losses.CROP_LEVELS
-                  if inputs[level].segments is not None})
+    with jax.named_scope(LOSS_SCOPE):
+        return losses.scenarioclip_total(
+            encoded["embeddings"], {level: x.mask for level, x in inputs.items()},
+            {level: model.logit_scale(level) for level in losses.LEVELS},
+            lambda_ca=cfg.lambda_ca, lambda_kd=cfg.lambda_kd,
+            kd_log_scale=None if teacher is None else model.kd_log_scale[...],
+            teacher_image=encoded.get("teacher_image"),
+            teacher_texts=encoded.get("teacher_texts"),
+            kd_direction=cfg.kd_direction, labels=labels, kd_teacher_floor=cfg.kd_teacher_floor,
+            segments={level: inputs[level].segments for level in losses.CROP_LEVELS
+                      if inputs[level].segments is not None})
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: TrainConfig,
@@ -366,10 +372,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         trainable = trainable_part(state.params, labels)
         grads, metrics = jax.grad(loss_fn, has_aux=True)(trainable, state.params, state.teacher,
                                                           batch)
-        updates, opt_state = tx.update(grads, state.opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            updates, opt_state = tx.update(grads, state.opt_state, trainable)
+            trainable = optax.apply_updates(trainable, updates)
         new_step = state.step + 1
-        teacher = ema_update(trainable_part(state.teacher, labels), trainable, new_step, cfg)
+        with jax.named_scope(EMA_SCOPE):
+            teacher = ema_update(trainable_part(state.teacher, labels), trainable, new_step, cfg)
         metrics["lr"] = lr(state.step)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["bad_records"] = jnp.sum(batch[fields.BAD_RECORD])
