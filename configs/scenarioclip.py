@@ -64,6 +64,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # skips compiling the step), a folder to share between runs, or "" (off). A cache folder
     # already set for JAX (JAX_COMPILATION_CACHE_DIR, jax.config) is left as it is.
     c.compilation_cache = "workdir"
+    # The step's executables (one per packed size) are compiled before step 1, this many at a
+    # time (0: one per four cores, at most one per executable).
+    c.compile_threads = 0
     # Evaluators by name (sclaro_jax.eval.registry): each runs on the student every `every`
     # steps (0: off in training; `python -m sclaro_jax.eval.suite` runs them on demand),
     # appending to WORKDIR/eval.jsonl. Known: zero_shot, linear_probe, predcls, sgcls.

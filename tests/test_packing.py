@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax._src import monitoring  # no public listener API
 import numpy as np
 import pytest
 from flax import nnx
@@ -12,11 +13,14 @@ from flax import nnx
 from data_prep.testing import LONG_TAIL_OBJECTS, LONG_TAIL_RELATIONS, write_long_tail_dataset
 from sclaro_jax.data import batch as fields
 from sclaro_jax.data import packing
-from sclaro_jax.data.batch import batch_shapes
+from sclaro_jax.data.batch import batch_shapes, batch_specs
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.models import scenarioclip
+from sclaro_jax.run.ahead import CompiledSteps
 from sclaro_jax.train import core, sharding
+
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 
 SIZE = 32
 CAPS = PipelineConfig(image_size=SIZE, max_objects=8, max_relations=6)  # the demo's counts fit
@@ -133,7 +137,9 @@ def test_packed_batches_hold_every_crop_in_order_decoded_in_place(demo_dir):
     caps_batches, packed_batches, cfg = _loaders(demo_dir, CAPS, 4, n=3)
     for a, b in zip(caps_batches, packed_batches):
         tier = cfg.packed.tier_of(b)
-        assert {k: v.shape for k, v in b.items()} == batch_shapes(4, cfg, tier)
+        # what the step is compiled for ahead of the first batch (batch_specs) is what comes
+        assert {k: (v.shape, v.dtype) for k, v in b.items()} == batch_specs(4, cfg, tier)
+        assert {k: (v.shape, v.dtype) for k, v in a.items()} == batch_specs(4, CAPS)
         for level in fields.CROP_LEVELS:
             f = fields.LEVEL_FIELDS[level]
             n = int(b[f.mask].sum())
@@ -290,9 +296,9 @@ def test_a_batch_past_the_caps_trains_every_crop_as_the_reference_flattens_them(
 @pytest.mark.parametrize("which", ["demo", "long_tail"])
 def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
         which, demo_dir, long_tail_dir):
-    """200 training batches of 8 images through the jitted train step, as the trainer runs it:
-    no crop dropped, every crop of every batch in the step, at most three compilations (one
-    per packed size used)."""
+    """200 training batches of 8 images through the train step as the trainer runs it, every
+    packed size compiled before the first batch (`run.ahead.CompiledSteps`): no crop dropped,
+    every crop of every batch in the step, no compilation once training has started."""
     folder = demo_dir if which == "demo" else long_tail_dir
     model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)
     # the towers' blocks frozen (the heads, scales and KD temperature train): half the
@@ -300,9 +306,20 @@ def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
     cfg = dataclasses.replace(CFG, frozen_vision_layers=2, frozen_text_layers=2,
                               freeze_pre_layernorm=True)
     graphdef, state, tx = core.init_state(model, cfg)
-    step, state = sharding.jit_step(core.make_train_step(graphdef, tx, cfg), state, None, "none")
-    cfg = dataclasses.replace(CAPS, layout="packed")
+    jitted, state = sharding.jit_step(core.make_train_step(graphdef, tx, cfg), state, None,
+                                      "none")
+    ds = open_dataset(folder)
+    cfg = dataclasses.replace(CAPS, layout="packed", packed=packing.plan(
+        *packing.split_histograms(ds, "train"), 8))
+    step = CompiledSteps(jitted, state, [batch_specs(8, cfg, t) for t in range(cfg.packed.tiers)])
     it = iter(make_loader(folder, "train", 8, config=cfg, seed=0))
+    compiles, stepping = [], [False]
+
+    def listen(event, seconds, **_):  # compilations inside the step's calls only
+        if event == BACKEND_COMPILE and stepping[0]:
+            compiles.append(seconds)
+
+    monitoring.register_event_duration_secs_listener(listen)
     sizes = set()
     totals = np.zeros(4)
     for _ in range(200):
@@ -310,10 +327,14 @@ def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
         want = [int(batch[fields.LEVEL_FIELDS[level].mask].sum()) for level in fields.CROP_LEVELS]
         sizes.add(batch[fields.LEVEL_FIELDS["object"].mask].shape + batch[
             fields.LEVEL_FIELDS["relation"].mask].shape)
+        stepping[0] = True
         state, metrics = step(state, batch)
+        stepping[0] = False
         totals += [metrics["dropped_objects"], metrics["dropped_relations"],
                    metrics["crops_objects"] - want[0], metrics["crops_relations"] - want[1]]
     assert np.isfinite(float(metrics["loss"]))
     assert list(totals) == [0, 0, 0, 0]
-    assert step._cache_size() == len(sizes) <= packing.MAX_TIERS
+    monitoring.unregister_event_duration_listener(listen)
+    assert compiles == [] and jitted._cache_size() == 0 and not step.late
+    assert len(step.executables) == cfg.packed.tiers <= packing.MAX_TIERS
     assert len(sizes) >= 2  # the larger sizes were needed and used

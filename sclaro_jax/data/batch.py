@@ -126,3 +126,18 @@ def batch_shapes(batch_size: int, config, tier: int = 0) -> dict[str, tuple]:
         shapes[f.labels] = (b, cap)
         shapes[f.mask] = (b, cap)
     return shapes
+
+
+def batch_specs(batch_size: int, config, tier: int = 0) -> dict[str, tuple[tuple, np.dtype]]:
+    """Field -> (shape, dtype) of a batch of `batch_shapes`: what `collate` writes, so a step
+    can be compiled for every batch it will see before the first one exists."""
+    dtypes = {name: np.dtype(dtype) for name, dtype in PER_IMAGE}
+    dtypes.update({name: np.dtype(dtype) for name, dtype, _ in PHOTOMETRIC})
+    pixels = np.dtype(np.float32 if getattr(config, "pixels", "uint8") == "float32" else np.uint8)
+    for f in LEVEL_FIELDS.values():
+        dtypes[f.pixels], dtypes[f.tokens] = pixels, np.dtype(np.int32)
+        dtypes.setdefault(f.labels, np.dtype(np.int32))
+        if f.mask:
+            dtypes[f.mask], dtypes[f.segments] = np.dtype(np.bool_), np.dtype(np.int32)
+    return {name: (shape, dtypes[name])
+            for name, shape in batch_shapes(batch_size, config, tier).items()}

@@ -1,7 +1,8 @@
 """The run layer under every trainer (ScenarioCLIP's `sclaro_jax.train`, the detector's
 `sclaro_jax.detection.train`): the run folder (`folder`: graceful stop, unfinished checkpoints,
-log truncation, config drift, data identity), its one writer (`lock`), device layouts (`sharding`), the compilation cache
-(`cache`), parameter groups by name (`params`) and the one loop, `run_steps` (`loop`).
+log truncation, config drift, data identity), its one writer (`lock`), device layouts
+(`sharding`), the compilation cache (`cache`), the step compiled ahead for every batch shape
+(`ahead`), parameter groups by name (`params`) and the one loop, `run_steps` (`loop`).
 
 It imports nothing of sclaro_jax but `config`, `compile`, `ops` and `files`: no trainer, model,
 data or evaluation code.

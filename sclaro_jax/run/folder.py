@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # how the devices share the work (checkpoints restore onto another layout).
 # The detector's recipe (configs/detection.py) keeps its length and evaluation at the top level.
 SAFE_KEYS = ("log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_async",
-             "progress_bar", "compilation_cache", "evals", "data.dir", "sharding", "distributed",
+             "progress_bar", "compilation_cache", "compile_threads", "evals", "data.dir", "sharding", "distributed",
              "eval_split", "eval_batch_size", "backbone.workdir")
 # The keys that set a run's length (ScenarioCLIP: train.*; the detector: top level). The warm-up /
 # cosine schedule spans the run's length, so a new length changes the learning rate from the

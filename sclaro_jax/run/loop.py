@@ -31,6 +31,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
+from sclaro_jax.run.ahead import CompiledSteps, seconds_since_start
 from sclaro_jax.run.folder import (GracefulStop, RunError, config_changes, length_changes,
                                    refuse_drift, unfinished_checkpoints)
 
@@ -286,10 +287,18 @@ def stop_here(stop: GracefulStop, checkpoints: Checkpoints, done: int, multi: bo
 
 
 def tensorboard(workdir: str):
+    # tensorboardX imports torch where it is installed, only to accept torch tensors: seconds at
+    # every start, and sclaro_jax never imports torch. It is hidden for that import.
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` then raises ImportError
     try:
         from tensorboardX import SummaryWriter
     except ImportError:  # optional: metrics.jsonl is always written
         return None
+    finally:
+        if hide:
+            del sys.modules["torch"]
     return SummaryWriter(os.path.join(workdir, "tensorboard"))
 
 
@@ -380,6 +389,8 @@ def _after_step(state, metrics, done: int, spec: LoopSpec, checkpoints: Checkpoi
         metrics = _finite(metrics, done, checkpoints, spec.hint)
     if done == spec.start + 1:  # the run has started: its config is the one in use
         jax.block_until_ready(state)
+        log.info("step %d done: loss %.4f, %.1f s after the process started", done,
+                 float(jax.device_get(metrics["loss"])), seconds_since_start())
         logs.first_step(done)
     if log_now:
         logs.write(metrics, done)
@@ -405,7 +416,8 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
     try:
         try:
             with stop:
-                log.info("compiling the train step (first step only) ...")
+                if not isinstance(step_fn, CompiledSteps):
+                    log.info("compiling the train step (first step only) ...")
                 for step in range(spec.start, spec.steps):
                     if stop_here(stop, checkpoints, done, multi):
                         break

@@ -35,12 +35,14 @@ from flax import nnx
 
 from sclaro_jax.checkpoint import build_model
 from sclaro_jax.config import flatten
+from sclaro_jax.data import batch as fields
 from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, NonFiniteLossError, run_steps  # noqa: F401
 from sclaro_jax.run import folder as runs, lock, sharding
+from sclaro_jax.run.ahead import CompiledSteps
 from sclaro_jax.run.cache import use_compilation_cache
 from sclaro_jax.run.folder import check_workdir
 from sclaro_jax.train import core, resume
@@ -154,7 +156,7 @@ def _build(config, workdir: str, dataset, tcfg: core.TrainConfig):
     host_batch = config.data.batch_size // jax.process_count()
     pcfg = pipeline_config(config, dataset, host_batch,
                            align=jax.local_device_count() if mesh is not None else 1)
-    sizes = PackedSteps(pcfg.packed, host_batch)
+    sizes = PackedSteps(pcfg, host_batch)
     loader = make_loader(dataset, "train", host_batch, config=pcfg, seed=config.seed,
                          worker_count=config.data.workers)
     it = runs.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
@@ -222,7 +224,7 @@ def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
     unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
     if runs.length_changes(unsafe):
         _log_schedule_change(config, unsafe, tcfg, start, dataset.num_records("train"))
-    graphdef, state, step_fn, mesh, sizes, it = _build(config, workdir, dataset, tcfg)
+    graphdef, state, jitted, mesh, sizes, it = _build(config, workdir, dataset, tcfg)
     checkpoints.save_args = _save_args(it)
     if start:
         step_dir = os.path.join(checkpoints.folder, str(start))
@@ -237,6 +239,10 @@ def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
                  start, steps)
         checkpoints.close()
         return state
+    step_fn = CompiledSteps(jitted, state, sizes.specs(),
+                            threads=config.get("compile_threads", 0))
+    log.info("compiled the train step for %d batch shape(s) in %.1f s, %d at a time",
+             len(step_fn.executables), step_fn.seconds, step_fn.threads)
     wait = DataWait(config.data.workers)
 
     def batch_of(step):
@@ -276,19 +282,29 @@ def _log_schedule_change(config, unsafe: dict, tcfg: core.TrainConfig, start: in
 
 
 class PackedSteps:
-    """The packed sizes in a run: logs the plan, each size's first step (it compiles then) and
-    at the end how many steps ran at each size. With many processes, every step's batch is
-    grown to the largest tier any process needs (the global batch has one shape), and its
-    image indices are moved to the host's place in the global batch."""
+    """The batch shapes of a run (`specs`) and its packed sizes: logs the plan, each size's
+    first step and at the end how many steps ran at each size. With many processes, every
+    step's batch is grown to the largest tier any process needs (the global batch has one
+    shape), and its image indices are moved to the host's place in the global batch."""
 
-    def __init__(self, sizes: packing.PackedSizes | None, host_batch: int):
-        self.sizes = sizes
+    def __init__(self, pcfg: PipelineConfig, host_batch: int):
+        self.pcfg = pcfg
+        self.sizes = sizes = pcfg.packed
         self.host_batch = host_batch
         self.steps = collections.Counter()
         if sizes is not None:
             log.info("packed crop layout, %d images per host batch: %s (the last holds %d "
                      "objects and %d relations per image: nothing is dropped)", host_batch,
                      sizes.describe(), sizes.max_objects, sizes.max_relations)
+
+    def specs(self) -> list[dict]:
+        """The global batch's (shape, dtype) per field for every batch shape of the run: one per
+        packed size (one with caps); each process feeds `host_batch` images' worth."""
+        scale = jax.process_count()
+        return [{name: ((shape[0] * scale,) + shape[1:], dtype)
+                 for name, (shape, dtype) in fields.batch_specs(self.host_batch, self.pcfg,
+                                                                tier).items()}
+                for tier in range(self.sizes.tiers if self.sizes else 1)]
 
     def agree(self, batch: dict, step: int) -> dict:
         if self.sizes is None:
@@ -302,8 +318,8 @@ class PackedSteps:
                 tier = needed
             batch = packing.offset_segments(batch, jax.process_index() * self.host_batch)
         if tier not in self.steps:
-            log.info("step %d is the first at packed size %d: %d object + %d relation slots "
-                     "(compiling it)", step, tier, self.sizes.objects[tier],
+            log.info("step %d is the first at packed size %d: %d object + %d relation slots",
+                     step, tier, self.sizes.objects[tier],
                      self.sizes.relations[tier])
         self.steps[tier] += 1
         return batch
