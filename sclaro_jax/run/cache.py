@@ -9,6 +9,8 @@ import jax
 
 log = logging.getLogger(__name__)
 
+XLA_CACHES = "xla_gpu_per_fusion_autotune_cache_dir"
+
 
 def use_compilation_cache(config, workdir: str) -> str | None:
     """Turn on JAX's persistent compilation cache as `config.compilation_cache` says
@@ -28,6 +30,10 @@ def use_compilation_cache(config, workdir: str) -> str | None:
                            else os.path.expanduser(choice))
     os.makedirs(path, exist_ok=True)
     from jax.experimental.compilation_cache import compilation_cache
+    if "JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES" not in os.environ:
+        # XLA's GEMM / fusion autotuning results go into the cache folder too, so a warm start
+        # does not autotune again on a GPU (stated, not left to the JAX version's default)
+        jax.config.update("jax_persistent_cache_enable_xla_caches", XLA_CACHES)
     compilation_cache.set_cache_dir(path)
     compilation_cache.reset_cache()  # a process that compiled before picks the folder up
     log.info("XLA compilation cache: %s", path)
