@@ -11,7 +11,7 @@ the matrix as a numpy array (as numpy allocates it, and 64-byte aligned) against
 (3) With --authors-lib, the MINER authors' own C++ CSLS (built by you from their repository,
 AbdulmalikDS/ROCS, appendix/optimization/csls.cpp; it stays outside this one) against ours on
 numpy and on resident input, with a plain copy as the memory bound; --authors-gpu does the same
-with their torch version on a GPU, --authors-score makes their retrieval.py's numpy `score` the
+with their torch version on a GPU (--authors-cu: their CUDA kernels, csls.cu), --authors-score makes their retrieval.py's numpy `score` the
 reference of (2).
 
     python bench/bench_miner.py                      # full size (memory: see bench/README.md)
@@ -24,6 +24,7 @@ reference of (2).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -251,10 +252,39 @@ def authors_table(queries: int, sizes: list[int], k: int, repeats: int, lib_path
         del device, sink, s
 
 
-def authors_gpu_table(queries: int, sizes: list[int], k: int, repeats: int, path: str) -> None:
-    """On a GPU: the authors' torch `csls_gpu` (appendix/optimization/csls_gpu.py, a path the user
-    gives) on a resident torch matrix against ours on a resident jax matrix (donated), with a
-    plain device copy as the bandwidth measure."""
+def load_authors_cu(path: str):
+    """The MINER authors' CUDA CSLS (appendix/optimization/csls.cu, a path the user gives),
+    built here with nvcc for this GPU, as `fn(torch_cuda_matrix, k)` (in place)."""
+    import ctypes
+    import shutil
+    import subprocess
+    import tempfile
+
+    if not Path(path).is_file():
+        raise SystemExit(f"--authors-cu {path}: no such file")
+    if shutil.which("nvcc") is None:
+        raise SystemExit("--authors-cu needs nvcc to build their csls.cu")
+    lib = str(Path(tempfile.mkdtemp()) / "libcsls_cuda.so")
+    subprocess.run(["nvcc", "-O3", "-arch=native", "-shared", "-Xcompiler", "-fPIC", "-o", lib,
+                    path], check=True)
+    fn = ctypes.CDLL(lib).csls_cuda
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = None
+
+    def run(matrix, k):
+        fn(ctypes.c_void_p(matrix.data_ptr()), matrix.shape[0], matrix.shape[1], k)
+        return matrix
+
+    return run
+
+
+def authors_gpu_table(queries: int, sizes: list[int], k: int, repeats: int, path: str | None,
+                      cu_path: str | None = None) -> list[dict]:
+    """On a GPU: the authors' torch `csls_gpu` (appendix/optimization/csls_gpu.py) and their
+    CUDA kernels (csls.cu), paths the user gives, each on a resident torch matrix, against ours
+    on a resident jax matrix (donated), with a plain device copy as the bandwidth measure.
+    Returns the rows (milliseconds, medians) after printing them; each contender's output is
+    checked against ours first."""
     import jax
 
     from sclaro_jax.miner import csls
@@ -265,34 +295,52 @@ def authors_gpu_table(queries: int, sizes: list[int], k: int, repeats: int, path
         raise SystemExit("--authors-gpu needs torch with CUDA (their code is a torch function)")
     if not torch.cuda.is_available() or jax.default_backend() != "gpu":
         raise SystemExit("--authors-gpu needs a CUDA GPU visible to both torch and jax")
-    their = load_python_file(path, "csls_gpu", "--authors-gpu")
+    theirs = {}  # name -> fn(torch matrix, k)
+    if path:
+        torch_csls = load_python_file(path, "csls_gpu", "--authors-gpu")
+        theirs["torch"] = lambda m, k: torch_csls(m, k=k)
+    if cu_path:
+        theirs["cuda"] = load_authors_cu(cu_path)
     rng = np.random.default_rng(0)
-    print(f"\n| GPU CSLS k={k}, queries x gallery | their torch, resident (ms) "
-          "| ours, resident, donated (ms) | ours / theirs | device copy (ms) "
-          "| ours: bytes moved per second (2 reads + 1 write) |")
-    print("|---|---|---|---|---|---|")
+    print(f"\n| GPU CSLS k={k}, queries x gallery | theirs (ms) | ours, resident, donated (ms) "
+          "| ours / theirs | device copy (ms) | ours: bytes moved per second (2 reads + 1 write) "
+          "| max abs diff |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
     for images in sizes:
         s = csls_matrix(rng, queries, images)
         t_mat = torch.from_numpy(s).cuda()
         j_mat = jax.device_put(s)
+        want = np.asarray(csls(j_mat + 0, k=k, donate=True))
 
-        def torch_run(_):
-            out = their(t_mat, k=k)
-            torch.cuda.synchronize()
-            return out
+        def synchronised(fn):
+            def run(matrix):
+                out = fn(matrix, k)
+                torch.cuda.synchronize()
+                return out
+            return run
 
-        contenders = {"theirs": (lambda: None, torch_run),
-                      "ours": (lambda: j_mat + 0, lambda x: csls(x, k=k, donate=True)),
-                      "copy": (lambda: None, lambda _: j_mat + 0)}
-        for prepare, run in contenders.values():
-            run(prepare())
+        # theirs work on a fresh copy each time (csls.cu overwrites its input)
+        contenders = {name: (t_mat.clone, synchronised(fn)) for name, fn in theirs.items()}
+        contenders["ours"] = (lambda: j_mat + 0, lambda x: csls(x, k=k, donate=True))
+        contenders["copy"] = (lambda: None, lambda _: j_mat + 0)
+        diffs = {name: float(np.abs(run(prepare()).cpu().numpy() - want).max())
+                 for name, (prepare, run) in contenders.items() if name in theirs}
         times = timed_rounds(contenders, max(repeats, 5))
         med = {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
         gbytes = s.nbytes / 1e9
-        print(f"| {queries:,} x {images:,} | {med['theirs']:.2f} | {med['ours']:.2f} "
-              f"| {med['ours'] / med['theirs']:.2f}x | {med['copy']:.2f} "
-              f"| {3 * gbytes / med['ours'] * 1e3:.0f} GB/s (copy: "
-              f"{2 * gbytes / med['copy'] * 1e3:.0f} GB/s) |", flush=True)
+        for name in theirs:
+            row = {"queries": queries, "images": images, "theirs": name,
+                   "theirs_ms": med[name], "ours_ms": med["ours"], "copy_ms": med["copy"],
+                   "ours_gb_s": 3 * gbytes / med["ours"] * 1e3,
+                   "copy_gb_s": 2 * gbytes / med["copy"] * 1e3, "max_abs_diff": diffs[name]}
+            rows.append(row)
+            print(f"| {queries:,} x {images:,} | {name} {med[name]:.2f} | {med['ours']:.2f} "
+                  f"| {med['ours'] / med[name]:.2f}x | {med['copy']:.2f} "
+                  f"| {row['ours_gb_s']:.0f} GB/s (copy: {row['copy_gb_s']:.0f} GB/s) "
+                  f"| {diffs[name]:.1e} |", flush=True)
+        del t_mat, j_mat, s
+    return rows
 
 
 def sweep_blocks(s, k: int, repeats: int) -> None:
@@ -353,6 +401,10 @@ def main() -> None:
                              "times it once, more times it every round")
     parser.add_argument("--authors-gpu", metavar="PATH",
                         help="the authors' csls_gpu.py (torch): time it against ours on a GPU")
+    parser.add_argument("--authors-cu", metavar="PATH",
+                        help="the authors' csls.cu: built with nvcc, timed as --authors-gpu")
+    parser.add_argument("--json", metavar="FILE",
+                        help="write the --authors-gpu / --authors-cu rows to FILE")
     parser.add_argument("--authors-score", metavar="PATH",
                         help="the authors' retrieval.py: its numpy `score` is the reference of "
                              "the fused + CSLS measurement (else our transcription of it)")
@@ -414,9 +466,11 @@ def main() -> None:
     if args.authors_lib:
         authors_table(args.queries, args.authors_images, args.k, args.repeats, args.authors_lib,
                       args.numpy_rounds)
-    if args.authors_gpu:
-        authors_gpu_table(args.queries, args.authors_images, args.k, args.repeats,
-                          args.authors_gpu)
+    if args.authors_gpu or args.authors_cu:
+        rows = authors_gpu_table(args.queries, args.authors_images, args.k, args.repeats,
+                                 args.authors_gpu, args.authors_cu)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
     if args.host_input:
         if s is None:
             s = csls_matrix(rng, args.queries, args.images)
