@@ -62,17 +62,7 @@ def main():
     layouts = args.layout or ["caps"]
     workers = args.workers or [max(1, (os.cpu_count() or 2) - 1)]
 
-    from bench_input import build_shards
-    from sclaro_jax.models import clip
-
-    size = clip.config_from_preset(args.preset).vision.image_size
-    data = args.data = args.data or os.path.join(tempfile.mkdtemp(), "shards")
-    if not os.path.exists(os.path.join(data, "manifest.json")):
-        t0 = time.perf_counter()
-        build_shards(data, args.samples, n_obj=args.objects, n_rel=args.relations,
-                     view_size=size, demo_counts=args.counts == "demo")
-        print(f"wrote {args.samples} records to {data} in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+    size, data = write_shards(args)
     if args.flops_of:
         print(json.dumps(recount(args, size, read_results(args.flops_of)), indent=2))
         return
@@ -87,9 +77,28 @@ def main():
     print(json.dumps(results, indent=2), flush=True)
 
 
-def prepare(args, data: str, size: int, layout: str, data_only: bool = False) -> dict:
+def write_shards(args) -> tuple[int, str]:
+    """(image size of --preset, shard folder): --data, or a new temporary folder, with
+    --samples records written to it if it holds none (their crop counts by --counts)."""
+    from bench_input import build_shards
+    from sclaro_jax.models import clip
+
+    size = clip.config_from_preset(args.preset).vision.image_size
+    data = args.data = args.data or os.path.join(tempfile.mkdtemp(), "shards")
+    if not os.path.exists(os.path.join(data, "manifest.json")):
+        t0 = time.perf_counter()
+        build_shards(data, args.samples, n_obj=args.objects, n_rel=args.relations,
+                     view_size=size, demo_counts=args.counts == "demo")
+        print(f"wrote {args.samples} records to {data} in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+    return size, data
+
+
+def prepare(args, data: str, size: int, layout: str, data_only: bool = False,
+            max_sizes: int | None = None) -> dict:
     """One layout's step, train state, loader config and the batches of every shape it runs
-    (the caps' one shape; each planned packed size); `data_only`: the loader config alone."""
+    (the caps' one shape; each planned packed size, at most `max_sizes` of them, by default
+    `packing.plan`'s); `data_only`: the loader config alone."""
     import jax
     import jax.numpy as jnp
 
@@ -102,7 +111,8 @@ def prepare(args, data: str, size: int, layout: str, data_only: bool = False) ->
 
     sizes = None
     if layout == "packed":
-        sizes = packing.plan(*packing.split_histograms(open_dataset(data), "train"), args.batch)
+        sizes = packing.plan(*packing.split_histograms(open_dataset(data), "train"), args.batch,
+                             max_sizes=max_sizes or packing.MAX_TIERS)
     pcfg = PipelineConfig(image_size=size, max_objects=args.objects,
                           max_relations=args.relations, text_length=32, layout=layout,
                           packed=sizes)
