@@ -6,7 +6,7 @@ measured in the same process. The analysis is `gpu_profile_analysis.py`.
 
     python bench/gpu_profile.py --out /tmp/profile      # ViT-B/32, batch 128, bf16 (the H200 run)
     python bench/gpu_profile.py --preset tiny --batch 8 --dtype float32 --samples 32 \\
-        --warmup 1 --steps 2 --workers 0 --out /tmp/profile          # CPU
+        --warmup 2 --steps 3 --workers 0 --out /tmp/profile          # CPU
     python bench/gpu_profile.py --from-trace /tmp/profile            # the table again, no run
 
 Records: version-2 shards of the demo photographs, by default each with its own object and
