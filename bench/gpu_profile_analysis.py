@@ -3,16 +3,16 @@ the step's optimized HLO text (`compiled.as_text()`), as time, FLOPs and bytes p
 of work. No JAX is run here, so a trace taken on a GPU can be read again on any machine.
 
 Device events: on a GPU the kernels, memcpys and memsets on the device's stream lines ("Stream
-#N(...)" threads of a "/device:..." process; any other line of that process, "XLA Ops" for one,
-repeats them); on the CPU the thunks XLA:CPU runs (host events carrying `hlo_op`). Each event is
-matched to an HLO instruction by its name (XLA:GPU names a fusion's kernel after the instruction,
-"." and "-" made "_"), else by its `hlo_op` argument, unless that names a `call`: a kernel run
-inside a command buffer carries the buffer's call, not its own op. Events matched to nothing
-(cuBLAS / cuDNN kernels inside a command buffer, memcpys) get their kind from the kernel name
-and are counted as unmapped. A kind's time is its events' time; where events overlap (CPU
-threads, GPU streams) each instant is shared equally among the events running then (the
-innermost on each thread), and instants where none runs inside the steps' window are host gaps,
-so the rows add up to the window.
+#N(...)" threads of a "/device:..." process; lines such as "XLA Ops" repeat them); on the CPU
+the thunks XLA:CPU runs (host events carrying `hlo_op`). Each event is matched to an HLO
+instruction by its name (XLA:GPU names a fusion's kernel after the instruction, "." and "-"
+made "_"), else by its `hlo_op` argument, unless that names a `call`: a kernel run inside a
+command buffer carries the buffer's call, not its own op. Events matched to nothing (cuBLAS /
+cuDNN kernels inside a command buffer, memcpys) get their kind from the kernel name and are
+counted as unmapped. A kind's time is its events' time; where events overlap (GPU streams, CPU
+threads) each instant is shared equally among the events running then (on a CPU thread, the
+innermost: a loop's thunk holds its body's), and instants inside the steps' window where none
+runs are host gaps, so the rows add up to the window.
 
 FLOPs and bytes per step are counted from the HLO, each executed instruction (a fusion as a
 whole) as many times as a step runs it: while bodies by their known trip count, conditional
@@ -66,6 +66,10 @@ KERNEL_PATTERNS = [
     (r"reduc", "reduction"),
     (r"fusion|elementwise", "elementwise"),
 ]
+# Lines of a device that repeat its kernels (or annotate them) rather than add to them.
+DERIVED = {"XLA Ops", "Async XLA Ops", "XLA Modules", "XLA TraceMe", "Steps", "Framework Ops",
+           "Framework Name Scope", "Source code", "TensorFlow Ops", "TensorFlow Name Scope",
+           "Launch Stats", "_counters_"}
 BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2,
          "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
          "c128": 16}
@@ -262,18 +266,24 @@ def load_trace(path) -> dict:
         return json.load(f)
 
 
-def device_events(trace: dict) -> list[dict]:
-    """The trace's complete events that ran on the device (see the module docstring)."""
+def device_events(trace: dict) -> tuple[list[dict], list[str], bool]:
+    """(the trace's complete events that ran on the device, the names of their lines, whether
+    an event on a line can hold others: host threads nest, device streams run side by side).
+    A device's stream lines, else its lines but those that repeat them (`DERIVED`); without a
+    device, the host events of XLA's thunks (they carry `hlo_op`)."""
     events = trace["traceEvents"]
     meta = [e for e in events if e.get("ph") == "M"]
-    procs = {e["pid"]: e["args"]["name"] for e in meta if e["name"] == "process_name"}
-    streams = {(e["pid"], e["tid"]) for e in meta if e["name"] == "thread_name"
-               and e["args"]["name"].startswith("Stream")
-               and procs.get(e["pid"], "").startswith("/device:")}
+    devices = {e["pid"] for e in meta if e["name"] == "process_name"
+               and e["args"]["name"].startswith("/device:")}
+    lines = {(e["pid"], e["tid"]): e["args"]["name"] for e in meta
+             if e["name"] == "thread_name" and e["pid"] in devices}
     done = [e for e in events if e.get("ph") == "X" and e.get("dur", 0) > 0]
-    if streams:
-        return [e for e in done if (e["pid"], e.get("tid")) in streams]
-    return [e for e in done if "hlo_op" in e.get("args", {})]
+    if not devices:
+        return [e for e in done if "hlo_op" in e.get("args", {})], [], True
+    keep = {k for k, name in lines.items() if name.startswith("Stream")} or {
+        k for k, name in lines.items() if name not in DERIVED}
+    return ([e for e in done if (e["pid"], e.get("tid")) in keep],
+            sorted({lines[k] for k in keep}), False)
 
 
 def resolve(event: dict, modules: dict[str, Module]) -> tuple[Module | None, Inst | None]:
@@ -296,9 +306,10 @@ def kernel_kind(event: dict) -> str:
     return next((kind for pattern, kind in KERNEL_PATTERNS if re.search(pattern, name)), "other")
 
 
-def shared_time(events: list[dict]) -> tuple[list[float], float, float]:
+def shared_time(events: list[dict], nested: bool) -> tuple[list[float], float, float]:
     """(µs each event is credited with, µs with no event running, window µs): each instant of
-    the window is shared equally among the innermost running event of each thread."""
+    the window is shared equally among the events running then; with `nested`, among the
+    innermost running event of each thread (an outer one, a loop's, gets only its own time)."""
     # at one instant ends come first, and of events starting together the longer (outer) one
     bounds = sorted([(e["ts"] + e["dur"], 0, 0.0, i) for i, e in enumerate(events)]
                     + [(e["ts"], 1, -e["dur"], i) for i, e in enumerate(events)])
@@ -311,7 +322,7 @@ def shared_time(events: list[dict]) -> tuple[list[float], float, float]:
         if not tops:
             idle += t - prev
         prev = t
-        stack = stacks[(events[i]["pid"], events[i].get("tid"))]
+        stack = stacks[(events[i]["pid"], events[i].get("tid")) if nested else i]
         if starts:
             stack.append(i)
         else:
@@ -350,10 +361,10 @@ def attribute(trace: dict, modules: list[Module], steps: int, top: int = 3) -> d
     """Per step: ms, FLOPs and bytes by kind, the device window, the events not mapped to an
     instruction, and each matmul kind's `top` matmul shapes (`hlo_costs`)."""
     modules = {m.name: m for m in modules}
-    events = device_events(trace)
+    events, lines, nested = device_events(trace)
     if not events:
         raise ValueError("no device events in the trace (on a GPU: is CUPTI available?)")
-    credit, idle, window = shared_time(events)
+    credit, idle, window = shared_time(events, nested)
     kinds = {k: {"ms": 0.0, "pattern_ms": 0.0} for k in KINDS}
     kinds["gaps"]["ms"] = idle / steps / 1e3
     inst_ms: dict[tuple[str, str], float] = defaultdict(float)
@@ -374,7 +385,8 @@ def attribute(trace: dict, modules: list[Module], steps: int, top: int = 3) -> d
     seen = sorted({e.get("args", {}).get("hlo_module", "") for e in events} - {""})
     return {"steps": steps, "window_ms": window / steps / 1e3, "kinds": kinds,
             "events": len(events), "unmapped_events": unmapped, "modules": sorted(modules),
-            "event_modules": seen, "matmul_shapes": shapes, "uncounted_flops_calls": uncounted}
+            "event_modules": seen, "lines": lines, "matmul_shapes": shapes,
+            "uncounted_flops_calls": uncounted}
 
 
 def _ceiling(kind: str, attr: dict, ceilings: dict) -> float | None:
@@ -419,7 +431,7 @@ def report(attr: dict, run: dict) -> dict:
                "unmapped_ms": sum(k["pattern_ms"] for k in attr["kinds"].values()),
                "uncounted_flops_calls": attr["uncounted_flops_calls"],
                "modules": attr["modules"], "event_modules": attr["event_modules"],
-               "matmul_shapes": attr["matmul_shapes"]}
+               "lines": attr["lines"], "matmul_shapes": attr["matmul_shapes"]}
     return {"run": run, "summary": summary, "rows": rows}
 
 
@@ -448,7 +460,8 @@ def table(rep: dict) -> str:
            if run.get("lowered_tflop") is not None else "")
         + (f"; {s['uncounted_flops_calls']:g} dot or fused-attention calls per step not counted"
            if s["uncounted_flops_calls"] else ""),
-        f"- device events: {s['events_per_step']:,.0f} per step; not mapped to an HLO "
+        f"- device events: {s['events_per_step']:,.0f} per step on "
+        f"{', '.join(s['lines']) or 'the host threads of XLA:CPU'}; not mapped to an HLO "
         f"instruction (kind from the kernel name): {s['unmapped_events']} of "
         f"{s['events_per_step'] * run['steps']:,.0f}, {s['unmapped_ms']:.3g} ms per step",
         "- ceilings: matmul " + (", ".join(

@@ -265,6 +265,7 @@ def test_gpu_trace_kernels_map_by_name_op_or_kernel_pattern(tmp_path):
     with gzip.open(path, "wt") as f:
         json.dump(gpu_trace(), f)
     attr = analysis.attribute(analysis.load_trace(path), [analysis.Module(GPU_HLO)], STEPS)
+    assert attr["lines"] == ["Stream #7(Compute)", "Stream #9(MemcpyD2D,Memset)"]
     assert attr["window_ms"] == pytest.approx(0.095)  # 190 µs over 2 steps
     for kind in analysis.KINDS:
         assert attr["kinds"][kind]["ms"] * 1e3 == pytest.approx(EXPECTED_US[kind]), kind
@@ -299,6 +300,30 @@ def test_gpu_trace_kernels_map_by_name_op_or_kernel_pattern(tmp_path):
     assert by_kind["attention"]["of_ceiling"] is None  # none of its shapes measured
     assert report["summary"]["examples_per_sec"] == pytest.approx(128 / 95e-6)
     assert "| host gaps (device idle) | 0.005 | 5.3% |" in analysis.table(report)
+
+
+def test_overlapping_events_share_time_nested_on_threads_side_by_side_on_streams():
+    loop = {"pid": 1, "tid": 1, "ts": 0.0, "dur": 10.0}
+    body = {"pid": 1, "tid": 1, "ts": 2.0, "dur": 2.0}
+    other = {"pid": 1, "tid": 2, "ts": 12.0, "dur": 4.0}
+    # a CPU thread: the loop's thunk holds its body's time
+    assert analysis.shared_time([loop, body, other], nested=True) == ([8.0, 2.0, 4.0], 2.0, 16.0)
+    # a GPU stream: kernels running at once share it
+    assert analysis.shared_time([loop, body, other], nested=False) == ([9.0, 1.0, 4.0], 2.0, 16.0)
+
+
+def test_device_lines_streams_first_else_all_but_the_repeating_ones():
+    def trace(lines):
+        meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+        meta += [{"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": n}}
+                 for tid, n in enumerate(lines)]
+        return {"traceEvents": meta + [{"ph": "X", "pid": 1, "tid": tid, "ts": 0, "dur": 1,
+                                        "name": "k"} for tid in range(len(lines))]}
+
+    events, lines, nested = analysis.device_events(trace(["XLA Ops", "Stream #7(Compute)"]))
+    assert (len(events), lines, nested) == (1, ["Stream #7(Compute)"], False)
+    events, lines, _ = analysis.device_events(trace(["XLA Modules", "XLA Ops", "Kernels"]))
+    assert (len(events), lines) == (1, ["Kernels"])
 
 
 def test_a_failed_analysis_keeps_the_trace_hlo_and_ceilings(tmp_path, monkeypatch):
