@@ -467,7 +467,7 @@ def table(rep: dict) -> str:
         "- ceilings: matmul " + (", ".join(
             f"{'x'.join(map(str, m['shape']))} {'/'.join(m['dtypes'])} {m['tflops']:.3g} TFLOP/s"
             for m in ceilings.get("matmul", [])) or "-")
-        + (f"; y = x + 1 over {ceilings['stream_bytes'] / 2 ** 21:,.0f} MiB: "
+        + (f"; y = x + 1 over {ceilings['stream_bytes'] / 2 / 2 ** 20:,.0f} MiB: "
            f"{ceilings['stream_gbs']:,.1f} GB/s (bytes read + written)"
            if "stream_gbs" in ceilings else ""),
         "",
