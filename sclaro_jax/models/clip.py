@@ -191,7 +191,8 @@ class TextTransformer(nnx.Module):
         self.dtype = dtype
         self.eos_token_id = cfg.eos_token_id
         self.embeddings = TextEmbeddings(cfg, rngs=rngs)
-        self.encoder = Encoder(cfg, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs)
+        self.encoder = Encoder(cfg, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs,
+                               causal=True)
         self.final_layer_norm = layer_norm(cfg, gradient_forms=gradient_forms, rngs=rngs)
 
     def __call__(self, input_ids: Array, attention_mask: Array | None = None
@@ -213,24 +214,27 @@ class TextTransformer(nnx.Module):
         return self.pooled_from(x, mask, input_ids, 0)
 
     def prefix(self, input_ids: Array, layers: int, attention_mask: Array | None = None
-               ) -> tuple[Array, Array]:
-        """Embeddings and the first `layers` blocks: (hidden state [B, L, d], attention mask).
+               ) -> tuple[Array, Array | None]:
+        """Embeddings and the first `layers` blocks: (hidden state [B, L, d], padding mask).
         `pooled_from(*prefix(ids, k), ids, k)` equals `pooled(ids)`; two models that share
         these weights (a student and its EMA teacher with frozen early blocks) can share it."""
         x, mask = self._embed(input_ids, attention_mask)
         return self.encoder.prefix(x, mask, layers), mask
 
-    def pooled_from(self, hidden: Array, mask: Array, input_ids: Array, start: int) -> Array:
+    def pooled_from(self, hidden: Array, mask: Array | None, input_ids: Array,
+                    start: int) -> Array:
         """`pooled` from the hidden state after the first `start` blocks."""
         eot = eot_positions(input_ids, self.eos_token_id)
         x = self.encoder(hidden, mask, keep=eot, start=start)
         return self.final_layer_norm(x[:, 0].astype(jnp.float32))
 
-    def _embed(self, input_ids: Array, attention_mask: Array | None) -> tuple[Array, Array]:
-        n = input_ids.shape[-1]
-        mask = jnp.tril(jnp.ones((n, n), bool))[None, None]
+    def _embed(self, input_ids: Array, attention_mask: Array | None
+               ) -> tuple[Array, Array | None]:
+        """The embeddings and the keys' padding mask [B, 1, 1, L] (None without
+        `attention_mask`); the encoder's attention is causal on its own."""
+        mask = None
         if attention_mask is not None:
-            mask = mask & attention_mask.astype(bool)[:, None, None, :]
+            mask = attention_mask.astype(bool)[:, None, None, :]
         return self.embeddings(input_ids).astype(self.dtype), mask
 
 

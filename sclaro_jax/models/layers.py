@@ -7,13 +7,16 @@ matmuls; LayerNorms and the attention softmax are computed in float32.
 `gradient_forms` ("cpu" or "plain", chosen when the model is built: `cpu_gradients.resolve`) is a
 static attribute of each `Linear`, `LayerNorm` and `EncoderLayer` (which owns the residual adds):
 "cpu" writes the backward pass in the forms XLA:CPU runs faster (`cpu_gradients`), with the same
-forward numbers.
+forward numbers. `AttentionOptions` (set on a built model by `configure_attention`) say how each
+`Attention` computes: its core (einsums, or `jax.nn.dot_product_attention` on XLA or cuDNN) and
+whether q, k and v come from one matmul; never what it computes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import re
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,10 @@ from sclaro_jax.models import cpu_gradients
 Array = jax.Array
 # The named scope of attention's core (q.k, softmax, weights.v), apart from its projections.
 ATTENTION_SCOPE = "attention_core"
+ATTENTION_IMPLEMENTATIONS = ("einsum", "xla", "cudnn")
+# The custom-call target of cuDNN's fused attention (forward and backward) in a compiled GPU
+# module's HLO: "__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward", ...
+_CUDNN_CALL = re.compile(r'custom_call_target="__cudnn\$fmha[^"]*"')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +89,28 @@ class Linear(nnx.Linear):
         self.gradient_forms = cpu_gradients.resolve(gradient_forms)
 
     def __call__(self, inputs: Array) -> Array:
-        if self.bias is None or self.gradient_forms != "cpu":
+        if self.bias is None:
             return super().__call__(inputs)
-        inputs, kernel, bias = self.promote_dtype(
-            (inputs, self.kernel[...], self.bias[...]), dtype=self.dtype)
+        return self.apply(inputs, self.kernel[...], self.bias[...])
+
+    def apply(self, inputs: Array, kernel: Array, bias: Array) -> Array:
+        """This layer's computation with `kernel` [in, out] and `bias` [out] in place of its
+        own (`fused_projection` passes several layers' side by side)."""
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         y = self.dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())),
                              precision=self.precision)
+        if self.gradient_forms != "cpu":
+            return y + bias
         return cpu_gradients.store_gradient(cpu_gradients.add_bias(y, bias))
+
+
+def fused_projection(x: Array, projections: Sequence[Linear]) -> list[Array]:
+    """`[p(x) for p in projections]` as one matmul against their kernels side by side
+    ([d, k * d']): one GEMM with k times the columns instead of k (their parameters as they
+    are; the gradients come back through the concatenation)."""
+    kernel = jnp.concatenate([p.kernel[...] for p in projections], axis=1)
+    bias = jnp.concatenate([p.bias[...] for p in projections])
+    return jnp.split(projections[0].apply(x, kernel, bias), len(projections), axis=-1)
 
 
 def residual(x: Array, gradient_forms: str) -> Array:
@@ -103,41 +125,138 @@ def layer_norm(cfg: EncoderConfig, *, gradient_forms: str, rngs: nnx.Rngs) -> La
                      use_fast_variance=False, gradient_forms=gradient_forms, rngs=rngs)
 
 
-class Attention(nnx.Module):
-    """Multi-head self-attention with separate q/k/v/out projections (Hugging Face layout)."""
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+    """How `Attention` computes, never what (the same numbers up to rounding).
 
-    def __init__(self, dim: int, heads: int, *, dtype, gradient_forms: str, rngs: nnx.Rngs):
+    - `implementation`: "einsum" (q.k and weights.v as heads-major einsums, the softmax in
+      float32: the fastest on XLA:CPU), "xla" (`jax.nn.dot_product_attention`, XLA's
+      implementation) or "cudnn" (the same call with cuDNN's fused flash-attention kernel:
+      CUDA GPUs, bfloat16 / float16 compute). A causal tower's mask reaches
+      `dot_product_attention` as `is_causal` (cuDNN's kernel takes it natively, skipping the
+      masked half), a kept query's causal row as a key length.
+    - `fused_qkv`: q, k and v from one matmul against the q/k/v kernels side by side
+      ([d, 3d]) instead of three (`fused_projection`); the parameters keep their Hugging Face
+      names and shapes, so weight import, export and checkpoints do not change.
+    """
+
+    implementation: str = "einsum"
+    fused_qkv: bool = False
+
+    def __post_init__(self):
+        if self.implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(f"attention implementation {self.implementation!r} is not one of "
+                             f"{ATTENTION_IMPLEMENTATIONS}")
+
+
+def take_rows(t: Array, keep: Array) -> Array:
+    """`t` [b, n, ...] at token `keep[i]` of each row i: [b, 1, ...]."""
+    return jnp.take_along_axis(t, keep.reshape((-1,) + (1,) * (t.ndim - 1)), axis=1)
+
+
+def _query_rows(mask: Array | None, keep: Array) -> Array | None:
+    """A per-query mask [., 1, n, n] at the kept queries' rows, [b, 1, 1, n]; a keys-only mask
+    [., 1, 1, n] (or None) as it is."""
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    mask = jnp.broadcast_to(mask, (keep.shape[0],) + mask.shape[1:])
+    return take_rows(mask.swapaxes(1, 2), keep).swapaxes(1, 2)
+
+
+class Attention(nnx.Module):
+    """Multi-head self-attention with separate q/k/v/out projections (Hugging Face layout).
+    A `causal` one (the text towers) lets each token see itself and the tokens before it;
+    `options` (`AttentionOptions`, set by `configure_attention`) say how it computes."""
+
+    def __init__(self, dim: int, heads: int, *, dtype, gradient_forms: str, rngs: nnx.Rngs,
+                 causal: bool = False):
         if dim % heads:
             raise ValueError(f"hidden size {dim} is not divisible by {heads} heads")
         self.heads = heads
         self.dtype = dtype
+        self.causal = causal
+        self.options = AttentionOptions()
 
         def proj() -> Linear:
             return Linear(dim, dim, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs)
 
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = proj(), proj(), proj(), proj()
 
-    def __call__(self, x: Array, mask: Array | None, queries: Array | None = None) -> Array:
-        """`x` [b, n, d] attends to itself, or only `queries` [b, m, d] (a subset of the
-        tokens of `x`, with `mask` rows to match) attend to `x`."""
-        queries = x if queries is None else queries
+    def __call__(self, x: Array, mask: Array | None, keep: Array | None = None) -> Array:
+        """`x` [b, n, d] attends to itself, [b, n, d]; with `keep` (int [b]) only token
+        `keep[i]` of each row queries, [b, 1, d]. `mask` (bool, broadcastable to [b, 1, n, n],
+        or [b, 1, 1, n] for the keys alone; None: every key) hides keys on top of `causal`."""
         b, _, d = x.shape
-        head_dim = d // self.heads
+        q, k, v = self._qkv(x, keep)
+        mask = mask if keep is None else _query_rows(mask, keep)
+        with jax.named_scope(ATTENTION_SCOPE):
+            if self.options.implementation == "einsum":
+                out = self._einsum_core(q, k, v, mask, keep)
+            else:
+                out = self._dot_product_core(q, k, v, mask, keep)
+        return self.out_proj(out.reshape(b, q.shape[1], d))
 
-        def heads(t: Array) -> Array:  # [b, n, d] -> [b, heads, n, head_dim]
-            return t.reshape(b, t.shape[1], self.heads, head_dim).transpose(0, 2, 1, 3)
+    def _qkv(self, x: Array, keep: Array | None) -> tuple[Array, Array, Array]:
+        """q (the kept tokens' alone with `keep`), k, v as [b, tokens, heads, head_dim]."""
+        queries = x if keep is None else take_rows(x, keep)
+        if not self.options.fused_qkv:
+            q, k, v = self.q_proj(queries), self.k_proj(x), self.v_proj(x)
+        elif keep is None:
+            q, k, v = fused_projection(x, (self.q_proj, self.k_proj, self.v_proj))
+        else:
+            q, (k, v) = self.q_proj(queries), fused_projection(x, (self.k_proj, self.v_proj))
+        return tuple(t.reshape(*t.shape[:2], self.heads, -1) for t in (q, k, v))
 
+    def _einsum_core(self, q, k, v, mask, keep) -> Array:
         # Heads-major layout: the batched q.k and weights.v matmuls are the fastest this way
         # on XLA:CPU.
-        q = heads(self.q_proj(queries)) * jnp.asarray(head_dim**-0.5, self.dtype)
-        k, v = heads(self.k_proj(x)), heads(self.v_proj(x))
-        with jax.named_scope(ATTENTION_SCOPE):
-            logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
-            if mask is not None:
-                logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-            weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-            out = jnp.einsum("bhqk,bhkd->bhqd", weights, v)
-        return self.out_proj(out.transpose(0, 2, 1, 3).reshape(b, queries.shape[1], d))
+        q, k, v = (t.transpose(0, 2, 1, 3) for t in (q, k, v))
+        q = q * jnp.asarray(q.shape[-1] ** -0.5, self.dtype)
+        if self.causal:
+            keys = jnp.arange(k.shape[2])
+            rows = keys[:, None] if keep is None else keep[:, None, None, None]
+            causal = keys <= rows  # [n, n], or [b, 1, 1, n] for the kept queries
+            mask = causal if mask is None else causal & mask
+        logits = jnp.einsum("bhqd,bhkd->bhqk", q, k, preferred_element_type=jnp.float32)
+        if mask is not None:
+            logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+        return jnp.einsum("bhqk,bhkd->bhqd", weights, v).transpose(0, 2, 1, 3)
+
+    def _dot_product_core(self, q, k, v, mask, keep) -> Array:
+        lengths, causal = None, self.causal
+        if causal and keep is not None:  # the query at position p sees keys 0..p
+            lengths, causal = (keep + 1).astype(jnp.int32), False
+        return jax.nn.dot_product_attention(
+            q, k, v, mask=mask, scale=q.shape[-1] ** -0.5, is_causal=causal,
+            key_value_seq_lengths=lengths, implementation=self.options.implementation)
+
+
+def configure_attention(model: nnx.Module, options: AttentionOptions) -> None:
+    """Every `Attention` of `model` computes as `options` say, in place. "cudnn" is refused
+    (ValueError naming the switch) where cuDNN's kernel cannot run: a model whose attention
+    computes in float32, or a process whose default backend is not a GPU."""
+    found = [m for _, m in nnx.iter_modules(model) if isinstance(m, Attention)]
+    if options.implementation == "cudnn":
+        wide = sorted({str(jnp.dtype(m.dtype)) for m in found} - {"bfloat16", "float16"})
+        if wide:
+            raise ValueError(f"attention implementation 'cudnn' (config.perf.attention) takes "
+                             f"bfloat16 / float16 compute, not {', '.join(wide)}: set "
+                             "model.dtype='bfloat16', or use 'xla' or 'einsum'")
+        if jax.default_backend() != "gpu":
+            raise ValueError(f"attention implementation 'cudnn' (config.perf.attention) runs "
+                             "cuDNN's fused attention kernel, which needs a CUDA GPU; this "
+                             f"process's default backend is {jax.default_backend()!r}: use "
+                             "'xla' (jax.nn.dot_product_attention on XLA) or 'einsum'")
+    for module in found:
+        module.options = options
+
+
+def cudnn_attention_calls(hlo_text: str) -> int:
+    """How many calls of cuDNN's fused attention (forward or backward) the HLO text of a
+    compiled module (`jitted.lower(...).compile().as_text()`) holds: 0 where XLA computed
+    attention itself."""
+    return len(_CUDNN_CALL.findall(hlo_text))
 
 
 class MLP(nnx.Module):
@@ -156,12 +275,13 @@ class MLP(nnx.Module):
 class EncoderLayer(nnx.Module):
     """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-    def __init__(self, cfg: EncoderConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs,
+                 causal: bool = False):
         self.dtype = dtype
         self.gradient_forms = forms = cpu_gradients.resolve(gradient_forms)
         self.layer_norm1 = layer_norm(cfg, gradient_forms=forms, rngs=rngs)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_attention_heads, dtype=dtype,
-                                   gradient_forms=forms, rngs=rngs)
+                                   gradient_forms=forms, rngs=rngs, causal=causal)
         self.layer_norm2 = layer_norm(cfg, gradient_forms=forms, rngs=rngs)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, dtype=dtype,
                        gradient_forms=forms, rngs=rngs)
@@ -175,22 +295,16 @@ class EncoderLayer(nnx.Module):
             x = residual(x + self.self_attn(h, mask), self.gradient_forms)
             return residual(x + self.mlp(self.layer_norm2(x).astype(self.dtype)),
                             self.gradient_forms)
-
-        def pick(t):
-            return jnp.take_along_axis(t, keep.reshape((-1,) + (1,) * (t.ndim - 1)), axis=1)
-
-        if mask is not None:  # [., 1, n, n] -> the kept query rows [b, 1, 1, n]
-            mask = jnp.broadcast_to(mask, (x.shape[0],) + mask.shape[1:]).swapaxes(1, 2)
-            mask = pick(mask).swapaxes(1, 2)
-        x = pick(x) + self.self_attn(h, mask, queries=pick(h))
+        x = take_rows(x, keep) + self.self_attn(h, mask, keep)
         return x + self.mlp(self.layer_norm2(x).astype(self.dtype))
 
 
 class Encoder(nnx.Module):
-    def __init__(self, cfg: EncoderConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: EncoderConfig, *, dtype, gradient_forms: str, rngs: nnx.Rngs,
+                 causal: bool = False):
         self.layers = nnx.List(
-            [EncoderLayer(cfg, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs)
-             for _ in range(cfg.num_hidden_layers)])
+            [EncoderLayer(cfg, dtype=dtype, gradient_forms=gradient_forms, rngs=rngs,
+                          causal=causal) for _ in range(cfg.num_hidden_layers)])
 
     def __call__(self, x: Array, mask: Array | None = None, keep: Array | None = None,
                  *, start: int = 0) -> Array:

@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from sclaro_jax.models import clip, cpu_gradients, hf_weights, open_clip_weights
+from sclaro_jax.models.layers import AttentionOptions, configure_attention
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +69,13 @@ class CLIPPair(nnx.Module):
         """How many blocks the text tower has (the most `text_prefix` can run)."""
         return len(self.text_model.encoder.layers)
 
-    def text_prefix(self, input_ids: jax.Array, layers: int) -> tuple[jax.Array, jax.Array]:
+    def text_prefix(self, input_ids: jax.Array, layers: int
+                    ) -> tuple[jax.Array, jax.Array | None]:
         """The text tower's embeddings and first `layers` blocks on [..., L] token ids:
-        (hidden [N, L, d], mask), for `encode_text_from`."""
+        (hidden [N, L, d], padding mask), for `encode_text_from`."""
         return self.text_model.prefix(input_ids.reshape(-1, input_ids.shape[-1]), layers)
 
-    def encode_text_from(self, prefix: tuple[jax.Array, jax.Array], input_ids: jax.Array,
+    def encode_text_from(self, prefix: tuple[jax.Array, jax.Array | None], input_ids: jax.Array,
                          start: int) -> jax.Array:
         """`encode_text(input_ids)` from `text_prefix(input_ids, start)`, which may come from
         another pair with the same embeddings and first `start` blocks."""
@@ -127,14 +129,16 @@ MODELS = {"scenarioclip": ScenarioCLIP, "pyramidclip": PyramidCLIP}
 
 def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "",
           dtype=jnp.float32, seed: int = 0, embed_dim: int = 512, gradient_forms: str = "auto",
-          warn_random: bool = True):
+          warn_random: bool = True, attention: AttentionOptions | None = None):
     """A ScenarioCLIP / PyramidCLIP model; towers from the pretrained CLIP `init` (each pair
     gets its own copy): a Hugging Face CLIPModel folder or an open_clip checkpoint (a hub folder
     with open_clip_config.json, or a weights file: `open_clip_weights`, which tells them apart),
     or randomly initialised from `preset` (a `clip.PRESETS` name or a `clip.CLIPConfig`) with a
     logged notice (`warn_random=False` drops it: for a model built only to restore trained
     weights into).
-    `gradient_forms` ("auto", "cpu", "plain") as in `clip.create`, resolved once here."""
+    `gradient_forms` ("auto", "cpu", "plain") as in `clip.create`, resolved once here;
+    `attention` (`layers.AttentionOptions`: how every attention layer computes; None: the
+    default einsums)."""
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; known: {sorted(MODELS)}")
     forms = cpu_gradients.resolve(gradient_forms)
@@ -150,7 +154,10 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
                     "not from a pretrained CLIP; pass --config.model.init=PATH to a Hugging "
                     "Face CLIPModel folder (e.g. openai/clip-vit-base-patch32) or an open_clip "
                     "checkpoint", kind, preset)
-    return MODELS[kind](make_towers, embed_dim, rngs=nnx.Rngs(seed))
+    model = MODELS[kind](make_towers, embed_dim, rngs=nnx.Rngs(seed))
+    if attention is not None:
+        configure_attention(model, attention)
+    return model
 
 
 def load_hf_into_level(model, level: str, path: str) -> None:
