@@ -19,7 +19,6 @@ blocks) get no update and no weight-grad computation (`stop_gradient`). EMA teac
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -31,6 +30,7 @@ from sclaro_jax import losses, ops
 from sclaro_jax.data import batch as fields
 from sclaro_jax.data import photometric
 from sclaro_jax.run.params import label_params, param_name
+from sclaro_jax.train import fused_update
 
 PyTree = Any
 FROZEN = "frozen"
@@ -144,6 +144,25 @@ def is_logit_scale(name: str) -> bool:
     return name.rsplit("/", 1)[-1].endswith("logit_scale")
 
 
+def weight_decay(name: str, group: str, cfg: TrainConfig) -> float:
+    """The decoupled weight decay of the parameter `name` in optimiser `group`: the decay
+    group's, the no_decay group's logit scales' when `cfg.decay_logit_scales`, else none."""
+    if group == "decay" or (group == "no_decay" and cfg.decay_logit_scales
+                            and is_logit_scale(name)):
+        return cfg.weight_decay
+    return 0.0
+
+
+def group_learning_rates(cfg: TrainConfig) -> dict[str, optax.Schedule]:
+    """Optimiser group -> its learning-rate schedule: the kd group at `kd_lr_factor` x."""
+    lr = learning_rate(cfg)
+
+    def kd_lr(step):
+        return cfg.kd_lr_factor * lr(step)
+
+    return {"decay": lr, "no_decay": lr, "kd": kd_lr}
+
+
 def adam_decaying_logit_scales(lr: optax.Schedule, cfg: TrainConfig
                                ) -> optax.GradientTransformation:
     """The `no_decay` group's Adam, with AdamW's decoupled weight decay on the logit scales
@@ -163,9 +182,10 @@ def adam_decaying_logit_scales(lr: optax.Schedule, cfg: TrainConfig
     def update(updates, state, params=None):
         updates, adam_state = adam.update(updates, state[0], params)
         if cfg.decay_logit_scales and cfg.weight_decay:
-            updates = jax.tree_util.tree_map_with_path(
-                lambda path, u, p: u + cfg.weight_decay * p if is_logit_scale(param_name(path))
-                else u, updates, params)
+            def decayed(path, u, p):
+                w = weight_decay(param_name(path), "no_decay", cfg)
+                return u + w * p if w else u
+            updates = jax.tree_util.tree_map_with_path(decayed, updates, params)
         updates, scale_state = scale.update(updates, state[1], params)
         return updates, (adam_state, scale_state)
 
@@ -176,19 +196,14 @@ def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransforma
     """AdamW groups over the trainable parameters; `labels` (the trainable part of
     `param_labels`) holds decay / no_decay / kd. The logit scales are `no_decay` members that
     decay by default (`adam_decaying_logit_scales`)."""
-    lr = learning_rate(cfg)
-
-    def kd_lr(step):
-        return cfg.kd_lr_factor * lr(step)
-
-    adam = functools.partial(optax.adam, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    lr = group_learning_rates(cfg)
     return optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip),
         optax.multi_transform({
-            "decay": optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+            "decay": optax.adamw(lr["decay"], b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                  weight_decay=cfg.weight_decay),
-            "no_decay": adam_decaying_logit_scales(lr, cfg),
-            "kd": adam(kd_lr),
+            "no_decay": adam_decaying_logit_scales(lr["no_decay"], cfg),
+            "kd": optax.adam(lr["kd"], b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
         }, labels))
 
 
@@ -210,11 +225,10 @@ def init_state(model: nnx.Module, cfg: TrainConfig) -> tuple[nnx.GraphDef, Train
 
 def ema_update(teacher: PyTree, params: PyTree, step: jax.Array, cfg: TrainConfig) -> PyTree:
     """Teacher after optimiser step number `step` (1-based): a copy of the student while
-    step <= ema_warmup_steps, then decay * teacher + (1 - decay) * student."""
+    step <= ema_warmup_steps, then decay * teacher + (1 - decay) * student
+    (`fused_update.ema`)."""
     copy = step <= cfg.ema_warmup_steps
-    return jax.tree.map(
-        lambda t, p: jnp.where(copy, p, cfg.ema_decay * t + (1 - cfg.ema_decay) * p),
-        teacher, params)
+    return jax.tree.map(lambda t, p: fused_update.ema(t, p, copy, cfg.ema_decay), teacher, params)
 
 
 class LevelInput(NamedTuple):
@@ -345,14 +359,17 @@ def compute_losses(model, teacher, batch: dict, cfg: TrainConfig, *,
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cfg: TrainConfig,
-                    *, share_frozen_text: bool = True):
+                    *, share_frozen_text: bool = True, fused_update: bool = False):
     """The step `(state, batch) -> (state, metrics)`, to be jitted with the state donated.
 
     Gradients, optimiser and EMA touch only the trainable parameters (`trainable_part`, by
     name); frozen leaves pass through (student and teacher hold the same frozen values for
     ever). `share_frozen_text=False` recomputes the teacher's frozen text blocks (same numbers;
-    for benchmarks)."""
+    for benchmarks). `fused_update=True` computes `tx`'s update (`make_optimizer`'s chain) and
+    the EMA teacher in one pass over flat buffers (`fused_update.update`: same numbers, same
+    optimiser state), all of it in the optimizer scope."""
     lr = learning_rate(cfg)
+    update = optimizer_update(tx, cfg, fused=fused_update)
 
     def loss_fn(trainable, params, teacher_params, batch):
         labels = param_labels(params, cfg)
@@ -372,12 +389,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
         trainable = trainable_part(state.params, labels)
         grads, metrics = jax.grad(loss_fn, has_aux=True)(trainable, state.params, state.teacher,
                                                           batch)
-        with jax.named_scope(OPTIMIZER_SCOPE):
-            updates, opt_state = tx.update(grads, state.opt_state, trainable)
-            trainable = optax.apply_updates(trainable, updates)
         new_step = state.step + 1
-        with jax.named_scope(EMA_SCOPE):
-            teacher = ema_update(trainable_part(state.teacher, labels), trainable, new_step, cfg)
+        trainable, teacher, opt_state = update(grads, state.opt_state, trainable,
+                                               trainable_part(state.teacher, labels), new_step,
+                                               trainable_part(labels, labels))
         metrics["lr"] = lr(state.step)
         metrics["grad_norm"] = optax.global_norm(grads)
         metrics["bad_records"] = jnp.sum(batch[fields.BAD_RECORD])
@@ -388,3 +403,29 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, cf
                           with_part(state.teacher, teacher), opt_state), metrics
 
     return step
+
+
+def optimizer_update(tx: optax.GradientTransformation, cfg: TrainConfig, *, fused: bool = False):
+    """The step's update `(grads, opt_state, params, teacher, step, labels) -> (params,
+    teacher, opt_state)` of the trainable parameters (`labels`: their groups) after optimiser
+    step `step` (1-based): `tx`'s update (`make_optimizer`'s chain) then `ema_update`, or with
+    `fused` the same numbers and optimiser state in one pass (`fused_update.update`)."""
+    learning_rates = group_learning_rates(cfg)
+
+    def chain(grads, opt_state, params, teacher, step, labels):
+        with jax.named_scope(OPTIMIZER_SCOPE):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        with jax.named_scope(EMA_SCOPE):
+            teacher = ema_update(teacher, params, step, cfg)
+        return params, teacher, opt_state
+
+    def one_pass(grads, opt_state, params, teacher, step, labels):
+        decays = jax.tree_util.tree_map_with_path(
+            lambda path, group: weight_decay(param_name(path), group, cfg), labels)
+        with jax.named_scope(OPTIMIZER_SCOPE):  # the EMA's work is part of the one pass
+            return fused_update.update(grads, opt_state, params, teacher, step, labels=labels,
+                                       weight_decays=decays, learning_rates=learning_rates,
+                                       cfg=cfg)
+
+    return one_pass if fused else chain
