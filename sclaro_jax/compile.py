@@ -3,14 +3,15 @@
 On CPU, jaxlib 0.10's XLA sends float32 matmuls to YNNPACK fusions by default; XLA's own
 (Eigen) dot path runs the ViT-B/32 forward faster (measured in bench/README.md).
 Options apply per compilation, so they change nothing else in the process; on other backends
-there are none.
+there are none. A caller may add its own (`jit(..., options=)`, e.g. the train step's
+`config.perf.xla_options`), merged over these once XLA has accepted them (`checked_options`).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,39 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
     return dict(_accepted(backend or jax.default_backend()))
 
 
-def jit(fun: Callable, **kwargs: Any) -> Callable:
-    """`jax.jit` with `compiler_options()` for the default backend."""
-    return jax.jit(fun, compiler_options=compiler_options(), **kwargs)
+def option_backend(name: str) -> str | None:
+    """The backend an XLA option is for, by its prefix ("cpu" for xla_cpu_*, "gpu" for
+    xla_gpu_*), or None (every backend)."""
+    return next((b for b in ("cpu", "gpu") if name.startswith(f"xla_{b}_")), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked(options: tuple[tuple[str, Any], ...], backend: str) -> tuple[tuple[str, Any], ...]:
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(jnp.ones(2)).compile()
+    except Exception as err:  # jaxlib's XlaRuntimeError: INVALID_ARGUMENT, naming the option
+        raise ValueError(f"XLA does not accept the compile options {dict(options)}: "
+                         f"{str(err).splitlines()[0]}") from None
+    skipped = [name for name, _ in options if option_backend(name) not in (None, backend)]
+    if skipped:
+        logging.warning("XLA options for another backend than this process's (%s), left out: %s",
+                     backend, ", ".join(skipped))
+    return tuple((name, value) for name, value in options if name not in skipped)
+
+
+def checked_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` for the default backend: each checked by XLA, which knows every backend's
+    options (an unknown name, or a value it cannot parse, is a ValueError quoting XLA), and
+    those of another backend left out, with a log line. (jaxlib 0.10's XLA:CPU accepts the
+    xla_gpu_* options and compiles the same module with them.) Booleans are Python bools: XLA
+    reads True / False, not "true" / "false"."""
+    if not options:
+        return {}
+    return dict(_checked(tuple(sorted(options.items())), jax.default_backend()))
+
+
+def jit(fun: Callable, *, options: Mapping[str, Any] | None = None, **kwargs: Any) -> Callable:
+    """`jax.jit` with `compiler_options()` for the default backend, and `options`
+    (`checked_options`) over them."""
+    return jax.jit(fun, compiler_options={**compiler_options(), **checked_options(options or {})},
+                   **kwargs)

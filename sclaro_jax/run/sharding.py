@@ -106,18 +106,21 @@ def put_batch(batch: dict, mesh: Mesh | None) -> dict:
             for k, v in batch.items()}
 
 
-def jit_step(step_fn, state, mesh: Mesh | None, strategy: str):
+def jit_step(step_fn, state, mesh: Mesh | None, strategy: str, *,
+             compiler_options: dict | None = None):
     """(jitted step, state placed on the mesh, or on this process's first device without one).
     The state is donated; our per-backend XLA options apply (`sclaro_jax.compile`; see
-    bench/README.md). Placing every leaf explicitly matters when a state mixes arrays committed
-    to a device (restored or imported weights) with uncommitted ones (new heads): the first
-    call would otherwise compile once for the mix and again for the step's own outputs."""
+    bench/README.md), `compiler_options` over them (`config.perf.xla_options`). Placing every
+    leaf explicitly matters when a state mixes arrays committed to a device (restored or
+    imported weights) with uncommitted ones (new heads): the first call would otherwise compile
+    once for the mix and again for the step's own outputs."""
     if mesh is None:
         state = jax.device_put(state, jax.local_devices()[0])
-        return compile.jit(step_fn, donate_argnums=0), state
+        return compile.jit(step_fn, options=compiler_options, donate_argnums=0), state
     shardings = state_shardings(state, mesh, strategy)
     state = jax.device_put(state, shardings)
     replicated = NamedSharding(mesh, P())
-    jitted = compile.jit(step_fn, in_shardings=(shardings, batch_sharding(mesh)),
+    jitted = compile.jit(step_fn, options=compiler_options,
+                         in_shardings=(shardings, batch_sharding(mesh)),
                          out_shardings=(shardings, replicated), donate_argnums=0)
     return jitted, state
