@@ -2,8 +2,8 @@
 
 `core.make_optimizer`'s optax chain (clip by global norm, then per group Adam, decoupled weight
 decay and the learning rate) followed by `core.ema_update` is a sequence of tree maps over
-every trainable leaf (about 600 at ViT-B/32): XLA fuses a leaf's elementwise work, but runs
-kernels per leaf. `update` ravels the trainable leaves of each dtype into one buffer per
+every trainable leaf (430 at ViT-B/32 with the paper's freezing): XLA fuses a leaf's
+elementwise work, but runs kernels per leaf. `update` ravels the trainable leaves of each dtype into one buffer per
 quantity (gradients, parameters, teacher, Adam's two moments), leaf after leaf grouped by
 optimiser group, updates the buffers in one elementwise expression whose per-element
 coefficients are each group's learning rate and bias corrections and each leaf's weight decay,
