@@ -53,6 +53,21 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train = ml_collections.ConfigDict({"epochs": 12, "steps": 0, **{
         f.name: f.default for f in dataclasses.fields(TrainConfig) if f.name != "total_steps"}})
 
+    # How the step is computed, never what it computes (sclaro_jax.perf.PerfConfig): each switch
+    # gives the default step's numbers to rounding and may change when a run resumes. Off by
+    # default; bench/bench_gpu_train.py measures them.
+    c.perf = ml_collections.ConfigDict()
+    c.perf.fused_qkv = False  # q, k, v from one [d, 3d] matmul per attention layer
+    # Attention core: einsum | xla (jax.nn.dot_product_attention) | cudnn (its cuDNN fused
+    # kernel: CUDA GPUs with model.dtype bfloat16)
+    c.perf.attention = "einsum"
+    c.perf.fused_update = False  # clipping, AdamW groups and EMA teacher in one elementwise pass
+    # XLA options of the train step, "name=value ..." over sclaro_jax.compile's, e.g.
+    # "xla_gpu_enable_command_buffer= xla_gpu_enable_triton_gemm=false"; XLA checks each
+    # (an unknown name is an error), another backend's are left out (logged)
+    c.perf.xla_options = ""
+    c.perf.packed_multiple = 1  # packed crop sizes rounded up to a multiple of this (e.g. 64)
+
     c.sharding = "dp"  # none | dp | fsdp over all devices (sclaro_jax.train.sharding)
     c.distributed = False  # multi-host: call jax.distributed.initialize() first
     c.log_every = 10

@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sclaro_jax.models import clip, open_clip_weights, scenarioclip
+from sclaro_jax.perf import PerfConfig
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,16 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
         return ml_collections.ConfigDict(json.load(f))
 
 
-def build_model(config, *, abstract: bool = False):
+def build_model(config, *, abstract: bool = False, perf: bool = True):
     """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into: its
     towers' random init is not used, so `scenarioclip.build`'s notice about it is not logged).
     A run started from a pretrained CLIP (`config.model.init`) has that checkpoint's tower
     config (sizes, activation, text length), read from its config or shapes, not its weights;
-    the preset when the checkpoint is no longer there (logged)."""
+    the preset when the checkpoint is no longer there (logged). Its attention computes as
+    `config.perf` says (`PerfConfig.attention_options`); `perf=False` gives the default
+    einsums, which run on any backend (a trained model to evaluate)."""
     preset = config.model.preset
+    attention = PerfConfig.from_config(config).attention_options() if perf else None
     if abstract and config.model.init:
         try:
             preset = open_clip_weights.pretrained_config(config.model.init)
@@ -56,7 +60,8 @@ def build_model(config, *, abstract: bool = False):
                                   warn_random=not abstract,
                                   dtype=jnp.dtype(config.model.dtype), seed=config.seed,
                                   embed_dim=config.model.embed_dim,
-                                  gradient_forms=config.model.get("gradient_forms", "auto"))
+                                  gradient_forms=config.model.get("gradient_forms", "auto"),
+                                  attention=attention)
     return nnx.eval_shape(make) if abstract else make()
 
 
@@ -85,7 +90,7 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
             raise FileNotFoundError(f"no checkpoint of step {step} in {folder}; it has steps "
                                     f"{sorted(manager.all_steps())}: pass one of them, or no "
                                     "step for the newest")
-        graphdef, params = nnx.split(build_model(config, abstract=True), nnx.Param)
+        graphdef, params = nnx.split(build_model(config, abstract=True, perf=False), nnx.Param)
         which = "teacher" if teacher else "params"
         item = {which: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     nnx.to_pure_dict(params))}

@@ -2,6 +2,7 @@
 the caps layout's losses and gradients, every crop of a batch trained, few compilations."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -175,8 +176,10 @@ def test_a_bad_record_leaves_the_packed_buffer_with_its_crops(tmp_path):
         assert not np.isin(b[f.segments], bad).any()
 
 
+@functools.lru_cache(maxsize=None)
 def _jitted(models, grads=False):
-    """(params, teacher params, batch) -> metrics (and gradients) of `core.compute_losses`."""
+    """(params, teacher params, batch) -> metrics (and gradients) of `core.compute_losses`
+    (one jitted function per model pair, so tests share its compilations)."""
     graphdef, _ = nnx.split(models[0], nnx.Param)
 
     def loss(params, teacher, batch):
@@ -205,20 +208,52 @@ def test_packed_losses_gradients_and_augmentation_equal_the_caps_layout(demo_dir
             keep = np.ones(len(a[fields.IMAGE]), bool) if f.mask is None else a[f.mask]
             np.testing.assert_array_equal(back[f.pixels][keep], np.asarray(aug_a[f.pixels])[keep])
         run = _jitted(models, grads=True)
-        (_, m_a), g_a = run(*_params(models), a)
-        (_, m_b), g_b = run(*_params(models), b)
-        m_a, m_b = ({k: float(v) for k, v in m.items()} for m in (m_a, m_b))
-        for k in m_a:
-            assert m_b[k] == pytest.approx(m_a[k], rel=1e-6, abs=1e-9), k
-        flat_a, flat_b = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
-        scale = max(float(np.max(np.abs(x))) for x in flat_a)
-        for x, y in zip(flat_a, flat_b):
-            # 1e-6 of the largest gradient: some exact zeros (the keys' biases) come out as
-            # rounding noise of either sign
-            np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6 * scale)
-        norm = lambda tree: np.sqrt(sum(float(np.sum(np.square(x))) for x in tree))
-        diff = [np.asarray(x) - np.asarray(y) for x, y in zip(flat_a, flat_b)]
-        assert norm(diff) <= 1e-6 * norm(flat_a)
+        _assert_same_numbers(run(*_params(models), b), run(*_params(models), a))
+
+
+def _assert_same_numbers(got, want):
+    """Losses within 1e-6 relative; gradients within 1e-6 of the largest, elementwise and in
+    norm (some exact zeros, the keys' biases, come out as rounding noise of either sign)."""
+    (_, m_a), g_a = want
+    (_, m_b), g_b = got
+    for k in m_a:
+        assert float(m_b[k]) == pytest.approx(float(m_a[k]), rel=1e-6, abs=1e-9), k
+    flat_a, flat_b = jax.tree.leaves(g_a), jax.tree.leaves(g_b)
+    scale = max(float(np.max(np.abs(x))) for x in flat_a)
+    for x, y in zip(flat_a, flat_b, strict=True):
+        np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6 * scale)
+    norm = lambda tree: np.sqrt(sum(float(np.sum(np.square(x))) for x in tree))  # noqa: E731
+    assert norm([np.asarray(x) - np.asarray(y) for x, y in zip(flat_a, flat_b)]) <= \
+        1e-6 * norm(flat_a)
+
+
+def test_packed_sizes_rounded_to_a_multiple_give_the_same_numbers(demo_dir, models):
+    """`config.perf.packed_multiple` (64, with 2 devices' align): every planned size is a
+    multiple of 64 and still holds every crop; a batch padded to its rounded size gives the
+    planned size's losses and gradients (`_assert_same_numbers`)."""
+    from conftest import demo_config
+    from sclaro_jax.train import trainer
+
+    config = demo_config(demo_dir)
+    config.perf.packed_multiple = 64
+    plain = trainer.pipeline_config(demo_config(demo_dir), host_batch=4, align=2).packed
+    rounded = trainer.pipeline_config(config, host_batch=4, align=2).packed
+    assert rounded.tiers <= plain.tiers
+    assert all(k % 64 == 0 for k in rounded.objects + rounded.relations)
+    assert (rounded.max_objects, rounded.max_relations) == (plain.max_objects,
+                                                          plain.max_relations)
+    _, packed_batches, _ = _loaders(demo_dir, CAPS, 4, seed=8, n=2)  # the caps test's first
+    run = _jitted(models, grads=True)
+    want = run(*_params(models), packed_batches[0])
+    compiled = run._cache_size()
+    grown = []
+    for b in packed_batches:
+        crops = [int(b[fields.LEVEL_FIELDS[level].mask].sum()) for level in fields.CROP_LEVELS]
+        grown.append(packing.grow(b, rounded, rounded.tier(*crops)))
+        assert grown[-1][fields.LEVEL_FIELDS["object"].mask].size % 64 == 0
+    _assert_same_numbers(run(*_params(models), grown[0]), want)
+    run(*_params(models), grown[1])
+    assert rounded.tiers == 1 and run._cache_size() == compiled + 1  # one rounded size
 
 
 def _np_contrastive(img, txt, log_scale):

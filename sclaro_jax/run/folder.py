@@ -34,12 +34,14 @@ from sclaro_jax.files import write_replacing
 log = logging.getLogger(__name__)
 
 # Config keys (dotted prefixes) that a resumed run may change: how long it runs, how often it
-# logs, saves and evaluates, where its data lies (the dataset itself is checked by content) and
-# how the devices share the work (checkpoints restore onto another layout).
+# logs, saves and evaluates, where its data lies (the dataset itself is checked by content), how
+# the devices share the work (checkpoints restore onto another layout) and how the step is
+# computed (`perf`: the same numbers, the same optimiser state).
 # The detector's recipe (configs/detection.py) keeps its length and evaluation at the top level.
 SAFE_KEYS = ("log_every", "checkpoint_every", "keep_checkpoints", "checkpoint_async",
-             "progress_bar", "compilation_cache", "compile_threads", "evals", "data.dir", "sharding", "distributed",
-             "eval_split", "eval_batch_size", "backbone.workdir")
+             "progress_bar", "compilation_cache", "compile_threads", "evals", "data.dir",
+             "sharding", "distributed", "perf", "eval_split", "eval_batch_size",
+             "backbone.workdir")
 # The keys that set a run's length (ScenarioCLIP: train.*; the detector: top level). The warm-up /
 # cosine schedule spans the run's length, so a new length changes the learning rate from the
 # resumed step on: a change like any other of the recipe (refused unless allowed, then logged

@@ -40,6 +40,7 @@ from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
+from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, NonFiniteLossError, run_steps  # noqa: F401
 from sclaro_jax.run import folder as runs, lock, sharding
 from sclaro_jax.run.ahead import CompiledSteps
@@ -75,7 +76,7 @@ def pipeline_config(config, dataset=None, host_batch: int | None = None,
     default) the packed sizes are planned for `host_batch` images (default: this host's share
     of `config.data.batch_size`) from the train split's counts of `dataset` (default:
     `config.data.dir`), at most `config.data.max_packed_sizes` of them, each a multiple of
-    `align` (the devices a host's slice is split over)."""
+    `align` (the devices a host's slice is split over) and of `config.perf.packed_multiple`."""
     d = config.data
     layout = check_layout(config)
     packed = None
@@ -83,7 +84,8 @@ def pipeline_config(config, dataset=None, host_batch: int | None = None,
         dataset = open_dataset(d.dir) if dataset is None else dataset
         host_batch = host_batch or d.batch_size // jax.process_count()
         packed = packing.plan(*packing.split_histograms(dataset, "train"), host_batch,
-                              align=align, max_sizes=d.get("max_packed_sizes", 3))
+                              align=PerfConfig.from_config(config).packed_align(align),
+                              max_sizes=d.get("max_packed_sizes", 3))
     return PipelineConfig(image_size=d.image_size, max_objects=d.max_objects,
                           max_relations=d.max_relations, text_length=d.text_length,
                           object_view=d.object_view, train=True, layout=layout, packed=packed)
@@ -124,10 +126,11 @@ def open_training_data(config, *, verify: bool = False):
 
 def check_recipe(config) -> None:
     """The checks of `config` that need no data: unknown config.train keys, the layout, the
-    recipe's values (e.g. a learning rate that is not positive)."""
+    recipe's values (e.g. a learning rate that is not positive), the perf switches."""
     recipe_keys(config)
     check_layout(config)
     train_config(config, 1)
+    PerfConfig.from_config(config)
 
 
 def _check(config, verify_data: bool):
@@ -151,8 +154,10 @@ def _build(config, workdir: str, dataset, tcfg: core.TrainConfig):
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     mesh = sharding.make_mesh(config.sharding)
-    step_fn, state = sharding.jit_step(core.make_train_step(graphdef, tx, tcfg), state, mesh,
-                                       config.sharding)
+    perf = PerfConfig.from_config(config)
+    step_fn, state = sharding.jit_step(
+        core.make_train_step(graphdef, tx, tcfg, fused_update=perf.fused_update), state, mesh,
+        config.sharding, compiler_options=perf.compiler_options())
     host_batch = config.data.batch_size // jax.process_count()
     pcfg = pipeline_config(config, dataset, host_batch,
                            align=jax.local_device_count() if mesh is not None else 1)
