@@ -17,11 +17,20 @@ level (three lowerings give the line), evaluated at the real crop counts.
 
     python bench/bench_gpu_train.py --counts demo --layout caps
     python bench/bench_gpu_train.py --counts demo --layout packed
+
+The step's speed switches are a run's `config.perf` (`sclaro_jax.perf.PerfConfig`): --attention
+einsum | xla | cudnn, --fused-qkv, --fused-update, --xla-options "name=value ...",
+--packed-multiple N; the result names them, with the cuDNN fused-attention calls in the compiled
+step. (bench/README.md's `--attention dpa` rows measured an earlier stand-in for "xla" that
+passed the text tower's causal mask as a dense mask.)
+
+    python bench/bench_gpu_train.py --counts demo --layout packed --attention cudnn --fused-qkv
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -32,33 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_train_step import real_crops, resized  # noqa: E402
-
-
-def use_fused_attention(implementation: str | None) -> None:
-    """Swap the CLIP attention core for `jax.nn.dot_product_attention` (cuDNN's fused kernel
-    on GPU when it applies; XLA's otherwise), for this benchmark process only: a measurement
-    of what the model would gain, same projections and masks."""
-    import jax
-    import jax.numpy as jnp
-
-    from sclaro_jax.models import layers
-
-    def call(self, x, mask, queries=None):
-        queries = x if queries is None else queries
-        b, _, d = x.shape
-        head_dim = d // self.heads
-
-        def tokens(t):  # [b, n, d] -> [b, n, heads, head_dim]
-            return t.reshape(b, t.shape[1], self.heads, head_dim)
-
-        out = jax.nn.dot_product_attention(
-            tokens(self.q_proj(queries)), tokens(self.k_proj(x)), tokens(self.v_proj(x)),
-            mask=None if mask is None else jnp.broadcast_to(
-                mask, (b, 1, queries.shape[1], x.shape[1])),
-            implementation=implementation)
-        return self.out_proj(out.reshape(b, queries.shape[1], d))
-
-    layers.Attention.__call__ = call
 
 
 def _flops(cost) -> float:
@@ -105,9 +87,9 @@ def add_step_arguments(parser: argparse.ArgumentParser) -> None:
                         help="crops per image: every slot, or drawn from the demo's photographs")
 
 
-def step_batches(args, batches: int = 8, text_len: int = 32):
+def step_batches(args, batches: int = 8, text_len: int = 32, align: int = 1):
     """(batches, packed sizes or None): `batches` synthetic batches of the step's config in its
-    layout (one when every slot is full)."""
+    layout (one when every slot is full); packed sizes are multiples of `align`."""
     import numpy as np
 
     from bench_train_step import demo_counts, make_batch, pack_planned
@@ -125,7 +107,8 @@ def step_batches(args, batches: int = 8, text_len: int = 32):
            for i in range(batches)]
     if args.layout == "caps":
         return out, None
-    sizes = packing.plan(*(packing.histogram(per_image[:, k]) for k in range(2)), args.batch)
+    sizes = packing.plan(*(packing.histogram(per_image[:, k]) for k in range(2)), args.batch,
+                         align=align)
     return [pack_planned(b, sizes) for b in out], sizes
 
 
@@ -174,10 +157,15 @@ def main():
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--flops-only", action="store_true",
                         help="print the step's FLOPs (no compilation, no timing) and exit")
-    parser.add_argument("--attention", choices=("ours", "dpa", "cudnn"), default="ours",
-                        help="attention core: ours (heads-major einsums), dpa "
-                             "(jax.nn.dot_product_attention, implementation chosen by XLA) or "
-                             "cudnn (forced)")
+    parser.add_argument("--attention", choices=("einsum", "xla", "cudnn"), default="einsum",
+                        help="config.perf.attention: einsum (heads-major einsums), xla "
+                             "(jax.nn.dot_product_attention on XLA) or cudnn (its cuDNN kernel)")
+    parser.add_argument("--fused-qkv", action="store_true", help="config.perf.fused_qkv")
+    parser.add_argument("--fused-update", action="store_true", help="config.perf.fused_update")
+    parser.add_argument("--xla-options", default="",
+                        help='config.perf.xla_options, e.g. "xla_gpu_enable_command_buffer="')
+    parser.add_argument("--packed-multiple", type=int, default=1,
+                        help="config.perf.packed_multiple")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the forward pass alone (student + teacher, no gradients)")
     args = parser.parse_args()
@@ -188,19 +176,25 @@ def main():
     import numpy as np
     from flax import nnx
 
-    from sclaro_jax.models import scenarioclip
+    from sclaro_jax import compile as sc_compile
+    from sclaro_jax.models import layers, scenarioclip
+    from sclaro_jax.perf import PerfConfig
     from sclaro_jax.train import core
 
-    if args.attention != "ours":
-        use_fused_attention("cudnn" if args.attention == "cudnn" else None)
-    host_batches, sizes = step_batches(args, text_len=args.text_length)
+    perf = PerfConfig(fused_qkv=args.fused_qkv, attention=args.attention,
+                      fused_update=args.fused_update, xla_options=args.xla_options,
+                      packed_multiple=args.packed_multiple)
+    host_batches, sizes = step_batches(args, text_len=args.text_length,
+                                       align=perf.packed_align())
     batches = [jax.device_put(b) for b in host_batches]
     batch = batches[0]
-    model = scenarioclip.build("scenarioclip", preset=args.preset, dtype=jnp.dtype(args.dtype))
+    model = scenarioclip.build("scenarioclip", preset=args.preset, dtype=jnp.dtype(args.dtype),
+                               attention=perf.attention_options())
     cfg = core.TrainConfig(total_steps=10_000)
     graphdef, state, tx = core.init_state(model, cfg)
     del model
-    step = jax.jit(core.make_train_step(graphdef, tx, cfg), donate_argnums=0)
+    step = sc_compile.jit(core.make_train_step(graphdef, tx, cfg, fused_update=perf.fused_update),
+                          options=perf.compiler_options(), donate_argnums=0)
     lowered = step.lower(state, batch)
     # FLOPs of the step as written (the HLO before backend passes: every dot and convolution at
     # 2*M*N*K). The compiled executable's own cost analysis is no use for MFU on GPU: GEMMs that
@@ -226,7 +220,7 @@ def main():
     compiled = lowered.compile()
     compile_s = time.perf_counter() - t0
     compiled_flops = _flops(compiled.cost_analysis())
-    fused_attention_calls = compiled.as_text().count("__cudnn$fmha")
+    fused_attention_calls = layers.cudnn_attention_calls(compiled.as_text())
     holder = {"state": state}
     del state
     warm = batches
@@ -260,7 +254,8 @@ def main():
         "mfu": flops / dt / (args.peak_tflops * 1e12),
         "useful_mfu": useful / dt / (args.peak_tflops * 1e12),
         "compiled_cost_analysis_tflops": compiled_flops / 1e12, "compile_s": compile_s,
-        "attention": args.attention, "cudnn_fused_attention_calls": fused_attention_calls,
+        "perf": {**dataclasses.asdict(perf), "xla_options": dict(perf.xla_options)},
+        "cudnn_fused_attention_calls": fused_attention_calls,
         "loss": float(metrics["loss"]),
         "recompiles": step._cache_size() - (1 if sizes is None else sizes.tiers),
     }
