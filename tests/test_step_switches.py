@@ -32,7 +32,8 @@ def _inputs():
     for row, eot in zip(ids, (3, 7, 5)):
         row[eot] = 49407  # EOT at the start, the end and in between: three causal rows
     padding = np.ones((3, 8), np.int32)
-    padding[0, 4:] = padding[2, 6:] = 0
+    # keys past some EOTs stay visible to the padding mask: only the causal mask hides them
+    padding[0, 6:] = padding[2, 7:] = 0
     return pixels, ids, padding
 
 
