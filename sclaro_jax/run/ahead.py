@@ -65,10 +65,14 @@ class CompiledSteps:
         batches = [{name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in s.items()}
                    for s in specs]
         threads = threads or default_threads(len(batches))
+        log.info("compiling the train step for %d batch shape(s), %d at a time ...",
+                 len(batches), threads)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max(1, threads)) as pool:
             compiled = list(pool.map(lambda b: jitted.lower(shapes, b).compile(), batches))
         self.seconds = time.perf_counter() - t0
+        log.info("compiled the train step for %d batch shape(s) in %.1f s", len(batches),
+                 self.seconds)
         self.threads = threads
         self.executables = {signature(b): c for b, c in zip(batches, compiled)}
         self.late: set[tuple] = set()

@@ -146,7 +146,7 @@ def _check(config, verify_data: bool):
 
 
 
-def _build(config, workdir: str, dataset, tcfg: core.TrainConfig):
+def build(config, workdir: str, dataset, tcfg: core.TrainConfig):
     """(graphdef, state, jitted step, mesh, packed sizes, data iterator) of a fresh run."""
     use_compilation_cache(config, workdir)
     log.info("building the model (%s) and its optimiser state ...", config.model.get("preset", "?"))
@@ -229,7 +229,7 @@ def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
     unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
     if runs.length_changes(unsafe):
         _log_schedule_change(config, unsafe, tcfg, start, dataset.num_records("train"))
-    graphdef, state, jitted, mesh, sizes, it = _build(config, workdir, dataset, tcfg)
+    graphdef, state, jitted, mesh, sizes, it = build(config, workdir, dataset, tcfg)
     checkpoints.save_args = _save_args(it)
     if start:
         step_dir = os.path.join(checkpoints.folder, str(start))
@@ -246,8 +246,6 @@ def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
         return state
     step_fn = CompiledSteps(jitted, state, sizes.specs(),
                             threads=config.get("compile_threads", 0))
-    log.info("compiled the train step for %d batch shape(s) in %.1f s, %d at a time",
-             len(step_fn.executables), step_fn.seconds, step_fn.threads)
     wait = DataWait(config.data.workers)
 
     def batch_of(step):
