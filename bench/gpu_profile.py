@@ -4,16 +4,17 @@ elementwise fusions, reductions, optimiser + EMA, photometric augmentation, copi
 gaps): time and share of the step, FLOPs and bytes per step, achieved rates against ceilings
 measured in the same process. The analysis is `gpu_profile_analysis.py`.
 
-    python bench/gpu_profile.py --out /tmp/profile      # ViT-B/32, batch 128, bf16 (the H200 run)
-    python bench/gpu_profile.py --preset tiny --batch 8 --dtype float32 --samples 32 \\
-        --warmup 2 --steps 3 --workers 0 --out /tmp/profile          # CPU
+    python bench/gpu_profile.py --override model.dtype=bfloat16 --out /tmp/profile  # the H200
+    python bench/gpu_profile.py --config configs/scenarioclip.py:demo --samples 16 \\
+        --warmup 1 --steps 2 --workers 0 --out /tmp/profile                      # a CPU
     python bench/gpu_profile.py --from-trace /tmp/profile            # the table again, no run
 
-Records: version-2 shards of the demo photographs, by default each with its own object and
-relation counts (`bench_gpu_real_data.write_shards`, into --data unless it holds some). Packed
-crop layout at one size (`packing.plan(max_sizes=1)`), so one executable compiles; the step is
-`bench_gpu_real_data.prepare`'s. The batches are drawn from `make_loader` and put on the device
-first; the step runs --warmup times, then --steps times under the profiler.
+The step is the trainer's for --config (`bench/recipe.py`: the paper recipe by default, every
+`config.perf` switch as the config says) at one packed size (`data.max_packed_sizes=1`), so
+one executable compiles, as a run compiles it (`run.ahead.CompiledSteps`). Records: version-2
+shards of the demo photographs, each with its own object and relation counts, written into
+--data unless it holds some. The batches are drawn from the trainer's loader and put on the
+device first; the step runs --warmup times, then --steps times under the profiler.
 
 Ceilings, measured after the trace: a matmul in the step's own dtypes at each of its most
 time-consuming matmul shapes (taken from the HLO), jitted; and y = x + 1 over a float32 array
@@ -42,17 +43,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu_train import _timed, add_step_arguments, lowered_flops  # noqa: E402
+from bench_gpu_train import _timed, lowered_flops  # noqa: E402
+from recipe import add_recipe_arguments  # noqa: E402
 from gpu_profile_analysis import (  # noqa: E402
     Module, attribute, hlo_costs, load_trace, report, table)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_step_arguments(parser)
-    parser.set_defaults(layout="packed", counts="demo")
-    parser.add_argument("--samples", type=int, default=256, help="records to write")
-    parser.add_argument("--data", default="", help="shard folder (written if empty)")
+    add_recipe_arguments(parser)
     parser.add_argument("--warmup", type=int, default=3, help="steps run before the trace")
     parser.add_argument("--steps", type=int, default=5, help="steps traced")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -68,21 +67,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def prepare_profile(args):
-    """(jitted step with the state donated, train state, host batches, the run's description)
-    for `profile`, from --data's records (written first if it holds none)."""
-    from bench_gpu_real_data import prepare, write_shards
-    from sclaro_jax.data.pipeline import make_loader
+    """(the trainer's compiled step with the state donated, train state, host batches, the
+    run's description) for `profile`: --config's recipe at one packed size (one executable),
+    from --data's records (written first if it holds none)."""
+    from recipe import recipe, trainer_step
+    from sclaro_jax.run.ahead import CompiledSteps
 
-    size, data = write_shards(args)
-    built = prepare(args, data, size, args.layout, max_sizes=1)
-    loader = iter(make_loader(data, "train", args.batch, config=built["pcfg"], seed=1,
-                              worker_count=args.workers))
-    batches = [next(loader) for _ in range(args.warmup + args.steps)]
-    del loader
-    run = {"preset": args.preset, "batch": args.batch, "dtype": args.dtype,
-           "layout": args.layout, "counts": args.counts, "data": data,
-           "packed_sizes": built["sizes"].describe() if built["sizes"] else None}
-    return built["step"], built["state"], batches, run
+    config = recipe(args, **{"data.max_packed_sizes": 1, "data.workers": args.workers})
+    built = trainer_step(config, args.warmup + args.steps)
+    step = CompiledSteps(built["jitted"], built["state"], built["specs"])
+    run = {"config": args.config, "overrides": args.override,
+           "preset": config.model.preset, "batch": config.data.batch_size,
+           "dtype": config.model.dtype, "layout": config.data.layout, "counts": "demo",
+           "data": config.data.dir, "perf": dict(config.perf),
+           "packed_sizes": built["packed"].describe() if built["packed"] else None}
+    return step, built["state"], built["host"], run
 
 
 def measure_ceilings(shapes: list[dict], stream_bytes: int) -> dict:
@@ -123,10 +122,11 @@ def measure_ceilings(shapes: list[dict], stream_bytes: int) -> dict:
 
 def profile(step, state, batches: list, out, steps: int = 5, warmup: int = 3,
             run: dict | None = None) -> dict:
-    """Trace `steps` calls of the jitted `step` (`(state, batch) -> (state, metrics)`, state
-    donated) after `warmup` untimed ones, the batches used in turn, all put on the device
-    first; write the report, trace and HLO to `out`; return the report (`table(report)` is
-    its Markdown). `run`: what to record of the run (preset, dtype, ...)."""
+    """Trace `steps` calls of `step` (a `run.ahead.CompiledSteps` of one executable: `(state,
+    batch) -> (state, metrics)`, state donated) after `warmup` untimed ones, the batches used
+    in turn, all put on the device first; write the report, trace and HLO to `out`; return
+    the report (`table(report)` is its Markdown). `run`: what to record of the run (preset,
+    dtype, ...)."""
     import jax
 
     from sclaro_jax.data import batch as fields
@@ -134,13 +134,13 @@ def profile(step, state, batches: list, out, steps: int = 5, warmup: int = 3,
     out = Path(out)
     (out / "hlo").mkdir(parents=True, exist_ok=True)
     batch_size = len(batches[0][fields.IMAGE])
+    lowered = step.jitted.lower(jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state), batches[0])
     batches = [jax.device_put(b) for b in batches]
-    t0 = time.perf_counter()
-    lowered = step.lower(state, batches[0])
     # The calls below go to this executable itself: one compilation, and its text is the
     # module that runs.
-    compiled = lowered.compile()
-    compile_s = time.perf_counter() - t0
+    (compiled,) = step.executables.values()
+    compile_s = step.seconds
     hlo = compiled.as_text()
     module = hlo.split(None, 2)[1].rstrip(",")
     (out / "hlo" / f"{module}.txt").write_text(hlo)
