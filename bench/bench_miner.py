@@ -278,68 +278,76 @@ def load_authors_cu(path: str):
     return run
 
 
-def authors_gpu_table(queries: int, sizes: list[int], k: int, repeats: int, path: str | None,
-                      cu_path: str | None = None) -> list[dict]:
-    """On a GPU: the authors' torch `csls_gpu` (appendix/optimization/csls_gpu.py) and their
-    CUDA kernels (csls.cu), paths the user gives, each on a resident torch matrix, against ours
-    on a resident jax matrix (donated), with a plain device copy as the bandwidth measure.
-    Returns the rows (milliseconds, medians) after printing them; each contender's output is
-    checked against ours first."""
+def resident_table(queries: int, sizes: list[int], k: int, repeats: int, path: str | None,
+                   cu_path: str | None = None) -> list[dict]:
+    """CSLS on a matrix resident on this process's device: ours (donated) against a plain device
+    copy (the bandwidth measure) and, on a CUDA GPU, against the MINER authors' torch `csls_gpu`
+    (appendix/optimization/csls_gpu.py) and CUDA kernels (csls.cu), paths the user gives, each
+    on a resident torch matrix and checked against ours first. Returns the rows (milliseconds,
+    medians) after printing them."""
     import jax
 
     from sclaro_jax.miner import csls
 
-    try:
-        import torch
-    except ImportError:
-        raise SystemExit("--authors-gpu needs torch with CUDA (their code is a torch function)")
-    if not torch.cuda.is_available() or jax.default_backend() != "gpu":
-        raise SystemExit("--authors-gpu needs a CUDA GPU visible to both torch and jax")
     theirs = {}  # name -> fn(torch matrix, k)
-    if path:
-        torch_csls = load_python_file(path, "csls_gpu", "--authors-gpu")
-        theirs["torch"] = lambda m, k: torch_csls(m, k=k)
-    if cu_path:
-        theirs["cuda"] = load_authors_cu(cu_path)
+    if path or cu_path:
+        try:
+            import torch
+        except ImportError:
+            raise SystemExit("--authors-gpu / --authors-cu need torch with CUDA (to hold their "
+                             "matrix)") from None
+        if not torch.cuda.is_available() or jax.default_backend() != "gpu":
+            raise SystemExit("--authors-gpu / --authors-cu need a CUDA GPU visible to both "
+                             "torch and jax")
+        if path:
+            torch_csls = load_python_file(path, "csls_gpu", "--authors-gpu")
+            theirs["torch"] = lambda m, k: torch_csls(m, k=k)
+        if cu_path:
+            theirs["cuda"] = load_authors_cu(cu_path)
     rng = np.random.default_rng(0)
-    print(f"\n| GPU CSLS k={k}, queries x gallery | theirs (ms) | ours, resident, donated (ms) "
-          "| ours / theirs | device copy (ms) | ours: bytes moved per second (2 reads + 1 write) "
-          "| max abs diff |")
+    print(f"\n| CSLS k={k} on {jax.default_backend()}, queries x gallery | theirs (ms) "
+          "| ours, resident, donated (ms) | ours / theirs | device copy (ms) "
+          "| ours: bytes moved per second (2 reads + 1 write) | max abs diff |")
     print("|---|---|---|---|---|---|---|")
     rows = []
     for images in sizes:
         s = csls_matrix(rng, queries, images)
-        t_mat = torch.from_numpy(s).cuda()
         j_mat = jax.device_put(s)
         want = np.asarray(csls(j_mat + 0, k=k, donate=True))
+        contenders = {"ours": (lambda: j_mat + 0, lambda x: csls(x, k=k, donate=True)),
+                      "copy": (lambda: None, lambda _: j_mat + 0)}
+        diffs = {}
+        if theirs:
+            t_mat = torch.from_numpy(s).cuda()
 
-        def synchronised(fn):
-            def run(matrix):
-                out = fn(matrix, k)
-                torch.cuda.synchronize()
-                return out
-            return run
+            def synchronised(fn):
+                def run(matrix):
+                    out = fn(matrix, k)
+                    torch.cuda.synchronize()
+                    return out
+                return run
 
-        # theirs work on a fresh copy each time (csls.cu overwrites its input)
-        contenders = {name: (t_mat.clone, synchronised(fn)) for name, fn in theirs.items()}
-        contenders["ours"] = (lambda: j_mat + 0, lambda x: csls(x, k=k, donate=True))
-        contenders["copy"] = (lambda: None, lambda _: j_mat + 0)
-        diffs = {name: float(np.abs(run(prepare()).cpu().numpy() - want).max())
-                 for name, (prepare, run) in contenders.items() if name in theirs}
+            # theirs work on a fresh copy each time (csls.cu overwrites its input)
+            for name, fn in theirs.items():
+                contenders[name] = (t_mat.clone, synchronised(fn))
+                diffs[name] = float(np.abs(fn(t_mat.clone(), k).cpu().numpy() - want).max())
         times = timed_rounds(contenders, max(repeats, 5))
         med = {name: float(np.median(ts)) * 1e3 for name, ts in times.items()}
         gbytes = s.nbytes / 1e9
-        for name in theirs:
-            row = {"queries": queries, "images": images, "theirs": name,
-                   "theirs_ms": med[name], "ours_ms": med["ours"], "copy_ms": med["copy"],
-                   "ours_gb_s": 3 * gbytes / med["ours"] * 1e3,
-                   "copy_gb_s": 2 * gbytes / med["copy"] * 1e3, "max_abs_diff": diffs[name]}
+        base = {"backend": jax.default_backend(), "queries": queries, "images": images,
+                "ours_ms": med["ours"], "copy_ms": med["copy"],
+                "ours_gb_s": 3 * gbytes / med["ours"] * 1e3,
+                "copy_gb_s": 2 * gbytes / med["copy"] * 1e3}
+        for name in list(theirs) or [None]:
+            row = dict(base, theirs=name, theirs_ms=med.get(name), max_abs_diff=diffs.get(name))
             rows.append(row)
-            print(f"| {queries:,} x {images:,} | {name} {med[name]:.2f} | {med['ours']:.2f} "
-                  f"| {med['ours'] / med[name]:.2f}x | {med['copy']:.2f} "
-                  f"| {row['ours_gb_s']:.0f} GB/s (copy: {row['copy_gb_s']:.0f} GB/s) "
-                  f"| {diffs[name]:.1e} |", flush=True)
-        del t_mat, j_mat, s
+            their = f"{name} {med[name]:.2f}" if name else "-"
+            ratio = f"{med['ours'] / med[name]:.2f}x" if name else "-"
+            print(f"| {queries:,} x {images:,} | {their} | {med['ours']:.2f} | {ratio} "
+                  f"| {med['copy']:.2f} | {row['ours_gb_s']:.0f} GB/s (copy: "
+                  f"{row['copy_gb_s']:.0f} GB/s) | "
+                  f"{'-' if name is None else format(diffs[name], '.1e')} |", flush=True)
+        del j_mat, s
     return rows
 
 
@@ -403,8 +411,12 @@ def main() -> None:
                         help="the authors' csls_gpu.py (torch): time it against ours on a GPU")
     parser.add_argument("--authors-cu", metavar="PATH",
                         help="the authors' csls.cu: built with nvcc, timed as --authors-gpu")
+    parser.add_argument("--resident", action="store_true",
+                        help="CSLS on a matrix on this process's device against a device copy "
+                             "(with --authors-gpu / --authors-cu: against theirs too), at "
+                             "--queries x each of --authors-images")
     parser.add_argument("--json", metavar="FILE",
-                        help="write the --authors-gpu / --authors-cu rows to FILE")
+                        help="write the --resident rows to FILE")
     parser.add_argument("--authors-score", metavar="PATH",
                         help="the authors' retrieval.py: its numpy `score` is the reference of "
                              "the fused + CSLS measurement (else our transcription of it)")
@@ -466,9 +478,9 @@ def main() -> None:
     if args.authors_lib:
         authors_table(args.queries, args.authors_images, args.k, args.repeats, args.authors_lib,
                       args.numpy_rounds)
-    if args.authors_gpu or args.authors_cu:
-        rows = authors_gpu_table(args.queries, args.authors_images, args.k, args.repeats,
-                                 args.authors_gpu, args.authors_cu)
+    if args.resident or args.authors_gpu or args.authors_cu:
+        rows = resident_table(args.queries, args.authors_images, args.k, args.repeats,
+                              args.authors_gpu, args.authors_cu)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
     if args.host_input:

@@ -1,5 +1,8 @@
-"""bench/gpu_profile.py: a tiny run on the CPU (real records, packed at one size, traced), and
-the GPU side of the analysis on a small synthetic trace and HLO module written here."""
+"""bench/gpu_session.sh end to end on the CPU with the tiny preset (its four stages on the demo
+recipe; one run, module-scoped): the profile's table (bench/gpu_profile.py) checked against
+XLA's own counts, the variants, the timed start and resume of the trainer, the resident CSLS,
+the summary table printed last; and the GPU side of the profile's analysis on a small synthetic
+trace and HLO module written here."""
 
 import gzip
 import json
@@ -19,18 +22,74 @@ sys.path.insert(0, str(ROOT / "bench"))
 import gpu_profile  # noqa: E402
 import gpu_profile_analysis as analysis  # noqa: E402
 
-STEPS = 2
+STEPS = 2  # the profile's traced steps in --tiny
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """(report, output folder) of the command on 16 records, batch 4, one warm-up step."""
-    base = tmp_path_factory.mktemp("gpu_profile")
-    gpu_profile.main([
-        "--preset", "tiny", "--batch", "4", "--dtype", "float32", "--samples", "16",
-        "--data", str(base / "shards"), "--warmup", "1", "--steps", str(STEPS),
-        "--workers", "0", "--out", str(base / "out")])
-    return json.loads((base / "out" / "profile.json").read_text()), base / "out"
+def session(tmp_path_factory):
+    """(stdout, output folder) of `bash bench/gpu_session.sh --tiny`."""
+    out = tmp_path_factory.mktemp("gpu_session")
+    result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "--tiny",
+                             "--out", str(out)], capture_output=True, text=True, timeout=1200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout, out
+
+
+@pytest.fixture(scope="module")
+def tiny(session):
+    """(report, output folder) of the session's profile stage."""
+    out = session[1] / "profile"
+    return json.loads((out / "profile.json").read_text()), out
+
+
+def test_every_stage_ran_and_the_summary_is_printed_last(session):
+    stdout, out = session
+    stages = [json.loads(line) for line in (out / "stages.jsonl").read_text().splitlines()]
+    assert [(s["stage"], s["status"]) for s in stages] == [
+        ("profile", "0"), ("variants", "0"), ("run", "0"), ("miner", "0")]
+    summary = (out / "summary.md").read_text().strip()
+    assert stdout.strip().endswith(summary)
+    for target in ("real-data examples/s", "useful MFU", "compile, every executable",
+                   "first loss after start", "CSLS resident"):
+        line = next(line for line in summary.splitlines() if target in line)
+        if "authors' torch" not in line:  # their GPU code runs on a GPU only
+            assert "not measured" not in line, line
+
+
+def test_variants_give_the_default_numbers_and_the_run_takes_the_winners(session):
+    _, out = session
+    results = {r["name"]: r for r in json.loads((out / "variants.json").read_text())["results"]}
+    assert set(results) == {"default", "fused_qkv"}
+    for name, r in results.items():
+        assert r["step_s"] > 0 and r["examples_per_sec"] > 0 and r["compile_s"] >= 0, name
+        assert r["losses"] == pytest.approx(results["default"]["losses"], rel=1e-5), name
+    winners = json.loads((out / "variants.json").read_text())["winners"]
+    assert json.loads((out / "run.json").read_text())["perf"]["fused_qkv"] == \
+        winners.get("fused_qkv", False)
+
+
+def test_the_run_compiles_cold_then_resumes_warm_and_reports_its_throughput(session):
+    _, out = session
+    run = json.loads((out / "run.json").read_text())
+    cold, warm = run["starts"]["cold"], run["starts"]["warm"]
+    assert cold["executables"] == warm["executables"] == 1
+    assert cold["first_step"] == 1 and warm["first_step"] > 1  # stopped, then resumed
+    assert cold["first_loss_after_start_s"] > cold["compile_s"] > 0
+    assert warm["first_loss_after_start_s"] > 0
+    # the warm start loads its executable from the cache the cold one wrote
+    assert warm["compile_s"] < cold["compile_s"]
+    assert run["steps_timed"] > 0 and run["examples_per_sec"] > 0
+    assert 0 < run["useful_tflops_per_step"] <= run["tflops_per_step"]
+    assert 0 < run["useful_mfu"] <= run["mfu"]
+    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
+    assert metrics[-1]["step"] == 40
+
+
+def test_the_resident_csls_row(session):
+    _, out = session
+    (row,) = json.loads((out / "miner.json").read_text())
+    assert row["backend"] == "cpu" and row["theirs"] is None
+    assert row["ours_ms"] > 0 and row["copy_gb_s"] > 0
 
 
 def xla_flops(hlo_text: str, opcodes: list) -> float:
@@ -329,13 +388,19 @@ def test_device_lines_streams_first_else_all_but_the_repeating_ones():
 def test_a_failed_analysis_keeps_the_trace_hlo_and_ceilings(tmp_path, monkeypatch):
     """Should the analysis fail on a trace (a GPU session is short), the folder still holds
     what --from-trace needs and the ceilings, measured at the HLO's matmul shapes."""
-    step = jax.jit(lambda state, batch: ({"w": state["w"] * 0.5},
-                                         {"y": (batch["image"] @ state["w"]).sum()}),
-                   donate_argnums=0)
+    import numpy as np
+
+    from sclaro_jax.run.ahead import CompiledSteps
+
+    jitted = jax.jit(lambda state, batch: ({"w": state["w"] * 0.5},
+                                           {"y": (batch["image"] @ state["w"]).sum()}),
+                     donate_argnums=0)
+    state = jax.device_put({"w": jax.numpy.ones((16, 8))})
+    step = CompiledSteps(jitted, state, [{"image": ((4, 16), np.dtype(np.float32))}])
     monkeypatch.setattr(gpu_profile, "attribute", lambda *a: 1 / 0)
     with pytest.raises(SystemExit, match="--from-trace"):
-        gpu_profile.profile(step, {"w": jax.numpy.ones((16, 8))},
-                            [{"image": jax.numpy.ones((4, 16))}], tmp_path, steps=1, warmup=1)
+        gpu_profile.profile(step, state, [{"image": np.ones((4, 16), np.float32)}], tmp_path,
+                            steps=1, warmup=1)
     run = json.loads((tmp_path / "profile.json").read_text())["run"]
     assert (tmp_path / run["trace"]).exists() and (tmp_path / run["hlo"][0]).exists()
     assert [m["shape"] for m in run["ceilings"]["matmul"]] == [[1, 4, 8, 16]]

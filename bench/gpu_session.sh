@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The one prepared GPU script: where the paper step's time goes, which switches win, how long a
+# run takes to compile and to reach its first loss, real-data throughput and useful MFU as a user
+# trains, and MINER's CSLS against its authors' GPU code; one short table last
+# (bench/gpu_session_table.py), full logs and JSON in the output folder.
+#
+#   bash bench/gpu_session.sh --out DIR            # one GPU: the paper recipe, about 9 minutes
+#   bash bench/gpu_session.sh --tiny --out DIR     # the same stages on a CPU in minutes (a test)
+#
+# On a lent GPU machine (no package index there), from the repository root, with .whl/ made by
+# bench/gpu_wheels.sh and the MINER authors' files in .outside/ROCS (both carried):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+#       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && \
+#       bash bench/gpu_session.sh --out $OUT
+#
+# Stages, each under its own share of --budget seconds (a stage past it is stopped and the
+# table says so): profile (bench/gpu_profile.py), variants (bench/bench_step_variants.py: each
+# switch of config.perf against the default, ordered by the profile), run
+# (bench/bench_run_start.py: launch/train.py on the same records from a cold cache, stopped
+# with SIGTERM after some steps, then the same command again, resuming on the warm cache, with
+# the variants' winners: compile time, first loss, examples/s, MFU and useful MFU), miner
+# (bench/bench_miner.py --resident: CSLS at 8,231 x 32,768 on the device).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-/tmp/gpu_session}"
+tiny=0
+budget=540
+while [[ $# -gt 0 ]]; do
+    case "$1" in
+        --out) out="$2"; shift 2 ;;
+        --tiny) tiny=1; shift ;;
+        --budget) budget="$2"; shift 2 ;;
+        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+cores=$(nproc)
+workers=$((cores > 1 ? cores - 1 : 0))
+if [[ $tiny == 1 ]]; then
+    recipe=(--config configs/scenarioclip.py:demo); variants=(--variants default,fused_qkv)
+    samples=24; profile_steps=2; variant_steps=2; run_steps=40; log_every=2; stop_after=2
+    workers=0
+    caps=(profile=150 variants=200 run=240 miner=60); miner=(--queries 300 --authors-images 1024)
+else
+    recipe=(--config configs/scenarioclip.py --override model.dtype=bfloat16); variants=()
+    samples=512; profile_steps=5; variant_steps=10; run_steps=160; log_every=10; stop_after=6
+    caps=(profile=120 variants=180 run=200 miner=50); miner=(--queries 8231 --authors-images 32768)
+fi
+data="$out/data"
+start=$SECONDS
+
+# stage NAME CMD...: runs CMD with at most min(its cap, what is left of the budget), logs to
+# OUT/NAME.log, records its exit status and seconds in OUT/stages.jsonl
+stage() {
+    local name=$1; shift
+    local cap left t0 rc
+    for c in "${caps[@]}"; do [[ ${c%%=*} == "$name" ]] && cap=${c#*=}; done
+    left=$((budget - (SECONDS - start)))
+    (( left < cap )) && cap=$left
+    t0=$SECONDS
+    if (( cap < 10 )); then
+        rc=skipped
+    else
+        echo "== $name (at most $cap s)" | tee -a "$out/session.log"
+        timeout --signal=INT --kill-after=20 "$cap" "$@" > "$out/$name.log" 2>&1
+        rc=$?
+        tail -n 3 "$out/$name.log" | tee -a "$out/session.log"
+    fi
+    echo "{\"stage\": \"$name\", \"status\": \"$rc\", \"seconds\": $((SECONDS - t0))}" \
+        >> "$out/stages.jsonl"
+}
+
+python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" \
+    | tee "$out/session.log"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee -a "$out/session.log"
+: > "$out/stages.jsonl"
+
+# profile and variants share one compilation cache (the default step compiles once); the run
+# starts from a cold one of its own, as a user's first run does
+export JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
+stage profile python3 bench/gpu_profile.py "${recipe[@]}" --samples "$samples" --data "$data" \
+    --warmup 2 --steps "$profile_steps" --workers "$workers" --out "$out/profile"
+
+stage variants python3 bench/bench_step_variants.py "${recipe[@]}" "${variants[@]}" \
+    --data "$data" --profile "$out/profile/profile.json" --steps "$variant_steps" \
+    --json "$out/variants.json"
+unset JAX_COMPILATION_CACHE_DIR
+
+# the trainer's command line takes the recipe's overrides as --config.KEY=VALUE
+train=(python3 launch/train.py "${recipe[0]}" "${recipe[1]}")
+for ((i = 2; i < ${#recipe[@]}; i += 2)); do train+=("--config.${recipe[i + 1]}"); done
+mapfile -t winners < <(python3 bench/bench_step_variants.py --overrides-of "$out/variants.json" \
+    2>/dev/null)
+stage run python3 bench/bench_run_start.py --out "$out" --stop-after "$stop_after" -- \
+    "${train[@]}" --workdir "$out/run" --config.data.dir="$data" \
+    --config.train.steps="$run_steps" --config.log_every="$log_every" \
+    --config.checkpoint_every="$run_steps" --config.data.workers="$workers" \
+    --config.progress_bar=false "${winners[@]}"
+
+authors=()  # the MINER authors' GPU code, where a GPU and their files are here
+theirs=.outside/ROCS/appendix/optimization
+if [[ $tiny == 0 ]]; then
+    [[ -f $theirs/csls_gpu.py ]] && authors+=(--authors-gpu "$theirs/csls_gpu.py")
+    [[ -f $theirs/csls.cu ]] && authors+=(--authors-cu "$theirs/csls.cu")
+fi
+stage miner python3 bench/bench_miner.py --skip-csls --skip-rocs --resident "${miner[@]}" \
+    "${authors[@]}" --repeats 5 --json "$out/miner.json"
+
+python3 bench/gpu_session_table.py "$out" | tee "$out/summary.md"
