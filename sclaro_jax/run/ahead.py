@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping, Sequence
 
 import jax
@@ -55,35 +55,71 @@ def signature(batch: Mapping) -> tuple:
 class CompiledSteps:
     """`(state, batch) -> (state, metrics)` through executables compiled ahead of time for the
     batch shapes in `specs` (one per packed size; one with caps). A batch of any other shape
-    goes to the jitted step, which compiles it then (with a warning: it should not happen)."""
+    goes to the jitted step, which compiles it then (with a warning: it should not happen).
 
-    def __init__(self, jitted: Callable, state, specs: Sequence[Specs], threads: int = 0):
+    `state` may be abstract (shapes and shardings only). With `background=True` the
+    compilations run in daemon threads while the caller goes on (restoring a checkpoint,
+    starting the input workers); the first call, or `executables`, waits for them."""
+
+    def __init__(self, jitted: Callable, state, specs: Sequence[Specs], threads: int = 0, *,
+                 background: bool = False):
         self.jitted = jitted
         shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                              sharding=getattr(x, "sharding", None)),
                               state)
-        batches = [{name: jax.ShapeDtypeStruct(shape, dtype) for name, (shape, dtype) in s.items()}
-                   for s in specs]
-        threads = threads or default_threads(len(batches))
+        self._batches = [{name: jax.ShapeDtypeStruct(shape, dtype)
+                          for name, (shape, dtype) in s.items()} for s in specs]
+        self.threads = threads or default_threads(len(self._batches))
         log.info("compiling the train step for %d batch shape(s), %d at a time ...",
-                 len(batches), threads)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            compiled = list(pool.map(lambda b: jitted.lower(shapes, b).compile(), batches))
-        self.seconds = time.perf_counter() - t0
-        log.info("compiled the train step for %d batch shape(s) in %.1f s", len(batches),
-                 self.seconds)
-        self.threads = threads
-        self.executables = {signature(b): c for b, c in zip(batches, compiled)}
+                 len(self._batches), self.threads)
+        self._t0 = time.perf_counter()
+        self._compiled: list = [None] * len(self._batches)
+        self._errors: list = []
+        self._ended: list = []
+        gate = threading.Semaphore(max(1, self.threads))
+
+        def compile_one(i):
+            with gate:
+                try:
+                    self._compiled[i] = jitted.lower(shapes, self._batches[i]).compile()
+                except BaseException as err:  # noqa: BLE001 (raised where the caller waits)
+                    self._errors.append(err)
+                self._ended.append(time.perf_counter())
+
+        # daemon threads: an error while they run (a failed restore) ends the process at once
+        self._workers = [threading.Thread(target=compile_one, args=(i,), daemon=True)
+                         for i in range(len(self._batches))]
+        for worker in self._workers:
+            worker.start()
+        self._executables: dict | None = None
         self.late: set[tuple] = set()
+        if not background:
+            self.wait()
+
+    def wait(self) -> dict:
+        """{batch signature: executable}, once every compilation has finished."""
+        if self._executables is None:
+            for worker in self._workers:
+                worker.join()
+            if self._errors:
+                raise self._errors[0]
+            self.seconds = max(self._ended, default=self._t0) - self._t0  # compiling alone
+            log.info("compiled the train step for %d batch shape(s) in %.1f s",
+                     len(self._batches), self.seconds)
+            self._executables = {signature(b): c for b, c in zip(self._batches, self._compiled)}
+        return self._executables
+
+    @property
+    def executables(self) -> dict:
+        return self.wait()
 
     def __call__(self, state, batch):
         key = signature(batch)
-        executable = self.executables.get(key)
+        executable = self.wait().get(key)
         if executable is not None:
             return executable(state, batch)
         if key not in self.late:
             self.late.add(key)
             log.warning("a batch of shapes none of the %d compiled ahead: compiling it now (%s)",
-                        len(self.executables), dict(key))
+                        len(self._executables), dict(key))
         return self.jitted(state, batch)

@@ -26,6 +26,7 @@ import os
 import shutil
 import signal
 import struct
+import sys
 import threading
 
 from sclaro_jax.config import flatten
@@ -151,8 +152,24 @@ def _event_records(data: bytes):
         offset = end
 
 
+def import_tensorboardx(module: str = "tensorboardX"):
+    """`importlib.import_module(module)` (tensorboardX or one of its modules) with torch hidden:
+    tensorboardX imports torch where it is installed, only to accept torch tensors, which costs
+    seconds at every start (and sclaro_jax never imports torch). ImportError without it."""
+    import importlib
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # `import torch` then raises ImportError
+    try:
+        return importlib.import_module(module)
+    finally:
+        if hide:
+            del sys.modules["torch"]
+
+
 def _truncate_events(path: str, step: int) -> int:
-    from tensorboardX.proto import event_pb2
+    event_pb2 = import_tensorboardx("tensorboardX.proto.event_pb2")
 
     with open(path, "rb") as f:
         data = f.read()
@@ -321,9 +338,17 @@ class PortableIterator:
         return self
 
     def __next__(self):
+        return self._starting(lambda: next(self.iterator))
+
+    def start(self) -> None:
+        """Start the worker processes now (they make the first batches while the caller goes
+        on, e.g. waiting for the step's compilation), as the first `next` would."""
+        self._starting(self.start_prefetch)
+
+    def _starting(self, action):
         if not (self._fresh and self.workers) or \
                 threading.current_thread() is not threading.main_thread():
-            return next(self.iterator)
+            return action()
         # Start the worker processes with SIGINT ignored (a disposition they inherit), so Ctrl-C
         # in a terminal, which reaches the whole process group, stops this process gracefully
         # instead of killing its workers with KeyboardInterrupt. SIGINT is blocked meanwhile:
@@ -331,7 +356,7 @@ class PortableIterator:
         mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            return next(self.iterator)
+            return action()
         finally:
             self._fresh = False
             signal.signal(signal.SIGINT, previous)

@@ -32,8 +32,8 @@ import orbax.checkpoint as ocp
 from tqdm.auto import tqdm
 
 from sclaro_jax.run.ahead import CompiledSteps, seconds_since_start
-from sclaro_jax.run.folder import (GracefulStop, RunError, config_changes, length_changes,
-                                   refuse_drift, unfinished_checkpoints)
+from sclaro_jax.run.folder import (GracefulStop, RunError, config_changes, import_tensorboardx,
+                                   length_changes, refuse_drift, unfinished_checkpoints)
 
 log = logging.getLogger(__name__)
 
@@ -287,19 +287,11 @@ def stop_here(stop: GracefulStop, checkpoints: Checkpoints, done: int, multi: bo
 
 
 def tensorboard(workdir: str):
-    # tensorboardX imports torch where it is installed, only to accept torch tensors: seconds at
-    # every start, and sclaro_jax never imports torch. It is hidden for that import.
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # `import torch` then raises ImportError
     try:
-        from tensorboardX import SummaryWriter
+        writer = import_tensorboardx().SummaryWriter
     except ImportError:  # optional: metrics.jsonl is always written
         return None
-    finally:
-        if hide:
-            del sys.modules["torch"]
-    return SummaryWriter(os.path.join(workdir, "tensorboard"))
+    return writer(os.path.join(workdir, "tensorboard"))
 
 
 class _AboveTheBar(logging.Filter):

@@ -106,19 +106,29 @@ def put_batch(batch: dict, mesh: Mesh | None) -> dict:
             for k, v in batch.items()}
 
 
+def place(state, shardings):
+    """`jax.device_put(state, shardings)` (one sharding or a tree of them); abstract leaves
+    (`jax.ShapeDtypeStruct`, a state to restore a checkpoint into) get the sharding attached."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x, s: place(x, s), state, shardings)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings)
+                        if isinstance(x, jax.ShapeDtypeStruct) else jax.device_put(x, shardings),
+                        state)
+
+
 def jit_step(step_fn, state, mesh: Mesh | None, strategy: str, *,
              compiler_options: dict | None = None):
-    """(jitted step, state placed on the mesh, or on this process's first device without one).
-    The state is donated; our per-backend XLA options apply (`sclaro_jax.compile`; see
+    """(jitted step, state placed on the mesh, or on this process's first device without one;
+    an abstract state gets its shardings attached: `place`). The state is donated; our per-backend XLA options apply (`sclaro_jax.compile`; see
     bench/README.md), `compiler_options` over them (`config.perf.xla_options`). Placing every
     leaf explicitly matters when a state mixes arrays committed to a device (restored or
     imported weights) with uncommitted ones (new heads): the first call would otherwise compile
     once for the mix and again for the step's own outputs."""
     if mesh is None:
-        state = jax.device_put(state, jax.local_devices()[0])
+        state = place(state, jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
         return compile.jit(step_fn, options=compiler_options, donate_argnums=0), state
     shardings = state_shardings(state, mesh, strategy)
-    state = jax.device_put(state, shardings)
+    state = place(state, shardings)
     replicated = NamedSharding(mesh, P())
     jitted = compile.jit(step_fn, options=compiler_options,
                          in_shardings=(shardings, batch_sharding(mesh)),

@@ -210,17 +210,23 @@ def make_optimizer(cfg: TrainConfig, labels: PyTree) -> optax.GradientTransforma
 def init_state(model: nnx.Module, cfg: TrainConfig) -> tuple[nnx.GraphDef, TrainState,
                                                                optax.GradientTransformation]:
     """Split the model; the optimiser (and its state) covers only the trainable parameters, so
-    frozen ones cost no gradient, no Adam moments and no EMA arithmetic."""
+    frozen ones cost no gradient, no Adam moments and no EMA arithmetic. An abstract model
+    (`nnx.eval_shape`) gives the state's shapes alone (`jax.ShapeDtypeStruct` leaves), e.g. a
+    target to restore a checkpoint into without initialising anything."""
     graphdef, params = nnx.split(model, nnx.Param)
     # Plain dicts of arrays, not nnx.State: jax flattens them in C++, so passing the state to the
     # jitted step costs less host time per call (nnx.merge takes them as they are).
     params = nnx.to_pure_dict(params)
     labels = param_labels(params, cfg)
     tx = make_optimizer(cfg, trainable_part(labels, labels))
-    teacher = jax.tree.map(jnp.copy, params)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, teacher=teacher,
-                       opt_state=tx.init(trainable_part(params, labels)))
-    return graphdef, state, tx
+
+    def state_of(params):
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                          teacher=jax.tree.map(jnp.copy, params),
+                          opt_state=tx.init(trainable_part(params, labels)))
+
+    abstract = all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    return graphdef, jax.eval_shape(state_of, params) if abstract else state_of(params), tx
 
 
 def ema_update(teacher: PyTree, params: PyTree, step: jax.Array, cfg: TrainConfig) -> PyTree:

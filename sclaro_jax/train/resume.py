@@ -19,10 +19,14 @@ from sclaro_jax.train import core
 
 
 def positional_opt_state(state: core.TrainState, cfg: core.TrainConfig):
-    """The optimiser state in the old list layout (fresh values), as a restore target."""
+    """The optimiser state in the old list layout (its shapes, on this process's first device),
+    as a restore target."""
     labels = core.param_labels(state.params, cfg)
     tx = core.make_optimizer(cfg, jax.tree.leaves(core.trainable_part(labels, labels)))
-    return tx.init(jax.tree.leaves(core.trainable_part(state.params, labels)))
+    shapes = jax.eval_shape(tx.init, jax.tree.leaves(core.trainable_part(state.params, labels)))
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device),
+                        shapes)
 
 
 def _moments_are_lists(tree) -> bool:

@@ -146,11 +146,14 @@ def _check(config, verify_data: bool):
 
 
 
-def build(config, workdir: str, dataset, tcfg: core.TrainConfig):
-    """(graphdef, state, jitted step, mesh, packed sizes, data iterator) of a fresh run."""
+def build(config, workdir: str, dataset, tcfg: core.TrainConfig, *, abstract: bool = False):
+    """(graphdef, state, jitted step, mesh, batch shapes, data iterator) of a run; with
+    `abstract` the state is shapes and shardings only (a resumed run restores into it: nothing
+    is initialised, no pretrained weights are read)."""
     use_compilation_cache(config, workdir)
-    log.info("building the model (%s) and its optimiser state ...", config.model.get("preset", "?"))
-    model = build_model(config)
+    log.info("building the model (%s) and its optimiser state%s ...",
+             config.model.get("preset", "?"), " (shapes)" if abstract else "")
+    model = build_model(config, abstract=abstract)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     mesh = sharding.make_mesh(config.sharding)
@@ -229,8 +232,12 @@ def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
     unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
     if runs.length_changes(unsafe):
         _log_schedule_change(config, unsafe, tcfg, start, dataset.num_records("train"))
-    graphdef, state, jitted, mesh, sizes, it = build(config, workdir, dataset, tcfg)
+    graphdef, state, jitted, mesh, sizes, it = build(config, workdir, dataset, tcfg,
+                                                     abstract=bool(start))
     checkpoints.save_args = _save_args(it)
+    # compiled while the checkpoint is restored and the input workers start
+    step_fn = CompiledSteps(jitted, state, sizes.specs(), threads=config.get(
+        "compile_threads", 0), background=True) if start < steps else None
     if start:
         step_dir = os.path.join(checkpoints.folder, str(start))
         runs.check_data_state(workdir, start, runs.saved_data_state(step_dir), dataset,
@@ -244,8 +251,7 @@ def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
                  start, steps)
         checkpoints.close()
         return state
-    step_fn = CompiledSteps(jitted, state, sizes.specs(),
-                            threads=config.get("compile_threads", 0))
+    it.start()
     wait = DataWait(config.data.workers)
 
     def batch_of(step):
