@@ -80,17 +80,17 @@ def make_batch(args, max_boxes: int, seed: int = 0) -> dict:
 # ------------------------------------------------------------------------------------ JAX side
 def jax_side(args, folder: str):
     """(run(batch) -> loss, jitted step, graphdef, {"state": state})."""
-    import jax
     import jax.numpy as jnp
 
     from sclaro_jax import compile as sc_compile
-    from sclaro_jax.detection import rcnn, train
+    from sclaro_jax.config import load_config
+    from sclaro_jax.detection import train
     from sclaro_jax.detection.model import Detector
     from sclaro_jax.models import clip
     dtype = jnp.bfloat16 if args.bf16 else jnp.float32
     model = Detector(detector_config(args), clip.from_hf(folder, dtype=dtype).vision_model,
                      args.patch, dtype=dtype, seed=0)
-    config = train.default_config()
+    config = load_config("detection")
     config.update(backbone_lr=LR, head_lr=LR, weight_decay=WEIGHT_DECAY)
     graphdef, state, tx = train.init_state(model, config, steps=1000)
     step = sc_compile.jit(train.make_train_step(graphdef, tx, 0), donate_argnums=0)

@@ -74,8 +74,7 @@ def trainer_step(config, batches: int) -> dict:
     from sclaro_jax.train import trainer
 
     tcfg = trainer.train_config(config, 1000)
-    work = tempfile.mkdtemp()
-    graphdef, state, jitted, mesh, sizes, it = trainer.build(config, work, open_dataset(
+    graphdef, state, jitted, mesh, sizes, it = trainer.build(config, open_dataset(
         config.data.dir), tcfg)
     host = [sizes.agree(next(it), i) for i in range(batches)]
     return {"jitted": jitted, "state": state, "mesh": mesh, "specs": sizes.specs(),

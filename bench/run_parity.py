@@ -7,7 +7,9 @@ small detection run (fixed seeds), each run with the code of one checkout, their
     python bench/run_parity.py resume --code CHECKOUT --from DIR_BEFORE --out DIR
 
 `run` writes DIR/demo (the demo shards), DIR/scn (24 steps of configs/scenarioclip.py:demo) and
-DIR/det (`python -m sclaro_jax.eval.detect` on DIR/scn's encoders, 64 px, 15 steps). `resume`
+DIR/det (the detector on DIR/scn's encoders, 64 px, 15 steps: `launch/train.py --config
+configs/detection.py:demo`, or `python -m sclaro_jax.eval.detect` in checkouts before the
+tasks). `resume`
 continues copies of another checkout's scn and det folders with CHECKOUT's code (their
 checkpoints restore: the orbax layout is unchanged) by a few steps.
 """
@@ -42,7 +44,14 @@ def _longer(code):
     """The flag that lets CHECKOUT continue a run to a new length (the run's length is part of
     its config since the run folder checks it; older checkouts continue without it)."""
     with open(os.path.join(code, "sclaro_jax", "eval", "detect.py"), encoding="utf-8") as f:
-        return ["--allow-config-change"] if "--allow-config-change" in f.read() else []
+        text = f.read()
+    return ["--allow-config-change"] if "--allow-config-change" in text or _tasks(code) else []
+
+
+def _tasks(code):
+    """Whether CHECKOUT trains the detector through the launcher's task (since issue 50; before,
+    `python -m sclaro_jax.eval.detect` trained and evaluated it)."""
+    return os.path.exists(os.path.join(code, "sclaro_jax", "detection", "task.py"))
 
 
 def scn(code, out, data, steps, longer=()):
@@ -52,6 +61,15 @@ def scn(code, out, data, steps, longer=()):
 
 
 def det(code, out, data, epochs, longer=()):
+    """The detector on DIR/scn's encoders (global -> RPN, object -> RoI), trained and
+    evaluated into DIR/det, by the command of CHECKOUT's time."""
+    if _tasks(code):
+        _run(code, ["launch/train.py", "--config", "configs/detection.py:demo", "--workdir",
+                    os.path.join(out, "det"), f"--config.data.dir={data}",
+                    f"--config.backbone.workdir={os.path.join(out, 'scn')}",
+                    "--config.progress_bar=false",
+                    *[f"--config.{kv}" for kv in DET + [f"epochs={epochs}"]], *longer])
+        return
     sets = [x for kv in DET + [f"epochs={epochs}"] for x in ("--set", kv)]
     _run(code, ["-m", "sclaro_jax.eval.detect", "--workdir", os.path.join(out, "scn"),
                 "--data", data, "--config", "demo", "--out", os.path.join(out, "det"),

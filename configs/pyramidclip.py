@@ -1,13 +1,8 @@
 """PyramidCLIP as the reference runs it: one shared pair at all levels, three InfoNCE losses
-with their own scales, no KD (same recipe otherwise)."""
 
-from configs import scenarioclip  # the repository root is on sys.path (launch/train.py)
+The recipe lives in the installed package as `sclaro_jax.configs.pyramidclip`
+(`--config pyramidclip` and `load_config("pyramidclip")` load it from any folder); this
+file is its name in a checkout.
+"""
 
-VARIANTS = scenarioclip.VARIANTS
-
-
-def get_config(arg: str | None = None):
-    c = scenarioclip.get_config(arg)
-    c.model.kind = "pyramidclip"
-    c.train.lambda_kd = 0.0
-    return c
+from sclaro_jax.configs.pyramidclip import VARIANTS, get_config  # noqa: F401

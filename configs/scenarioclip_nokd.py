@@ -1,11 +1,8 @@
-"""ScenarioCLIP w/o KD: three pairs, contrastive alignment only (same recipe otherwise)."""
+"""ScenarioCLIP w/o KD: three pairs, contrastive alignment only (same recipe otherwise).
 
-from configs import scenarioclip  # the repository root is on sys.path (launch/train.py)
+The recipe lives in the installed package as `sclaro_jax.configs.scenarioclip_nokd`
+(`--config scenarioclip_nokd` and `load_config("scenarioclip_nokd")` load it from any folder); this
+file is its name in a checkout.
+"""
 
-VARIANTS = scenarioclip.VARIANTS
-
-
-def get_config(arg: str | None = None):
-    c = scenarioclip.get_config(arg)
-    c.train.lambda_kd = 0.0
-    return c
+from sclaro_jax.configs.scenarioclip_nokd import VARIANTS, get_config  # noqa: F401

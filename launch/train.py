@@ -1,21 +1,26 @@
-"""Train ScenarioCLIP, a baseline or the detector (`config.trainer`):
+"""Train a task's run, then evaluate it: ScenarioCLIP, a baseline or the detector
+(`config.trainer`, a task of `sclaro_jax.run.task`):
 
     python launch/train.py --config configs/scenarioclip.py[:VARIANT] --workdir DIR [--config.x.y=V]
     python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
+    sclaro-train --config detection:demo --workdir DIR     # installed: any folder, by name
 
-Rerunning the same command resumes from the newest checkpoint in DIR. Ctrl-C (SIGINT) or SIGTERM
-stops after the current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose
-config differs in more than the logging / checkpoint / eval settings, the data folder or the
-sharding (the run's length included: it sets the schedule) is refused unless
---allow-config-change. A second run on a workdir in use is refused, naming the first. With an
-empty `config.data.dir`, the `:demo` variants write the bundled demo shards to DIR/demo_data
-first. User errors print one `error:` line (the traceback with --verbose).
+`--config` takes a recipe's file or its name (`scenarioclip:demo`, from any folder). Rerunning
+the same command resumes from the newest checkpoint in DIR. When the run is complete, the task
+evaluates it (ScenarioCLIP: the evaluators of `config.evals`; the detector: COCO AP) into
+DIR/results.json and DIR/results.md and prints the table; `--eval-only` evaluates DIR's newest
+checkpoint without training, `--no-eval` trains only. Ctrl-C (SIGINT) or SIGTERM stops after the
+current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose config differs
+in more than the logging / checkpoint / eval settings, the data folder or the sharding (the
+run's length included: it sets the schedule) is refused unless --allow-config-change. A
+second run on a workdir in use is refused, naming the first. With an empty `config.data.dir`,
+the `:demo` variants write the bundled demo to DIR/demo_data first. User errors print one
+`error:` line (the traceback with --verbose).
 """
 
 import json
 import logging
 import os
-import shlex
 import sys
 
 from absl import app, flags
@@ -66,26 +71,25 @@ def define_flags(spec: str | None, argv: list[str]) -> None:
     flags.DEFINE_bool("verify_data", False, "check every shard's sha256 against the manifest "
                       "before training (the quick size and record-count check always runs)")
     flags.DEFINE_bool("verbose", False, "print tracebacks for errors")
+    flags.DEFINE_bool("eval", True, "evaluate the run when its training is complete "
+                      "(--noeval: train only)")
+    flags.DEFINE_bool("eval_only", False, "evaluate WORKDIR's newest checkpoint, no training")
     flags.mark_flags_as_required(["workdir"])
 
 
 FLAGS = flags.FLAGS
 
 
-def prepare_demo(config, workdir: str) -> None:
+def prepare_demo(config, workdir: str, task) -> None:
     """An empty config.data.dir with a demo config: the bundled demo in WORKDIR/demo_data, made
-    at the config's image size (ScenarioCLIP; the detector reads the originals)."""
-    detector = config.get("trainer", "scenarioclip") == "detection"
-    demo = (config.detector.image_size <= 128 and config.batch_size <= 16) if detector else \
-        (config.model.preset == "tiny" and config.data.batch_size <= 16)
-    if not demo:
-        name = "detection" if detector else "scenarioclip"
-        raise app.UsageError("config.data.dir is empty: pass --config.data.dir=DIR (a "
-                             "dataset folder from `python -m data_prep`), or use "
-                             f"configs/{name}.py:demo for the bundled demo")
+    at the image size of the task's demo views (0: the originals)."""
+    size = task.demo_view_size(config)
+    if size is None:
+        raise app.UsageError(f"config.data.dir is empty: pass --config.data.dir=DIR (a dataset "
+                             f"folder from `python -m data_prep`), or use the :demo variant of "
+                             f"configs/{task.name}.py for the bundled demo")
     from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
     data = os.path.join(workdir, "demo_data")
-    size = None if detector else config.data.image_size  # the training views' size
     manifest = os.path.join(data, "manifest.json")
     if not os.path.exists(manifest):
         logging.getLogger("sclaro_jax").info("writing the bundled demo dataset to %s (once) ...",
@@ -111,51 +115,30 @@ def main(argv):
     if config.distributed:  # many processes: coordinator and process ids from the environment
         from sclaro_jax.run.sharding import initialize_distributed
         initialize_distributed()
-    from sclaro_jax.run.folder import check_workdir
-    from sclaro_jax.run.lock import hold_workdir
-    check_workdir(workdir)
-    hold_workdir(workdir)  # this process is the run's one writer until it ends
-    if config.get("trainer", "scenarioclip") == "detection":
-        from sclaro_jax.detection.train import check_rates
-        check_rates(config)
-    else:
-        from sclaro_jax.train.trainer import check_recipe
-        check_recipe(config)
+    from sclaro_jax.run import lock, task as tasks
+    task = tasks.of(config)
+    task.check(config)  # before anything is written
+    lock.hold_workdir(workdir)  # this process is the run's one writer until it ends
     if not config.data.dir:
-        prepare_demo(config, workdir)
-    if config.get("trainer", "scenarioclip") == "detection":
-        return train_detector(config, workdir)
-    from sclaro_jax.train import trainer
-    state = trainer.train(config, workdir, allow_config_change=FLAGS.allow_config_change,
+        prepare_demo(config, workdir, task)
+    if not FLAGS.eval_only:
+        fitted = task.fit(config, workdir, allow_config_change=FLAGS.allow_config_change,
                           verify_data=FLAGS.verify_data)
-    import jax
-    steps = trainer.total_steps(config, trainer.open_dataset(config.data.dir).num_records("train"))
-    step = int(jax.device_get(state.step))
-    if step < steps:
-        print(f"stopped at step {step} of {steps}; rerun the same command to continue")
-        return
-    w = shlex.quote(workdir)
-    print(f"done: {steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
-          f"checkpoints in {os.path.join(workdir, 'checkpoints')}\n"
-          f"next: evaluate: python -m sclaro_jax.eval.suite --workdir {w}   (tables in "
-          f"{os.path.join(workdir, 'eval', 'eval.md')})\n"
-          f"      export one level for PyTorch: python -m sclaro_jax.train.export --workdir {w} "
-          f"--level object --out {shlex.quote(os.path.join(workdir, 'export_object'))}")
-
-
-def train_detector(config, workdir: str) -> None:
-    """configs/detection.py: the detector's run (`sclaro_jax.detection.trainer`)."""
-    import jax
-
-    from sclaro_jax.detection import trainer
-    _, state, info = trainer.run(config, workdir, allow_config_change=FLAGS.allow_config_change,
-                                 verify_data=FLAGS.verify_data)
-    step, steps = int(jax.device_get(state["step"])), info["steps"]
-    if step < steps:
-        print(f"stopped at step {step} of {steps}; rerun the same command to continue")
-        return
-    print(f"done: {steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')}, "
-          f"checkpoints in {os.path.join(workdir, 'checkpoints')}")
+        if fitted.step < fitted.steps:
+            print(f"stopped at step {fitted.step} of {fitted.steps}; rerun the same command to "
+                  "continue")
+            return
+        print(f"done: {fitted.steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')},"
+              f" checkpoints in {os.path.join(workdir, 'checkpoints')}")
+    if (FLAGS.eval_only or FLAGS.eval) and config.distributed:
+        print(f"evaluation: one process evaluates a run; python launch/train.py --config ... "
+              f"--workdir {workdir} --eval-only")
+    elif FLAGS.eval_only or FLAGS.eval:
+        evaluated = task.evaluate(config, workdir)
+        print(f"\n{evaluated.table}\n\nresults: {evaluated.path} (and "
+              f"{os.path.join(workdir, 'results.json')})")
+        if evaluated.next:
+            print(evaluated.next)
 
 
 # Errors that are the user's to fix: one `error:` line (and the traceback with --verbose).
@@ -180,10 +163,13 @@ def _message(e: BaseException) -> str:
 
 
 def _underscores(arg: str) -> str:
-    """--allow-config-change -> --allow_config_change (absl's flag names)."""
+    """--allow-config-change -> --allow_config_change, --no-eval -> --noeval (absl's flag
+    names)."""
     if not arg.startswith("--") or arg.startswith("--config"):
         return arg
     name, eq, value = arg[2:].partition("=")
+    if name.startswith(("no-", "no_")):  # --no-eval: absl's negation of a bool is --noeval
+        name = "no" + name[3:]
     return "--" + name.replace("-", "_") + eq + value
 
 
@@ -194,8 +180,9 @@ def cli(args: list[str]) -> None:
     argv = args[:1] + argv
     if any(arg in ("-h", "--help", "--helpshort") for arg in argv[1:]):
         print(__doc__)  # absl's own --help exits with status 1
-        print("Configs and their variants (--config FILE[:VARIANT]):")
-        print("\n".join(list_configs(os.path.relpath(os.path.join(ROOT, "configs")))))
+        print("Recipes and their variants (--config NAME[:VARIANT], or a file: "
+              "configs/NAME.py[:VARIANT] in a checkout):")
+        print("\n".join(list_configs()))
         print()
         try:
             define_flags(spec, argv)
@@ -230,6 +217,11 @@ def cli(args: list[str]) -> None:
         os._exit(130)  # background writer threads would hold the exit (and print on the way)
     except user_errors() as e:
         fail(_message(e), verbose)
+
+
+def console() -> None:
+    """`sclaro-train`, the installed command."""
+    cli(sys.argv)
 
 
 if __name__ == "__main__":

@@ -1,29 +1,49 @@
-"""Experiment configs, loaded one way: `load_config("path/to/file.py[:variant]")`.
-
-A config file defines `get_config(variant=None) -> ml_collections.ConfigDict` (configs/ holds
-the repository's: scenarioclip.py, scenarioclip_nokd.py, pyramidclip.py). launch/train.py and
-`python -m sclaro_jax.eval.suite` both load their `--config` here; the trainer checks the keys
-of `config.train` against `sclaro_jax.train.core.TrainConfig` when a run starts.
+"""Experiment configs, loaded one way: `load_config("NAME[:variant]")` for a recipe of the
+package (`sclaro_jax.configs`: scenarioclip, scenarioclip_nokd, pyramidclip, detection), or
+`load_config("path/to/file.py[:variant]")` for a config file (the checkout's configs/*.py name
+the same recipes). A config defines `get_config(variant=None) -> ml_collections.ConfigDict`.
+launch/train.py and the evaluation commands load their `--config` here; a task checks its keys
+when a run starts (`sclaro_jax.run.task`).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
+import pkgutil
 import sys
 from pathlib import Path
 
 import ml_collections
 
+RECIPES = "sclaro_jax.configs"
+
+
+def recipes() -> list[str]:
+    """The names of the package's recipes."""
+    package = importlib.import_module(RECIPES)
+    return sorted(m.name for m in pkgutil.iter_modules(package.__path__)
+                  if not m.name.startswith("_"))
+
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
-    """`path/to/config.py[:variant]` -> the file's `get_config(variant)` ConfigDict (variant
-    None when not given). The file's grandparent folder (the repository root for configs/) goes
-    on sys.path, so configs can import each other as `configs.x`."""
+    """`NAME[:variant]` (a recipe of the package) or `path/to/config.py[:variant]` (a file) ->
+    its `get_config(variant)` ConfigDict (variant None when not given). A file's grandparent
+    folder (the repository root for configs/) goes on sys.path, so a user's config files can
+    import each other as `configs.x`."""
     path, _, variant = spec.partition(":")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"config file not found: {path} (from --config {spec!r})")
-    module = _load_module(path)
+    if path.endswith(".py") or os.sep in path or "/" in path:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"config file not found: {path} (from --config {spec!r}); "
+                                    f"or name a recipe: {', '.join(recipes())}")
+        module = _load_module(path)
+    elif path in recipes():
+        module = importlib.import_module(f"{RECIPES}.{path}")
+    else:
+        raise FileNotFoundError(f"config file not found: {path} (from --config {spec!r}): "
+                                f"no recipe of that name either; recipes: "
+                                f"{', '.join(recipes())}")
     if not hasattr(module, "get_config"):
         raise AttributeError(f"{path} defines no get_config(variant)")
     return module.get_config(variant or None)
@@ -40,23 +60,16 @@ def _load_module(path: str):
     return module
 
 
-def list_configs(folder: str) -> list[str]:
-    """One line per config file in `folder` and variant it declares (`VARIANTS`, a dict
-    variant -> description, "" for none): "configs/x.py[:variant]  description"."""
+def list_configs() -> list[str]:
+    """One line per recipe and variant it declares (`VARIANTS`, variant -> description, ""
+    for none): "NAME[:variant]  description"."""
     lines = []
-    for name in sorted(os.listdir(folder)):
-        if not name.endswith(".py") or name.startswith("_"):
-            continue
-        path = os.path.join(folder, name)
-        try:
-            module = _load_module(path)
-        except Exception as e:  # noqa: BLE001 (listing must not fail on one bad file)
-            lines.append(f"  {path}  (cannot be loaded: {e})")
-            continue
+    for name in recipes():
+        module = importlib.import_module(f"{RECIPES}.{name}")
         doc = (module.__doc__ or "").strip().splitlines()
         for variant, text in getattr(module, "VARIANTS", {"": ""}).items():
-            spec = f"{path}:{variant}" if variant else path
-            lines.append(f"  {spec:<36} {text if variant else (doc[0] if doc else text)}")
+            spec = f"{name}:{variant}" if variant else name
+            lines.append(f"  {spec:<24} {text if variant else (doc[0] if doc else text)}")
     return lines
 
 

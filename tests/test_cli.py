@@ -55,7 +55,7 @@ def test_the_no_progress_flag_in_both_spellings():
     from data_prep.__main__ import build_parser
     argvs = {"eval.suite": (suite._parser(), ["--workdir", "w"]),
              "eval.rocs": (rocs._parser(), ["--model", "m", "--split", "s"]),
-             "eval.detect": (detect._parser(), ["--workdir", "w", "--data", "d"]),
+             "eval.detect": (detect._parser(), ["--workdir", "w"]),
              "data_prep curate": (build_parser(), ["curate", "--data", "d", "--out", "o"]),
              "data_prep reshard": (build_parser(), ["reshard", "--in", "i", "--out", "o"])}
     for name, (parser, argv) in argvs.items():

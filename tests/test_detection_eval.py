@@ -169,10 +169,10 @@ def test_markdown_table():
 @pytest.mark.parametrize("mode", ["squash", "longest_side"])
 def test_detections_are_scored_in_the_original_pixels(mode):
     """The ground truth's own boxes, detected in the resized input (plus a box lying in the
-    padding), mapped back by eval.detect's `original_detections`: the boxes are the originals
-    and AP is 1 against the original ground truth."""
+    padding), mapped back by the detection task's `original_detections`: the boxes are the
+    originals and AP is 1 against the original ground truth."""
     from sclaro_jax.detection import data
-    from sclaro_jax.eval.detect import original_detections
+    from sclaro_jax.detection.task import original_detections
 
     rng = np.random.default_rng(3)
     originals, resized = [], []

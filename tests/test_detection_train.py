@@ -1,7 +1,9 @@
-"""Detection end to end: `python -m sclaro_jax.eval.detect` on a ScenarioCLIP workdir (global
-encoder -> RPN, object encoder -> RoI heads) trained on the demo photographs' boxes and
-evaluated on the same images (an overfit check: AP50 >= 0.9), the rerun that resumes, exact
-resume after a stop, the CLI's errors, and the backbone against the CLIP tower it wraps."""
+"""Detection end to end: the detection task (`sclaro_jax.detection.task`, what
+`launch/train.py --config configs/detection.py` runs) on a ScenarioCLIP workdir's encoders (global
+encoder -> RPN, object encoder -> RoI heads) trained on the demo photographs' boxes and evaluated
+on the same images (an overfit check: AP50 >= 0.9), `python -m sclaro_jax.eval.detect` evaluating
+the run again, the rerun that resumes, exact resume after a stop, the CLI's errors, and the
+backbone against the CLIP tower it wraps."""
 
 import json
 from collections import Counter
@@ -11,33 +13,46 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sclaro_jax.detection import data, train
+from sclaro_jax.config import load_config
+from sclaro_jax.detection import backbones, data, train
 from sclaro_jax.detection.model import Detector, ViTBackbone
 from sclaro_jax.eval import detect as cli
 from sclaro_jax.models import clip
+from sclaro_jax.run import task as tasks
+from sclaro_jax.run.folder import ConfigDriftError
+
+TASK = tasks.get("detection")
+
+
+def demo_config(data_dir, backbone=""):
+    config = load_config("detection:demo")
+    config.data.dir, config.backbone.workdir = str(data_dir), str(backbone)
+    return config
 
 
 @pytest.fixture(scope="module")
 def overfit(scenario_workdir, demo_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("detect") / "run"
-    argv = ["--workdir", str(scenario_workdir), "--data", demo_dir, "--config", "demo",
-            "--out", str(out), "--no-progress"]
-    assert cli.main(argv) == 0
-    return argv, out, json.loads((out / "results.json").read_text())
+    config = demo_config(demo_dir, scenario_workdir)
+    fitted = TASK.fit(config, str(out), progress=False)
+    assert fitted.step == fitted.steps
+    return config, out, TASK.evaluate(config, str(out)).results
 
 
-def test_cli_overfits_the_demo_boxes(overfit):
+def test_the_task_overfits_the_demo_boxes(overfit):
     _, out, results = overfit
     m = results["metrics"]
     assert m["AP50"] >= 0.9, m
     assert 0 < m["AP"] <= m["AP50"]
     assert results["model"].startswith("ScenarioCLIP (global -> RPN, object -> RoI")
     assert results["split"] == "train" and results["images"] == 10
-    assert results["steps"] == train.total_steps(train.default_config("demo"), 10)
-    assert results["train_step_compiles"] == 1  # no recompilation after the first step
+    assert results["steps"] == train.total_steps(load_config("detection:demo"), 10)
     table = (out / "results.md").read_text().splitlines()
     assert table[0] == "| Model | AP | AP50 | AP75 | APr | APc | APf |"
     assert f"| {100 * m['AP50']:.1f} |" in table[2]
+    written = json.loads((out / "results.json").read_text())["metrics"]
+    assert written.keys() == m.keys()
+    np.testing.assert_array_equal(list(written.values()), list(m.values()))  # NaN where m has
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["step"] == results["steps"]
     assert {"loss_objectness", "loss_rpn_box_reg", "loss_classifier", "loss_box_reg",
@@ -45,33 +60,38 @@ def test_cli_overfits_the_demo_boxes(overfit):
     assert logged[-1]["loss"] < logged[0]["loss"]
 
 
-def test_rerun_resumes_from_the_last_checkpoint(overfit, caplog):
-    argv, out, results = overfit
-    with caplog.at_level("INFO"):
-        assert cli.main(argv) == 0
-    assert "nothing to train" in caplog.text
+def test_eval_detect_evaluates_the_run_again_and_a_rerun_resumes(overfit, caplog, capsys):
+    config, out, results = overfit
+    (out / "results.json").unlink()
+    assert cli.main(["--workdir", str(out)]) == 0  # its recipe: the run's config.json
+    printed = capsys.readouterr().out
+    assert printed.startswith("| Model | AP |") and f"results: {out / 'results.md'}" in printed
     again = json.loads((out / "results.json").read_text())
-    assert again["train_step_compiles"] == 0
     assert again["metrics"]["AP50"] == pytest.approx(results["metrics"]["AP50"], abs=1e-6)
+    with caplog.at_level("INFO"):
+        fitted = TASK.fit(config, str(out), progress=False)
+    assert "nothing to train" in caplog.text and fitted.step == fitted.steps
 
 
-def test_a_longer_recipe_continues_only_when_allowed(overfit, capsys):
-    """The run's length is part of its recipe: eval.detect refuses another `epochs` for the
-    --out run in one error line that names --allow-config-change, which it accepts."""
-    argv, out, results = overfit
-    longer = [*argv, "--config.epochs=101"]
-    assert cli.main(longer) == 2
-    err = capsys.readouterr().err
-    assert "trained with another config" in err and "epochs: 100 in the run, 101 now" in err
-    assert "--allow-config-change" in err
-    assert cli.main([*longer, "--allow-config-change"]) == 0
-    again = json.loads((out / "results.json").read_text())
-    assert again["steps"] > results["steps"] and again["config"]["epochs"] == 101
+def test_a_longer_recipe_continues_only_when_allowed(overfit):
+    """The run's length is part of its recipe: another `epochs` for the run is refused in a
+    message that names --allow-config-change, and trains on when allowed."""
+    config, out, results = overfit
+    longer = config.copy_and_resolve_references()
+    longer.epochs = 101
+    with pytest.raises(ConfigDriftError) as refused:
+        TASK.fit(longer, str(out), progress=False)
+    assert "trained with another config" in str(refused.value)
+    assert "epochs: 100 in the run, 101 now" in str(refused.value)
+    assert "--allow-config-change" in str(refused.value)
+    fitted = TASK.fit(longer, str(out), progress=False, allow_config_change=True)
+    assert fitted.step == fitted.steps > results["steps"]
+    assert json.loads((out / "config.json").read_text())["epochs"] == 101
 
 
 def _tiny_run(tiny_hf, demo_dir, out, stop_at=None):
     folder, _ = tiny_hf
-    config = train.default_config("demo")
+    config = load_config("detection:demo")
     config.epochs, config.batch_size, config.log_every = 1, 2, 1
     config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64,
                            rpn_post_nms_top_n_train=32, box_batch_size_per_image=16)
@@ -113,44 +133,42 @@ def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
 
 @pytest.mark.parametrize("argv, message", [
     (["--workdir", "/nonexistent/run"], "--workdir /nonexistent/run does not exist"),
-    (["--set", "epochz=3"], "unknown key 'epochz'"),
-    (["--set", "epochs"], "expected KEY=VALUE"),
+    (["--config", "detection:demo", "--config.epochz=3"], "unknown key 'epochz'"),
+    (["--config", "detection:demo", "--config.epochs"], "expected KEY=VALUE"),
     (["--config", "nosuch"], "config file not found: nosuch"),
-    (["--set", "input_resize=crop"], "unknown resize mode 'crop'"),
+    (["--config", "detection:demo", "--config.input_resize=crop"], "unknown resize mode 'crop'"),
+    (["--config", "scenarioclip:demo"], "is a scenarioclip run, not a detector's"),
+    (["--config", "detection:demo"], "holds no trained detector"),
 ])
-def test_cli_errors_are_one_line(argv, message, demo_dir, tiny_hf, capsys):
-    base = {"--workdir": str(tiny_hf[0]), "--data": demo_dir}
-    for i in range(0, len(argv), 2):
-        base[argv[i]] = argv[i + 1]
-    args = [x for kv in base.items() for x in kv]
-    assert cli.main(args) == 2
+def test_eval_detect_errors_are_one_line(argv, message, demo_dir, tmp_path, capsys):
+    argv = ["--workdir", str(tmp_path), f"--config.data.dir={demo_dir}", *argv]
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
-def test_cli_runs_with_the_vitdet_input(tiny_hf, demo_dir, tmp_path):
+def test_vitdet_input_end_to_end(tiny_hf, demo_dir, tmp_path):
     """input_resize=longest_side end to end (a few steps): trains on padded inputs, evaluates
     in the loaded images' pixels, and records the setting."""
     out = tmp_path / "run"
-    sets = ["epochs=1", "batch_size=4", "input_resize=longest_side", "eval_batch_size=4",
-            "detector.image_size=64", "detector.rpn_pre_nms_top_n_train=64",
-            "detector.rpn_post_nms_top_n_train=32", "detector.box_batch_size_per_image=16"]
-    argv = ["--workdir", str(tiny_hf[0]), "--data", demo_dir, "--config", "demo", "--out",
-            str(out), "--no-progress"] + [x for kv in sets for x in ("--set", kv)]
-    assert cli.main(argv) == 0
-    results = json.loads((out / "results.json").read_text())
+    config = demo_config(demo_dir, tiny_hf[0])
+    config.update(epochs=1, batch_size=4, input_resize="longest_side", eval_batch_size=4)
+    config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64,
+                           rpn_post_nms_top_n_train=32, box_batch_size_per_image=16)
+    TASK.fit(config, str(out), progress=False)
+    results = TASK.evaluate(config, str(out)).results
     assert results["config"]["input_resize"] == "longest_side" and results["steps"] == 3
     assert all(0 <= v <= 1 for k, v in results["metrics"].items() if v == v)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(x["copy_paste_rate"] == 0.0 for x in lines)  # the demo recipe pastes nothing
 
 
-def test_help_lists_the_levels(capsys):
+def test_help_names_the_run_and_the_recipe(capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "--level-rpn" in out and "--level-roi" in out and "{global,object,relation}" in out
+    assert "--workdir" in out and "--config" in out and "--config.KEY=VALUE" in out
 
 
 SHARDED = r'''
@@ -159,12 +177,13 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 import numpy as np
+from sclaro_jax.config import load_config
 from sclaro_jax.detection import train
 from sclaro_jax.detection.model import Detector
 from sclaro_jax.models import clip
 from sclaro_jax.run import sharding
 
-config = train.default_config("demo")
+config = load_config("detection:demo")
 config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
                        box_batch_size_per_image=16, max_boxes=4)
 cfg = train.detector_config(config, 5)
@@ -199,7 +218,7 @@ def test_fsdp_losses_match_one_device():
 
 
 def test_make_batch_pastes_rare_classes_inside_the_image(demo_dir):
-    config = train.default_config("demo")
+    config = load_config("detection:demo")
     config.copy_paste_prob = 1.0
     examples, classes = data.load_examples(demo_dir, "train")
     examples = [data.resize_for_detection(ex, 64) for ex in examples]
@@ -227,7 +246,7 @@ def test_copy_paste_rate_is_the_config_value(demo_dir, prob):
     copy_paste_prob (binomial test); the other images are the examples unchanged."""
     from scipy import stats
 
-    config = train.default_config("demo")
+    config = load_config("detection:demo")
     config.copy_paste_prob = prob
     examples, classes = data.load_examples(demo_dir, "train")
     examples = [data.resize_for_detection(ex, 32) for ex in examples]
@@ -251,16 +270,16 @@ def test_copy_paste_rate_is_the_config_value(demo_dir, prob):
 
 
 def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, demo_dir):
-    rpn, roi, patch, name = cli.backbones(str(tiny_hf[0]), "global", "object", False)
+    rpn, roi, patch, name = backbones.backbones(str(tiny_hf[0]), "global", "object", False)
     assert roi is None and patch == 8 and name.startswith("CLIP (")
-    rpn, roi, patch, name = cli.backbones(str(scenario_workdir), "global", "object", False)
+    rpn, roi, patch, name = backbones.backbones(str(scenario_workdir), "global", "object", False)
     assert roi is not None and roi is not rpn and "global -> RPN, object -> RoI" in name
-    rpn, roi, _, name = cli.backbones(str(scenario_workdir), "object", "object", True)
+    rpn, roi, _, name = backbones.backbones(str(scenario_workdir), "object", "object", True)
     assert roi is None and name.startswith("ScenarioCLIP (object")
     from conftest import _checkpointed_workdir
 
     _checkpointed_workdir(tmp_path / "pyr", demo_dir, kind="pyramidclip")
-    rpn, roi, _, name = cli.backbones(str(tmp_path / "pyr"), "global", "object", False)
+    rpn, roi, _, name = backbones.backbones(str(tmp_path / "pyr"), "global", "object", False)
     assert roi is None and name.startswith("PyramidCLIP (global")
 
 
@@ -294,10 +313,11 @@ LAUNCH_SMALL = ["--config.batch_size=2", "--config.log_every=1", "--config.check
                 "--config.detector.box_batch_size_per_image=16", "--config.progress_bar=false"]
 
 
-def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
+def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     """`launch/train.py --config configs/detection.py:demo` trains the detector (a tiny random
-    encoder) with ScenarioCLIP's flags and overrides; a rerun with another recipe or length is
-    refused with one error line unless --allow-config-change (then it resumes)."""
+    encoder) with ScenarioCLIP's flags and overrides and ends with the AP table and
+    WORKDIR/results.json; a rerun with another recipe or length is refused with one error line
+    unless --allow-config-change (then it resumes)."""
     import subprocess
     import sys
 
@@ -314,6 +334,10 @@ def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
     first = launch("--config.epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "done: 5 steps" in first.stdout
+    results = json.loads((workdir / "results.json").read_text())
+    assert results["steps"] == 5 and set(results["metrics"]) >= {"AP", "AP50", "AP75"}
+    assert "| Model | AP | AP50 | AP75 | APr | APc | APf |" in first.stdout
+    assert f"results: {workdir / 'results.md'}" in first.stdout
     assert sorted(int(x.name) for x in (workdir / "checkpoints").iterdir()) == [4, 5]
     # the orbax layout of the checkpoints written before the run layer: one item, "default"
     assert {x.name for x in (workdir / "checkpoints" / "5").iterdir() if x.is_dir()} == {"default"}
@@ -328,9 +352,10 @@ def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
     assert bad_key.returncode == 2 and "imagesize" in bad_key.stderr.strip().splitlines()[-1]
     longer = launch("--config.epochs=2")  # another length re-stretches the schedule: refused
     assert longer.returncode == 2 and "epochs: 1 in the run, 2 now" in longer.stderr
-    resumed = launch("--config.epochs=2", "--allow-config-change")  # unless allowed
+    resumed = launch("--config.epochs=2", "--allow-config-change", "--no-eval")  # if allowed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "done: 10 steps" in resumed.stdout and "resumed" in resumed.stderr
+    assert "results:" not in resumed.stdout  # --no-eval
     assert ("the run's length changes at step 5 (epochs 1 -> 2, allowed): its learning-rate "
             "schedule is re-stretched") in resumed.stderr
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -338,10 +363,10 @@ def test_launcher_trains_and_resumes_the_detector(demo_dir, tmp_path):
     assert {"loss", "loss_objectness", "copy_paste_rate", "examples_per_sec"} <= set(rows[-1])
 
 
-def test_without_pycocotools_the_cli_stops_before_any_work(demo_dir, tiny_hf, tmp_path,
-                                                          monkeypatch, capsys):
+def test_without_pycocotools_the_task_stops_before_any_work(demo_dir, tmp_path, monkeypatch,
+                                                           capsys):
     """COCO AP needs pycocotools (the `eval` extra): a machine without it hears so at once,
-    not after the training it would evaluate."""
+    not after the training it would evaluate (the task's check comes first)."""
     import sys
     import time
 
@@ -349,11 +374,12 @@ def test_without_pycocotools_the_cli_stops_before_any_work(demo_dir, tiny_hf, tm
         monkeypatch.setitem(sys.modules, name, None)  # import fails as if not installed
     out = tmp_path / "det"
     t0 = time.monotonic()
-    code = cli.main(["--workdir", str(tiny_hf[0]), "--data", demo_dir, "--config", "demo",
-                     "--out", str(out), "--no-progress"])
+    with pytest.raises(ImportError) as refused:
+        TASK.fit(demo_config(demo_dir), str(out), progress=False)
     took = time.monotonic() - t0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1, err
-    assert err[0] == ('error: COCO AP needs the pycocotools package: pip install -e ".[eval]" '
-                      'from the sclaro-jax checkout (or pip install pycocotools)'), err
+    assert str(refused.value) == (
+        'COCO AP needs the pycocotools package: pip install -e ".[eval]" from the sclaro-jax '
+        'checkout (or pip install pycocotools)')
     assert not out.exists() and took < 10, took  # nothing prepared, trained or compiled
+    assert cli.main(["--workdir", str(tmp_path), "--config", "detection:demo"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {refused.value}"]

@@ -399,3 +399,94 @@ def test_run_detection_and_eval_load_without_train():
             "print('OK')\n")
     result = _run("-c", code)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- tasks and recipes
+
+
+def task_problems(tasks: dict[str, object]) -> list[str]:
+    """'NAME lacks METHOD' for every registered task (name -> its TASK object) without one of
+    `run.task.METHODS` as a callable, and 'NAME is named X' where its own name differs."""
+    from sclaro_jax.run.task import METHODS
+
+    bad = []
+    for name, task in tasks.items():
+        bad += [f"{name} lacks {m}" for m in METHODS if not callable(getattr(task, m, None))]
+        if getattr(task, "name", None) != name:
+            bad.append(f"{name} is named {getattr(task, 'name', None)!r}")
+    return bad
+
+
+def test_every_registered_task_has_check_fit_and_evaluate():
+    from sclaro_jax.run import task
+
+    assert set(task.TASKS) == {"scenarioclip", "detection"}
+    assert task_problems({name: task.get(name) for name in task.TASKS}) == []
+
+
+def test_task_checker_finds_a_planted_task_without_evaluate():
+    class Half:
+        name = "half"
+
+        def check(self, config): ...
+
+        def demo_view_size(self, config): ...
+
+        def fit(self, config, workdir): ...
+
+    assert task_problems({"half": Half(), "other": Half()}) == [
+        "half lacks evaluate", "other lacks evaluate", "other is named 'half'"]
+
+
+# calls that take a path (a config read by path inside the library is a checkout's file)
+PATH_CALLS = {"open", "Path", "join", "exists", "isfile", "load_config", "spec_from_file_location"}
+
+
+def config_path_reads(source: str) -> list[str]:
+    """Where `source` reaches the checkout's configs/ by path: the path component "configs" as
+    a string anywhere in code, or a "configs/..." string handed to a call that takes a path.
+    Docstrings and messages that name `configs/x.py` for a user are neither."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and node.value == "configs":
+            found.append(f"line {node.lineno}: the path component 'configs'")
+        if isinstance(node, ast.Call):
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
+                node.func, "id", "")
+            found += [f"line {a.lineno}: {func}({a.value!r})" for a in node.args
+                      if func in PATH_CALLS and isinstance(a, ast.Constant)
+                      and isinstance(a.value, str) and a.value.startswith("configs/")]
+    return sorted(found, key=lambda line: int(line.split(":")[0].split()[1]))
+
+
+def test_no_library_module_reads_the_checkouts_configs_by_path():
+    bad = {name: found for name, path in _modules().items()
+           if (found := config_path_reads(path.read_text(encoding="utf-8")))}
+    assert not bad, bad
+
+
+def test_config_path_checker_finds_planted_reads():
+    planted = ('from pathlib import Path\n'
+               'CONFIG = Path(__file__).resolve().parents[2] / "configs" / "detection.py"\n'
+               'def f(load_config):\n'
+               '    """Loads configs/scenarioclip.py:demo."""\n'
+               '    raise ValueError("pass --config configs/detection.py")\n'
+               '    return load_config("configs/scenarioclip.py:demo")\n')
+    assert config_path_reads(planted) == [
+        "line 2: the path component 'configs'",
+        "line 6: load_config('configs/scenarioclip.py:demo')"]
+
+
+# what a recipe may import: ml_collections, the standard library, other recipes and the public
+# config types
+RECIPE_IMPORTS = ("sclaro_jax.configs", "sclaro_jax.train.core", "sclaro_jax.detection.model")
+
+
+def test_recipes_import_only_public_config_types_and_no_library_module_imports_them():
+    graph = import_graph()
+    for name, targets in graph.items():
+        ours = {t for t in targets if _under(t, "sclaro_jax")}
+        if _under(name, "sclaro_jax.configs"):
+            assert all(any(_under(t, ok) for ok in RECIPE_IMPORTS) for t in ours), (name, ours)
+        else:  # recipes are loaded by name (sclaro_jax.config.load_config), never imported
+            assert not {t for t in ours if _under(t, "sclaro_jax.configs")}, name

@@ -46,14 +46,18 @@ def test_quickstart_notebook_runs_top_to_bottom_with_only_the_demo_extra(tmp_pat
     report = tmp_path / "imports.json"
     kernel = demo_extra_kernel(tmp_path / "jupyter", report)
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
+    # started in a folder of its own, not the checkout: the notebook finds its recipes by name
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     NotebookClient(nb, timeout=900, kernel_name=kernel,
-                   resources={"metadata": {"path": str(ROOT / "notebooks")}}).execute()
+                   resources={"metadata": {"path": str(elsewhere)}}).execute()
     outputs = {i: "".join(o.get("text", "") for o in c.get("outputs", []))
                for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     text = "\n".join(outputs.values())
     # Not on Colab: no pip run; the pins a Colab install would keep are this kernel's jax.
     assert (f"jax pins kept: ['jax=={metadata.version('jax')}', "
             f"'jaxlib=={metadata.version('jaxlib')}']") in text
+    assert f"code in {ROOT} | working in {elsewhere}" in text
     assert f"run, evaluation and figures in {tmp_path / 'work'}" in text
     assert "'clock face'" in text and "'in front of'" in text  # multi-word labels stay whole
     assert "trained to step 3" in text

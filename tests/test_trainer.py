@@ -276,6 +276,13 @@ def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
+    # the launcher ends in results: config.evals on the final checkpoint, and their table
+    final = json.loads((tmp_path / "results.json").read_text())
+    assert final["step"] == 2 and set(final["evaluators"]) == {"zero_shot"}
+    split = final["evaluators"]["zero_shot"]["split"]
+    assert split == ("test" if evaluate else "val")
+    assert f"zero_shot ({split}):" in result.stdout and "| action.strict.all |" in result.stdout
+    assert f"results: {tmp_path / 'results.md'}" in result.stdout
     if evaluate:
         evals = [json.loads(line) for line in open(tmp_path / "eval.jsonl")]
         assert [e["step"] for e in evals] == [2] and evals[0]["split"] == "test"
@@ -297,7 +304,7 @@ def test_compilation_cache_choice(tmp_path):
     from jax.experimental.compilation_cache import compilation_cache
     from ml_collections import ConfigDict
 
-    from sclaro_jax.train.trainer import use_compilation_cache
+    from sclaro_jax.run.cache import use_compilation_cache
     before = jax.config.jax_compilation_cache_dir
     try:
         jax.config.update("jax_compilation_cache_dir", None)

@@ -22,18 +22,18 @@ same steps as an uninterrupted one.
 Run folder (`out`): `checkpoints/` (orbax; one item, the state {step, params, opt_state}),
 `config.json`, `metrics.jsonl` (step, the four losses, loss, examples_per_sec, copy_paste_rate:
 the fraction of the images since the last line that received pasted instances), `tensorboard/`,
-`results.json` and `results.md` (written by `sclaro_jax.eval.detect`).
+`results.json` and `results.md` (the evaluation: `sclaro_jax.detection.task`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from pathlib import Path
+import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -43,26 +43,11 @@ from sclaro_jax import ops as pixel_ops
 from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
-from sclaro_jax.run import folder as runs, lock, sharding
-from sclaro_jax.run.cache import use_compilation_cache
+from sclaro_jax.run import folder, sharding
+from sclaro_jax.run.opening import open_run
 from sclaro_jax.run.params import label_params
 
 log = logging.getLogger(__name__)
-
-# The recipe's file in a checkout (configs/ is not part of the installed package).
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "detection.py"
-
-
-def default_config(variant: str | None = None) -> ml_collections.ConfigDict:
-    """The detection recipe of configs/detection.py (`get_config(variant)`; variant "demo": a
-    few CPU minutes on the bundled demo data)."""
-    from sclaro_jax.config import load_config
-
-    if not CONFIG.exists():
-        raise FileNotFoundError(f"the detection recipe {CONFIG} is missing: pass a config file "
-                                "(configs/detection.py of the repository)")
-    return load_config(str(CONFIG) + (f":{variant}" if variant else ""))
-
 
 def detector_config(config, num_classes: int) -> DetectorConfig:
     d = dict(config.detector)
@@ -77,11 +62,15 @@ def compute_dtype(name: str):
     return jnp.dtype(name)
 
 
-def check_rates(config) -> None:
-    """ValueError unless both learning rates are positive."""
+def check_recipe(config) -> None:
+    """ValueError naming the key: a learning rate that is not positive, an unknown
+    `input_resize`."""
     for key in ("backbone_lr", "head_lr"):
         if not config[key] > 0:  # NaN too
             raise ValueError(f"{key} must be a positive learning rate, got {config[key]}")
+    if config.input_resize not in data.RESIZE_MODES:
+        raise ValueError(f"unknown resize mode {config.input_resize!r} (input_resize); known: "
+                         f"{', '.join(data.RESIZE_MODES)}")
 
 
 def total_steps(config, examples: int) -> int:
@@ -169,6 +158,37 @@ def _restore(checkpoints: Checkpoints, state):
     return state
 
 
+def newest_step(workdir: str) -> int:
+    """The newest checkpoint's step in WORKDIR/checkpoints; FileNotFoundError naming the folder
+    and the command that trains it when there is none."""
+    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
+    step = None
+    if os.path.isdir(folder):
+        with contextlib.closing(ocp.CheckpointManager(folder)) as manager:
+            step = manager.latest_step()
+    if step is None:
+        raise FileNotFoundError(f"no checkpoint in {folder}: {workdir} holds no trained "
+                                "detector; train it with launch/train.py --config "
+                                f"configs/detection.py --workdir {workdir}")
+    return int(step)
+
+
+def restore_params(workdir: str, model: Detector):
+    """(graphdef, params, step) of the newest checkpoint in WORKDIR/checkpoints, into the
+    structure of `model` (only the parameters are read, not the optimiser state)."""
+    step = newest_step(workdir)
+    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+    graphdef, params = nnx.split(model, nnx.Param)
+    item = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(params))}
+    try:
+        restored = manager.restore(step, args=ocp.args.PyTreeRestore(
+            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+            partial_restore=True))
+    finally:
+        manager.close()
+    return graphdef, restored["params"], int(step)
+
+
 
 def _batches(config, examples, num_classes: int, cfg: DetectorConfig, mesh):
     """(batch_of(step), log_fields): a step's batch (copy-paste drawn from (seed, step)) on the
@@ -202,54 +222,41 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     resuming from its newest checkpoint. Returns (graphdef, state, info): info holds
     `steps` (the run's total), `start` (the step it resumed from) and `compiles` (how many
     times the train step was compiled in this call: 1, or 0 when no step was taken).
-    `stop_at`: stop after that step with a checkpoint, as an interrupt would. A resumed run
-    whose config differs from OUT/config.json in more than `run.folder.SAFE_KEYS` is refused
-    unless `allow_config_change`. The process is OUT's one writer meanwhile
-    (`run.lock.hold_workdir`)."""
-    check_rates(config)
-    runs.check_workdir(out)
-    lock.hold_workdir(out)
-    try:
-        return _train(config, out, model, examples, num_classes, progress=progress,
-                      stop_at=stop_at, allow_config_change=allow_config_change)
-    finally:
-        lock.release_workdir(out)
-
-
-def _train(config, out: str, model: Detector, examples: list, num_classes: int, *,
-           progress: bool, stop_at: int | None, allow_config_change: bool):
+    `stop_at`: stop after that step with a checkpoint, as an interrupt would. The run is opened
+    as every task opens one (`run.opening.open_run`: the one writer of `out`; a resumed run
+    whose config differs from OUT/config.json in more than `folder.SAFE_KEYS` is refused
+    unless `allow_config_change`)."""
     cfg = model.cfg
     steps = total_steps(config, len(examples))
-    checkpoints = Checkpoints.open(out, ocp.args.StandardSave, keep=config.keep_checkpoints,
-                                   background=config.get("checkpoint_async", True))
-    start = checkpoints.start
-    unsafe = checkpoints.config_drift(config, out, allow_config_change)
-    use_compilation_cache(config, out)
-    graphdef, state, tx = init_state(model, config, steps)
-    del model
-    mesh = sharding.make_mesh(config.sharding)
-    step_fn, state = sharding.jit_step(make_train_step(graphdef, tx, config.seed), state, mesh,
-                                       config.sharding)
-    state = _restore(checkpoints, state)
-    if start:
-        log.info("resumed detection training from %s at step %d", out, start)
-    runs.truncate_logs(out, start)
-    info = {"steps": steps, "start": start, "compiles": 0}
-    if start >= steps:
-        log.info("%s already holds a checkpoint at step %d of %d: nothing to train", out, start,
-                 steps)
-        checkpoints.close()
+    with open_run(config, out, ocp.args.StandardSave,
+                  allow_config_change=allow_config_change) as run:
+        start = run.start
+        graphdef, state, tx = init_state(model, config, steps)
+        del model
+        mesh = sharding.make_mesh(config.sharding)
+        step_fn, state = sharding.jit_step(make_train_step(graphdef, tx, config.seed), state,
+                                           mesh, config.sharding)
+        state = _restore(run.checkpoints, state)
+        if start:
+            log.info("resumed detection training from %s at step %d", out, start)
+        info = {"steps": steps, "start": start, "compiles": 0}
+        if start >= steps:
+            log.info("%s already holds a checkpoint at step %d of %d: nothing to train", out,
+                     start, steps)
+            return graphdef, state, info
+        batch_of, log_fields = _batches(config, examples, num_classes, cfg, mesh)
+        spec = LoopSpec(workdir=out, start=start, steps=steps, log_every=config.log_every,
+                        checkpoint_every=config.checkpoint_every,
+                        examples_per_step=config.batch_size,
+                        progress=progress and config.get("progress_bar", True),
+                        desc="detect train", stop_at=stop_at,
+                        hint="lower head_lr / backbone_lr.")
+        hooks = Hooks(started=lambda: folder.write_config(out, config, step=start,
+                                                          unsafe=run.unsafe),
+                      log_fields=log_fields)
+        state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks).state
+        info["compiles"] = step_fn._cache_size()
         return graphdef, state, info
-    batch_of, log_fields = _batches(config, examples, num_classes, cfg, mesh)
-    spec = LoopSpec(workdir=out, start=start, steps=steps, log_every=config.log_every,
-                    checkpoint_every=config.checkpoint_every, examples_per_step=config.batch_size,
-                    progress=progress and config.get("progress_bar", True), desc="detect train",
-                    stop_at=stop_at, hint="lower head_lr / backbone_lr.")
-    hooks = Hooks(started=lambda: runs.write_config(out, config, step=start, unsafe=unsafe),
-                  log_fields=log_fields)
-    state = run_steps(step_fn, state, batch_of, checkpoints, spec, hooks).state
-    info["compiles"] = step_fn._cache_size()
-    return graphdef, state, info
 
 
 def predict(graphdef, params, examples: list, batch_size: int) -> list[tuple]:

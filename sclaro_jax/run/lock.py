@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-from sclaro_jax.run.folder import RunError
+from sclaro_jax.run.folder import RunError, check_workdir
 
 LOCK_NAME = ".run.lock"
 _held: dict[str, list[int]] = {}  # real path of a workdir -> [its open lock file, holds]
@@ -64,7 +64,7 @@ def hold_workdir(workdir: str, *, chief: bool | None = None) -> None:
     if key in _held:
         _held[key][1] += 1
     elif chief:
-        os.makedirs(workdir, exist_ok=True)
+        check_workdir(workdir)  # a folder this process can write (RunError naming it)
         path = os.path.join(workdir, LOCK_NAME)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

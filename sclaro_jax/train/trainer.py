@@ -1,21 +1,23 @@
-"""The training loop: data, model, jitted step, orbax checkpoints with exact resume, metrics.
+"""ScenarioCLIP's trainer: data, model, jitted step, orbax checkpoints with exact resume, metrics.
 
-`train(config, workdir)` reads an `ml_collections` config (configs/scenarioclip.py) and:
-- builds the Grain loader over `config.data.dir` (train split) and the model;
-- restores the newest checkpoint in `workdir/checkpoints` (student, EMA teacher, optimiser
-  state, step and the Grain iterator state) if there is one, so rerunning the same command
-  resumes exactly where the last checkpoint left off (`resume`: checkpoints of the older
-  list-layout optimiser state are converted);
-- runs the jitted step through the one loop under every trainer, `sclaro_jax.run.run_steps`
-  (state donated, one compilation, kept in the persistent compilation
-  cache `config.compilation_cache`, by default `workdir/jax_cache`), which writes
-  `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr, kd_temperature,
-  examples_per_sec, data_wait_fraction, ...) and TensorBoard scalars, shows a progress bar;
-  warns once when more than 10% of the time goes waiting for the input pipeline
-  (`data_wait_fraction`), naming `config.data.workers`;
-- saves every `config.checkpoint_every` steps and at the end; orbax writes each checkpoint to a
-  temporary folder and renames it when complete, so a killed run keeps its last good one;
-- stops with `NonFiniteLossError` on a NaN/inf loss, before saving anything from that step.
+`train(config, workdir)` reads an `ml_collections` config (`sclaro_jax.configs.scenarioclip`),
+opens the run as every task opens one (`run.opening.open_run`: one writer, compilation cache,
+checkpoints, config drift, logs cut back to the resumed step) and:
+- builds the Grain loader over `config.data.dir` (train split) and the model (`build`; a resumed
+  run builds its state's shapes only and restores into them: student, EMA teacher, optimiser
+  state, step and the Grain iterator state, so the resumed run is the uninterrupted one;
+  `resume` converts checkpoints of the older list-layout optimiser state);
+- compiles the step for every batch shape of the run before the first step (`run.ahead`),
+  while the checkpoint is restored and the input workers start;
+- runs it through the one loop under every trainer, `sclaro_jax.run.run_steps` (state
+  donated), which writes `workdir/metrics.jsonl` (step, loss, loss_ca, loss_kd, lr,
+  kd_temperature, examples_per_sec, data_wait_fraction, ...) and TensorBoard scalars, shows a
+  progress bar, saves every `config.checkpoint_every` steps and at the end (a killed run keeps
+  its last complete checkpoint), and stops with `NonFiniteLossError` on a NaN/inf loss, before
+  saving anything from that step; warns once when more than 10% of the time goes waiting for
+  the input pipeline (`data_wait_fraction`), naming `config.data.workers`.
+`sclaro_jax.train.task` is the task `launch/train.py` looks up: `train`, then the evaluators of
+`config.evals` on the result.
 """
 
 from __future__ import annotations
@@ -41,11 +43,10 @@ from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval import registry
 from sclaro_jax.perf import PerfConfig
-from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, NonFiniteLossError, run_steps  # noqa: F401
-from sclaro_jax.run import folder as runs, lock, sharding
+from sclaro_jax.run import Hooks, LoopSpec, run_steps
+from sclaro_jax.run import folder, sharding
 from sclaro_jax.run.ahead import CompiledSteps
-from sclaro_jax.run.cache import use_compilation_cache
-from sclaro_jax.run.folder import check_workdir
+from sclaro_jax.run.opening import open_run
 from sclaro_jax.train import core, resume
 
 log = logging.getLogger(__name__)
@@ -108,7 +109,7 @@ def total_steps(config, records: int) -> int:
     A batch larger than the split is refused (RunError naming both)."""
     per_epoch = records // config.data.batch_size
     if per_epoch < 1:
-        raise runs.RunError(
+        raise folder.RunError(
             f"batch size {config.data.batch_size} exceeds the {records} training records of "
             f"{config.data.dir}: pass a smaller --config.data.batch_size")
     if config.train.steps:
@@ -146,11 +147,10 @@ def _check(config, verify_data: bool):
 
 
 
-def build(config, workdir: str, dataset, tcfg: core.TrainConfig, *, abstract: bool = False):
+def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False):
     """(graphdef, state, jitted step, mesh, batch shapes, data iterator) of a run; with
     `abstract` the state is shapes and shardings only (a resumed run restores into it: nothing
     is initialised, no pretrained weights are read)."""
-    use_compilation_cache(config, workdir)
     log.info("building the model (%s) and its optimiser state%s ...",
              config.model.get("preset", "?"), " (shapes)" if abstract else "")
     model = build_model(config, abstract=abstract)
@@ -167,7 +167,7 @@ def build(config, workdir: str, dataset, tcfg: core.TrainConfig, *, abstract: bo
     sizes = PackedSteps(pcfg, host_batch)
     loader = make_loader(dataset, "train", host_batch, config=pcfg, seed=config.seed,
                          worker_count=config.data.workers)
-    it = runs.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
+    it = folder.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
     return graphdef, state, step_fn, mesh, sizes, it
 
 
@@ -182,8 +182,8 @@ def _hooks(config, workdir: str, dataset, graphdef, wait: "DataWait", start: int
 
     def started():
         if chief:
-            runs.write_config(workdir, config, step=start, unsafe=unsafe)
-            runs.write_run_info(workdir, dataset)
+            folder.write_config(workdir, config, step=start, unsafe=unsafe)
+            folder.write_run_info(workdir, dataset)
         wait.waited = 0.0
 
     return Hooks(started=started,
@@ -197,78 +197,54 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
     """Train (or resume) the run in `workdir`; returns the train state at the last step taken.
 
     SIGINT / SIGTERM (or `stop_at`, a step) stop it after the current step with a checkpoint
-    (`runs.GracefulStop`): the returned state's step is then below the total. A resumed run
-    whose config differs from WORKDIR/config.json in more than `runs.SAFE_KEYS` is refused
-    (`runs.ConfigDriftError`) unless `allow_config_change`. The process is the workdir's one
-    writer while it trains (`lock.hold_workdir`: another run on it is refused with
-    `lock.WorkdirInUseError`, naming the holder)."""
-    check_recipe(config)  # before anything is written
-    check_workdir(workdir)
-    lock.hold_workdir(workdir)
-    made = [os.path.join(workdir, name) for name in ("checkpoints", "jax_cache")
-            if not os.path.exists(os.path.join(workdir, name))]
-    try:
-        return _train(config, workdir, progress=progress,
-                      allow_config_change=allow_config_change, verify_data=verify_data,
-                      stop_at=stop_at)
-    except BaseException:
-        for folder in made:  # a failed start leaves no empty folders behind
-            if os.path.isdir(folder) and not os.listdir(folder):
-                os.rmdir(folder)
-        raise
-    finally:
-        lock.release_workdir(workdir)
-
-
-def _train(config, workdir: str, *, progress: bool, allow_config_change: bool,
-           verify_data: bool, stop_at: int | None) -> core.TrainState:
-    """`train` once the workdir is held."""
+    (`folder.GracefulStop`): the returned state's step is then below the total. The run is
+    opened as every task opens one (`run.opening.open_run`: the one writer of its workdir; a
+    resumed run whose config differs from WORKDIR/config.json in more than `folder.SAFE_KEYS`
+    is refused with `folder.ConfigDriftError` unless `allow_config_change`)."""
+    check_recipe(config)  # before anything is read or written
     dataset, steps = _check(config, verify_data)
     tcfg = train_config(config, steps)
     chief = jax.process_index() == 0
-    checkpoints = Checkpoints.open(workdir, None, keep=config.keep_checkpoints,
-                                   background=config.checkpoint_async, chief=chief)
-    start = checkpoints.start
-    unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
-    if runs.length_changes(unsafe):
-        _log_schedule_change(config, unsafe, tcfg, start, dataset.num_records("train"))
-    graphdef, state, jitted, mesh, sizes, it = build(config, workdir, dataset, tcfg,
-                                                     abstract=bool(start))
-    checkpoints.save_args = _save_args(it)
-    # compiled while the checkpoint is restored and the input workers start
-    step_fn = CompiledSteps(jitted, state, sizes.specs(), threads=config.get(
-        "compile_threads", 0), background=True) if start < steps else None
-    if start:
-        step_dir = os.path.join(checkpoints.folder, str(start))
-        runs.check_data_state(workdir, start, runs.saved_data_state(step_dir), dataset,
-                              config.data.workers)
-        state = resume.restore(checkpoints.manager, start, state, it, tcfg)
-        log.info("resumed from %s at step %d", workdir, start)
-    if chief:
-        runs.truncate_logs(workdir, start)
-    if start >= steps:
-        log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
-                 start, steps)
-        checkpoints.close()
+    with open_run(config, workdir, allow_config_change=allow_config_change,
+                  chief=chief) as run:
+        start = run.start
+        if folder.length_changes(run.unsafe):
+            _log_schedule_change(config, run.unsafe, tcfg, start, dataset.num_records("train"))
+        graphdef, state, jitted, mesh, sizes, it = build(config, dataset, tcfg,
+                                                         abstract=bool(start))
+        run.checkpoints.save_args = _save_args(it)
+        # compiled while the checkpoint is restored and the input workers start
+        step_fn = CompiledSteps(jitted, state, sizes.specs(), threads=config.get(
+            "compile_threads", 0), background=True) if start < steps else None
+        if start:
+            step_dir = os.path.join(run.checkpoints.folder, str(start))
+            folder.check_data_state(workdir, start, folder.saved_data_state(step_dir), dataset,
+                                    config.data.workers)
+            state = resume.restore(run.checkpoints.manager, start, state, it, tcfg)
+            log.info("resumed from %s at step %d", workdir, start)
+        if start >= steps:
+            log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
+                     start, steps)
+            return state
+        it.start()
+        wait = DataWait(config.data.workers)
+
+        def batch_of(step):
+            t_wait = time.perf_counter()
+            batch = sizes.agree(next(it), step + 1)
+            wait.add(time.perf_counter() - t_wait)
+            return sharding.put_batch(batch, mesh)
+
+        spec = LoopSpec(workdir=workdir, start=start, steps=steps, log_every=config.log_every,
+                        checkpoint_every=config.checkpoint_every,
+                        examples_per_step=config.data.batch_size,
+                        progress=progress and config.progress_bar, stop_at=stop_at,
+                        hint="lower train.lr or check the data.")
+        hooks = _hooks(config, workdir, dataset, graphdef, wait, start, run.unsafe, chief)
+        state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks,
+                          chief=chief).state
+        sizes.summary()
         return state
-    it.start()
-    wait = DataWait(config.data.workers)
-
-    def batch_of(step):
-        t_wait = time.perf_counter()
-        batch = sizes.agree(next(it), step + 1)
-        wait.add(time.perf_counter() - t_wait)
-        return sharding.put_batch(batch, mesh)
-
-    spec = LoopSpec(workdir=workdir, start=start, steps=steps, log_every=config.log_every,
-                    checkpoint_every=config.checkpoint_every,
-                    examples_per_step=config.data.batch_size,
-                    progress=progress and config.progress_bar, stop_at=stop_at,
-                    hint="lower train.lr or check the data.")
-    hooks = _hooks(config, workdir, dataset, graphdef, wait, start, unsafe, chief)
-    state = run_steps(step_fn, state, batch_of, checkpoints, spec, hooks, chief=chief).state
-    sizes.summary()
-    return state
 
 
 def _log_schedule_change(config, unsafe: dict, tcfg: core.TrainConfig, start: int,

@@ -1,0 +1,74 @@
+"""Tasks: what a config trains and how its run is evaluated, looked up by `config.trainer`.
+
+Each task (ScenarioCLIP and its baselines, `sclaro_jax.train.task`; the detector,
+`sclaro_jax.detection.task`) is one object with the same four methods, so `launch/train.py`
+and the evaluation commands look a task up instead of branching on it:
+
+- `check(config)`: every check that needs no data and writes nothing (recipe values, unknown
+  keys, switches); ValueError naming the key.
+- `demo_view_size(config)`: None when `config` is not one of the task's demo configs (a demo
+  config with an empty `data.dir` trains on the bundled demo, written first by the launcher);
+  otherwise the image size of the demo's stored views (0: the originals).
+- `fit(config, workdir, *, progress, allow_config_change, verify_data, stop_at) -> Fitted`:
+  train, or resume from the newest checkpoint (`run.opening.open_run`).
+- `evaluate(config, workdir, *, progress) -> Evaluated`: the task's evaluation of the run's
+  newest checkpoint, written into the workdir (its results file and table).
+
+The registry names modules, not objects, so the run layer imports no task: a task module is
+imported when a config asks for it (as big_vision loads its models by name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Protocol
+
+# config.trainer -> the module whose TASK implements it
+TASKS = {"scenarioclip": "sclaro_jax.train.task", "detection": "sclaro_jax.detection.task"}
+METHODS = ("check", "demo_view_size", "fit", "evaluate")
+
+
+@dataclasses.dataclass
+class Fitted:
+    """Where a `fit` ended: the state, the step reached and the run's total steps (a stop,
+    SIGINT / SIGTERM or `stop_at`, leaves step < steps)."""
+    state: Any
+    step: int
+    steps: int
+
+
+@dataclasses.dataclass
+class Evaluated:
+    """A task's evaluation of a run: its results (JSON-able), the Markdown table, where both
+    were written, and what a user may do next with the run (commands, one a line)."""
+    results: dict
+    table: str
+    path: str
+    next: str = ""
+
+
+class Task(Protocol):
+    name: str
+
+    def check(self, config) -> None: ...
+
+    def demo_view_size(self, config) -> int | None: ...
+
+    def fit(self, config, workdir: str, *, progress: bool = True,
+            allow_config_change: bool = False, verify_data: bool = False,
+            stop_at: int | None = None) -> Fitted: ...
+
+    def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated: ...
+
+
+def get(name: str) -> Task:
+    """The task registered as `name` (ValueError listing the known ones)."""
+    if name not in TASKS:
+        raise ValueError(f"config.trainer {name!r} is not a task; known: {sorted(TASKS)}")
+    return importlib.import_module(TASKS[name]).TASK
+
+
+def of(config) -> Task:
+    """The task of `config` (`config.trainer`, "scenarioclip" where a config has none)."""
+    return get(config.get("trainer", "scenarioclip"))

@@ -1,0 +1,89 @@
+"""ScenarioCLIP and its baselines (PyramidCLIP, ScenarioCLIP w/o KD) as a task
+(`sclaro_jax.run.task`): `launch/train.py` trains a run with `trainer.train`, then evaluates its
+newest student with the evaluators its config names (`config.evals`, `sclaro_jax.eval`'s
+registry: the same ones training runs every `every` steps), into WORKDIR/results.json and
+WORKDIR/results.md. The whole protocol suite is `python -m sclaro_jax.eval.suite`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+
+import jax
+
+from sclaro_jax.config import flatten
+from sclaro_jax.data.dataset import open_dataset
+from sclaro_jax.run.task import Evaluated, Fitted
+from sclaro_jax.train import trainer
+
+
+def summary_table(found: dict) -> str:
+    """An evaluator's numbers as one Markdown table: a row per key path but its last part (e.g.
+    "object.strict.all"), a column per last part ("top1", "top5", ...); the per-source
+    breakdowns and the counts are left to results.json."""
+    rows: dict[str, dict[str, float]] = {}
+    for key, value in flatten(found).items():
+        row, _, column = key.rpartition(".")
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and ".by_source." not in f".{row}." and column not in ("n", "classes")):
+            rows.setdefault(row or "-", {})[column] = value
+    columns = list(dict.fromkeys(c for cells in rows.values() for c in cells))
+    lines = ["| | " + " | ".join(columns) + " |", "|---|" + "---:|" * len(columns)]
+    lines += [f"| {row} | " + " | ".join(f"{cells[c]:.4g}" if c in cells else "-"
+                                          for c in columns) + " |"
+              for row, cells in rows.items()]
+    return "\n".join(lines)
+
+
+class ScenarioCLIP:
+    name = "scenarioclip"
+
+    def check(self, config) -> None:
+        trainer.check_recipe(config)
+
+    def demo_view_size(self, config) -> int | None:
+        """The demo configs: the tiny preset at a demo's batch; their views at the config's
+        image size."""
+        demo = config.model.preset == "tiny" and config.data.batch_size <= 16
+        return config.data.image_size if demo else None
+
+    def fit(self, config, workdir: str, *, progress: bool = True,
+            allow_config_change: bool = False, verify_data: bool = False,
+            stop_at: int | None = None) -> Fitted:
+        state = trainer.train(config, workdir, progress=progress,
+                              allow_config_change=allow_config_change, verify_data=verify_data,
+                              stop_at=stop_at)
+        steps = trainer.total_steps(config, open_dataset(config.data.dir).num_records("train"))
+        return Fitted(state, int(jax.device_get(state.step)), steps)
+
+    def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated:
+        """Every evaluator of `config.evals` on the newest checkpoint's student."""
+        from sclaro_jax.checkpoint import load_checkpoint
+        from sclaro_jax.eval import registry
+
+        evaluators = registry.evaluators(config)
+        model, step = load_checkpoint(workdir, config=config)
+        results = {"step": step, "evaluators": {}}
+        tables = []
+        for ev in evaluators:
+            found = dict(ev.run(model))
+            results["evaluators"][ev.name] = {"split": ev.split, "results": found}
+            tables.append(f"{ev.name} ({ev.split}):\n\n{summary_table(found)}")
+        table = "\n\n".join(tables) or "(config.evals names no evaluator)"
+        path = os.path.join(workdir, "results.md")
+        with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2, default=str)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(f"ScenarioCLIP run {workdir}, step {step}\n\n{table}\n")
+        w = shlex.quote(workdir)
+        next_steps = (f"next: every protocol: python -m sclaro_jax.eval.suite --workdir {w}   "
+                      f"(tables in {os.path.join(workdir, 'eval', 'eval.md')})\n"
+                      f"      export one level for PyTorch: python -m sclaro_jax.train.export "
+                      f"--workdir {w} --level object --out "
+                      f"{shlex.quote(os.path.join(workdir, 'export_object'))}")
+        return Evaluated(results, table, path, next_steps)
+
+
+TASK = ScenarioCLIP()
