@@ -51,7 +51,7 @@ def folders(model, demo_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(model, demo_dir):
     """Our evaluator on the split: its embeddings, class text embeddings, action top-k."""
-    from sclaro_jax.eval import embedding, zero_shot
+    from sclaro_jax.eval.protocols import embedding, zero_shot
 
     ds = open_dataset(demo_dir)
     emb = embedding.embed_dataset(model, demo_dir, SPLIT, image_size=32, progress=False)
@@ -161,7 +161,7 @@ def test_clip_benchmark_cli_reproduces_our_zero_shot_action_accuracy(folders, ou
 @pytest.mark.filterwarnings("ignore:WebDataset\\(shardshuffle:UserWarning")
 def test_clip_benchmark_retrieval_gives_our_recall(model, folders, ours, tmp_path, capsys):
     from data_prep import clip_benchmark as cb
-    from sclaro_jax.eval import embedding
+    from sclaro_jax.eval.protocols import embedding
 
     out = tmp_path / "retrieval.json"
     code = cb.main(["eval", "--model_type", "sclaro", "--pretrained", str(folders["export"]),

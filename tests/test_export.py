@@ -86,7 +86,8 @@ def test_our_readers_load_the_export_with_its_heads_and_refuse_it_as_plain_clip(
     import jax
     from flax import nnx
 
-    from sclaro_jax.eval import encoders, rocs, synthetic
+    from sclaro_jax.eval import encoders, rocs
+    from sclaro_jax.eval.retrieval import synthetic
     from sclaro_jax.models import clip
 
     # clip.from_hf: the export's projections are heads, not CLIP's matrices

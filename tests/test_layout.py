@@ -392,8 +392,8 @@ def test_run_detection_and_eval_load_without_train():
             "assert not bad, bad\n"
             "import sclaro_jax.eval, sclaro_jax.detection\n"
             "for pkg in (sclaro_jax.eval, sclaro_jax.detection):\n"
-            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
-            "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        importlib.import_module(m.name)\n"
             "bad = sorted(m for m in sys.modules if m.startswith('sclaro_jax.train'))\n"
             "assert not bad, bad\n"
             "print('OK')\n")

@@ -39,7 +39,7 @@ from sclaro_jax.data import batch as fields
 from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
-from sclaro_jax.eval import registry
+from sclaro_jax.eval.protocols import registry
 from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, NonFiniteLossError, run_steps  # noqa: F401
 from sclaro_jax.run import folder as runs, lock, sharding
