@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from sclaro_jax.eval import detect, rocs, suite, wds
+from sclaro_jax.eval import detect, rocs, suite
 from sclaro_jax.eval.retrieval import synthetic
+from sclaro_jax.export import wds
 
 
 def parsers() -> dict:

@@ -24,7 +24,7 @@ settings, the same list training runs periodically from the run's own `config.ev
 from Python too (`evaluate_workdirs`).
 
 To run LAION's CLIP_benchmark on an exported level instead, write the split as a CLIP_benchmark
-webdataset with `python -m sclaro_jax.eval.wds` (no trained run needed) and evaluate it with
+webdataset with `python -m sclaro_jax.export.wds` (no trained run needed) and evaluate it with
 `python -m data_prep.clip_benchmark eval --model_type sclaro ...`.
 """
 
