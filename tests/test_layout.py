@@ -309,22 +309,6 @@ def test_data_prep_wings_import_only_shared_modules():
     assert not found, "data_prep wings reach each other:\n" + "\n".join(found)
 
 
-def test_data_prep_old_flat_module_names_still_import():
-    import importlib
-
-    from data_prep._moved import MOVED
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from data_prep.curate import NeedsLabels, curate  # noqa: F401  (the flat modules' API)
-    from data_prep.curate_rules import MissingNLTKData  # noqa: F401
-    from data_prep.focus import focused_region  # noqa: F401
-    from data_prep.rocs import COCO80, build_rocs  # noqa: F401
-    from data_prep.rocs_select import AnnotatedImage  # noqa: F401
-    from data_prep.vlm import parse_response  # noqa: F401
-    from data_prep.annotate import AnnotateConfig, annotate  # noqa: F401
-    from data_prep.annotate_stages import write_block  # noqa: F401
-
-
 @pytest.mark.parametrize("command", DATA_PREP_COMMANDS)
 def test_data_prep_command_help(command, capsys):
     from data_prep.__main__ import main
