@@ -32,7 +32,8 @@ def child(args) -> None:
     import bench_train_step as bts
 
     from sclaro_jax.models import scenarioclip
-    from sclaro_jax.train import core, sharding
+    from sclaro_jax.run import sharding
+    from sclaro_jax.train import core
     batch = bts.make_batch(args.preset, args.batch)
     model = scenarioclip.build("scenarioclip", preset=args.preset,
                                embed_dim=64 if args.preset == "tiny" else 512)

@@ -99,7 +99,8 @@ TRAIN = dict(lr=2e-5, ema_warmup_steps=0, frozen_vision_layers=6, frozen_text_la
 def jax_side(folder: str, preset: str, embed: int, share_frozen_text: bool = True,
              gradient_forms: str = "auto"):
     from sclaro_jax.models import scenarioclip
-    from sclaro_jax.train import core, sharding
+    from sclaro_jax.run import sharding
+    from sclaro_jax.train import core
     model = scenarioclip.build("scenarioclip", preset=preset, init=folder, embed_dim=embed,
                                gradient_forms=gradient_forms)
     layers = model.global_pair.config.vision.num_hidden_layers

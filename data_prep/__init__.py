@@ -8,7 +8,3 @@ level: records and shards (`shards`, `views`, `reshard`), the models (`vlm`, `vl
 `loose_json`, `detect`, `segment`, `focus`), image sources (`sources`, `source_items`), durable
 files (`durable_logs`), the demo (`demo`), test helpers (`testing`) and the command-line
 plumbing (`cli`)."""
-
-from data_prep import _moved
-
-_moved.install()

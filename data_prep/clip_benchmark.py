@@ -2,7 +2,7 @@
 package), as any CLIP model is evaluated there.
 
     python -m sclaro_jax.train.export --workdir RUN --level global --out EXPORT
-    python -m sclaro_jax.eval.wds --data DATASET --split test --out WDS/sclaro_actions
+    python -m sclaro_jax.export.wds --data DATASET --split test --out WDS/sclaro_actions
     python -m data_prep.clip_benchmark eval --model_type sclaro --model sclaro \
         --pretrained EXPORT --dataset wds/sclaro_actions --dataset_root WDS/sclaro_actions \
         --task zeroshot_classification --no_amp --output actions.json
@@ -14,10 +14,10 @@ This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag
 - a torch module whose `encode_image` / `encode_text` give our embeddings (the level's head
   outputs): `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`'s
   `get_image_features` / `get_text_features` (the export carries the model code that applies
-  the heads, `sclaro_jax.train.export`);
+  the heads, `sclaro_jax.export.hf`);
 - our evaluation view as the transform: `sclaro_jax.data.augment.resize_centre_crop` (bicubic
   short-side resize + centre crop, at the export's crop size; from the photograph's box when the
-  image is a tagged downscale, `sclaro_jax.eval.wds.photo_size_of`) and CLIP's normalisation
+  image is a tagged downscale, `sclaro_jax.export.wds.photo_size_of`) and CLIP's normalisation
   (the export's preprocessor_config.json mean / std, `sclaro_jax.ops.normalize`'s arithmetic);
 - our tokenizer (`sclaro_jax.data.tokenizer.ClipTokenizer`) at the export's context length.
 
@@ -119,7 +119,7 @@ class EvalView:
     def pixels(self, img: Image.Image) -> np.ndarray:
         """The uint8 [S, S, 3] view, before normalising."""
         from sclaro_jax.data import augment
-        from sclaro_jax.eval.wds import photo_size_of
+        from sclaro_jax.export.wds import photo_size_of
 
         photo = photo_size_of(img)
         return np.asarray(augment.resize_centre_crop(img.convert("RGB"), self.size, photo))
@@ -161,7 +161,7 @@ def export_folder(model_name: str, pretrained: str) -> str:
 
 def view_settings(folder: str) -> tuple[int, list, list]:
     """(crop size, mean, std) of the export's preprocessor_config.json (our view's settings,
-    `sclaro_jax.train.export.image_processor_config`); refuses other resampling."""
+    `sclaro_jax.export.hf.image_processor_config`); refuses other resampling."""
     path = os.path.join(folder, PREPROCESSOR_FILE)
     config = _read_json(path)
     size = config.get("crop_size", {}).get("height")

@@ -1,5 +1,6 @@
 """The conventions every command line shares (`python -m data_prep` and its sub-commands,
-`python -m sclaro_jax.eval.suite`, `.rocs`, `.detect`, `.synthetic`):
+`python -m sclaro_jax.eval.suite`, `.rocs`, `.detect`, `.retrieval.synthetic`,
+`python -m sclaro_jax.export.wds`):
 
 - flags are spelled with hyphens (`--no-progress`, `--batch-size`), and that is what --help,
   the usage line and error messages show; the same flag with underscores (`--no_progress`,

@@ -7,13 +7,15 @@ import re
 
 import pytest
 
-from sclaro_jax.eval import detect, rocs, suite, synthetic, wds
+from sclaro_jax.eval import detect, rocs, suite
+from sclaro_jax.eval.retrieval import synthetic
+from sclaro_jax.export import wds
 
 
 def parsers() -> dict:
     """{name: (the parser, the parser that owns the flags, argv prefix of the sub-command)}."""
     from data_prep.__main__ import build_parser
-    out = {f"eval.{m.__name__.rpartition('.')[2]}": (m._parser(),) * 2 + ([],)
+    out = {m.__name__.removeprefix("sclaro_jax."): (m._parser(),) * 2 + ([],)
            for m in (suite, rocs, detect, synthetic, wds)}
     top = build_parser()
     sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))

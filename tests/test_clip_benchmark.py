@@ -1,5 +1,5 @@
 """LAION's CLIP_benchmark on our exports: a SCLARO split written as a CLIP_benchmark webdataset
-(`sclaro_jax.eval.wds`) reads back with the `webdataset` library; the `sclaro` model type
+(`sclaro_jax.export.wds`) reads back with the `webdataset` library; the `sclaro` model type
 (`data_prep.clip_benchmark`) gives our evaluator's views, ids and embeddings; clip_benchmark's
 command line on an exported level reproduces the zero-shot action accuracy our own evaluator
 computes with the JAX model on the same images, classes and template, and our retrieval
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sclaro_jax.data.dataset import open_dataset
-from sclaro_jax.eval import wds
+from sclaro_jax.export import wds
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = "train"  # the demo's largest split (10 images, 12 actions)
@@ -35,10 +35,10 @@ def model():
 @pytest.fixture(scope="module")
 def folders(model, demo_dir, tmp_path_factory):
     """The global level exported, and the demo split as classification and retrieval wds."""
-    from sclaro_jax.train import export
+    from sclaro_jax.export import hf
 
     base = tmp_path_factory.mktemp("clip_benchmark")
-    out = export.export_level(model, "global", str(base / "export"))
+    out = hf.export_level(model, "global", str(base / "export"))
     actions = base / "sclaro_actions"
     captions = base / "sclaro_captions"
     summary = wds.write_wds(demo_dir, SPLIT, str(actions), progress=False)
@@ -51,7 +51,7 @@ def folders(model, demo_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def ours(model, demo_dir):
     """Our evaluator on the split: its embeddings, class text embeddings, action top-k."""
-    from sclaro_jax.eval import embedding, zero_shot
+    from sclaro_jax.eval.protocols import embedding, zero_shot
 
     ds = open_dataset(demo_dir)
     emb = embedding.embed_dataset(model, demo_dir, SPLIT, image_size=32, progress=False)
@@ -161,7 +161,7 @@ def test_clip_benchmark_cli_reproduces_our_zero_shot_action_accuracy(folders, ou
 @pytest.mark.filterwarnings("ignore:WebDataset\\(shardshuffle:UserWarning")
 def test_clip_benchmark_retrieval_gives_our_recall(model, folders, ours, tmp_path, capsys):
     from data_prep import clip_benchmark as cb
-    from sclaro_jax.eval import embedding
+    from sclaro_jax.eval.protocols import embedding
 
     out = tmp_path / "retrieval.json"
     code = cb.main(["eval", "--model_type", "sclaro", "--pretrained", str(folders["export"]),

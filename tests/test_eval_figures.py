@@ -11,7 +11,7 @@ from flax import nnx
 from PIL import Image
 
 from sclaro_jax.data import schema
-from sclaro_jax.eval import cost, figures, localise
+from sclaro_jax.eval.protocols import cost, figures, localise
 from sclaro_jax.models import clip, scenarioclip
 
 # The "tiny" preset with one transformer layer per tower: building and compiling models is most

@@ -1,9 +1,10 @@
-"""sclaro_jax.eval.metrics against plain Python-loop implementations on hand-made cases."""
+"""sclaro_jax.eval.protocols.metrics against plain Python-loop implementations on hand-made
+cases."""
 
 import numpy as np
 import pytest
 
-from sclaro_jax.eval import metrics
+from sclaro_jax.eval.protocols import metrics
 
 
 # ----------------------------------------------------------------- plain reference versions

@@ -15,7 +15,8 @@ from sclaro_jax import ops
 from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.tokenizer import ClipTokenizer
-from sclaro_jax.eval import embedding, probe, report, scenario, scene_graph, zero_shot
+from sclaro_jax.eval.protocols import (embedding, probe, report, scenario, scene_graph,
+                                       zero_shot)
 from test_pipeline import write_v2_dataset
 
 SIZE, BATCH, TEXT_BATCH = 32, 16, 64
@@ -298,7 +299,7 @@ def test_registry_evaluators_from_config_equal_the_functions(model, test_emb, de
     # what its function gives on the same embeddings (read from the cache the fixture filled)
     import ml_collections
 
-    from sclaro_jax.eval import registry
+    from sclaro_jax.eval.protocols import registry
 
     scen = dict(every=0, split="test", batch_size=BATCH, text_batch_size=TEXT_BATCH,
                 cache_dir=cache_dir, fingerprint="tiny-0")
@@ -372,7 +373,8 @@ def test_v2_embeddings_come_from_the_stored_views_and_train_image(model, v2_dirs
 
 
 def test_v2_without_originals_names_what_needs_them(model, v2_dirs, tmp_path):
-    from sclaro_jax.eval import localise, suite
+    from sclaro_jax.eval import suite
+    from sclaro_jax.eval.protocols import localise
 
     bare = v2_dirs[False]
     with pytest.raises(schema.MissingOriginalsError,

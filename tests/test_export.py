@@ -15,6 +15,7 @@ import pytest
 import transformers
 from safetensors.numpy import load_file
 
+from sclaro_jax.export import hf
 from sclaro_jax.models import scenarioclip
 from sclaro_jax.train import export
 
@@ -30,8 +31,8 @@ def tiny_model():
 @pytest.fixture(scope="module")
 def exported(tiny_model, tmp_path_factory):
     """The object level of `tiny_model`, exported."""
-    return Path(export.export_level(tiny_model, "object",
-                                    str(tmp_path_factory.mktemp("export") / "object")))
+    return Path(hf.export_level(tiny_model, "object",
+                                str(tmp_path_factory.mktemp("export") / "object")))
 
 
 def test_export_holds_towers_heads_and_scale_under_the_remote_codes_names(tiny_model,
@@ -59,7 +60,7 @@ def test_export_holds_towers_heads_and_scale_under_the_remote_codes_names(tiny_m
         np.testing.assert_array_equal(tensors[key], value, err_msg=key)
     assert tensors["visual_projection.0.weight"].shape == (24, 64)
     remote = (exported / "modeling_scenarioclip.py").read_text()
-    assert remote == export.REMOTE_CODE.read_text() and "class ScenarioCLIPModel" in remote
+    assert remote == hf.REMOTE_CODE.read_text() and "class ScenarioCLIPModel" in remote
 
 
 def _older_export(tiny_model, folder):
@@ -86,7 +87,8 @@ def test_our_readers_load_the_export_with_its_heads_and_refuse_it_as_plain_clip(
     import jax
     from flax import nnx
 
-    from sclaro_jax.eval import encoders, rocs, synthetic
+    from sclaro_jax.eval import encoders, rocs
+    from sclaro_jax.eval.retrieval import synthetic
     from sclaro_jax.models import clip
 
     # clip.from_hf: the export's projections are heads, not CLIP's matrices
@@ -249,7 +251,6 @@ def test_load_checkpoint_reads_params_and_teacher_whatever_the_optimiser_state(
     assert load_checkpoint(str(scenario_workdir), 7)[1] == 7
     with pytest.raises(FileNotFoundError, match="no checkpoint of step 4"):
         load_checkpoint(str(tmp_path), 4)
-    assert export.load_checkpoint is load_checkpoint  # old callers' import keeps working
 
 
 RANDOM_INIT = "model.init is empty"

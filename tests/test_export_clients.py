@@ -7,6 +7,7 @@ without `trust_remote_code` transformers refuses the folder instead of loading a
 with fresh projections."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +21,7 @@ from sclaro_jax import ops
 from sclaro_jax.data import augment
 from sclaro_jax.data.tokenizer import ClipTokenizer
 from sclaro_jax.models import scenarioclip
-from sclaro_jax.train import export
+from sclaro_jax.export.hf import export_level
 
 IDS = np.array([[49406, 320, 1125, 49407, 49407, 49407], [49406, 500, 49407, 49407, 49407, 49407],
                 [49406, 7, 8, 9, 10, 49407]], np.int64)
@@ -60,7 +61,7 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def tiny_export(tiny, tmp_path_factory):
-    return export.export_level(tiny, "object", str(tmp_path_factory.mktemp("tiny") / "object"))
+    return export_level(tiny, "object", str(tmp_path_factory.mktemp("tiny") / "object"))
 
 
 def _unit(x):
@@ -99,8 +100,7 @@ def _assert_parity(model, level, folder, pixels):
 
 @pytest.mark.parametrize("level", ["object", "relation"])
 def test_automodel_gives_our_embeddings_and_logits_tiny(tiny, tiny_export, tmp_path, level):
-    folder = tiny_export if level == "object" else export.export_level(
-        tiny, level, str(tmp_path / level))
+    folder = tiny_export if level == "object" else export_level(tiny, level, str(tmp_path / level))
     pixels = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
     hf, image, text = _assert_parity(tiny, level, folder, pixels)
     # forward: logits_per_image = exp(logit_scale) * cos(image, text), from our embeddings
@@ -113,7 +113,7 @@ def test_automodel_gives_our_embeddings_and_logits_tiny(tiny, tiny_export, tmp_p
     # the other levels' weights differ: the export took this level's towers and heads
     other = np.asarray(tiny.pair("global").encode_image(jnp.asarray(pixels)))
     assert np.abs(other - image).max() > 1e-3
-    config = json.loads((export.Path(folder) / "config.json").read_text())
+    config = json.loads((Path(folder) / "config.json").read_text())
     assert config["model_type"] == "scenarioclip" and config["scenarioclip_level"] == level
     assert set(config["auto_map"]) == {"AutoConfig", "AutoModel",
                                        "AutoModelForZeroShotImageClassification"}
@@ -122,7 +122,7 @@ def test_automodel_gives_our_embeddings_and_logits_tiny(tiny, tiny_export, tmp_p
 def test_automodel_gives_our_embeddings_vit_b32(tmp_path):
     """A random-weight PyramidCLIP at ViT-B/32 sizes (one pair: one 600 MB export)."""
     model = scenarioclip.build("pyramidclip", preset="ViT-B/32", seed=2, warn_random=False)
-    folder = export.export_level(model, "relation", str(tmp_path / "relation"))
+    folder = export_level(model, "relation", str(tmp_path / "relation"))
     pixels = np.random.default_rng(1).normal(size=(2, 224, 224, 3)).astype(np.float32)
     hf, _, _ = _assert_parity(model, "relation", folder, pixels)
     assert hf.visual_projection[0].weight.shape == (512, 768)

@@ -17,20 +17,25 @@ FORBIDDEN = [
     ("sclaro_jax", ("torch", "torchvision", "transformers", "data_prep")),
     ("sclaro_jax.ops", ("sclaro_jax",)),
     ("sclaro_jax.losses", ("sclaro_jax.data", "sclaro_jax.models", "sclaro_jax.train",
-                           "sclaro_jax.eval", "sclaro_jax.miner")),
-    ("sclaro_jax.models", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.data.pipeline")),
-    ("sclaro_jax.data", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.models")),
-    ("sclaro_jax.checkpoint", ("sclaro_jax.train", "sclaro_jax.eval")),
+                           "sclaro_jax.eval", "sclaro_jax.export", "sclaro_jax.miner")),
+    ("sclaro_jax.models", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.export",
+                           "sclaro_jax.data.pipeline")),
+    ("sclaro_jax.data", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.export",
+                         "sclaro_jax.models")),
+    ("sclaro_jax.checkpoint", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.export")),
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
-    ("sclaro_jax.detection", ("sclaro_jax.eval", "sclaro_jax.train")),
+    # exports and the dataset writer: above checkpoint, models and data, beside train and eval
+    ("sclaro_jax.export", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection")),
+    ("sclaro_jax.detection", ("sclaro_jax.eval", "sclaro_jax.train", "sclaro_jax.export")),
     # the run layer under every trainer: above only config, compile and ops
-    ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
-                        "sclaro_jax.models", "sclaro_jax.data", "sclaro_jax.losses",
-                        "sclaro_jax.miner", "sclaro_jax.checkpoint")),
+    ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.export",
+                        "sclaro_jax.detection", "sclaro_jax.models", "sclaro_jax.data",
+                        "sclaro_jax.losses", "sclaro_jax.miner", "sclaro_jax.checkpoint")),
     ("sclaro_jax.detection.ops", ("sclaro_jax.models", "sclaro_jax.train", "sclaro_jax.data",
-                                  "sclaro_jax.eval", "sclaro_jax.detection.model",
-                                  "sclaro_jax.detection.data")),
-    ("sclaro_jax.miner", ("sclaro_jax.models", "sclaro_jax.eval", "sclaro_jax.train")),
+                                  "sclaro_jax.eval", "sclaro_jax.export",
+                                  "sclaro_jax.detection.model", "sclaro_jax.detection.data")),
+    ("sclaro_jax.miner", ("sclaro_jax.models", "sclaro_jax.eval", "sclaro_jax.export",
+                          "sclaro_jax.train")),
 ]
 
 
@@ -58,7 +63,7 @@ def _modules() -> dict[str, Path]:
 
 def test_data_folders_hold_no_importable_module():
     """A data folder is no package, and no module names it in an import or mentions the file
-    other than as a path (export.REMOTE_CODE)."""
+    other than as a path (export.hf.REMOTE_CODE)."""
     for folder in DATA_FOLDERS:
         assert not (ROOT / folder / "__init__.py").exists(), folder
         names = {p.stem for p in (ROOT / folder).glob("*.py")}
@@ -197,6 +202,7 @@ def test_sclaro_jax_never_imports_torch():
     code = ("import sys, sclaro_jax.models.clip, sclaro_jax.data.tokenizer\n"
             "import sclaro_jax.data.pipeline, sclaro_jax.train.trainer, sclaro_jax.losses\n"
             "import sclaro_jax.eval.rocs, sclaro_jax.eval.suite, sclaro_jax.miner\n"
+            "import sclaro_jax.export.hf, sclaro_jax.export.wds, sclaro_jax.train.export\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
             "('torch', 'transformers', 'data_prep'))\n"
             "assert not bad, bad\n")
@@ -218,8 +224,9 @@ def test_data_prep_help():
 
 
 @pytest.mark.parametrize("module", ["sclaro_jax.eval.rocs", "sclaro_jax.eval.suite",
-                                    "sclaro_jax.eval.wds"])
-def test_eval_cli_help(module):
+                                    "sclaro_jax.eval.retrieval.synthetic",
+                                    "sclaro_jax.export.wds", "sclaro_jax.train.export"])
+def test_cli_help(module):
     result = _run("-m", module, "--help")
     assert result.returncode == 0 and "usage" in result.stdout.lower(), result.stderr[-2000:]
 
@@ -302,22 +309,6 @@ def test_data_prep_wings_import_only_shared_modules():
     assert not found, "data_prep wings reach each other:\n" + "\n".join(found)
 
 
-def test_data_prep_old_flat_module_names_still_import():
-    import importlib
-
-    from data_prep._moved import MOVED
-    for old, new in MOVED.items():
-        assert importlib.import_module(old) is importlib.import_module(new), old
-    from data_prep.curate import NeedsLabels, curate  # noqa: F401  (the flat modules' API)
-    from data_prep.curate_rules import MissingNLTKData  # noqa: F401
-    from data_prep.focus import focused_region  # noqa: F401
-    from data_prep.rocs import COCO80, build_rocs  # noqa: F401
-    from data_prep.rocs_select import AnnotatedImage  # noqa: F401
-    from data_prep.vlm import parse_response  # noqa: F401
-    from data_prep.annotate import AnnotateConfig, annotate  # noqa: F401
-    from data_prep.annotate_stages import write_block  # noqa: F401
-
-
 @pytest.mark.parametrize("command", DATA_PREP_COMMANDS)
 def test_data_prep_command_help(command, capsys):
     from data_prep.__main__ import main
@@ -330,6 +321,7 @@ def test_data_prep_command_help(command, capsys):
 # (importer prefix, prefixes it must not reach through any chain of imports)
 FORBIDDEN_TRANSITIVE = [
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
+    ("sclaro_jax.export", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection")),
     ("sclaro_jax.detection", ("sclaro_jax.train", "sclaro_jax.eval")),
     ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
                         "sclaro_jax.models")),
@@ -383,17 +375,17 @@ def test_transitive_checker_finds_a_planted_chain():
 
 def test_run_detection_and_eval_load_without_train():
     """Imported in a fresh interpreter, the run layer loads no trainer, model or evaluation code,
-    and detection and eval load nothing of sclaro_jax.train."""
+    and detection, eval and export load nothing of sclaro_jax.train."""
     code = ("import sys, pkgutil, importlib, sclaro_jax.run\n"
             "for m in pkgutil.iter_modules(sclaro_jax.run.__path__):\n"
             "    importlib.import_module('sclaro_jax.run.' + m.name)\n"
             "bad = sorted(m for m in sys.modules if m.split('.')[:2] in (['sclaro_jax', 'train'], "
             "['sclaro_jax', 'eval'], ['sclaro_jax', 'detection'], ['sclaro_jax', 'models']))\n"
             "assert not bad, bad\n"
-            "import sclaro_jax.eval, sclaro_jax.detection\n"
-            "for pkg in (sclaro_jax.eval, sclaro_jax.detection):\n"
-            "    for m in pkgutil.iter_modules(pkg.__path__):\n"
-            "        importlib.import_module(pkg.__name__ + '.' + m.name)\n"
+            "import sclaro_jax.eval, sclaro_jax.detection, sclaro_jax.export\n"
+            "for pkg in (sclaro_jax.eval, sclaro_jax.detection, sclaro_jax.export):\n"
+            "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+            "        importlib.import_module(m.name)\n"
             "bad = sorted(m for m in sys.modules if m.startswith('sclaro_jax.train'))\n"
             "assert not bad, bad\n"
             "print('OK')\n")

@@ -18,8 +18,9 @@ from sclaro_jax.data.batch import batch_shapes, batch_specs
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.models import scenarioclip
+from sclaro_jax.run import sharding
 from sclaro_jax.run.ahead import CompiledSteps
-from sclaro_jax.train import core, sharding
+from sclaro_jax.train import core
 
 BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 

@@ -11,8 +11,9 @@ import pytest
 from PIL import Image
 
 from sclaro_jax import miner
-from sclaro_jax.eval import data as data_lib
-from sclaro_jax.eval import encoders, gallery, rocs, synthetic
+from sclaro_jax.eval import encoders, rocs
+from sclaro_jax.eval.retrieval import data as data_lib
+from sclaro_jax.eval.retrieval import gallery, scoring, synthetic
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -177,7 +178,7 @@ def test_evaluate_numbers_follow_the_kernels(rng):
     emb = gallery.GalleryEmbeddings(unit(30, 16).astype(np.float16),
                                   unit(30, 5, 16).astype(np.float16), unit(45, 16))
     gt = rng.integers(0, 30, 45)
-    out = rocs.evaluate(emb, gt, rocs.Settings(k=5))
+    out = scoring.evaluate(emb, gt, scoring.Settings(k=5))
     assert list(out) == ["Global", "Global+CSLS", "Global+crops", "MINER"]
     s = emb.texts @ emb.images.astype(np.float32).T
     ranks = (s > s[np.arange(45), gt][:, None]).sum(1)
@@ -186,8 +187,8 @@ def test_evaluate_numbers_follow_the_kernels(rng):
     expect = miner.recall_at_k(miner.csls(fused, k=5), gt)
     assert out["MINER"]["R@1"] == pytest.approx(expect[1], abs=1e-4)
     with pytest.raises(ValueError, match="needs a query bank"):
-        rocs.evaluate(emb, gt, rocs.Settings(rescore="qbnorm"))
-    banked = rocs.evaluate(emb, gt, rocs.Settings(rescore="csls-bank"), bank=unit(20, 16))
+        scoring.evaluate(emb, gt, scoring.Settings(rescore="qbnorm"))
+    banked = scoring.evaluate(emb, gt, scoring.Settings(rescore="csls-bank"), bank=unit(20, 16))
     assert "Global+CSLS(bank)" in banked
 
 
@@ -199,15 +200,15 @@ def test_streaming_evaluation_gives_the_in_memory_numbers(rng, rescore):
     emb = gallery.GalleryEmbeddings(unit(70, 16).astype(np.float16),
                                   unit(70, 5, 16).astype(np.float16), unit(90, 16))
     gt = rng.integers(0, 70, 90)
-    settings = rocs.Settings(k=4, rescore=rescore)
-    full = rocs.evaluate(emb, gt, settings)
-    streamed = rocs.evaluate_streaming(emb, gt, settings, chunk=32)
+    settings = scoring.Settings(k=4, rescore=rescore)
+    full = scoring.evaluate(emb, gt, settings)
+    streamed = scoring.evaluate_streaming(emb, gt, settings, chunk=32)
     assert list(streamed) == list(full)
     for method in full:
         for key, value in full[method].items():
             assert streamed[method][key] == pytest.approx(value, abs=1e-6), (method, key)
     with pytest.raises(ValueError, match="--stream supports"):
-        rocs.evaluate_streaming(emb, gt, rocs.Settings(rescore="qbnorm"))
+        scoring.evaluate_streaming(emb, gt, scoring.Settings(rescore="qbnorm"))
 
 
 def test_cli_help_and_clear_errors(tmp_path):

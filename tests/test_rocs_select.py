@@ -268,7 +268,7 @@ def test_caption_replies_file(tmp_path):
 def test_written_split_opens_in_the_rocs_evaluator(tmp_path, tiny_hf):
     from data_prep.demo import image_path
     from sclaro_jax.eval import rocs
-    from sclaro_jax.eval.data import load_split
+    from sclaro_jax.eval.retrieval.data import load_split
 
     rows = []
     for entry in load_annotations()[:6]:
@@ -356,7 +356,7 @@ def test_build_rocs_with_the_tiny_sam(tmp_path, images):
     summary = build_rocs(images, tmp_path / "img", SamSegmenter(build_tiny_sam()), ask,
                          tmp_path / "out", max_mask_area=1.0, progress=False)
     assert summary["kept_captions"] == 6  # every rare object: no mask rule, named captions
-    from sclaro_jax.eval.data import load_split
+    from sclaro_jax.eval.retrieval.data import load_split
     split = load_split(str(tmp_path / "out" / "rocs"))
     assert split.num_images == 4 and len(split.queries) == 6
 

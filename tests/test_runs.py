@@ -48,7 +48,7 @@ def _metrics(workdir):
 
 def _event_steps(workdir):
     """(tag, step) of every scalar in the run's TensorBoard event files."""
-    from sclaro_jax.train.runs import _event_records
+    from sclaro_jax.run.folder import _event_records
     from tensorboardX.proto import event_pb2
 
     out = []
@@ -270,19 +270,19 @@ def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_contin
 def test_allowed_config_change_keeps_both_configs(tmp_path):
     from ml_collections import ConfigDict
 
-    from sclaro_jax.train import runs
+    from sclaro_jax.run import folder
 
     old = ConfigDict({"train": {"lr": 5e-4, "steps": 10}, "log_every": 5, "data": {"dir": "a"}})
-    runs.write_config(str(tmp_path), old, step=0, unsafe={})
+    folder.write_config(str(tmp_path), old, step=0, unsafe={})
     new = ConfigDict({"train": {"lr": 1e-3, "steps": 20}, "log_every": 1, "data": {"dir": "b"}})
-    unsafe, safe = runs.config_changes(str(tmp_path), new)
+    unsafe, safe = folder.config_changes(str(tmp_path), new)
     assert unsafe == {"train.lr": (5e-4, 1e-3), "train.steps": (10, 20)}  # steps: the schedule
     assert safe == {"data.dir": ("a", "b"), "log_every": (5, 1)}
     newer = ConfigDict(new.to_dict())
     newer.train.decay_logit_scales = True  # a key added to the code since the run started
-    assert runs.config_changes(str(tmp_path), newer) == (unsafe, {
+    assert folder.config_changes(str(tmp_path), newer) == (unsafe, {
         **safe, "train.decay_logit_scales": ("(absent)", True)})
-    runs.write_config(str(tmp_path), new, step=8, unsafe=unsafe)
+    folder.write_config(str(tmp_path), new, step=8, unsafe=unsafe)
     assert json.loads((tmp_path / "config.until-step-8.json").read_text())["train"]["lr"] == 5e-4
     assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] == 1e-3
     change = json.loads((tmp_path / "config_changes.jsonl").read_text())
@@ -293,7 +293,7 @@ def test_allowed_config_change_keeps_both_configs(tmp_path):
 def test_logs_are_cut_back_to_the_resumed_step(tmp_path):
     from tensorboardX import SummaryWriter
 
-    from sclaro_jax.train import runs
+    from sclaro_jax.run import folder
 
     writer = SummaryWriter(str(tmp_path / "tensorboard"))
     with open(tmp_path / "metrics.jsonl", "w") as f:
@@ -302,10 +302,10 @@ def test_logs_are_cut_back_to_the_resumed_step(tmp_path):
             writer.add_scalar("loss", float(step), step)
         f.write('{"step": 10, "lo')  # torn by a kill
     writer.close()
-    assert runs.truncate_logs(str(tmp_path), 4) == 2 + 1 + 2
+    assert folder.truncate_logs(str(tmp_path), 4) == 2 + 1 + 2
     assert [r["step"] for r in _metrics(tmp_path)] == [2, 4]
     assert _event_steps(tmp_path) == [("loss", 2), ("loss", 4)]
-    assert runs.truncate_logs(str(tmp_path), 4) == 0  # nothing left to cut
+    assert folder.truncate_logs(str(tmp_path), 4) == 0  # nothing left to cut
 
 
 def _error(result):

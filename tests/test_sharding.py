@@ -11,7 +11,8 @@ import numpy as np
 sys_path = __import__("sys").path.insert(0, "tests")
 from test_train_core import _batch, CFG
 from sclaro_jax.models import scenarioclip
-from sclaro_jax.train import core, sharding
+from sclaro_jax.run import sharding
+from sclaro_jax.train import core
 
 assert len(jax.devices()) == 8
 batch = _batch(0, batch_size=8)
@@ -104,7 +105,7 @@ def test_global_batch_positions_and_the_one_host_sampler():
 def test_initialize_distributed_refuses_a_partial_environment():
     import pytest
 
-    from sclaro_jax.train.sharding import initialize_distributed
+    from sclaro_jax.run.sharding import initialize_distributed
 
     with pytest.raises(ValueError, match=r"\['JAX_COORDINATOR_ADDRESS', 'JAX_NUM_PROCESSES'\] "
                                          r"set but not \['JAX_PROCESS_ID'\]"):

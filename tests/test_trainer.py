@@ -244,14 +244,14 @@ def test_export_cli_from_the_demo_run(uninterrupted, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
     monkeypatch.setattr(dynamic, "HF_MODULES_CACHE", str(tmp_path / "hf_modules"))
 
-    from sclaro_jax.train import export
+    from sclaro_jax.checkpoint import load_checkpoint
     out = tmp_path / "exported"
     result = subprocess.run([sys.executable, "-m", "sclaro_jax.train.export", "--workdir",
                              str(uninterrupted), "--level", "global", "--out", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"wrote the global level of step {STEPS}" in result.stdout
-    model, step = export.load_checkpoint(str(uninterrupted))
+    model, step = load_checkpoint(str(uninterrupted))
     assert step == STEPS
     pixels = np.random.default_rng(0).normal(size=(2, 32, 32, 3)).astype(np.float32)
     ids = np.array([[49406, 320, 49407, 0], [49406, 7, 8, 49407]], np.int32)

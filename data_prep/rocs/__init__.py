@@ -7,12 +7,10 @@ output, `cli` the sub-command. Shared pieces (GroundingDINO, SAM, VLM replies) l
 of `data_prep`; this wing imports no other wing.
 """
 
-from data_prep.rocs import caption as rocs_caption  # the names the flat module had
-from data_prep.rocs import selection as rocs_select
 from data_prep.rocs.pipeline import (CLASS_LISTS, COCO80, IMAGE_SUFFIXES, AnnotatedImage,
                                      StageCache, build_rocs, class_list, detect_instances,
                                      mask_step, prompt_groups, stats_figure)
 
 __all__ = ["CLASS_LISTS", "COCO80", "IMAGE_SUFFIXES", "AnnotatedImage", "StageCache",
            "build_rocs", "class_list", "detect_instances", "mask_step", "prompt_groups",
-           "rocs_caption", "rocs_select", "stats_figure"]
+           "stats_figure"]

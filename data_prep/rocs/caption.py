@@ -4,7 +4,7 @@ object, and the output dataset in the layout `python -m sclaro_jax.eval.rocs` re
 Captions: the VLM gets the system prompt `SYSTEM_PROMPT` and the user prompt `USER_PROMPT`
 with the rare object's class name for its placeholder "{rare class}" (`caption_prompt`), the
 MINER paper's appendix J.1 prompts: one neutral, factual MS COCO-style sentence that names the
-object. A reply is checked (`check_caption`): it must name the object (`rocs_select.
+object. A reply is checked (`check_caption`): it must name the object (`selection.
 caption_names`) and have a word count within `CAPTION_WORDS` (8-18 by default, both ends
 included: the union of the user prompt's "roughly 8-16" and the system prompt's "roughly
 10-18"). A reply that fails is

@@ -6,11 +6,12 @@ float32 embeddings (`encode_views`, jitted, normalisation inside), and captions 
 L2-normalised float32 embeddings (`encode_texts`). Batches are padded to a fixed size so each
 tower compiles once.
 
-The encoding stack is written once here and shared with the ScenarioCLIP evaluators
-(`sclaro_jax.eval.embedding`): `towers(module, ...)` gives the jitted image and text functions
-of any module with `encode_image` / `encode_text` (pixels normalised by `ops.normalize`, output
-L2-normalised by `ops.l2_normalize`, with its norm before normalising), and `Batcher` feeds
-them fixed-size batches.
+The encoding stack is written once here and shared by both evaluation families, MINER / ROCS
+retrieval (`sclaro_jax.eval.retrieval`) and the ScenarioCLIP protocols
+(`sclaro_jax.eval.protocols.embedding`): `towers(module, ...)` gives the jitted image and text
+functions of any module with `encode_image` / `encode_text` (pixels normalised by
+`ops.normalize`, output L2-normalised by `ops.l2_normalize`, with its norm before normalising),
+and `Batcher` feeds them fixed-size batches.
 
 `load_encoder(spec)` builds one from:
 - a Hugging Face `CLIPModel` folder (model_type "clip"; one whose projections are zeros is
@@ -21,8 +22,9 @@ them fixed-size batches.
 - a ScenarioCLIP training workdir (`config.json` + `checkpoints/`) with `level` = global /
   object / relation (student weights, or the EMA teacher with `teacher=True`),
 - a name registered with `register_encoder` (`planted-colours`: the transparent synthetic
-  encoder of `sclaro_jax.eval.synthetic`, which registers itself; `ENCODER_MODULES` says which
-  module to import for a built-in name, so this module imports none of them).
+  encoder of `sclaro_jax.eval.retrieval.synthetic`, which registers itself; `ENCODER_MODULES`
+  says which module to import for a built-in name, so this module imports none of them and
+  neither family reaches the other through it).
 """
 
 from __future__ import annotations
@@ -276,7 +278,7 @@ class SiglipEncoder(Encoder):
 # imported by module name when asked for (as `registry.BUILTIN`), so this module imports none of
 # them and they can all import it.
 ENCODERS: dict[str, Callable[[], Encoder]] = {}
-ENCODER_MODULES = {"planted-colours": "sclaro_jax.eval.synthetic"}
+ENCODER_MODULES = {"planted-colours": "sclaro_jax.eval.retrieval.synthetic"}
 
 
 def register_encoder(name: str) -> Callable:

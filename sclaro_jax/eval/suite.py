@@ -9,21 +9,22 @@ or `--step`; the student, or the EMA teacher with `--teacher`) on `--split` of t
 (`--data`, default the run's `config.data.dir`):
 
 - zero-shot retrieval of actions, objects and relations, strict and lenient, by source
-  (`sclaro_jax.eval.zero_shot`), the linear probe (`eval.probe`), PredCls and SGCls
-  (`eval.scene_graph`);
-- relation localisation, frozen and trainable decoders (`sclaro_jax.eval.localise`);
-- figures (`sclaro_jax.eval.figures`): patch-to-CLS attention overlays of the first test images,
-  every model side by side; a t-SNE of the object embeddings per model; training curves per run;
-- the parameter / FLOPs table (`sclaro_jax.eval.cost`, appendix Table A1).
+  (`sclaro_jax.eval.protocols.zero_shot`), the linear probe (`protocols.probe`), PredCls and
+  SGCls (`protocols.scene_graph`);
+- relation localisation, frozen and trainable decoders (`sclaro_jax.eval.protocols.localise`);
+- figures (`sclaro_jax.eval.protocols.figures`): patch-to-CLS attention overlays of the first
+  test images, every model side by side; a t-SNE of the object embeddings per model; training
+  curves per run;
+- the parameter / FLOPs table (`sclaro_jax.eval.protocols.cost`, appendix Table A1).
 
 Writes OUT/eval.json (every number and setting), OUT/eval.md (the tables) and OUT/figures/*.png
 (OUT defaults to the first workdir's `eval/`). The protocols are the registered evaluators
-(`sclaro_jax.eval.registry`), built from a `config.evals` this module writes from its settings,
-the same list training runs periodically from the run's own `config.evals`. Callable from
-Python too (`evaluate_workdirs`).
+(`sclaro_jax.eval.protocols.registry`), built from a `config.evals` this module writes from its
+settings, the same list training runs periodically from the run's own `config.evals`. Callable
+from Python too (`evaluate_workdirs`).
 
 To run LAION's CLIP_benchmark on an exported level instead, write the split as a CLIP_benchmark
-webdataset with `python -m sclaro_jax.eval.wds` (no trained run needed) and evaluate it with
+webdataset with `python -m sclaro_jax.export.wds` (no trained run needed) and evaluate it with
 `python -m data_prep.clip_benchmark eval --model_type sclaro ...`.
 """
 
@@ -96,7 +97,7 @@ def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
     from PIL import Image
 
     from sclaro_jax.data import schema
-    from sclaro_jax.eval.embedding import read_samples
+    from sclaro_jax.eval.protocols.embedding import read_samples
 
     out = []
     for sample, _ in zip(read_samples(data_dir, split), range(count)):
@@ -131,7 +132,8 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
     """Evaluate each named workdir; write OUT/eval.json, OUT/eval.md, OUT/figures/*.png and
     return the JSON record."""
     from sclaro_jax.checkpoint import load_checkpoint
-    from sclaro_jax.eval import cost, embedding, figures, metrics, registry, report, scenario
+    from sclaro_jax.eval.protocols import (cost, embedding, figures, metrics, registry, report,
+                                           scenario)
 
     unknown = [t for t in settings.tasks if t not in TASKS]
     if unknown:
@@ -209,7 +211,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
 def _model_figures(name: str, workdir: str, embed, settings: Settings, out_dir: Path) -> dict:
     """One model's figures (training curves from its metrics.jsonl, t-SNE of its object
     embeddings): figure key -> path."""
-    from sclaro_jax.eval import figures
+    from sclaro_jax.eval.protocols import figures
 
     out = {}
     curves = out_dir / "figures" / f"training_curves_{_slug(name)}.png"

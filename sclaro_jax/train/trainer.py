@@ -41,7 +41,7 @@ from sclaro_jax.data import batch as fields
 from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
-from sclaro_jax.eval import registry
+from sclaro_jax.eval.protocols import registry
 from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run import Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding

@@ -19,9 +19,9 @@ import numpy as np
 
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import DatasetError, Vocab, open_dataset
-from sclaro_jax.eval import metrics, registry
-from sclaro_jax.eval.embedding import (DEFAULT_TEXT_LENGTH, SCORE_ELEMENTS, ScenarioEvaluator,
-                                       SplitEmbeddings, encode_texts)
+from sclaro_jax.eval.protocols import metrics, registry
+from sclaro_jax.eval.protocols.embedding import (DEFAULT_TEXT_LENGTH, SCORE_ELEMENTS,
+                                                 ScenarioEvaluator, SplitEmbeddings, encode_texts)
 
 
 def _label_indices(names: Iterable[str], vocab: Vocab, kind: str, root: str) -> np.ndarray:

@@ -22,9 +22,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sclaro_jax.data import schema
-from sclaro_jax.eval import metrics, registry
-from sclaro_jax.eval.embedding import (DEFAULT_TEXT_LENGTH, SCORE_ELEMENTS, ScenarioEvaluator,
-                                       SplitEmbeddings, encode_texts, split_labels)
+from sclaro_jax.eval.protocols import metrics, registry
+from sclaro_jax.eval.protocols.embedding import (DEFAULT_TEXT_LENGTH, SCORE_ELEMENTS,
+                                                 ScenarioEvaluator, SplitEmbeddings,
+                                                 encode_texts, split_labels)
 
 
 def predicate_ranks(model, union_emb: np.ndarray, subject_names: Sequence[str],

@@ -5,10 +5,10 @@
     result = evaluate_scenario(model, "/data/sclaro", cache_dir="/tmp/emb")
     print(report.markdown_tables(result))
 
-The protocols are the registered evaluators (`sclaro_jax.eval.registry`), one module each:
-`zero_shot` (`eval.zero_shot`), `linear_probe` (`eval.probe`), `predcls` and `sgcls`
-(`eval.scene_graph`); the split's views and embeddings are `eval.embedding`'s. Here the test
-split is embedded once and every evaluator asked for scores it.
+The protocols are the registered evaluators (`sclaro_jax.eval.protocols.registry`), one module
+each: `zero_shot` (`protocols.zero_shot`), `linear_probe` (`protocols.probe`), `predcls` and
+`sgcls` (`protocols.scene_graph`); the split's views and embeddings are `protocols.embedding`'s.
+Here the test split is embedded once and every evaluator asked for scores it.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import Sequence
 
 from sclaro_jax.data.dataset import open_dataset
-from sclaro_jax.eval import metrics, probe, registry, scene_graph, zero_shot  # noqa: F401
-from sclaro_jax.eval.embedding import (DEFAULT_TEXT_LENGTH, SplitEmbeddings, embed_dataset,
-                                       model_fingerprint)
+from sclaro_jax.eval.protocols import metrics, probe, registry, scene_graph, zero_shot  # noqa: F401
+from sclaro_jax.eval.protocols.embedding import (DEFAULT_TEXT_LENGTH, SplitEmbeddings,
+                                                 embed_dataset, model_fingerprint)
 
 TASKS = ("zero_shot", "linear_probe", "predcls", "sgcls")
 

@@ -154,7 +154,7 @@ def make_planted_split(out: str | os.PathLike, *, num_images: int = 56, width: i
 
 def _parser() -> cli.ArgumentParser:
     parser = cli.parser(
-        "python -m sclaro_jax.eval.synthetic",
+        "python -m sclaro_jax.eval.retrieval.synthetic",
         "Write the planted-colours retrieval benchmark (COCO captions JSON + PNGs).")
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--num-images", type=int, default=56, help="images to write")

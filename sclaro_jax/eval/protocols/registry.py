@@ -64,9 +64,11 @@ def evaluators(config) -> list[Evaluator]:
 
 # Where the built-in evaluators live: imported by name when a config asks for one (as big_vision
 # does), so this module imports none of them and they can all import it.
-BUILTIN = {"zero_shot": "sclaro_jax.eval.zero_shot", "linear_probe": "sclaro_jax.eval.probe",
-           "predcls": "sclaro_jax.eval.scene_graph", "sgcls": "sclaro_jax.eval.scene_graph",
-           "localisation": "sclaro_jax.eval.localise"}
+BUILTIN = {"zero_shot": "sclaro_jax.eval.protocols.zero_shot",
+           "linear_probe": "sclaro_jax.eval.protocols.probe",
+           "predcls": "sclaro_jax.eval.protocols.scene_graph",
+           "sgcls": "sclaro_jax.eval.protocols.scene_graph",
+           "localisation": "sclaro_jax.eval.protocols.localise"}
 
 
 def _load(kind: str) -> None:

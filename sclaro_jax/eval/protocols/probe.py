@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sclaro_jax.eval import metrics, registry
-from sclaro_jax.eval.embedding import ScenarioEvaluator, SplitEmbeddings
+from sclaro_jax.eval.protocols import metrics, registry
+from sclaro_jax.eval.protocols.embedding import ScenarioEvaluator, SplitEmbeddings
 
 
 def linear_probe(train_x: np.ndarray, train_y: Sequence, test_x: np.ndarray, test_y: Sequence,

@@ -1,7 +1,7 @@
 """Write a split of a SCLARO dataset as a local CLIP_benchmark webdataset.
 
-    python -m sclaro_jax.eval.wds --data DATASET --split test --out WDS/sclaro_actions
-    python -m sclaro_jax.eval.wds --data DATASET --split test --out WDS/sclaro_captions \
+    python -m sclaro_jax.export.wds --data DATASET --split test --out WDS/sclaro_actions
+    python -m sclaro_jax.export.wds --data DATASET --split test --out WDS/sclaro_captions \
         --task zeroshot_retrieval
 
 The folder is the `wds/NAME` layout LAION's CLIP_benchmark reads
@@ -258,7 +258,7 @@ def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool
 
 def _parser() -> argparse.ArgumentParser:
     p = cli.parser(
-        "python -m sclaro_jax.eval.wds",
+        "python -m sclaro_jax.export.wds",
         "Write a split of a SCLARO dataset as a local CLIP_benchmark webdataset "
         "(no trained run needed); evaluate an exported level on it with LAION's "
         "CLIP_benchmark: python -m data_prep.clip_benchmark eval --help.")

@@ -38,7 +38,7 @@ from PIL import Image  # noqa: E402
 
 from sclaro_jax import ops  # noqa: E402
 from sclaro_jax.data import augment  # noqa: E402
-from sclaro_jax.eval.localise import patch_grid, vision_tower  # noqa: E402
+from sclaro_jax.eval.protocols.localise import patch_grid, vision_tower  # noqa: E402
 
 CURVE_FIELDS = ("loss", "loss_ca", "loss_kd", "lr", "kd_temperature")
 

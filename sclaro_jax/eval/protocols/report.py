@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sclaro_jax.eval import metrics
+from sclaro_jax.eval.protocols import metrics
 
 
 def _fmt(v) -> str:

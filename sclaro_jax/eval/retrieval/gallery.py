@@ -22,8 +22,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sclaro_jax import miner
-from sclaro_jax.eval.data import RetrievalSplit
 from sclaro_jax.eval.encoders import Encoder
+from sclaro_jax.eval.retrieval.data import RetrievalSplit
 from sclaro_jax.files import write_replacing
 
 CACHE_VERSION = 2  # 2: the crop rule (`CropSpec.shape`, aspect-keeping by default) recorded

@@ -46,8 +46,8 @@ from sclaro_jax.data import augment, schema
 from sclaro_jax.data.dataset import DatasetError, ShardedDataset, open_dataset
 from sclaro_jax.data.pipeline import OBJECT_VIEWS, PipelineConfig, sample_views
 from sclaro_jax.files import write_replacing
-from sclaro_jax.eval import metrics, registry
 from sclaro_jax.eval.encoders import Batcher, towers
+from sclaro_jax.eval.protocols import metrics, registry
 
 log = logging.getLogger(__name__)
 

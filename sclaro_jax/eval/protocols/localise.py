@@ -51,9 +51,9 @@ from PIL import Image
 
 from sclaro_jax import ops
 from sclaro_jax.data import augment, schema
-from sclaro_jax.eval import registry
-from sclaro_jax.eval.embedding import read_samples
 from sclaro_jax.eval.encoders import Batcher
+from sclaro_jax.eval.protocols import registry
+from sclaro_jax.eval.protocols.embedding import read_samples
 
 VARIANTS = ("frozen", "trainable")
 MaskFn = Callable[[schema.Sample, int], np.ndarray]
