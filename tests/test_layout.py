@@ -24,6 +24,9 @@ FORBIDDEN = [
                          "sclaro_jax.models")),
     ("sclaro_jax.checkpoint", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.export")),
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
+    # eval's two families: the retrieval wing (MINER / ROCS) and the ScenarioCLIP protocols
+    ("sclaro_jax.eval.retrieval", ("sclaro_jax.eval.protocols",)),
+    ("sclaro_jax.eval.protocols", ("sclaro_jax.eval.retrieval",)),
     # exports and the dataset writer: above checkpoint, models and data, beside train and eval
     ("sclaro_jax.export", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection")),
     ("sclaro_jax.detection", ("sclaro_jax.eval", "sclaro_jax.train", "sclaro_jax.export")),
@@ -321,6 +324,8 @@ def test_data_prep_command_help(command, capsys):
 # (importer prefix, prefixes it must not reach through any chain of imports)
 FORBIDDEN_TRANSITIVE = [
     ("sclaro_jax.eval", ("sclaro_jax.train",)),
+    ("sclaro_jax.eval.retrieval", ("sclaro_jax.eval.protocols",)),
+    ("sclaro_jax.eval.protocols", ("sclaro_jax.eval.retrieval",)),
     ("sclaro_jax.export", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection")),
     ("sclaro_jax.detection", ("sclaro_jax.train", "sclaro_jax.eval")),
     ("sclaro_jax.run", ("sclaro_jax.train", "sclaro_jax.eval", "sclaro_jax.detection",
@@ -371,6 +376,18 @@ def test_transitive_checker_finds_a_planted_chain():
         "sclaro_jax.detection.backbones reaches sclaro_jax.train.core",
         "sclaro_jax.eval.detect reaches sclaro_jax.train.core",
         "sclaro_jax.run.loop reaches sclaro_jax.models.clip"]
+
+
+def test_transitive_checker_finds_eval_families_reaching_each_other():
+    """retrieval -> encoders -> protocols: the shared module at eval's top does not carry one
+    family into the other."""
+    graph = {"sclaro_jax.eval.retrieval.gallery": {"sclaro_jax.eval.encoders"},
+             "sclaro_jax.eval.encoders": {"sclaro_jax.ops"}, "sclaro_jax.ops": set(),
+             "sclaro_jax.eval.protocols.probe": {"sclaro_jax.eval.encoders"}}
+    assert transitive_violations(graph) == []
+    graph["sclaro_jax.eval.encoders"].add("sclaro_jax.eval.protocols.probe")
+    assert transitive_violations(graph) == [
+        "sclaro_jax.eval.retrieval.gallery reaches sclaro_jax.eval.protocols.probe"]
 
 
 def test_run_detection_and_eval_load_without_train():
@@ -482,3 +499,64 @@ def test_recipes_import_only_public_config_types_and_no_library_module_imports_t
             assert all(any(_under(t, ok) for ok in RECIPE_IMPORTS) for t in ours), (name, ours)
         else:  # recipes are loaded by name (sclaro_jax.config.load_config), never imported
             assert not {t for t in ours if _under(t, "sclaro_jax.configs")}, name
+
+
+# ---------------------------------------------------------------- one name for each thing
+
+
+def reexport_problems(source: str, is_package: bool) -> list[str]:
+    """Why `source` is a second name for code that lives elsewhere: a module (not a package's
+    `__init__`) whose body is only imports, `__all__` and names bound to imported names; an
+    import hook (`sys.meta_path`); a module aliased in `sys.modules` (set to None, it is
+    hidden for a moment, not aliased)."""
+    tree = ast.parse(source)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "meta_path":
+            found.append(f"line {node.lineno}: installs an import hook (sys.meta_path)")
+        if isinstance(node, ast.Assign) and not (  # None only hides a module
+                isinstance(node.value, ast.Constant) and node.value.value is None) and any(
+                isinstance(t, ast.Subscript) and isinstance(t.value, ast.Attribute)
+                and t.value.attr == "modules" for t in node.targets):
+            found.append(f"line {node.lineno}: aliases a module in sys.modules")
+    body = [n for n in tree.body if not (isinstance(n, ast.Expr) and isinstance(n.value,
+                                                                              ast.Constant))]
+    imported = {a.asname or a.name.split(".")[0] for n in body
+                if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+
+    def plain(n):
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            return True
+        if isinstance(n, ast.Assign) and all(isinstance(t, ast.Name) for t in n.targets):
+            names = [t.id for t in n.targets]
+            return names == ["__all__"] or (isinstance(n.value, (ast.Name, ast.Attribute))
+                                            and ast.unparse(n.value).split(".")[0] in imported)
+        return False
+
+    if not is_package and body and all(plain(n) for n in body):
+        found.append("re-exports only: imports and names bound to imported names")
+    return sorted(found, key=lambda f: int(f.split(":")[0].split()[1]) if f[:5] == "line " else 0)
+
+
+def test_no_reexport_module_or_import_hook_is_left():
+    bad = {name: found for name, path in _modules().items()
+           if (found := reexport_problems(path.read_text(encoding="utf-8"),
+                                          path.name == "__init__.py"))}
+    assert not bad, bad
+
+
+def test_reexport_checker_finds_planted_shims():
+    shim = ('"""Old name."""\nfrom sclaro_jax.run.folder import *  # noqa\n'
+            'from sclaro_jax.run import folder\n_event_records = folder._event_records\n'
+            '__all__ = ["folder"]\n')
+    assert reexport_problems(shim, is_package=False) == [
+        "re-exports only: imports and names bound to imported names"]
+    assert reexport_problems(shim, is_package=True) == []  # a package's API is its __init__
+    hook = ("import sys\n\ndef install():\n    sys.meta_path.insert(0, object())\n"
+            "    sys.modules['data_prep.curate'] = sys.modules['data_prep.curate_old']\n"
+            "    sys.modules['torch'] = None\n")
+    assert reexport_problems(hook, is_package=True) == [
+        "line 4: installs an import hook (sys.meta_path)",
+        "line 5: aliases a module in sys.modules"]
+    real = "from sclaro_jax import ops\n\ndef f(x):\n    return ops.l2_normalize(x)\n"
+    assert reexport_problems(real, is_package=False) == []

@@ -86,7 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # The step's executables (one per packed size) are compiled before step 1, this many at a
     # time (0: one per four cores, at most one per executable).
     c.compile_threads = 0
-    # Evaluators by name (sclaro_jax.eval.registry): each runs on the student every `every`
+    # Evaluators by name (sclaro_jax.eval.protocols.registry): each runs on the student every `every`
     # steps (0: not while training), appending to WORKDIR/eval.jsonl, and all of them on the
     # final checkpoint when launch/train.py ends (WORKDIR/results.json, results.md). Known:
     # zero_shot, linear_probe, predcls, sgcls, localisation; the whole protocol suite is

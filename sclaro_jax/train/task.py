@@ -61,7 +61,7 @@ class ScenarioCLIP:
     def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated:
         """Every evaluator of `config.evals` on the newest checkpoint's student."""
         from sclaro_jax.checkpoint import load_checkpoint
-        from sclaro_jax.eval import registry
+        from sclaro_jax.eval.protocols import registry
 
         evaluators = registry.evaluators(config)
         model, step = load_checkpoint(workdir, config=config)
