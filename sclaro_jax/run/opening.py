@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 from sclaro_jax.run import folder, lock
 from sclaro_jax.run.cache import use_compilation_cache
-from sclaro_jax.run.loop import Checkpoints
+from sclaro_jax.run.checkpoints import Checkpoints
 
 
 @dataclasses.dataclass
