@@ -8,6 +8,7 @@ when a run starts (`sclaro_jax.run.task`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import os
@@ -127,3 +128,123 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
                 else value
         except (ValueError, TypeError) as e:
             raise ValueError(f"--config.{item}: {e}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Ranges: what each numeric and path field of a recipe may hold, declared beside the field
+# (a recipe module's RANGES, or `ranged` dataclass fields) and checked in one place, `validate`,
+# by every task's `check` before anything runs.
+# --------------------------------------------------------------------------------------------
+
+RANGE = "range"  # the dataclasses.field metadata key of a field's Range
+
+
+class RangeError(ValueError):
+    """Config values outside their declared ranges (one line naming each key, value and
+    range)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric field may hold: bounds `ge` (>=), `gt` (>), `le` (<=), `lt` (<),
+    None for none; a tuple's elements each. `path=True`: a path field instead (a string; with
+    `exists`, one that must exist when it is not empty). `note`: what a special value means."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    path: bool = False
+    exists: bool = False
+    note: str = ""
+
+    def text(self) -> str:
+        parts = [f"{op} {bound:g}" for op, bound in ((">=", self.ge), (">", self.gt),
+                                                     ("<=", self.le), ("<", self.lt))
+                 if bound is not None]
+        return " and ".join(parts) or "a number"
+
+    def problem(self, value) -> str | None:
+        """Why `value` is outside this range, or None."""
+        if self.path:
+            if not isinstance(value, str):
+                return f"must be a path (a string), got {type(value).__name__}"
+            if self.exists and value and not os.path.exists(value):
+                return "no such file or folder" + (f" ({self.note})" if self.note else "")
+            return None
+        each = isinstance(value, (tuple, list))
+        for v in value if each else (value,):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                return f"must be {self.text()}, got {type(v).__name__}"
+            if not self.inside(v):  # NaN too
+                return (f"{'each ' if each else ''}must be {self.text()}"
+                        + (f" ({self.note})" if self.note else ""))
+        return None
+
+    def inside(self, v: float) -> bool:
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le) and (self.lt is None or v < self.lt))
+
+
+def ranged(default=dataclasses.MISSING, **bounds):
+    """A dataclass field with `default` (none: a required field) and its Range
+    (`Range(**bounds)`) in its metadata."""
+    return dataclasses.field(default=default, metadata={RANGE: Range(**bounds)})
+
+
+def field_ranges(cls, prefix: str) -> dict[str, Range]:
+    """{prefix + field name: Range} of a dataclass's `ranged` fields."""
+    return {prefix + f.name: f.metadata[RANGE] for f in dataclasses.fields(cls)
+            if RANGE in f.metadata}
+
+
+def recipe_ranges(name: str) -> dict[str, Range]:
+    """The `RANGES` of the package's recipe `name` (loaded by name, as `load_config` loads a
+    recipe: the library imports no recipe); a task validates its configs against them."""
+    return importlib.import_module(f"{RECIPES}.{name}").RANGES
+
+
+def _matches(key: str, pattern: str) -> bool:
+    """A dotted key against a declared one; "*" stands for one part ("evals.*.every")."""
+    parts, wanted = key.split("."), pattern.split(".")
+    return len(parts) == len(wanted) and all(w in ("*", p) for p, w in zip(parts, wanted))
+
+
+def range_of(key: str, ranges: dict[str, Range]) -> Range | None:
+    if key in ranges:
+        return ranges[key]
+    return next((r for pattern, r in ranges.items() if "*" in pattern
+                 and _matches(key, pattern)), None)
+
+
+def _raise_problems(items) -> None:
+    """RangeError naming each (dotted key, value, Range) whose value is outside its range."""
+    problems = [f"config.{key} = {value!r}: {why}" for key, value, declared in items
+                if declared is not None and (why := declared.problem(value))]
+    if problems:
+        raise RangeError("; ".join(problems))
+
+
+def validate(config, ranges: dict[str, Range]) -> None:
+    """RangeError naming every leaf of `config` outside its range in `ranges` (dotted key ->
+    Range; "*" for one part), e.g. "config.data.batch_size = 0: must be >= 1"."""
+    _raise_problems((key, value, range_of(key, ranges))
+                    for key, value in flatten(config).items())
+
+
+def check_fields(obj, prefix: str) -> None:
+    """`validate` for a dataclass built from a config section (`prefix`, e.g. "train."): its
+    `ranged` fields, so a recipe built in code is held to the same ranges."""
+    _raise_problems((prefix + f.name, getattr(obj, f.name), f.metadata.get(RANGE))
+                    for f in dataclasses.fields(obj))
+
+
+def is_numeric(value) -> bool:
+    """A number or a non-empty tuple / list of numbers (bools are switches, not numbers)."""
+    values = value if isinstance(value, (tuple, list)) and value else (value,)
+    return all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+
+
+def unranged(config, ranges: dict[str, Range]) -> list[str]:
+    """The numeric leaves of `config` without a declared range (every one must have one)."""
+    return [key for key, value in flatten(config).items()
+            if is_numeric(value) and range_of(key, ranges) is None]

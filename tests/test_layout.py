@@ -487,8 +487,9 @@ def test_config_path_checker_finds_planted_reads():
 
 
 # what a recipe may import: ml_collections, the standard library, other recipes and the public
-# config types
-RECIPE_IMPORTS = ("sclaro_jax.configs", "sclaro_jax.train.core", "sclaro_jax.detection.model")
+# config types (the ranges of its keys: sclaro_jax.config.Range)
+RECIPE_IMPORTS = ("sclaro_jax.configs", "sclaro_jax.config", "sclaro_jax.train.core",
+                  "sclaro_jax.detection.model")
 
 
 def test_recipes_import_only_public_config_types_and_no_library_module_imports_them():

@@ -337,7 +337,12 @@ def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
     assert not (tmp_path / "w" / "config.json").exists()  # a failed attempt writes no config
 
     missing = _error(train(f"--config.data.dir={tmp_path / 'nowhere'}"))
-    assert "manifest.json not found" in missing and "nowhere" in missing
+    assert missing.startswith(f"error: config.data.dir = '{tmp_path / 'nowhere'}': no such "
+                              "file or folder (a dataset folder written by `python -m "
+                              "data_prep`"), missing
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "manifest.json not found" in _error(train(f"--config.data.dir={empty}"))
 
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -376,7 +381,7 @@ def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
 
     for lr in ("-0.001", "0"):
         line = _error(train(f"--config.train.lr={lr}", workdir=tmp_path / "neg"))
-        assert f"train.lr must be a positive learning rate, got {float(lr)}" in line, line
+        assert line == f"error: config.train.lr = {float(lr)}: must be > 0", line
     assert not (tmp_path / "neg" / "demo_data").exists()  # refused before any work
 
     verbose = train("--config.train.lrr=0.1", "--verbose")

@@ -18,10 +18,37 @@ results.md); `python -m sclaro_jax.eval.detect --workdir DIR` evaluates a run ag
 
 import ml_collections
 
+from sclaro_jax.config import Range, field_ranges
 from sclaro_jax.detection.model import DetectorConfig
 
 VARIANTS = {"": "the appendix protocol (10 epochs, encoders at 1e-5, heads at 1e-4)",
             "demo": "CPU minutes on the bundled demo boxes: a tiny random encoder, 128 px"}
+
+# The range of every numeric and path key below (`config.Range`; config.detector's from
+# DetectorConfig's fields), checked by the task before anything runs (`config.validate`; a key
+# with none is refused by tests/test_config_ranges.py).
+RANGES = {
+    "epochs": Range(gt=0),
+    "batch_size": Range(ge=1),
+    "backbone_lr": Range(gt=0),
+    "head_lr": Range(gt=0),
+    "weight_decay": Range(ge=0),
+    "warmup_fraction": Range(ge=0, le=1),
+    "seed": Range(ge=0),
+    "copy_paste_threshold": Range(ge=0, note="0: no class is pasted"),
+    "copy_paste_prob": Range(ge=0, le=1),
+    "copy_paste_max": Range(ge=1),
+    "eval_batch_size": Range(ge=1),
+    "log_every": Range(ge=1),
+    "checkpoint_every": Range(ge=1),
+    "keep_checkpoints": Range(ge=1),
+    "compilation_cache": Range(path=True),  # "workdir", a folder (made), or "" (off)
+    "data.dir": Range(path=True, exists=True, note="a dataset folder written by `python -m "
+                      "data_prep`, e.g. the bundled demo: `python -m data_prep demo --out DIR`"),
+    "backbone.workdir": Range(path=True, exists=True, note="a ScenarioCLIP / PyramidCLIP "
+                              "training workdir or a Hugging Face CLIPModel folder"),
+    **field_ranges(DetectorConfig, "detector."),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

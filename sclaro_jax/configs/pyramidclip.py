@@ -4,6 +4,7 @@ with their own scales, no KD (same recipe otherwise)."""
 from sclaro_jax.configs import scenarioclip
 
 VARIANTS = scenarioclip.VARIANTS
+RANGES = scenarioclip.RANGES
 
 
 def get_config(arg: str | None = None):

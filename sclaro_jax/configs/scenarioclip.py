@@ -11,12 +11,41 @@ import dataclasses
 
 import ml_collections
 
+from sclaro_jax.config import Range, field_ranges
 from sclaro_jax.train.core import TrainConfig
 
 # `--config NAME:<variant>` or `configs/NAME.py:<variant>`: the variants get_config takes
 # ("" = none).
 VARIANTS = {"": "the paper recipe (ViT-B/32, 224 px, batch 128, 12 epochs)",
             "demo": "minutes on a CPU: tiny model, 32 px, the bundled demo data, 60 steps"}
+
+# The range of every numeric and path key below (`config.Range`; config.train's from
+# TrainConfig's fields), checked by the task before anything runs (`config.validate`; a key
+# with none is refused by tests/test_config_ranges.py).
+RANGES = {
+    "seed": Range(ge=0),
+    "model.init": Range(path=True),  # a folder or FILE[:quickgelu|:gelu]: checked when loaded
+    "model.embed_dim": Range(ge=1),
+    "data.dir": Range(path=True, exists=True, note="a dataset folder written by `python -m "
+                      "data_prep`, e.g. the bundled demo: `python -m data_prep demo --out DIR`"),
+    "data.batch_size": Range(ge=1),
+    "data.image_size": Range(ge=1),
+    "data.max_packed_sizes": Range(ge=1, le=3),
+    "data.max_objects": Range(ge=1),
+    "data.max_relations": Range(ge=1),
+    "data.text_length": Range(ge=1),
+    "data.workers": Range(ge=0, note="0: batches made in the training process"),
+    "train.epochs": Range(ge=0),
+    "train.steps": Range(ge=0, note="0: train.epochs give the run's length"),
+    **field_ranges(TrainConfig, "train."),
+    "perf.packed_multiple": Range(ge=1),
+    "log_every": Range(ge=1),
+    "checkpoint_every": Range(ge=1),
+    "keep_checkpoints": Range(ge=1),
+    "compilation_cache": Range(path=True),  # "workdir", a folder (made), or "" (off)
+    "compile_threads": Range(ge=0, note="0: one per four cores"),
+    "evals.*.every": Range(ge=0, note="0: not while training"),
+}
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

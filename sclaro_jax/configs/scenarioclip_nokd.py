@@ -3,6 +3,7 @@
 from sclaro_jax.configs import scenarioclip
 
 VARIANTS = scenarioclip.VARIANTS
+RANGES = scenarioclip.RANGES
 
 
 def get_config(arg: str | None = None):

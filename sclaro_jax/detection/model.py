@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sclaro_jax.config import check_fields, ranged
 from sclaro_jax.models import clip
 
 Array = jax.Array
@@ -43,39 +44,42 @@ class DetectorConfig:
     except where the appendix protocol fixes them: score threshold 1e-4, NMS 0.5, 300
     detections per image)."""
 
-    num_classes: int                      # foreground classes; logit 0 is the background
-    image_size: int = 224                 # detection input, square (squashed, or long side + pad)
-    strides: tuple = (4, 8, 16, 32)       # RoI levels P2-P5; the RPN also sees P6 (stride 64)
-    pyramid_dim: int = 256                # simple feature pyramid channels
-    fpn_dim: int = 256
-    anchor_sizes: tuple = (32, 64, 128, 256, 512)  # one per RPN level P2-P6
-    aspect_ratios: tuple = (0.5, 1.0, 2.0)
-    rpn_pre_nms_top_n_train: int = 2000   # per level
-    rpn_post_nms_top_n_train: int = 2000
-    rpn_pre_nms_top_n_test: int = 1000
-    rpn_post_nms_top_n_test: int = 1000
-    rpn_nms_thresh: float = 0.7           # IoU above which NMS drops a proposal
-    rpn_fg_iou_thresh: float = 0.7        # anchor sampling: IoU with a box for a positive,
-    rpn_bg_iou_thresh: float = 0.3        #   below this a negative, between them ignored
-    rpn_batch_size_per_image: int = 256   # anchors sampled per image for the RPN losses,
-    rpn_positive_fraction: float = 0.5    #   at most this fraction positive
-    box_fg_iou_thresh: float = 0.5        # proposal sampling for the RoI heads, the same
-    box_bg_iou_thresh: float = 0.5        #   rule (equal thresholds: nothing ignored)
-    box_batch_size_per_image: int = 512   # proposals sampled per image,
-    box_positive_fraction: float = 0.25   #   at most this fraction positive
-    roi_output_size: int = 7              # RoIAlign output, per side
-    representation_size: int = 1024       # the two-layer MLP box head's width
-    box_score_thresh: float = 1e-4        # inference: scores kept above this,
-    box_nms_thresh: float = 0.5           #   per-class NMS at this IoU,
-    detections_per_img: int = 300         #   and at most this many per image
+    # each field's range (`config.ranged`) is checked with the recipe's (`config.validate`)
+    num_classes: int = ranged(ge=1)       # foreground classes; logit 0 is the background
+    image_size: int = ranged(224, ge=1)   # detection input, square (squashed, or long side + pad)
+    strides: tuple = ranged((4, 8, 16, 32), ge=1)  # RoI levels P2-P5; the RPN also sees P6 (64)
+    pyramid_dim: int = ranged(256, ge=1)  # simple feature pyramid channels
+    fpn_dim: int = ranged(256, ge=1)
+    anchor_sizes: tuple = ranged((32, 64, 128, 256, 512), gt=0)  # one per RPN level P2-P6
+    aspect_ratios: tuple = ranged((0.5, 1.0, 2.0), gt=0)
+    rpn_pre_nms_top_n_train: int = ranged(2000, ge=1)  # per level
+    rpn_post_nms_top_n_train: int = ranged(2000, ge=1)
+    rpn_pre_nms_top_n_test: int = ranged(1000, ge=1)
+    rpn_post_nms_top_n_test: int = ranged(1000, ge=1)
+    rpn_nms_thresh: float = ranged(0.7, ge=0, le=1)  # IoU above which NMS drops a proposal
+    # anchor sampling: IoU with a box above fg for a positive, below bg a negative, between
+    # them ignored; `rpn_batch_size_per_image` anchors per image for the RPN losses, at most
+    # `rpn_positive_fraction` of them positive
+    rpn_fg_iou_thresh: float = ranged(0.7, ge=0, le=1)
+    rpn_bg_iou_thresh: float = ranged(0.3, ge=0, le=1)
+    rpn_batch_size_per_image: int = ranged(256, ge=1)
+    rpn_positive_fraction: float = ranged(0.5, ge=0, le=1)
+    box_fg_iou_thresh: float = ranged(0.5, ge=0, le=1)  # proposal sampling for the RoI heads,
+    box_bg_iou_thresh: float = ranged(0.5, ge=0, le=1)  #   the same rule (equal: none ignored)
+    box_batch_size_per_image: int = ranged(512, ge=1)  # proposals sampled per image,
+    box_positive_fraction: float = ranged(0.25, ge=0, le=1)  # at most this fraction positive
+    roi_output_size: int = ranged(7, ge=1)  # RoIAlign output, per side
+    representation_size: int = ranged(1024, ge=1)  # the two-layer MLP box head's width
+    box_score_thresh: float = ranged(1e-4, ge=0, le=1)  # inference: scores kept above this,
+    box_nms_thresh: float = ranged(0.5, ge=0, le=1)  #   per-class NMS at this IoU,
+    detections_per_img: int = ranged(300, ge=1)  #   and at most this many per image
     # Per-class NMS at inference takes the `box_candidates` best (proposal, class) scores of an
     # image (a static size; torchvision keeps every score above the threshold instead).
-    box_candidates: int = 4000
-    max_boxes: int = 64                   # ground-truth boxes per image (padded)
+    box_candidates: int = ranged(4000, ge=1)
+    max_boxes: int = ranged(64, ge=1)     # ground-truth boxes per image (padded)
 
     def __post_init__(self):
-        if self.num_classes < 1:
-            raise ValueError(f"num_classes must be >= 1, got {self.num_classes}")
+        check_fields(self, "detector.")  # config.RangeError naming the key
         if len(self.anchor_sizes) != len(self.strides) + 1:
             raise ValueError(f"anchor_sizes needs one size per RPN level ({len(self.strides) + 1}:"
                              f" strides {self.strides} + the max-pooled level), got "

@@ -68,8 +68,9 @@ class Detection:
     name = "detection"
 
     def check(self, config) -> None:
-        """The recipe's values (`train.check_recipe`), before anything is read or written;
-        COCO AP's package too, so a machine without it hears so before minutes of training."""
+        """The recipe's values (`train.check_recipe`: each key in its range, `config.validate`
+        over configs/detection.py's RANGES), before anything is read or written; COCO AP's
+        package too, so a machine without it hears so before minutes of training."""
         train.check_recipe(config)
         evaluate.require_pycocotools()
 

@@ -40,6 +40,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sclaro_jax import ops as pixel_ops
+from sclaro_jax.config import recipe_ranges, validate
 from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
@@ -63,11 +64,9 @@ def compute_dtype(name: str):
 
 
 def check_recipe(config) -> None:
-    """ValueError naming the key: a learning rate that is not positive, an unknown
-    `input_resize`."""
-    for key in ("backbone_lr", "head_lr"):
-        if not config[key] > 0:  # NaN too
-            raise ValueError(f"{key} must be a positive learning rate, got {config[key]}")
+    """ValueError naming the key: every numeric and path key in its range
+    (configs/detection.py's `RANGES`, `config.validate`), an unknown `input_resize`."""
+    validate(config, recipe_ranges("detection"))
     if config.input_resize not in data.RESIZE_MODES:
         raise ValueError(f"unknown resize mode {config.input_resize!r} (input_resize); known: "
                          f"{', '.join(data.RESIZE_MODES)}")

@@ -4,7 +4,8 @@ Each task (ScenarioCLIP and its baselines, `sclaro_jax.train.task`; the detector
 `sclaro_jax.detection.task`) is one object with the same four methods, so `launch/train.py`
 and the evaluation commands look a task up instead of branching on it:
 
-- `check(config)`: every check that needs no data and writes nothing (recipe values, unknown
+- `check(config)`: every check that needs no data and writes nothing (every numeric and path
+  key in its declared range, `sclaro_jax.config.validate` over the recipe's `RANGES`; unknown
   keys, switches); ValueError naming the key.
 - `demo_view_size(config)`: None when `config` is not one of the task's demo configs (a demo
   config with an empty `data.dir` trains on the bundled demo, written first by the launcher);

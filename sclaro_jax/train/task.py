@@ -41,6 +41,8 @@ class ScenarioCLIP:
     name = "scenarioclip"
 
     def check(self, config) -> None:
+        """`trainer.check_recipe`: each key in its range (`config.validate` over
+        configs/scenarioclip.py's RANGES), unknown train keys, the layout, the perf switches."""
         trainer.check_recipe(config)
 
     def demo_view_size(self, config) -> int | None:

@@ -36,7 +36,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sclaro_jax.checkpoint import build_model
-from sclaro_jax.config import flatten
+from sclaro_jax.config import RangeError, flatten, recipe_ranges, validate
 from sclaro_jax.data import batch as fields
 from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
@@ -126,8 +126,14 @@ def open_training_data(config, *, verify: bool = False):
 
 
 def check_recipe(config) -> None:
-    """The checks of `config` that need no data: unknown config.train keys, the layout, the
-    recipe's values (e.g. a learning rate that is not positive), the perf switches."""
+    """The checks of `config` that need no data: every numeric and path key in its range
+    (configs/scenarioclip.py's `RANGES`, `config.validate`: a RangeError naming each key), the
+    run's length, unknown config.train keys, the layout, the perf switches."""
+    validate(config, recipe_ranges("scenarioclip"))  # its baselines' too
+    steps, epochs = config.train.get("steps", 0), config.train.get("epochs", 0)
+    if not (steps or epochs):
+        raise RangeError(f"config.train.steps = {steps!r} and config.train.epochs = {epochs!r}: "
+                         "one of them must be >= 1 (the run's length)")
     recipe_keys(config)
     check_layout(config)
     train_config(config, 1)
