@@ -61,7 +61,7 @@ def test_a_save_that_fails_in_the_background_stops_the_run_within_two_steps(
     monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", failing)
     with pytest.raises(ckpt.CheckpointWriteError) as e:
         # steps slower than the failed write (milliseconds): "within two steps" is the loop's
-        _run(tmp_path, steps=20, checkpoint_every=10, step_s=0.3)
+        _run(tmp_path, steps=20, checkpoint_every=10, step_s=0.5)
     message = str(e.value)
     assert message.startswith(f"the checkpoint of step 10 could not be written to "
                               f"{tmp_path / 'checkpoints'} (No space left on device); "

@@ -183,8 +183,9 @@ class Checkpoints:
         and the bytes free)."""
         if short is not None:
             cause = os.strerror(errno.ENOSPC)
-            detail = (f" A checkpoint takes about {size_text(short[0])} and {size_text(short[1])} are "
-                      f"free there; nothing of step {step} was written.")
+            need, free = (size_text(n) for n in short)
+            detail = (f" A checkpoint takes about {need} and {free} are free there; nothing of "
+                      f"step {step} was written.")
         else:
             cause = _cause(error) if error is not None else "it is missing after the write"
             detail = " The unfinished one is removed when the run starts again."
