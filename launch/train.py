@@ -189,7 +189,9 @@ def cli(args: list[str]) -> None:
         except Exception as e:  # noqa: BLE001 (help still prints the flags it can)
             print(f"(--config {spec}: {_message(e)})")
             define_flags(None, argv)
-        print(FLAGS.main_module_help())
+        # this module's flags: the main module's are none when the installed `sclaro-train`
+        # runs it (absl keys flags by the module that defines them)
+        print(FLAGS.module_help(FLAGS.find_module_defining_flag("workdir")))
         sys.exit(0)
     try:
         from sclaro_jax.run.lock import probe_workdir

@@ -127,7 +127,7 @@ def test_acceptance_groups_each_in_one_cluster(minilm):
 
 
 def test_minilm_puts_garbage_truck_nearer_truck_than_waste(minilm):
-    """README's known limit: on this list the waste names share the vehicles' cluster."""
+    """docs/data.md's known limit: on this list the waste names share the vehicles' cluster."""
     emb = minilm[1].astype(np.float64)
     at = {n: i for i, n in enumerate(NAMES)}
     d = 1 - emb @ emb.T

@@ -375,7 +375,7 @@ def test_without_pycocotools_the_task_stops_before_any_work(demo_dir, tmp_path, 
     out = tmp_path / "det"
     t0 = time.monotonic()
     with pytest.raises(ImportError) as refused:
-        TASK.fit(demo_config(demo_dir), str(out), progress=False)
+        TASK.check(demo_config(demo_dir))  # the launcher's first call, before any writing
     took = time.monotonic() - t0
     assert str(refused.value) == (
         'COCO AP needs the pycocotools package: pip install -e ".[eval]" from the sclaro-jax '

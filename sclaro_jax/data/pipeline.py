@@ -333,4 +333,4 @@ def make_loader(dataset: ShardedDataset | str, split: str, batch_size: int, *,
                                        prefetch_buffer_size=read_buffer))
 
 
-normalize = ops.normalize  # uint8 -> CLIP-normalised float32, inside jit too (README uses it)
+normalize = ops.normalize  # uint8 -> CLIP-normalised float32, inside jit too (docs/data.md uses it)

@@ -82,7 +82,6 @@ class Detection:
     def fit(self, config, workdir: str, *, progress: bool = True,
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted:
-        self.check(config)
         prepared = prepare(config, verify_data=verify_data)
         _, state, info = train.train(config, workdir, prepared.model, prepared.examples,
                                      len(prepared.classes), progress=progress, stop_at=stop_at,
@@ -91,7 +90,6 @@ class Detection:
 
     def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated:
         """COCO AP of the newest checkpoint in `workdir` on `config.eval_split`."""
-        self.check(config)
         train.newest_step(workdir)  # a run to evaluate, before the model is built
         prepared = prepare(config)
         graphdef, params, step = train.restore_params(workdir, prepared.model)

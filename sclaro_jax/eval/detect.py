@@ -73,6 +73,7 @@ def run(args):
     if task.name != "detection":
         raise ValueError(f"{args.workdir} is a {task.name} run, not a detector's: evaluate it "
                          "with python -m sclaro_jax.eval.suite")
+    task.check(config)
     return task.evaluate(config, args.workdir, progress=not args.no_progress)
 
 

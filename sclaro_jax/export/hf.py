@@ -19,7 +19,7 @@ with the model code it carries:
   (transformers' tokenizer loader reads the config, so without the flag it asks whether to run
   the folder's code; `CLIPTokenizer.from_pretrained(OUT)` alone does not).
 
-In PyTorch (README has the same; transformers 5's `get_*_features` return an output whose
+In PyTorch (docs/exports.md has the same; transformers 5's `get_*_features` return an output whose
 `pooler_output` is the embedding):
 
     model = transformers.AutoModel.from_pretrained(OUT, trust_remote_code=True)

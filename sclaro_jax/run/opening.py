@@ -47,11 +47,11 @@ def open_run(config, workdir: str, save_args: Callable | None = None, *,
             if not os.path.exists(os.path.join(workdir, name))]
     checkpoints = None
     try:
-        use_compilation_cache(config, workdir)
         checkpoints = Checkpoints.open(workdir, save_args, keep=config.keep_checkpoints,
                                        background=config.get("checkpoint_async", True),
                                        chief=chief)
         unsafe = checkpoints.config_drift(config, workdir, allow_config_change)
+        use_compilation_cache(config, workdir)  # a refused rerun says nothing before its error
         if chief:
             folder.truncate_logs(workdir, checkpoints.start)
         yield OpenRun(workdir, checkpoints, unsafe, chief)

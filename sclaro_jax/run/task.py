@@ -6,7 +6,9 @@ and the evaluation commands look a task up instead of branching on it:
 
 - `check(config)`: every check that needs no data and writes nothing (every numeric and path
   key in its declared range, `sclaro_jax.config.validate` over the recipe's `RANGES`; unknown
-  keys, switches); ValueError naming the key.
+  keys, switches, the packages the task needs); ValueError naming the key. The command that
+  starts a task (`launch/train.py`, `python -m sclaro_jax.eval.detect`) calls it once, before
+  anything is read or written; `fit` and `evaluate` do not repeat it.
 - `demo_view_size(config)`: None when `config` is not one of the task's demo configs (a demo
   config with an empty `data.dir` trains on the bundled demo, written first by the launcher);
   otherwise the image size of the demo's stored views (0: the originals).
