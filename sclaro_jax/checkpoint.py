@@ -20,6 +20,10 @@ from flax import nnx
 
 from sclaro_jax.models import clip, open_clip_weights, scenarioclip
 from sclaro_jax.perf import PerfConfig
+from sclaro_jax.run.complete import DamagedRunError, check_steps, restore_failed
+
+__all__ = ["DamagedRunError", "build_model", "check_run", "is_run", "load_checkpoint",
+           "run_config"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +39,29 @@ def run_config(workdir: str) -> ml_collections.ConfigDict:
                                 "(or pass the run's config)")
     with open(path, encoding="utf-8") as f:
         return ml_collections.ConfigDict(json.load(f))
+
+
+def is_run(workdir) -> bool:
+    """Whether WORKDIR is a training run's folder: it has `checkpoints/`, or its config.json is
+    a run's config (`model` and `train` sections, no Hugging Face `model_type`), saved or not."""
+    if os.path.isdir(os.path.join(workdir, "checkpoints")):
+        return True
+    try:
+        with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return (isinstance(config, dict) and "model_type" not in config
+            and isinstance(config.get("model"), dict) and "train" in config)
+
+
+def check_run(workdir: str, step: int | None = None, *, flag: str = "--step") -> int:
+    """The checkpoint step of WORKDIR to read: `step`, or the newest. The one check of a run
+    every reader makes before restoring (`run.complete.check_steps`): a missing checkpoints
+    folder, a step the run does not hold, or a damaged checkpoint (an empty folder, a truncated
+    or missing file) raise `DamagedRunError` naming the step, the file and what is wrong, and
+    which complete step to pass with `flag` instead."""
+    return check_steps(os.path.abspath(os.path.join(workdir, "checkpoints")), step, flag=flag)
 
 
 def build_model(config, *, abstract: bool = False, perf: bool = True):
@@ -75,28 +102,21 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
     optimiser state, so any layout of `opt_state` loads."""
     if config is None:
         config = run_config(workdir)
+    step = check_run(workdir, step)
     folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    none = (f"no checkpoint in {folder}: the run has not saved one yet (it saves every "
-            "config.checkpoint_every steps and at its end); train it further or pass another "
-            "workdir")
-    if not os.path.isdir(folder):
-        raise FileNotFoundError(none)
     manager = ocp.CheckpointManager(folder)
     try:
-        step = manager.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(none)
-        if step not in manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint of step {step} in {folder}; it has steps "
-                                    f"{sorted(manager.all_steps())}: pass one of them, or no "
-                                    "step for the newest")
         graphdef, params = nnx.split(build_model(config, abstract=True, perf=False), nnx.Param)
         which = "teacher" if teacher else "params"
         item = {which: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     nnx.to_pure_dict(params))}
-        restored = manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True)))["state"]
+        try:
+            restored = manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                    partial_restore=True)))["state"]
+        except (OSError, RuntimeError, ValueError) as e:  # what a damaged file raises
+            raise restore_failed(folder, step, e) from e
     finally:
         manager.close()
     return nnx.merge(graphdef, restored[which]), int(step)

@@ -300,9 +300,11 @@ def model_type(folder: Path) -> str:
 
 
 def load_encoder(spec: str, *, level: str | None = None, teacher: bool = False,
-                 batch_size: int | None = None, dtype=jnp.float32) -> Encoder:
+                 batch_size: int | None = None, dtype=jnp.float32,
+                 step: int | None = None) -> Encoder:
     """An `Encoder` from a registered name (`planted-colours`), a model folder, or a
-    ScenarioCLIP workdir (+ `level`)."""
+    ScenarioCLIP workdir (+ `level`; its checkpoint `step`, default the newest: a damaged one
+    is refused with `checkpoint.DamagedRunError`)."""
     if spec in ENCODER_MODULES and spec not in ENCODERS:
         importlib.import_module(ENCODER_MODULES[spec])
     if spec in ENCODERS:
@@ -314,11 +316,15 @@ def load_encoder(spec: str, *, level: str | None = None, teacher: bool = False,
             "Siglip2Model folder (config.json + model.safetensors; no hub download is made), "
             f"a ScenarioCLIP training workdir with --level, or one of {sorted(ENCODER_MODULES)}")
     kw = {} if batch_size is None else {"batch_size": batch_size}
-    if (folder / "checkpoints").is_dir():
+    from sclaro_jax.checkpoint import is_run
+
+    if is_run(folder):  # a run without checkpoints/ is named as one (check_run)
         if level is None:
             raise EncoderError(f"{folder} is a ScenarioCLIP workdir: choose a level "
                                "(--level global|object|relation)")
-        return ScenarioClipEncoder(folder, level, teacher=teacher, **kw)
+        return ScenarioClipEncoder(folder, level, teacher=teacher, step=step, **kw)
+    if step is not None:
+        raise EncoderError(f"--step is for a ScenarioCLIP workdir; {folder} is not one")
     if not (folder / "config.json").is_file():
         raise EncoderError(f"{folder} has no config.json: not a Hugging Face model folder")
     kind = model_type(folder)

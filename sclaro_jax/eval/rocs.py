@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ScenarioCLIP level to evaluate (workdir models only)")
     g.add_argument("--teacher", action="store_true",
                    help="use the EMA teacher instead of the student (ScenarioCLIP workdirs)")
+    g.add_argument("--step", type=int, default=None,
+                   help="checkpoint step of a workdir --model (default: the newest)")
     g.add_argument("--bf16", action="store_true", help="bfloat16 compute in the towers")
     g.add_argument("--batch-size", type=int, default=None,
                    help="views per encoder call (default: the encoder's own)")
@@ -139,7 +141,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.max_images:
             splits = [s.subset(args.max_images) for s in splits]
         encoder = enc_lib.load_encoder(args.model, level=args.level, teacher=args.teacher,
-                                       batch_size=args.batch_size,
+                                       batch_size=args.batch_size, step=args.step,
                                        dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

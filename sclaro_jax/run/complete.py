@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 
 from sclaro_jax.run.folder import TMP_SUFFIX, RunError
 
@@ -162,3 +163,29 @@ def check_steps(folder: str, step: int | None = None, *, flag: str = "--step") -
         raise DamagedRunError(f"{os.path.join(folder, str(chosen))} is damaged ({bad}); "
                               f"{instead(folder, chosen, flag=flag)}")
     return chosen
+
+
+def restore_failed(folder: str, step: int, error: BaseException) -> DamagedRunError:
+    """The DamagedRunError for a checkpoint that passed `problem` but whose restore failed
+    (`error`: damaged bytes within files of the right size), with the step to use instead. The
+    'Event loop is closed' reports of the failed read's callbacks are kept out of stderr."""
+    quiet_event_loop()
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DamagedRunError(f"{os.path.join(folder, str(step))} is damaged (restoring it fails: "
+                           f"{text[:200]}); {instead(folder, step)}")
+
+
+def quiet_event_loop() -> None:
+    """From now on, drop the 'Event loop is closed' RuntimeErrors that TensorStore's callbacks
+    into a failed orbax read or write report as unraisable when the process ends."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiet_event_loop", False):
+        return
+
+    def hook(unraisable):
+        if isinstance(unraisable.exc_value, RuntimeError) and \
+                "Event loop is closed" in str(unraisable.exc_value):
+            return
+        previous(unraisable)
+    hook.quiet_event_loop = True
+    sys.unraisablehook = hook

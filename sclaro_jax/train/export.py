@@ -20,7 +20,7 @@ import argparse
 import os
 import sys
 
-from sclaro_jax.checkpoint import load_checkpoint
+from sclaro_jax.checkpoint import DamagedRunError, load_checkpoint
 from sclaro_jax.export.hf import FORMATS, export_clip, export_level
 from sclaro_jax.models import clip
 from sclaro_jax.models.scenarioclip import LEVELS
@@ -64,7 +64,8 @@ def check_out(out: str) -> None:
 
 def main(argv=None) -> int:
     """The command line. User errors print one `error: ...` line and exit 2 (arguments,
-    --out) or 1 (workdir, checkpoint); --verbose shows their traceback instead."""
+    --out, a damaged or missing checkpoint: `checkpoint.check_run`) or 1 (workdir, a CLIP
+    checkpoint); --verbose shows their traceback instead."""
     parser = _Parser(prog="python -m sclaro_jax.train.export",
                      description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -98,11 +99,11 @@ def main(argv=None) -> int:
         check_out(args.out)
         model, step = load_checkpoint(args.workdir, args.step, teacher=args.teacher)
         export_level(model, args.level, args.out)
-    except (UsageError, FileNotFoundError, clip.CheckpointError) as e:
+    except (UsageError, DamagedRunError, FileNotFoundError, clip.CheckpointError) as e:
         if args.verbose:
             raise
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return 2 if isinstance(e, (UsageError, DamagedRunError)) else 1
     print(f"wrote the {args.level} level of step {step} to {args.out}")
     return 0
 
