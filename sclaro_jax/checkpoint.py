@@ -55,7 +55,7 @@ def is_run(workdir) -> bool:
             and isinstance(config.get("model"), dict) and "train" in config)
 
 
-def check_run(workdir: str, step: int | None = None, *, flag: str = "--step") -> int:
+def check_run(workdir: str, step: int | None = None, *, flag: str | None = "--step") -> int:
     """The checkpoint step of WORKDIR to read: `step`, or the newest. The one check of a run
     every reader makes before restoring (`run.complete.check_steps`): a missing checkpoints
     folder, a step the run does not hold, or a damaged checkpoint (an empty folder, a truncated
@@ -93,16 +93,17 @@ def build_model(config, *, abstract: bool = False, perf: bool = True):
 
 
 def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = False,
-                    config=None):
+                    config=None, flag: str | None = "--step"):
     """(model, step): the student's weights (or the EMA teacher's with `teacher`) of a
     checkpoint of WORKDIR (the newest by default), in the model that WORKDIR/config.json (or
     `config`, the `ml_collections` config that built the run) describes.
 
     Only `state.params` / `state.teacher` are read (an orbax partial restore), never the
-    optimiser state, so any layout of `opt_state` loads."""
+    optimiser state, so any layout of `opt_state` loads. `flag`: the command's flag that
+    names a step, for DamagedRunError's advice (None: there is none)."""
     if config is None:
         config = run_config(workdir)
-    step = check_run(workdir, step)
+    step = check_run(workdir, step, flag=flag)
     folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
     manager = ocp.CheckpointManager(folder)
     try:
@@ -116,7 +117,7 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
                     item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                     partial_restore=True)))["state"]
         except (OSError, RuntimeError, ValueError) as e:  # what a damaged file raises
-            raise restore_failed(folder, step, e) from e
+            raise restore_failed(folder, step, e, flag=flag) from e
     finally:
         manager.close()
     return nnx.merge(graphdef, restored[which]), int(step)

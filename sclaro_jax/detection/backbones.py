@@ -20,12 +20,12 @@ def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool, dtype
     cfg_path = folder / "config.json"
     if not folder.is_dir():
         raise FileNotFoundError(f"--workdir {workdir} does not exist")
-    if (folder / "checkpoints").is_dir():
-        from sclaro_jax.checkpoint import load_checkpoint, run_config
+    from sclaro_jax.checkpoint import is_run, load_checkpoint, run_config
 
+    if is_run(folder):  # checked complete (check_run): a damaged one is DamagedRunError
         config = run_config(str(folder))
         config.model.dtype = dtype.name
-        model, step = load_checkpoint(str(folder), teacher=teacher, config=config)
+        model, step = load_checkpoint(str(folder), teacher=teacher, config=config, flag=None)
         rpn, roi = model.pair(level_rpn), model.pair(level_roi)
         patch = rpn.config.vision.patch_size
         kind = type(model).__name__

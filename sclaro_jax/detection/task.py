@@ -88,11 +88,13 @@ class Detection:
                                      allow_config_change=allow_config_change)
         return Fitted(state, int(state["step"]), info["steps"])
 
-    def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated:
-        """COCO AP of the newest checkpoint in `workdir` on `config.eval_split`."""
-        train.newest_step(workdir)  # a run to evaluate, before the model is built
+    def evaluate(self, config, workdir: str, *, progress: bool = True,
+                 step: int | None = None) -> Evaluated:
+        """COCO AP of a checkpoint in `workdir` (`step`, default the newest; a damaged one is
+        refused: DamagedRunError) on `config.eval_split`."""
+        step = train.newest_step(workdir, step)  # a run to evaluate, before the model is built
         prepared = prepare(config)
-        graphdef, params, step = train.restore_params(workdir, prepared.model)
+        graphdef, params, step = train.restore_params(workdir, prepared.model, step)
         cfg = prepared.model.cfg
         originals, _ = data.load_examples(config.data.dir, config.eval_split,
                                           classes=prepared.classes)

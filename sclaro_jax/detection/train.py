@@ -45,6 +45,7 @@ from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
+from sclaro_jax.run.complete import DamagedRunError, check_steps, restore_failed, steps
 from sclaro_jax.run.opening import open_run
 from sclaro_jax.run.params import label_params
 
@@ -157,36 +158,34 @@ def _restore(checkpoints: Checkpoints, state):
     return state
 
 
-def newest_step(workdir: str) -> int:
-    """The newest checkpoint's step in WORKDIR/checkpoints; FileNotFoundError naming the folder
-    and the command that trains it when there is none."""
+def newest_step(workdir: str, step: int | None = None) -> int:
+    """The step of WORKDIR/checkpoints to read (`step`, or the newest), checked complete
+    (`run.complete.check_steps`); DamagedRunError naming the folder and the command that trains it
+    when there is none, or the damaged checkpoint and the step to use instead."""
     folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    step = None
-    if os.path.isdir(folder):
-        with contextlib.closing(ocp.CheckpointManager(folder)) as manager:
-            step = manager.latest_step()
-    if step is None:
-        raise FileNotFoundError(f"no checkpoint in {folder}: {workdir} holds no trained "
-                                "detector; train it with launch/train.py --config "
-                                f"configs/detection.py --workdir {workdir}")
-    return int(step)
+    if not steps(folder):
+        raise DamagedRunError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}: "
+                              f"{workdir} holds no trained detector; train it with "
+                              f"launch/train.py --config configs/detection.py --workdir {workdir}")
+    return check_steps(folder, step)
 
 
-def restore_params(workdir: str, model: Detector):
-    """(graphdef, params, step) of the newest checkpoint in WORKDIR/checkpoints, into the
-    structure of `model` (only the parameters are read, not the optimiser state)."""
-    step = newest_step(workdir)
-    manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+def restore_params(workdir: str, model: Detector, step: int | None = None):
+    """(graphdef, params, step) of a checkpoint in WORKDIR/checkpoints (the newest by
+    default), into the structure of `model` (only the parameters are read, not the optimiser
+    state)."""
+    step = newest_step(workdir, step)
+    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
     graphdef, params = nnx.split(model, nnx.Param)
     item = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(params))}
-    try:
-        restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-            item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-            partial_restore=True))
-    finally:
-        manager.close()
+    with contextlib.closing(ocp.CheckpointManager(folder)) as manager:
+        try:
+            restored = manager.restore(step, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+                partial_restore=True))
+        except (OSError, RuntimeError, ValueError) as e:  # what a damaged file raises
+            raise restore_failed(folder, step, e) from e
     return graphdef, restored["params"], int(step)
-
 
 
 def _batches(config, examples, num_classes: int, cfg: DetectorConfig, mesh):

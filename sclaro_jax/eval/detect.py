@@ -1,14 +1,15 @@
 """Evaluate a detector run: COCO-style AP of its newest checkpoint (the appendix protocol).
 
     python -m sclaro_jax.eval.detect --workdir DIR [--config FILE_OR_NAME[:VARIANT]]
-        [--config.KEY=VALUE ...] [--no-progress]
+        [--config.KEY=VALUE ...] [--step N] [--no-progress]
 
 DIR is a detector run, trained by `launch/train.py --config configs/detection.py[:demo]
 --workdir DIR` (which evaluates it when training ends, the same way); this command evaluates it
 again, e.g. on another split (`--config.eval_split=val`) or dataset (`--config.data.dir=...`).
 The recipe is DIR/config.json, or `--config`; overrides use the launcher's grammar,
 `--config.KEY=VALUE`. The backbone (the encoders the detector was trained on) is the recipe's
-`backbone.workdir`. Writes DIR/results.json (every number and setting) and DIR/results.md
+`backbone.workdir`. A damaged checkpoint (`checkpoint.check_run`) is refused with the
+step to pass as `--step` instead. Writes DIR/results.json (every number and setting) and DIR/results.md
 (Model | AP | AP50 | AP75 | APr | APc | APf) and prints the table (`sclaro_jax.detection.task`).
 """
 
@@ -31,6 +32,8 @@ def _parser():
     p.add_argument("--config", default=None,
                    help="the recipe, a file or a name, FILE_OR_NAME[:VARIANT] (default: the "
                         "run's config.json)")
+    p.add_argument("--step", type=int, default=None,
+                   help="checkpoint step to evaluate (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--verbose", action="store_true", help="tracebacks on errors")
     return p
@@ -74,7 +77,7 @@ def run(args):
         raise ValueError(f"{args.workdir} is a {task.name} run, not a detector's: evaluate it "
                          "with python -m sclaro_jax.eval.suite")
     task.check(config)
-    return task.evaluate(config, args.workdir, progress=not args.no_progress)
+    return task.evaluate(config, args.workdir, progress=not args.no_progress, step=args.step)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

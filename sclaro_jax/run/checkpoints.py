@@ -1,7 +1,8 @@
 """A run's checkpoints: `Checkpoints`, the orbax CheckpointManager every trainer saves through.
 
-- An unfinished checkpoint left by a killed run is reported and removed when the run opens;
-  the newest complete one is the step to resume from.
+- An unfinished checkpoint left by a killed run is reported and removed when the run opens,
+  a damaged one (`run.complete`) reported and moved aside to `<step>.damaged`; the newest
+  complete one is the step to resume from.
 - A checkpoint that cannot be written stops the run with one `CheckpointWriteError`:
   - refused before anything of it is written when the checkpoint folder's disk has less free
     space than it takes (`space_needed`: the newest complete checkpoint's size on disk, or for
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sclaro_jax.run.complete import set_aside_damaged
 from sclaro_jax.run.folder import (RunError, config_changes, length_changes, refuse_drift,
                                    unfinished_checkpoints)
 
@@ -141,9 +143,13 @@ class Checkpoints:
     def open(cls, workdir: str, save_args: Callable, *, keep: int, background: bool = True,
              chief: bool = True) -> "Checkpoints":
         """WORKDIR/checkpoints; checkpoints orbax never finished writing are removed (by
-        process 0) with a warning, and `start` is the newest complete one (0: none)."""
+        process 0) with a warning, damaged ones above the newest complete one (an empty
+        folder, a truncated file: `complete.problem`) are moved aside to `<step>.damaged` with
+        a warning naming the step and what is wrong, and `start` is the newest complete one
+        (0: none)."""
         folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
         torn = unfinished_checkpoints(folder, remove=chief)
+        damaged = set_aside_damaged(folder, move=chief)
         manager = ocp.CheckpointManager(folder, options=ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=background))
         self = cls(manager, save_args, background)
@@ -152,6 +158,10 @@ class Checkpoints:
                         "%s", ", ".join(torn), f"resuming from step {self.start}, the newest "
                         "complete one" if self.start else "no complete checkpoint: starting "
                         "from step 0")
+        for step, bad, target in damaged:
+            log.warning("the checkpoint of step %d is damaged (%s): moved to %s; %s", step, bad,
+                        target, f"resuming from step {self.start}, the newest complete one"
+                        if self.start else "no complete checkpoint: starting from step 0")
         return self
 
     @property

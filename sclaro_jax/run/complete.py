@@ -134,17 +134,21 @@ def newest_complete(folder: str, below: int | None = None) -> int | None:
     return None
 
 
-def instead(folder: str, step: int, *, flag: str = "--step") -> str:
-    """'the newest complete checkpoint is step 20: pass --step 20' (or that there is none)."""
+def instead(folder: str, step: int, *, flag: str | None = "--step") -> str:
+    """'the newest complete checkpoint is step 20: pass --step 20' (or that there is none;
+    without a `flag` to pass, move the damaged folder aside)."""
     good = newest_complete(folder, below=None)
     if good is None or good == step:
         good = newest_complete(folder, below=step)
     if good is None:
         return "no other checkpoint of the run is complete: train it again"
+    if flag is None:
+        return (f"the newest complete checkpoint is step {good}: move the folder {step} aside "
+                "to use it")
     return f"the newest complete checkpoint is step {good}: pass {flag} {good}"
 
 
-def check_steps(folder: str, step: int | None = None, *, flag: str = "--step") -> int:
+def check_steps(folder: str, step: int | None = None, *, flag: str | None = "--step") -> int:
     """The step to read in the checkpoints folder `folder`: `step`, or the newest. Raises
     DamagedRunError when the folder is missing, holds no checkpoint (or not `step`), or the
     chosen checkpoint is damaged: the message names the step, the file and what is wrong, and
@@ -165,14 +169,15 @@ def check_steps(folder: str, step: int | None = None, *, flag: str = "--step") -
     return chosen
 
 
-def restore_failed(folder: str, step: int, error: BaseException) -> DamagedRunError:
+def restore_failed(folder: str, step: int, error: BaseException, *,
+                   flag: str | None = "--step") -> DamagedRunError:
     """The DamagedRunError for a checkpoint that passed `problem` but whose restore failed
     (`error`: damaged bytes within files of the right size), with the step to use instead. The
     'Event loop is closed' reports of the failed read's callbacks are kept out of stderr."""
     quiet_event_loop()
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return DamagedRunError(f"{os.path.join(folder, str(step))} is damaged (restoring it fails: "
-                           f"{text[:200]}); {instead(folder, step)}")
+                           f"{text[:200]}); {instead(folder, step, flag=flag)}")
 
 
 def quiet_event_loop() -> None:
@@ -189,3 +194,24 @@ def quiet_event_loop() -> None:
         previous(unraisable)
     hook.quiet_event_loop = True
     sys.unraisablehook = hook
+
+
+def set_aside_damaged(folder: str, *, move: bool = True) -> list[tuple[int, str, str]]:
+    """The damaged checkpoints above the newest complete one in a checkpoints folder, as
+    (step, what is wrong, where it goes), newest first; with `move` each is renamed to
+    `<step>.damaged` (kept for a look, out of orbax's sight) so that a resumed run continues
+    from the newest complete one and can save those steps again."""
+    out = []
+    for step in reversed(steps(folder)):
+        path = os.path.join(folder, str(step))
+        bad = problem(path)
+        if bad is None:
+            break
+        target, n = f"{path}.damaged", 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{path}.damaged{n}"
+        if move:
+            os.replace(path, target)
+        out.append((step, bad, target))
+    return out
