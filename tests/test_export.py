@@ -15,6 +15,7 @@ import pytest
 import transformers
 from safetensors.numpy import load_file
 
+from sclaro_jax.checkpoint import DamagedRunError
 from sclaro_jax.export import hf
 from sclaro_jax.models import scenarioclip
 from sclaro_jax.train import export
@@ -249,7 +250,7 @@ def test_load_checkpoint_reads_params_and_teacher_whatever_the_optimiser_state(
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the trainer's own checkpoint (conftest) loads too, by step; a missing step is named
     assert load_checkpoint(str(scenario_workdir), 7)[1] == 7
-    with pytest.raises(FileNotFoundError, match="no checkpoint of step 4"):
+    with pytest.raises(DamagedRunError, match="no checkpoint of step 4"):
         load_checkpoint(str(tmp_path), 4)
 
 
@@ -323,11 +324,11 @@ def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tm
         (["--workdir", tmp_path / "nope", "--level", "object", "--out", out], 1,
          f"error: workdir {tmp_path / 'nope'} does not exist: pass the folder a run's "
          "launch/train.py --workdir wrote"),
-        (["--workdir", empty_run, "--level", "object", "--out", out], 1,
+        (["--workdir", empty_run, "--level", "object", "--out", out], 2,
          f"error: no checkpoint in {empty_run / 'checkpoints'}: the run has not saved one yet "
          "(it saves every config.checkpoint_every steps and at its end); train it further or "
          "pass another workdir"),
-        (["--workdir", work, "--level", "object", "--out", out, "--step", "4"], 1,
+        (["--workdir", work, "--level", "object", "--out", out, "--step", "4"], 2,
          f"error: no checkpoint of step 4 in {ckpts}; it has steps [7]: pass one of them, or "
          "no step for the newest"),
         (["--workdir", work, "--level", "object", "--out", full], 2,
@@ -346,7 +347,7 @@ def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tm
         assert stdout == ""
     assert not out.exists() and os.listdir(full) == ["notes.txt"]
     # --verbose: the traceback, i.e. the exception itself
-    with pytest.raises(FileNotFoundError, match="no checkpoint of step 4"):
+    with pytest.raises(DamagedRunError, match="no checkpoint of step 4"):
         export.main(["--workdir", work, "--level", "object", "--out", str(out), "--step", "4",
                      "--verbose"])
 
