@@ -160,7 +160,7 @@ def check_steps(folder: str, step: int | None = None, *, flag: str | None = "--s
                               "it further or pass another workdir")
     if step is not None and step not in found:
         raise DamagedRunError(f"no checkpoint of step {step} in {folder}; it has steps "
-                              f"{found}: pass one of them, or no {flag} for the newest")
+                              f"{found}: pass one of them, or no step for the newest")
     chosen = found[-1] if step is None else step
     bad = problem(os.path.join(folder, str(chosen)))
     if bad:
