@@ -1,8 +1,8 @@
 """Whether a run's checkpoints are complete: the one check every reader of a run goes through
 (export, the evaluators, detection's backbones, a trainer's resume).
 
-A checkpoint `checkpoints/<step>/` is complete when its folder holds orbax's metadata
-(`_CHECKPOINT_METADATA`, each item's `_METADATA` / JSON files, all parsing) and, for an item
+A checkpoint `checkpoints/<step>/` is complete when its folder is not empty, its orbax metadata
+(`_CHECKPOINT_METADATA`, each item's `_METADATA` / JSON files) parses and, for an item
 written as OCDBT (`manifest.ocdbt`), every data file its B-tree refers to is there and at least
 as long as the bytes referred to (read from the tree's nodes, not the data: cheap). A damaged
 one is named (`DamagedRunError`: the step, the file, what is wrong) with the newest complete
@@ -104,9 +104,11 @@ def problem(step_dir: str) -> str | None:
         return f"cannot be listed ({e.strerror or e})"
     if not names:
         return "an empty folder"
-    bad = _json_problem(os.path.join(step_dir, "_CHECKPOINT_METADATA"), "_CHECKPOINT_METADATA")
-    if bad:
-        return bad
+    if "_CHECKPOINT_METADATA" in names:  # (older orbax wrote none)
+        bad = _json_problem(os.path.join(step_dir, "_CHECKPOINT_METADATA"),
+                            "_CHECKPOINT_METADATA")
+        if bad:
+            return bad
     for name in names:
         item = os.path.join(step_dir, name)
         if not os.path.isdir(item):
