@@ -55,6 +55,32 @@ def test_logs_saves_every_at_the_end_and_on_a_stop(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in rows], [3 * 0.9, 3 * 0.7, 3 * 0.5], rtol=1e-6)
 
 
+def test_a_sigterm_while_the_last_checkpoint_is_written_is_a_request(tmp_path, monkeypatch):
+    """The last write ends while the loop's handlers are still set: a SIGTERM then is a stop
+    request, not the default handler ending the process mid-write (which left an unfinished
+    checkpoint for the next start)."""
+    import os
+    import signal
+
+    def default(signum, frame):
+        raise RuntimeError("SIGTERM reached the handler outside the loop")
+
+    original = Checkpoints.close
+
+    def close(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # as the last checkpoint is being finished
+        return original(self)
+
+    monkeypatch.setattr(Checkpoints, "close", close)
+    previous = signal.signal(signal.SIGTERM, default)
+    try:
+        result = _run(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert result.done == 6 and result.stopped == "SIGTERM"
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()) == [4, 6]
+
+
 def test_a_non_finite_loss_stops_before_anything_of_its_step_is_saved(tmp_path):
     with pytest.raises(NonFiniteLossError, match="loss became nan at step 2"):
         _run(tmp_path, x=float("nan"))

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from sclaro_jax.run.complete import set_aside_damaged
+from sclaro_jax.run.complete import quiet_hook, set_aside_damaged
 from sclaro_jax.run.folder import (RunError, config_changes, length_changes, refuse_drift,
                                    unfinished_checkpoints)
 
@@ -83,18 +83,6 @@ logging.getLogger("absl").addFilter(_NOISE)
 logging.getLogger("asyncio").addFilter(_NOISE)
 
 
-def _quiet_unraisable(previous):
-    """A `sys.unraisablehook` that drops 'Event loop is closed' (TensorStore's callbacks into an
-    orbax write that already failed, hundreds of them) and passes on the rest."""
-    def hook(unraisable):
-        if isinstance(unraisable.exc_value, RuntimeError) and \
-                "Event loop is closed" in str(unraisable.exc_value):
-            return
-        previous(unraisable)
-    hook.previous = previous
-    return hook
-
-
 def bytes_on_disk(folder: str) -> int:
     """The size of the files under `folder` (0 when it is missing)."""
     total = 0
@@ -137,7 +125,7 @@ class Checkpoints:
         self._size = (-1, 0)  # (a complete checkpoint's step, its bytes on disk)
         self._closed = False
         _NOISE.open += 1
-        self._hook = sys.unraisablehook = _quiet_unraisable(sys.unraisablehook)
+        self._hook = sys.unraisablehook = quiet_hook(sys.unraisablehook)
 
     @classmethod
     def open(cls, workdir: str, save_args: Callable, *, keep: int, background: bool = True,

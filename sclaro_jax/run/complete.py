@@ -182,18 +182,25 @@ def restore_failed(folder: str, step: int, error: BaseException, *,
                            f"{text[:200]}); {instead(folder, step, flag=flag)}")
 
 
-def quiet_event_loop() -> None:
-    """From now on, drop the 'Event loop is closed' RuntimeErrors that TensorStore's callbacks
-    into a failed orbax read or write report as unraisable when the process ends."""
-    previous = sys.unraisablehook
-    if getattr(previous, "quiet_event_loop", False):
-        return
-
+def quiet_hook(previous):
+    """A `sys.unraisablehook` that drops the 'Event loop is closed' RuntimeErrors (TensorStore's
+    callbacks into an orbax read or write that already failed, hundreds of them) and passes
+    the rest on to `previous` (kept as its `.previous`)."""
     def hook(unraisable):
         if isinstance(unraisable.exc_value, RuntimeError) and \
                 "Event loop is closed" in str(unraisable.exc_value):
             return
         previous(unraisable)
+    hook.previous = previous
+    return hook
+
+
+def quiet_event_loop() -> None:
+    """From now on, drop the 'Event loop is closed' reports of a failed orbax read or write
+    that arrive as unraisable errors when the process ends (`quiet_hook`)."""
+    if getattr(sys.unraisablehook, "quiet_event_loop", False):
+        return
+    hook = quiet_hook(sys.unraisablehook)
     hook.quiet_event_loop = True
     sys.unraisablehook = hook
 

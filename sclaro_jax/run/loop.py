@@ -234,6 +234,8 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
                     _after_step(state, metrics, done, spec, checkpoints, logs, hooks)
                 if done not in checkpoints.saved:  # stopped early: a checkpoint of the last step
                     checkpoints.save(done, state)
+                # the last write ends with the handlers still set: a SIGTERM now is a request
+                checkpoints.close()
         finally:
             logs.close()
     except KeyboardInterrupt:  # a second Ctrl-C: leave at once (a write in flight is left
@@ -242,6 +244,5 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
         with contextlib.suppress(CheckpointWriteError):  # the error in flight says more
             checkpoints.close()
         raise
-    checkpoints.close()
     # (a stop is announced when it is asked for; the caller says where the run stands)
     return Result(state, done, stop.requested)
