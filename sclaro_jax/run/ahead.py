@@ -86,7 +86,8 @@ class CompiledSteps:
                     self._errors.append(err)
                 self._ended.append(time.perf_counter())
 
-        # daemon threads: an error while they run (a failed restore) ends the process at once
+        # daemon threads; a caller that fails while they run calls `settle` before raising (an
+        # interpreter that exits while XLA compiles in a thread aborts: "terminate called")
         self._workers = [threading.Thread(target=compile_one, args=(i,), daemon=True)
                          for i in range(len(self._batches))]
         for worker in self._workers:
@@ -108,6 +109,11 @@ class CompiledSteps:
                      len(self._batches), self.seconds)
             self._executables = {signature(b): c for b, c in zip(self._batches, self._compiled)}
         return self._executables
+
+    def settle(self) -> None:
+        """Wait for the compilations to end, raising nothing (the caller's error says more)."""
+        for worker in self._workers:
+            worker.join()
 
     @property
     def executables(self) -> dict:

@@ -219,14 +219,20 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
         graphdef, state, jitted, mesh, sizes, it = build(config, dataset, tcfg,
                                                          abstract=bool(start))
         run.checkpoints.save_args = _save_args(it)
+        if start:  # another dataset is refused before anything compiles
+            step_dir = os.path.join(run.checkpoints.folder, str(start))
+            folder.check_data_state(workdir, start, folder.saved_data_state(step_dir), dataset,
+                                    config.data.workers)
         # compiled while the checkpoint is restored and the input workers start
         step_fn = CompiledSteps(jitted, state, sizes.specs(), threads=config.get(
             "compile_threads", 0), background=True) if start < steps else None
         if start:
-            step_dir = os.path.join(run.checkpoints.folder, str(start))
-            folder.check_data_state(workdir, start, folder.saved_data_state(step_dir), dataset,
-                                    config.data.workers)
-            state = resume.restore(run.checkpoints.manager, start, state, it, tcfg)
+            try:
+                state = resume.restore(run.checkpoints.manager, start, state, it, tcfg)
+            except BaseException:
+                if step_fn is not None:  # a process that ends mid-compile aborts
+                    step_fn.settle()
+                raise
             log.info("resumed from %s at step %d", workdir, start)
         if start >= steps:
             log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
