@@ -25,16 +25,26 @@ cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/gpu_session}"
 tiny=0
 budget=540
+# usage MESSAGE: the one-line usage error of every command (sclaro_jax.cli), exit 2
+usage() { echo "error: $1 (see bash bench/gpu_session.sh --help)" >&2; exit 2; }
 while [[ $# -gt 0 ]]; do
     case "$1" in
-        --out) out="$2"; shift 2 ;;
+        --out|--budget) [[ $# -ge 2 && $2 != --* ]] || usage "argument $1: expected one value"
+            [[ $1 == --out ]] && out="$2" || budget="$2"; shift 2 ;;
+        --out=*) out="${1#*=}"; shift ;;
+        --budget=*) budget="${1#*=}"; shift ;;
         --tiny) tiny=1; shift ;;
-        --budget) budget="$2"; shift 2 ;;
         -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) echo "error: unknown argument $1 (see --help)" >&2; exit 2 ;;
+        *) near=$(python3 -c 'import difflib, sys
+m = difflib.get_close_matches(sys.argv[1].split("=")[0], ["--out", "--tiny", "--budget"], 1, 0.6)
+print(f" (did you mean {m[0]}?)" if m else "")' "$1" 2>/dev/null)
+            usage "unrecognized argument: $1$near" ;;
     esac
 done
-mkdir -p "$out"
+[[ $budget =~ ^[1-9][0-9]*$ ]] || usage "argument --budget: '$budget' is not a whole number of seconds"
+mkdir -p "$out" 2>/dev/null && probe=$(mktemp -p "$out" .write-check-XXXXXX 2>/dev/null) \
+    && rm -f "$probe" || { echo "error: cannot write $out: pass an --out folder you can write" >&2
+                           exit 2; }
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 cores=$(nproc)
 workers=$((cores > 1 ? cores - 1 : 0))

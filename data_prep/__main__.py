@@ -2,8 +2,8 @@
 run live beside its code: `data_prep.cli` (demo, reshard) and each wing's `cli` module.
 
 The conventions of `sclaro_jax.cli`: flags with hyphens (the underscore spelling is a hidden
-alias), and a user error (a bad flag, a missing file, a dataset already in --out, ...) prints
-one `error:` line and exits 2. `curate` also exits 3 after its first pass (label the clusters
+alias), a usage error is one `error: ... (see PROG --help)` line (exit 2), and any other user
+error (a missing file, a dataset already in --out, ...) prints one `error:` line and exits 2. `curate` also exits 3 after its first pass (label the clusters
 file, then rerun)."""
 
 import argparse
@@ -38,9 +38,8 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.func(args)
-    except (FileExistsError, FileNotFoundError, KeyError, ValueError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (*cli_conventions.USER_ERRORS, RuntimeError) as e:
+        return cli_conventions.fail(e, getattr(args, "verbose", False))
 
 
 if __name__ == "__main__":

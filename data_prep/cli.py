@@ -5,6 +5,8 @@ another size). Each wing's own sub-command lives in its `cli` module."""
 import argparse
 import os
 
+from sclaro_jax.cli import writable
+
 
 def command(sub, name: str, func, doc: str) -> argparse.ArgumentParser:
     """A sub-command `name` run by `func(args)`, documented by its module's docstring `doc`:
@@ -57,7 +59,7 @@ def describe(manifest: dict) -> str:
 def add_demo(sub) -> None:
     """`demo`: the bundled demo dataset as shards."""
     demo = command(sub, "demo", run_demo, run_demo.__doc__)
-    demo.add_argument("--out", required=True, help="output folder")
+    demo.add_argument("--out", required=True, type=writable, help="output folder")
     demo.add_argument("--overwrite", action="store_true",
                       help="replace a dataset already in --out")
     demo.add_argument("--split-seed", type=int, default=42,
@@ -89,7 +91,7 @@ def add_reshard(sub) -> None:
     res = command(sub, "reshard", run_reshard, run_reshard.__doc__)
     res.add_argument("--in", dest="src", required=True, metavar="DIR",
                      help="the dataset folder to read")
-    res.add_argument("--out", required=True, metavar="DIR",
+    res.add_argument("--out", required=True, metavar="DIR", type=writable,
                      help="the dataset folder to write (not --in)")
     view_flags(res, keep_default=None)
     res.add_argument("--workers", type=int, default=os.cpu_count() or 1, metavar="N",

@@ -14,8 +14,13 @@ current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose c
 in more than the logging / checkpoint / eval settings, the data folder or the sharding (the
 run's length included: it sets the schedule) is refused unless --allow-config-change. A
 second run on a workdir in use is refused, naming the first. With an empty `config.data.dir`,
-the `:demo` variants write the bundled demo to DIR/demo_data first. User errors print one
-`error:` line (the traceback with --verbose).
+the `:demo` variants write the bundled demo to DIR/demo_data first.
+
+The conventions of every command (`sclaro_jax.cli`): flags with hyphens (`--no-progress`,
+`--allow-config-change`; absl's underscore spellings and `--noeval` work too), a usage error
+(an unknown flag or config key, with the closest known; a bad value; a missing --workdir) is
+one `error: ... (see --help)` line and exit 2, and any other user error one `error:` line,
+exit 2 (the traceback too with --verbose).
 """
 
 import json
@@ -72,9 +77,9 @@ def define_flags(spec: str | None, argv: list[str]) -> None:
                       "before training (the quick size and record-count check always runs)")
     flags.DEFINE_bool("verbose", False, "print tracebacks for errors")
     flags.DEFINE_bool("eval", True, "evaluate the run when its training is complete "
-                      "(--noeval: train only)")
+                      "(--no-eval: train only)")
     flags.DEFINE_bool("eval_only", False, "evaluate WORKDIR's newest checkpoint, no training")
-    flags.mark_flags_as_required(["workdir"])
+    flags.DEFINE_bool("progress", True, "progress bars (--no-progress: none)")
 
 
 FLAGS = flags.FLAGS
@@ -105,9 +110,6 @@ def prepare_demo(config, workdir: str, task) -> None:
 
 def main(argv):
     del argv
-    if not list(FLAGS.config.keys()):  # no --config: define_flags's empty placeholder
-        raise app.UsageError("--config is required: a config file[:variant], e.g. "
-                             "--config=configs/scenarioclip.py:demo")
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's per-save INFO lines
     logging.getLogger("sclaro_jax").setLevel(logging.INFO)
     config = FLAGS.config
@@ -123,7 +125,7 @@ def main(argv):
         prepare_demo(config, workdir, task)
     if not FLAGS.eval_only:
         fitted = task.fit(config, workdir, allow_config_change=FLAGS.allow_config_change,
-                          verify_data=FLAGS.verify_data)
+                          verify_data=FLAGS.verify_data, progress=FLAGS.progress)
         if fitted.step < fitted.steps:
             print(f"stopped at step {fitted.step} of {fitted.steps}; rerun the same command to "
                   "continue")
@@ -134,7 +136,7 @@ def main(argv):
         print(f"evaluation: one process evaluates a run; python launch/train.py --config ... "
               f"--workdir {workdir} --eval-only")
     elif FLAGS.eval_only or FLAGS.eval:
-        evaluated = task.evaluate(config, workdir)
+        evaluated = task.evaluate(config, workdir, progress=FLAGS.progress)
         print(f"\n{evaluated.table}\n\nresults: {evaluated.path} (and "
               f"{os.path.join(workdir, 'results.json')})")
         if evaluated.next:
@@ -173,7 +175,69 @@ def _underscores(arg: str) -> str:
     return "--" + name.replace("-", "_") + eq + value
 
 
+def _hyphens(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def own_flags() -> list:
+    """This module's absl flags (the installed `sclaro-train` runs it under another name: absl
+    keys flags by the module that defines them)."""
+    return FLAGS.get_flags_for_module(FLAGS.find_module_defining_flag("workdir"))
+
+
+def flags_help() -> str:
+    """The flags as users spell them: `--allow-config-change`, `--[no-]eval`."""
+    lines = []
+    for flag in sorted(own_flags(), key=lambda f: f.name):
+        if flag.name == "config":
+            lines.append("  --config NAME[:VARIANT] | FILE[:VARIANT]: the recipe (required); "
+                         "then --config.KEY=VALUE overrides (repeatable)")
+            continue
+        if flag.boolean:
+            spell = f"--[no-]{flag.name.replace('_', '-')}"
+            default = f" (default: {'on' if flag.default else 'off'})"
+        else:
+            spell = f"{_hyphens(flag.name)} VALUE"
+            default = "" if flag.default is None else f" (default: {flag.default})"
+        lines.append(f"  {spell}: {flag.help}{default}")
+    return "\n".join(lines)
+
+
+def unknown_flag(args: list[str]) -> str | None:
+    """The first flag of the command line `args` (as typed) that the launcher does not define,
+    with the closest it does ("--workdr (did you mean --workdir?)"), or None."""
+    from sclaro_jax.cli import closest
+
+    spelled = []
+    for flag in own_flags():
+        spelled.append(_hyphens(flag.name))
+        if flag.boolean:
+            spelled.append("--no-" + flag.name.replace("_", "-"))
+    for arg in args:
+        if arg == "--":
+            break
+        if not arg.startswith("--") or arg.startswith(("--config.", "--config=")) \
+                or arg == "--config":
+            continue
+        name = _underscores(arg)[2:].partition("=")[0]
+        flag = FLAGS[name] if name in FLAGS else None
+        if flag is None and name.startswith("no") and name[2:] in FLAGS:
+            flag = FLAGS[name[2:]] if FLAGS[name[2:]].boolean else None
+        if flag is None:
+            typed = arg.partition("=")[0]
+            near = closest(typed.replace("_", "-"), spelled)
+            return typed + (f" (did you mean {near}?)" if near else "")
+    return None
+
+
+def usage(message: str, prog: str, verbose: bool) -> None:
+    fail(f"{message} (see {prog} --help)", verbose)
+
+
 def cli(args: list[str]) -> None:
+    prog = ("python launch/train.py" if args[0].endswith(".py")
+            else os.path.basename(args[0]))
+    typed = args[1:]
     args = [_underscores(a) for a in args]
     verbose = "--verbose" in args
     spec, argv = split_config_spec(args[1:])
@@ -189,19 +253,27 @@ def cli(args: list[str]) -> None:
         except Exception as e:  # noqa: BLE001 (help still prints the flags it can)
             print(f"(--config {spec}: {_message(e)})")
             define_flags(None, argv)
-        # this module's flags: the main module's are none when the installed `sclaro-train`
-        # runs it (absl keys flags by the module that defines them)
-        print(FLAGS.module_help(FLAGS.find_module_defining_flag("workdir")))
+        print("Flags:")
+        print(flags_help())
         sys.exit(0)
     try:
+        define_flags(spec, argv)  # before any other check: an unknown flag is named first
+        if (bad := unknown_flag(typed)):
+            usage(f"unrecognized argument: {bad}", prog, verbose)
+        if spec is None:
+            usage("--config is required: a recipe's name or file[:variant], e.g. "
+                  "--config scenarioclip:demo", prog, verbose)
         from sclaro_jax.run.lock import probe_workdir
         workdir, _ = split_flag(argv, "--workdir")
-        if workdir:  # a second run on a busy workdir: refused before the config loads jax
-            probe_workdir(workdir)
-        define_flags(spec, argv)
+        if not workdir:
+            usage("--workdir is required: the run's folder (checkpoints, metrics, results)",
+                  prog, verbose)
+        probe_workdir(workdir)  # a second run on a busy workdir: refused before jax loads
         argv = FLAGS(argv)  # parse here, so a bad value is one error line too
     except flags.Error as e:
-        fail(f"{e}", verbose)
+        usage(str(e).replace("flag --config.", "--config."), prog, verbose)
+    except KeyError as e:  # an unknown config key (check_override_keys)
+        usage(_message(e), prog, verbose)
     except user_errors() as e:
         fail(_message(e), verbose)
     try:

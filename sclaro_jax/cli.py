@@ -6,14 +6,80 @@
   the usage line and error messages show; the same flag with underscores (`--no_progress`,
   `--batch_size`) is accepted as a hidden alias, so either habit works;
 - --help states each default once (`DefaultsOnce`);
-- a user error (a bad flag value, a missing file, a folder that is not a dataset) prints one
-  `error:` line and exits 2; a traceback (exit 1) is a bug.
+- a usage error (an unknown flag, a missing or badly typed value) is one line,
+  `error: MESSAGE (see PROG --help)`, exit 2, without argparse's usage block; an unknown flag
+  (or sub-command, or choice) is named before any missing required one, with the closest known
+  spelling ("did you mean --source?");
+- an output folder flag (`type=writable`) is checked at parse time: one that cannot be written
+  is a usage error naming the folder and why;
+- any other user error (a missing file, a folder that is not a dataset, a folder that cannot be
+  written; `USER_ERRORS`) prints one `error:` line (`message`) and exits 2; a traceback (exit
+  1) is a bug.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import re
 import sys
+import tempfile
+
+# Errors a command reports as one `error:` line (exit 2): missing or unwritable files and
+# folders (OSError), bad values and folders that are not what they should be (ValueError, the
+# base of the library's own errors: DatasetError, RangeError, ...), unknown keys.
+USER_ERRORS = (OSError, ValueError, KeyError)
+
+
+def message(e: BaseException) -> str:
+    """The one line that reports `e`: an OSError as 'PATH: what went wrong', a KeyError without
+    its quotes, others as they are."""
+    if isinstance(e, OSError) and e.strerror:
+        where = e.filename if e.filename is not None else ""
+        return f"{where}: {e.strerror}" if where else e.strerror
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    return str(e)
+
+
+def fail(e: BaseException, verbose: bool = False) -> int:
+    """Print `e`'s one `error:` line (after its traceback with --verbose); returns 2, the exit
+    status of a user error."""
+    if verbose:
+        import traceback
+        traceback.print_exc()
+    print(f"error: {message(e)}", file=sys.stderr)
+    return 2
+
+
+def closest(name: str, known) -> str | None:
+    """The known spelling closest to a mistyped `name`, or None."""
+    found = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def writable(path: str) -> str:
+    """argparse `type=` of an output folder: `path` unchanged when it, or the folder it would be
+    made in, can be written (a probe file is made and removed there); else a usage error naming
+    the folder and why (`--out /proc/x`: "cannot write /proc/x: /proc refuses new files (No
+    such file or directory)")."""
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.exists(full) and not os.path.isdir(full):
+        raise argparse.ArgumentTypeError(f"{path} is a file, not a folder")
+    probe = full
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {probe} is a file, not a folder")
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".write-check-")
+        os.close(fd)
+        os.remove(name)
+    except OSError as e:
+        raise argparse.ArgumentTypeError(
+            f"cannot write {path}: {probe} refuses new files ({e.strerror})") from None
+    return path
 
 
 def other_spelling(option: str) -> str | None:
@@ -28,10 +94,14 @@ def other_spelling(option: str) -> str | None:
     return None
 
 
+_deepest: list = []  # [the innermost parser the last parse reached (a sub-command's)]
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """`argparse.ArgumentParser` that also accepts each long flag in its other spelling
-    (`other_spelling`) without listing it anywhere. Sub-command parsers made with
-    `add_subparsers().add_parser` are of this class too.
+    (`other_spelling`) without listing it anywhere, and reports usage errors in one line
+    (`error`). Sub-command parsers made with `add_subparsers().add_parser` are of this class
+    too.
 
     The alias is rewritten to the flag as defined before argparse sees the arguments (a whole
     argument `--no_progress`, or `--batch_size=8`; nothing after a bare `--`), so a
@@ -61,7 +131,58 @@ class ArgumentParser(argparse.ArgumentParser):
                 head, sep, value = arg.partition("=")
                 out.append(aliases[head] + sep + value if head in aliases else arg)
             args = out
+        self._argv = args
+        _deepest[:] = [self]  # a sub-command's parser, entered next, takes the place
         return super().parse_known_args(args, namespace)
+
+    def subparsers(self) -> list["ArgumentParser"]:
+        """This parser's sub-command parsers, theirs and so on."""
+        out = []
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    out += [sub, *getattr(sub, "subparsers", list)()]
+        return out
+
+    def long_options(self) -> list[str]:
+        return [o for o in self._option_string_actions if o.startswith("--")]
+
+    def unknown_flags(self, argv) -> list[str]:
+        """The `--flags` of `argv` this parser defines neither whole nor as a prefix
+        (argparse's abbreviations), up to a bare `--` (or a sub-command's name)."""
+        known, out, commands = self.long_options(), [], bool(self.subparsers())
+        for arg in argv:
+            if arg == "--" or (commands and not arg.startswith("-")):
+                break  # the rest is a sub-command's
+            head = arg.partition("=")[0]
+            if not head.startswith("--") or head in known:
+                continue
+            if self.allow_abbrev and any(k.startswith(head) for k in known):
+                continue
+            out.append(head)
+        return out
+
+    def suggest(self, flag: str) -> str:
+        near = closest(flag, self.long_options())
+        return f"{flag} (did you mean {near}?)" if near else flag
+
+    def error(self, message):
+        """One line, `error: MESSAGE (see PROG --help)`, and exit 2. Unknown flags are named
+        (with the closest known) in place of argparse's complaint when the parse that failed
+        reached them: `annotate --sorce folder` says --sorce, not that --root is missing. The
+        parser reporting is the innermost one the parse reached (a sub-command's)."""
+        parser = self
+        if _deepest and _deepest[0] in self.subparsers():
+            parser = _deepest[0]
+        unknown = parser.unknown_flags(getattr(parser, "_argv", []))
+        if unknown:
+            named = ", ".join(parser.suggest(f) for f in unknown)
+            message = f"unrecognized argument{'s' if len(unknown) > 1 else ''}: {named}"
+        elif (m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)):
+            near = closest(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
+            if near:
+                message = f"{message} (did you mean {near}?)"
+        self.exit(2, f"error: {message} (see {parser.prog} --help)\n")
 
 
 class DefaultsOnce(argparse.HelpFormatter):

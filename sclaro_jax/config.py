@@ -88,46 +88,62 @@ def flatten(tree, prefix: str = "") -> dict:
 
 def check_override_keys(config: ml_collections.ConfigDict, argv: list[str]) -> None:
     """KeyError naming an unknown `--config.x.y=V` key of `argv` and the closest known ones."""
+    for arg in argv:
+        if arg.startswith("--config."):
+            check_key(config, arg[len("--config."):].split("=", 1)[0], arg)
+
+
+def check_key(config: ml_collections.ConfigDict, key: str, arg: str) -> None:
+    """KeyError for a dotted `key` that `config` does not have, naming `arg` (the command-line
+    text that gave it) and the closest known keys."""
     import difflib
 
     known = list(flatten(config))
-    for arg in argv:
-        if not arg.startswith("--config."):
-            continue
-        key = arg[len("--config."):].split("=", 1)[0]
-        if key in known or any(k.startswith(key + ".") for k in known):
-            continue
-        close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise KeyError(f"unknown config key {key!r} (in {arg}){hint}")
+    if key in known or any(k.startswith(key + ".") for k in known):
+        return
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    raise KeyError(f"unknown config key {key!r} (in {arg}){hint}")
 
 
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
     """Apply "KEY=VALUE" overrides (dotted keys, as `--config.KEY=VALUE` on launch/train.py)
     in place: the value is read as JSON and converted to the key's current type (a string key
-    takes the text as it is). ValueError naming an unknown key (and the known ones there) or a
-    value of the wrong kind."""
+    takes the text as it is). KeyError naming an unknown key and the closest known ones
+    (`check_key`); ValueError for a value of the wrong kind, naming the key's type and value."""
     import json
 
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--config.{item}: expected KEY=VALUE")
+        check_key(config, key, f"--config.{item}")
         parent = config
         parts = key.split(".")
         for part in parts[:-1]:
-            if part not in parent:
-                raise ValueError(f"--config.{item}: unknown key {key!r}")
             parent = parent[part]
-        if parts[-1] not in parent:
-            known = sorted(k for k in parent.keys())
-            raise ValueError(f"--config.{item}: unknown key {key!r}; known here: {known}")
         old = parent[parts[-1]]
+        if isinstance(old, str):
+            parent[parts[-1]] = value
+            continue
+        if old is None:  # no type to keep: JSON, or the text as it is
+            try:
+                parent[parts[-1]] = json.loads(value)
+            except ValueError:
+                parent[parts[-1]] = value
+            continue
         try:
-            parent[parts[-1]] = type(old)(json.loads(value)) if not isinstance(old, str) \
-                else value
-        except (ValueError, TypeError) as e:
-            raise ValueError(f"--config.{item}: {e}") from None
+            parsed = json.loads(value)
+            if isinstance(old, bool) and not isinstance(parsed, bool):
+                raise TypeError
+            if isinstance(old, (int, float)) and not isinstance(old, bool) and (
+                    isinstance(parsed, bool) or not isinstance(parsed, (int, float))
+                    or (isinstance(old, int) and parsed != int(parsed))):
+                raise TypeError
+            parent[parts[-1]] = type(old)(parsed)
+        except (ValueError, TypeError):
+            raise ValueError(f"--config.{item}: config.{key} takes {type(old).__name__} values "
+                             f"(the recipe's is {old!r}), not {value!r}") from None
 
 
 # --------------------------------------------------------------------------------------------

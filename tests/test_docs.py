@@ -179,6 +179,7 @@ def absl_flags():
     module = sys.modules.get("absl.flags")
     return module.FLAGS if module else None
 
+import absl.app, absl.logging  # their own flags are there before any entry runs
 results = []
 for kind, target, argv in json.load(open(sys.argv[1])):
     out, err, code = io.StringIO(), io.StringIO(), 0
@@ -239,7 +240,7 @@ def run_help(entries, tmp: Path, timeout: int = 600) -> dict[tuple, dict]:
 
 
 USAGE = re.compile(r"usage:|^\s*--\w", re.IGNORECASE | re.MULTILINE)
-HELP_FLAG = re.compile(r"--(?:\[no\])?([A-Za-z0-9][\w-]*)")
+HELP_FLAG = re.compile(r"--(?:\[no-?\])?([A-Za-z0-9][\w-]*)")
 
 
 def missing_flags(used: set[str], help_text: str) -> list[str]:
@@ -273,9 +274,105 @@ def shown():
     return documented()
 
 
+# ---- the faults: every command README names, run with a typo flag, a wrong type, a missing
+# input and an unwritable output (None: the command has none, and why). {tmp} is a fresh
+# folder; {missing} does not exist; /proc takes no new files, even from root.
+
+LAUNCH = ("--config", "scenarioclip:demo", "--workdir", "{tmp}/run")
+_LAUNCHER_FAULTS = {
+    "typo": ("--config", "scenarioclip:demo", "--workdr", "{tmp}/run"),
+    "type": (*LAUNCH, "--config.data.batch_size=x"),
+    "missing": (*LAUNCH, "--config.data.dir={missing}"),
+    "unwritable": ("--config", "scenarioclip:demo", "--workdir", "/proc/sclaro/run"),
+}
+FAULTS = {
+    ("path", "launch/train.py", ()): _LAUNCHER_FAULTS,
+    ("script", "sclaro-train=launch.train:console", ()): _LAUNCHER_FAULTS,
+    ("module", "data_prep", ("annotate",)): {
+        "typo": ("annotate", "--sorce", "folder", "--root", "{tmp}", "--out", "{tmp}/ds"),
+        "type": ("annotate", "--root", "{tmp}", "--out", "{tmp}/ds", "--retries", "x"),
+        "missing": ("annotate", "--root", "{missing}", "--out", "{tmp}/ds", "--vlm-replies",
+                    "{missing}/replies.json", "--detector", "{missing}/gdino", "--sam",
+                    "{missing}/sam.pth"),
+        "unwritable": ("annotate", "--root", "{tmp}", "--out", "/proc/sclaro/ds"),
+    },
+    ("module", "data_prep", ("curate",)): {
+        "typo": ("curate", "--dta", "{tmp}", "--out", "{tmp}/cur"),
+        "type": ("curate", "--data", "{tmp}", "--out", "{tmp}/cur", "--min-samples", "x"),
+        "missing": ("curate", "--data", "{missing}", "--out", "{tmp}/cur"),
+        "unwritable": ("curate", "--data", "{tmp}", "--out", "/proc/sclaro/cur"),
+    },
+    ("module", "sclaro_jax.eval.suite", ()): {
+        "typo": ("--workdr", "{tmp}"),
+        "type": ("--workdir", "{tmp}", "--batch-size", "x"),
+        "missing": ("--workdir", "{missing}"),
+        "unwritable": ("--workdir", "{tmp}", "--out", "/proc/sclaro/eval"),
+    },
+    ("module", "sclaro_jax.eval.retrieval.synthetic", ()): {
+        "typo": ("--outt", "{tmp}/planted"),
+        "type": ("--out", "{tmp}/planted", "--num-images", "x"),
+        "missing": None,  # writes a benchmark from nothing
+        "unwritable": ("--out", "/proc/sclaro/planted"),
+    },
+    ("module", "sclaro_jax.eval.rocs", ()): {
+        "typo": ("--modl", "planted-colours", "--split", "{tmp}/captions.json"),
+        "type": ("--model", "planted-colours", "--split", "{tmp}/captions.json", "--k", "x"),
+        "missing": ("--model", "planted-colours", "--split", "{missing}/captions.json",
+                    "--out", "{tmp}/rocs"),
+        "unwritable": ("--model", "planted-colours", "--split", "{tmp}/captions.json", "--out",
+                       "/proc/sclaro/rocs"),
+    },
+    ("module", "sclaro_jax.eval.detect", ()): {
+        "typo": ("--workdr", "{tmp}"),
+        "type": ("--workdir", "{tmp}", "--config", "detection:demo", "--config.epochs=x"),
+        "missing": ("--workdir", "{missing}"),
+        "unwritable": None,  # writes only into --workdir, the run it reads
+    },
+    ("module", "sclaro_jax.train.export", ()): {
+        "typo": ("--workdr", "{tmp}", "--level", "object", "--out", "{tmp}/export"),
+        "type": ("--workdir", "{tmp}", "--level", "object", "--out", "{tmp}/export", "--step",
+                 "x"),
+        "missing": ("--workdir", "{missing}", "--level", "object", "--out", "{tmp}/export"),
+        "unwritable": ("--workdir", "{tmp}", "--level", "object", "--out",
+                       "/proc/sclaro/export"),
+    },
+    ("module", "sclaro_jax.export.wds", ()): {
+        "typo": ("--dta", "{tmp}", "--out", "{tmp}/wds"),
+        "type": ("--data", "{tmp}", "--out", "{tmp}/wds", "--shard-size", "x"),
+        "missing": ("--data", "{missing}", "--out", "{tmp}/wds"),
+        "unwritable": ("--data", "{tmp}", "--out", "/proc/sclaro/wds"),
+    },
+    ("bash", "bench/gpu_session.sh", ()): {
+        "typo": ("--tinyy", "--out", "{tmp}/gpu"),
+        "type": ("--tiny", "--out", "{tmp}/gpu", "--budget", "x"),
+        "missing": None,  # makes its own data
+        "unwritable": ("--tiny", "--out", "/proc/sclaro/gpu"),
+    },
+}
+FAULT_KINDS = ("typo", "type", "missing", "unwritable")
+
+
+def fault_entries(tmp: Path) -> dict[tuple, tuple[tuple, str]]:
+    """(kind, target, argv) to run -> (its FAULTS key, the fault)."""
+    out = {}
+    for key, faults in FAULTS.items():
+        for fault, argv in faults.items():
+            if argv is not None:
+                filled = tuple(a.format(tmp=tmp, missing=tmp / "missing") for a in argv)
+                out[(key[0], key[1], filled)] = (key, fault)
+    return out
+
+
 @pytest.fixture(scope="module")
-def helped(shown, tmp_path_factory):
-    entries = sorted({*(e for e in shown if e[0] != "external"), *REQUIRED})
+def fault_tmp(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def helped(shown, fault_tmp, tmp_path_factory):
+    """Every --help run and every fault run, in one driver process."""
+    entries = sorted({*(e for e in shown if e[0] != "external"), *REQUIRED,
+                      *fault_entries(fault_tmp)})
     return run_help(entries, tmp_path_factory.mktemp("help"))
 
 
@@ -380,3 +477,40 @@ def test_driver_fails_a_planted_bad_command_and_a_missing_flag(tmp_path):
     assert "No module named" in results[bad]["stderr"]
     assert help_problems(good, results[good], {"--no-such-flag"}) == [
         "json.tool --help: --help names no --no-such-flag"]
+
+
+def readme_entries() -> set[tuple]:
+    """(kind, target, sub-command) of each command README names (not other projects')."""
+    return {(k, t, argv[:-1]) for k, t, argv in documented([README]) if k != "external"}
+
+
+def test_every_readme_command_has_a_row_of_faults():
+    assert readme_entries() == set(FAULTS), "README's commands and FAULTS differ"
+    assert all(tuple(faults) == FAULT_KINDS for faults in FAULTS.values())
+    assert all(faults["typo"] and faults["type"] for faults in FAULTS.values())
+
+
+def test_every_readme_command_answers_each_fault_in_one_error_line(helped, fault_tmp):
+    """Exit 2, nothing on stdout, one stderr line, `error: ...`, no traceback; usage errors
+    (typo, type) end with `(see PROG --help)`, a typo gets the closest flag; a missing input
+    and an unwritable output are named."""
+    problems = []
+    for entry, (key, fault) in fault_entries(fault_tmp).items():
+        result = helped[entry]
+        lines = [line for line in result["stderr"].splitlines() if line.strip()]
+        where = f"{' '.join((entry[1],) + entry[2])} [{fault}]"
+        line = lines[-1] if lines else ""
+        if result["code"] != 2 or len(lines) != 1 or not line.startswith("error: ") \
+                or result["stdout"].strip():
+            problems.append(f"{where}: exit {result['code']}, stdout "
+                            f"{result['stdout'][-300:]!r}, stderr {result['stderr'][-600:]!r}")
+            continue
+        if fault in ("typo", "type") and not line.endswith("--help)"):
+            problems.append(f"{where}: a usage error without (see ... --help): {line}")
+        if fault == "typo" and "did you mean --" not in line:
+            problems.append(f"{where}: no suggestion: {line}")
+        if fault == "missing" and str(fault_tmp / "missing") not in line:
+            problems.append(f"{where}: does not name the missing input: {line}")
+        if fault == "unwritable" and "/proc/sclaro" not in line:
+            problems.append(f"{where}: does not name the output: {line}")
+    assert not problems, "\n".join(problems)

@@ -321,7 +321,7 @@ def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tm
     a_file.write_text("")
     out = tmp_path / "out"
     cases = [
-        (["--workdir", tmp_path / "nope", "--level", "object", "--out", out], 1,
+        (["--workdir", tmp_path / "nope", "--level", "object", "--out", out], 2,
          f"error: workdir {tmp_path / 'nope'} does not exist: pass the folder a run's "
          "launch/train.py --workdir wrote"),
         (["--workdir", empty_run, "--level", "object", "--out", out], 2,
@@ -335,8 +335,8 @@ def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tm
          f"error: --out {full} is not empty: pass a new or empty folder (an export never "
          "overwrites files)"),
         (["--workdir", work, "--level", "object", "--out", a_file / "sub"], 2,
-         f"error: --out {a_file / 'sub'}: {a_file} is a file, so the folder cannot be made; "
-         "pass another path"),
+         f"error: argument --out: cannot write {a_file / 'sub'}: {a_file} is a file, not a "
+         "folder (see python -m sclaro_jax.train.export --help)"),
         (["--workdir", work, "--level", "objects", "--out", out], 2,
          "error: argument --level: invalid choice: 'objects' (choose from 'global', 'object', "
          "'relation') (see python -m sclaro_jax.train.export --help)"),
@@ -346,10 +346,12 @@ def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tm
         assert (code, err) == (want_code, want + "\n"), argv
         assert stdout == ""
     assert not out.exists() and os.listdir(full) == ["notes.txt"]
-    # --verbose: the traceback, i.e. the exception itself
-    with pytest.raises(DamagedRunError, match="no checkpoint of step 4"):
-        export.main(["--workdir", work, "--level", "object", "--out", str(out), "--step", "4",
-                     "--verbose"])
+    # --verbose: the traceback too, then the same line
+    code, _, err = _export_cli(capsys, "--workdir", work, "--level", "object", "--out", out,
+                               "--step", "4", "--verbose")
+    assert code == 2 and err.startswith("Traceback") and "DamagedRunError" in err
+    assert err.endswith(f"error: no checkpoint of step 4 in {ckpts}; it has steps [7]: pass one "
+                        "of them, or no step for the newest\n")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes in read-only folders")
@@ -359,5 +361,5 @@ def test_export_cli_refuses_an_unwritable_out(scenario_workdir, tmp_path, capsys
     code, _, err = _export_cli(capsys, "--workdir", scenario_workdir, "--level", "object",
                                "--out", locked / "out")
     assert code == 2
-    assert err == (f"error: --out {locked / 'out'}: cannot write in {locked} (permission "
-                   "denied); pass a folder you can write\n")
+    assert err == (f"error: argument --out: cannot write {locked / 'out'}: {locked} refuses new "
+                   "files (Permission denied) (see python -m sclaro_jax.train.export --help)\n")

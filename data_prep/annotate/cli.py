@@ -12,7 +12,7 @@ WORK/hashes.json by path, size, mtime and ctime); the run says what it redoes an
 import argparse
 import json
 
-from data_prep.cli import command, view_flags, write_flags
+from data_prep.cli import command, view_flags, writable, write_flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -33,7 +33,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                           "frames_per_video=3 or skip_missing=true; webdataset: name=cc3m "
                           "(ids cc3m/<shard>/<key>, as the cc3m files layout); hf: split=train, "
                           "image_column=, id_column=, caption_column=, name=; repeatable")
-    ann.add_argument("--out", required=True, help="dataset folder to write")
+    ann.add_argument("--out", required=True, type=writable, help="dataset folder to write")
     ann.add_argument("--work", default="", help="cache folder (default: OUT.work)")
     ann.add_argument("--vlm", default="", help="local folder of an image-text-to-text model "
                                                "(transformers layout), e.g. Ovis-Gemma 9B")

@@ -17,7 +17,7 @@ overrides. OUT/object_curation keeps the names, labels and fitted clusterer, so 
 import argparse
 import sys
 
-from data_prep.cli import command, write_flags
+from data_prep.cli import command, writable, write_flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -25,7 +25,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cur = command(sub, "curate", run, __doc__)
     cur.add_argument("--data", required=True, help="a SCLARO dataset folder (e.g. annotate's "
                                                    "or the demo's output)")
-    cur.add_argument("--out", required=True, help="the curated dataset folder to write")
+    cur.add_argument("--out", required=True, type=writable,
+                     help="the curated dataset folder to write")
     cur.add_argument("--clusters", default="",
                      help="the clusters file to write / read (default: OUT.clusters.json)")
     cur.add_argument("--action-map", default="",

@@ -14,7 +14,7 @@ import argparse
 import os
 import re
 
-from data_prep.cli import command, write_flags
+from data_prep.cli import command, writable, write_flags
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     rocs.add_argument("--classes", default="", help="class names to prompt --detector with: "
                       "coco80 (the 80 COCO class names, the MINER paper's SAM 3 prompts), "
                       "'cat,dog,...' or @FILE (one per line)")
-    rocs.add_argument("--out", required=True, help="output folder")
+    rocs.add_argument("--out", required=True, type=writable, help="output folder")
     rocs.add_argument("--work", default="", help="cache folder (default: OUT/work)")
     rocs.add_argument("--top-fraction", type=float, default=0.1,
                       help="share of images kept as high-clutter (default 0.1)")

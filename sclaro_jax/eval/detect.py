@@ -21,9 +21,11 @@ from typing import Sequence
 
 from sclaro_jax import cli
 
+PROG = "python -m sclaro_jax.eval.detect"
+
 
 def _parser():
-    p = cli.parser("python -m sclaro_jax.eval.detect",
+    p = cli.parser(PROG,
                    "COCO-style AP of a detector run's newest checkpoint (appendix protocol). "
                    "Recipe overrides: --config.KEY=VALUE (repeatable), as launch/train.py.")
     p.add_argument("--workdir", required=True,
@@ -71,7 +73,10 @@ def run(args):
         raise FileNotFoundError(f"--workdir {args.workdir} does not exist: pass a detector run "
                                 "(launch/train.py --config configs/detection.py --workdir DIR)")
     config = load_config(args.config) if args.config else run_config(args.workdir)
-    apply_overrides(config, args.overrides)
+    try:
+        apply_overrides(config, args.overrides)
+    except (KeyError, ValueError) as e:  # a usage error: the launcher's form of it
+        raise ValueError(f"{cli.message(e)} (see {PROG} --help)") from None
     task = tasks.of(config)
     if task.name != "detection":
         raise ValueError(f"{args.workdir} is a {task.name} run, not a detector's: evaluate it "
@@ -88,12 +93,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's INFO lines
     try:
         evaluated = run(args)
-    except (ValueError, FileNotFoundError, KeyError, ImportError) as e:
-        if args.verbose:
-            raise
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}",
-              file=sys.stderr)
-        return 2
+    except (*cli.USER_ERRORS, ImportError) as e:
+        return cli.fail(e, args.verbose)
     print(f"{evaluated.table}\n\nresults: {evaluated.path}")
     return 0
 

@@ -281,10 +281,22 @@ ENCODERS: dict[str, Callable[[], Encoder]] = {}
 ENCODER_MODULES = {"planted-colours": "sclaro_jax.eval.retrieval.synthetic"}
 
 
+def _source(obj) -> str | None:
+    import inspect
+    try:
+        return inspect.getsourcefile(obj)
+    except TypeError:
+        return None
+
+
 def register_encoder(name: str) -> Callable:
-    """Decorator: make a no-argument `Encoder` factory (e.g. the class) loadable by `name`."""
+    """Decorator: make a no-argument `Encoder` factory (e.g. the class) loadable by `name`.
+    The same factory again (its module run as `python -m` after an import by name) replaces
+    the first; another factory under a taken name is a ValueError."""
     def wrap(factory):
-        if name in ENCODERS:
+        old = ENCODERS.get(name)
+        if old is not None and (getattr(old, "__qualname__", None), _source(old)) != (
+                getattr(factory, "__qualname__", None), _source(factory)):
             raise ValueError(f"an encoder named {name!r} is registered already")
         ENCODERS[name] = factory
         return factory

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -102,8 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="matrix entries above which --stream auto streams")
     m.add_argument("--chunk", type=int, default=65536, help="gallery chunk when streaming")
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="rocs_results", help="folder for results.json / results.md")
-    o.add_argument("--cache-dir", default=None,
+    o.add_argument("--out", default="rocs_results", type=cli.writable,
+                   help="folder for results.json / results.md")
+    o.add_argument("--cache-dir", default=None, type=cli.writable,
                    help="embedding cache (default: OUT/cache); reruns reuse it")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -143,9 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         encoder = enc_lib.load_encoder(args.model, level=args.level, teacher=args.teacher,
                                        batch_size=args.batch_size, step=args.step,
                                        dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except cli.USER_ERRORS as e:
+        return cli.fail(e)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cache = Path(args.cache_dir) if args.cache_dir else out / "cache"

@@ -275,7 +275,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="at most this many object embeddings in the t-SNE figure")
     p.add_argument("--no-cost", action="store_true", help="skip the parameter / FLOPs table")
     p.add_argument("--batch-size", type=int, default=32, help="examples per encoder call")
-    p.add_argument("--out", help="output folder (default: FIRST_WORKDIR/eval)")
+    p.add_argument("--out", type=cli.writable, help="output folder (default: FIRST_WORKDIR/eval)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -324,9 +324,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = args.out or os.path.join(next(iter(workdirs.values())), "eval")
     try:
         evaluate_workdirs(workdirs, out, settings, data=args.data, config=args.config)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except cli.USER_ERRORS as e:
+        return cli.fail(e)
     print((Path(out) / "eval.md").read_text())
     print(f"wrote {out}/eval.json, {out}/eval.md and {out}/figures/")
     return 0

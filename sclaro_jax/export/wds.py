@@ -50,7 +50,7 @@ from tqdm.auto import tqdm
 
 from sclaro_jax import cli
 from sclaro_jax.data import schema
-from sclaro_jax.data.dataset import DatasetError, open_dataset
+from sclaro_jax.data.dataset import open_dataset
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval")
 MAX_SHARD = 1000  # images a shard at most, by default
@@ -264,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
         "CLIP_benchmark: python -m data_prep.clip_benchmark eval --help.")
     p.add_argument("--data", required=True, help="SCLARO dataset folder (its manifest.json)")
     p.add_argument("--split", default="test", help="split to write")
-    p.add_argument("--out", required=True, help="output folder, new or empty")
+    p.add_argument("--out", required=True, type=cli.writable, help="output folder, new or empty")
     p.add_argument("--task", default="zeroshot_classification", choices=TASKS,
                    help="classification: images + action labels, classnames.txt, the '{c}' "
                         "template; retrieval: images + captions")
@@ -284,9 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = write_wds(args.data, args.split, args.out, task=args.task,
                             shard_size=args.shard_size, originals=args.originals,
                             progress=not args.no_progress)
-    except (WdsError, DatasetError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except cli.USER_ERRORS as e:  # WdsError and DatasetError are ValueErrors
+        return cli.fail(e)
     skipped = f" ({summary['skipped']} left out)" if summary["skipped"] else ""
     name = os.path.basename(os.path.normpath(args.out))
     print(f"wrote {summary['images']} images of {args.split}{skipped} in {summary['shards']} "

@@ -16,13 +16,12 @@ loads with the model code it carries (`AutoModel.from_pretrained(OUT, trust_remo
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from sclaro_jax.checkpoint import DamagedRunError, load_checkpoint
+from sclaro_jax import cli
+from sclaro_jax.checkpoint import load_checkpoint
 from sclaro_jax.export.hf import FORMATS, export_clip, export_level
-from sclaro_jax.models import clip
 from sclaro_jax.models.scenarioclip import LEVELS
 
 OPEN_CLIP_LEVEL_REFUSAL = (
@@ -36,38 +35,20 @@ class UsageError(ValueError):
     """A command-line mistake the message says how to fix."""
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not the usage block
-        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
-
-
 def check_out(out: str) -> None:
-    """Refuse an --out that holds files or cannot be written, before any work (UsageError)."""
-    if os.path.exists(out):
-        if not os.path.isdir(out):
-            raise UsageError(f"--out {out} is a file: pass a new or empty folder")
-        if os.listdir(out):
-            raise UsageError(f"--out {out} is not empty: pass a new or empty folder (an export "
-                             "never overwrites files)")
-        target = out
-    else:
-        target = os.path.dirname(os.path.abspath(out))
-        while not os.path.exists(target):
-            target = os.path.dirname(target)
-        if not os.path.isdir(target):
-            raise UsageError(f"--out {out}: {target} is a file, so the folder cannot be "
-                             "made; pass another path")
-    if not os.access(target, os.W_OK | os.X_OK):
-        raise UsageError(f"--out {out}: cannot write in {target} (permission denied); pass a "
-                         "folder you can write")
+    """Refuse an --out that holds files, before any work (UsageError); `cli.writable`, its
+    parse-time type, refuses one that cannot be written."""
+    if os.path.isdir(out) and os.listdir(out):
+        raise UsageError(f"--out {out} is not empty: pass a new or empty folder (an export "
+                         "never overwrites files)")
 
 
 def main(argv=None) -> int:
-    """The command line. User errors print one `error: ...` line and exit 2 (arguments,
-    --out, a damaged or missing checkpoint: `checkpoint.check_run`) or 1 (workdir, a CLIP
-    checkpoint); --verbose shows their traceback instead."""
-    parser = _Parser(prog="python -m sclaro_jax.train.export",
-                     description=__doc__.split("\n\n")[0])
+    """The command line (the conventions of `sclaro_jax.cli`). User errors (arguments, --out,
+    a damaged or missing checkpoint: `checkpoint.check_run`, a missing workdir, a CLIP
+    checkpoint that cannot be read) print one `error: ...` line and exit 2; --verbose shows
+    their traceback too."""
+    parser = cli.parser("python -m sclaro_jax.train.export", __doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--workdir", help="a training workdir (export one level: --level)")
     source.add_argument("--model", help="a plain CLIP to export instead: a Hugging Face "
@@ -77,7 +58,8 @@ def main(argv=None) -> int:
     parser.add_argument("--format", choices=FORMATS, default="hf",
                         help="hf: a Hugging Face CLIPModel folder (default); open_clip: an "
                         "open_clip hub folder (--model only)")
-    parser.add_argument("--out", required=True, help="output folder (new or empty)")
+    parser.add_argument("--out", required=True, type=cli.writable,
+                        help="output folder (new or empty)")
     parser.add_argument("--step", type=int, default=None,
                         help="checkpoint step (default: the newest)")
     parser.add_argument("--teacher", action="store_true", help="export the EMA teacher")
@@ -99,11 +81,8 @@ def main(argv=None) -> int:
         check_out(args.out)
         model, step = load_checkpoint(args.workdir, args.step, teacher=args.teacher)
         export_level(model, args.level, args.out)
-    except (UsageError, DamagedRunError, FileNotFoundError, clip.CheckpointError) as e:
-        if args.verbose:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, (UsageError, DamagedRunError)) else 1
+    except cli.USER_ERRORS as e:  # DamagedRunError and clip.CheckpointError are ValueErrors
+        return cli.fail(e, args.verbose)
     print(f"wrote the {args.level} level of step {step} to {args.out}")
     return 0
 

@@ -156,15 +156,22 @@ def _parser() -> cli.ArgumentParser:
     parser = cli.parser(
         "python -m sclaro_jax.eval.retrieval.synthetic",
         "Write the planted-colours retrieval benchmark (COCO captions JSON + PNGs).")
-    parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument("--out", required=True, type=cli.writable, help="output folder")
     parser.add_argument("--num-images", type=int, default=56, help="images to write")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
     return parser
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
-    path = make_planted_split(args.out, num_images=args.num_images, seed=args.seed)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.num_images < 2:
+        parser.error(f"argument --num-images: {args.num_images} is fewer than 2 (one flag "
+                     "image and one decoy)")
+    try:
+        path = make_planted_split(args.out, num_images=args.num_images, seed=args.seed)
+    except cli.USER_ERRORS as e:
+        return cli.fail(e)
     print(f"wrote {path}")
     return 0
 
