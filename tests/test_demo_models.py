@@ -7,12 +7,14 @@ import contextlib
 import io
 import json
 import shlex
+from pathlib import Path
 
 import pytest
 
 from data_prep.__main__ import main
 
 PHOTOS = 2
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _run(argv) -> tuple[int, str, str]:
@@ -60,3 +62,9 @@ def test_an_existing_folder_is_refused_without_overwrite(written):
     assert sorted(p.name for p in folder.iterdir()) == sorted(before + ["notes.txt"])
     assert (folder / "notes.txt").read_text() == "mine"
 
+
+def test_readme_shows_the_command_that_demo_models_prints():
+    from data_prep.demo_models import annotate_command
+    text = README.read_text(encoding="utf-8").replace("\\\n", " ")
+    shown = [shlex.split(line) for line in text.splitlines() if "--sam-type tiny" in line]
+    assert shown == [shlex.split(annotate_command("/tmp/models"))]
