@@ -1,5 +1,6 @@
 """`python -m data_prep`: the annotation pipeline's command line. Each sub-command's flags and
-run live beside its code: `data_prep.cli` (demo, reshard) and each wing's `cli` module.
+run live beside its code: `data_prep.cli` (demo, demo-models, reshard) and each wing's `cli`
+module.
 
 The conventions of `sclaro_jax.cli`: flags with hyphens (the underscore spelling is a hidden
 alias), a usage error is one `error: ... (see PROG --help)` line (exit 2), and any other user
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="SCLARO annotation pipeline: annotate images, curate labels, write shards.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli.add_demo(sub)
+    cli.add_demo_models(sub)
     annotate_cli.add_parser(sub)
     curate_cli.add_parser(sub)
     cli.add_reshard(sub)

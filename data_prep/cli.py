@@ -1,6 +1,7 @@
-"""The command-line plumbing the sub-commands of `python -m data_prep` share, and the two
-commands of the shared level: `demo` (the bundled demo dataset) and `reshard` (training views of
-another size). Each wing's own sub-command lives in its `cli` module."""
+"""The command-line plumbing the sub-commands of `python -m data_prep` share, and the three
+commands of the shared level: `demo` (the bundled demo dataset), `demo-models` (what `annotate`
+needs to run on a CPU) and `reshard` (training views of another size). Each wing's own
+sub-command lives in its `cli` module."""
 
 import argparse
 import os
@@ -83,6 +84,35 @@ def run_demo(args) -> int:
     splits = ", ".join(f"{k} {v['records']}" for k, v in manifest["splits"].items())
     print(f"wrote {manifest['records']} records ({describe(manifest)}) to {args.out} "
           f"({splits}); relation regions from box masks standing in for SAM masks")
+    return 0
+
+
+def add_demo_models(sub) -> None:
+    """`demo-models`: tiny random models, demo photographs and VLM replies for `annotate`."""
+    dm = command(sub, "demo-models", run_demo_models, run_demo_models.__doc__)
+    dm.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    dm.add_argument("--photos", type=int, default=6, metavar="N",
+                    help="how many photographs of the bundled demo to copy, in its order "
+                         "(default 6; it has 14)")
+    dm.add_argument("--overwrite", action="store_true",
+                    help="replace the models, photographs and replies already in --out")
+    write_flags(dm, overwrite=False)
+
+
+def run_demo_models(args) -> int:
+    """`python -m data_prep demo-models`: write tiny random models, demo photographs and VLM
+    replies to try `annotate` on a CPU without any download.
+
+    Writes DIR/grounding-dino (a tiny random GroundingDINO with its processor, save_pretrained
+    layout), DIR/sam_tiny.pth (a tiny random SAM: --sam-type tiny), DIR/photos (real photographs
+    of the bundled demo) and DIR/replies.json (--vlm-replies, written from the demo's
+    hand-written annotations), then prints the annotate command that runs on them. The models
+    are random: their boxes and masks mean nothing. For trying the pipeline, not for making data.
+    """
+    from data_prep.demo_models import report, write_demo_models
+    print(report(args.out, write_demo_models(args.out, photos=args.photos,
+                                             overwrite=args.overwrite,
+                                             progress=not args.no_progress)))
     return 0
 
 

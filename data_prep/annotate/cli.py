@@ -50,7 +50,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="local folder of a GroundingDINO model and processor "
                           "(save_pretrained layout, e.g. grounding-dino-base)")
     ann.add_argument("--sam", default="", help="SAM checkpoint file (e.g. sam_vit_h_4b8939.pth)")
-    ann.add_argument("--sam-type", default="vit_h", help="SAM variant: vit_h, vit_l, vit_b")
+    ann.add_argument("--sam-type", default="vit_h",
+                     help="SAM variant of --sam: vit_h (default), vit_l, vit_b, or tiny: the "
+                          "small random SAM that `python -m data_prep demo-models` writes (with "
+                          "the other models and photographs to try annotate on a CPU)")
     ann.add_argument("--device", default="", help="cuda or cpu (default: cuda if available)")
     ann.add_argument("--batch-size", type=int, default=8,
                      help="images per block: the unit each stage works on, caches and resumes "
