@@ -90,7 +90,8 @@ def run_demo(args) -> int:
 def add_demo_models(sub) -> None:
     """`demo-models`: tiny random models, demo photographs and VLM replies for `annotate`."""
     dm = command(sub, "demo-models", run_demo_models, run_demo_models.__doc__)
-    dm.add_argument("--out", required=True, metavar="DIR", help="the folder to write")
+    dm.add_argument("--out", required=True, metavar="DIR", type=writable,
+                    help="the folder to write")
     dm.add_argument("--photos", type=int, default=6, metavar="N",
                     help="how many photographs of the bundled demo to copy, in its order "
                          "(default 6; it has 14)")

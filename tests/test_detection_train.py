@@ -133,7 +133,11 @@ def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
 
 @pytest.mark.parametrize("argv, message", [
     (["--workdir", "/nonexistent/run"], "--workdir /nonexistent/run does not exist"),
-    (["--config", "detection:demo", "--config.epochz=3"], "unknown key 'epochz'"),
+    (["--config", "detection:demo", "--config.epochz=3"],
+     "unknown config key 'epochz' (in --config.epochz=3); did you mean epochs? (see python -m "
+     "sclaro_jax.eval.detect --help)"),
+    (["--config", "detection:demo", "--config.epochs=x"],
+     "--config.epochs=x: config.epochs takes int values (the recipe's is"),
     (["--config", "detection:demo", "--config.epochs"], "expected KEY=VALUE"),
     (["--config", "nosuch"], "config file not found: nosuch"),
     (["--config", "detection:demo", "--config.input_resize=crop"], "unknown resize mode 'crop'"),

@@ -296,6 +296,12 @@ FAULTS = {
                     "{missing}/sam.pth"),
         "unwritable": ("annotate", "--root", "{tmp}", "--out", "/proc/sclaro/ds"),
     },
+    ("module", "data_prep", ("demo-models",)): {
+        "typo": ("demo-models", "--outt", "{tmp}/models"),
+        "type": ("demo-models", "--out", "{tmp}/models", "--photos", "x"),
+        "missing": None,  # writes from the bundled demo
+        "unwritable": ("demo-models", "--out", "/proc/sclaro/models"),
+    },
     ("module", "data_prep", ("curate",)): {
         "typo": ("curate", "--dta", "{tmp}", "--out", "{tmp}/cur"),
         "type": ("curate", "--data", "{tmp}", "--out", "{tmp}/cur", "--min-samples", "x"),

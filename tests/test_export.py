@@ -339,7 +339,7 @@ def test_export_cli_user_errors_are_one_line_naming_the_fix(scenario_workdir, tm
          "folder (see python -m sclaro_jax.train.export --help)"),
         (["--workdir", work, "--level", "objects", "--out", out], 2,
          "error: argument --level: invalid choice: 'objects' (choose from 'global', 'object', "
-         "'relation') (see python -m sclaro_jax.train.export --help)"),
+         "'relation') (did you mean object?) (see python -m sclaro_jax.train.export --help)"),
     ]
     for argv, want_code, want in cases:
         code, stdout, err = _export_cli(capsys, *argv)
