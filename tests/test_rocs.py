@@ -1,6 +1,7 @@
 """ROCS / MINER evaluation: split loaders, the embedding cache, encoders and the CLI end to end."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -241,8 +242,14 @@ def test_planted_benchmark_miner_beats_global(tmp_path, capsys):
                       "--out", str(out), "--no_progress"])
     assert code == 0
     res = json.loads((out / "results.json").read_text())["results"]["planted"]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "| MINER |" in printed and (out / "results.md").exists()
+    # the CSLS kernels' wait is announced before it and timed after, compiled or cached
+    notes = [line for line in captured.err.splitlines() if line.startswith("CSLS kernels")]
+    assert len(notes) == 2 and notes[0].endswith("...") and notes[1].endswith(" s)"), notes
+    assert re.search(r"(compiled and cached in \S+|loaded from numba's cache) \(\d+\.\d s\)$",
+                     notes[1]), notes
     # global pooling prefers the decoys; the crop view recovers the small flag
     assert res["Global+crops"]["R@1"] > res["Global"]["R@1"] + 30
     assert res["MINER"]["R@1"] > res["Global"]["R@1"] + 30

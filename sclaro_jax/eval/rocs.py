@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Sequence
@@ -121,6 +122,23 @@ def _bank_texts(spec: str, args) -> list[str]:
     return data_lib.load_split(spec, image_root=args.image_root).queries
 
 
+def _prepare_csls(settings: Settings) -> None:
+    """On a CPU, CSLS runs numba kernels that are compiled once per machine (10-20 s, then
+    cached on disk): said before the wait, and timed."""
+    import jax
+
+    from sclaro_jax.miner import _cpu_csls, kernels
+
+    if settings.rescore not in ("csls", "csls-bank", "shortlist") or not kernels.CPU_KERNEL \
+            or jax.default_backend() != "cpu":
+        return
+    print("CSLS kernels (numba): loading them, or on this machine's first run compiling them "
+          "(about 20 s, once: cached) ...", file=sys.stderr, flush=True)
+    seconds, compiled, cache = _cpu_csls.prepare()
+    how = f"compiled and cached in {cache}" if compiled else "loaded from numba's cache"
+    print(f"CSLS kernels: {how} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -151,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     bank = None
     if args.bank:
         bank = encoder.encode_texts(_bank_texts(args.bank, args))
+    _prepare_csls(settings)
     results, info = {}, {}
     for split in splits:
         t0 = time.perf_counter()

@@ -23,10 +23,14 @@ not matter: a mean of the k largest values is the same whichever tied element is
 scores are not supported (a NaN never enters a list).
 
 numba compiles the kernels on first use and caches them next to this file (or in numba's
-per-user cache where that folder is read-only): a few seconds once per machine.
+per-user cache where that folder is read-only): 10-20 s once per machine (and per numba
+version), then a fraction of a second to load. `prepare` does it up front and says which
+happened, so a command can announce the wait and time it.
 """
 
 from __future__ import annotations
+
+import time
 
 import jax
 import jax.numpy as jnp
@@ -252,6 +256,21 @@ def combine(s: np.ndarray, r_q: np.ndarray, r_i: np.ndarray, out: np.ndarray) ->
     else:
         raise ValueError("combine needs s and out both C- or both Fortran-contiguous")
     return out
+
+
+def prepare() -> tuple[float, bool, str | None]:
+    """Have the kernels ready for what `kernels.csls` passes them (a read-only view of a CPU
+    jax array's float32 buffer, C order; numba compiles a variant per array type): loaded from
+    numba's on-disk cache, or compiled (and cached) where there is none. Returns (seconds,
+    whether any kernel was compiled, the cache folder)."""
+    start = time.perf_counter()
+    s = np.zeros((4, 8), np.float32)
+    s.setflags(write=False)
+    r_q, r_i = topk_means(s, 2)
+    combine(s, r_q, r_i, np.empty(s.shape, np.float32))
+    kernels = (_topk_means, _merged_means, _combine)
+    compiled = any(sum(f.stats.cache_misses.values()) for f in kernels)
+    return time.perf_counter() - start, compiled, _topk_means.stats.cache_path
 
 
 def aligned_empty(shape: tuple[int, ...], alignment: int = 64) -> np.ndarray:
