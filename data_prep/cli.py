@@ -49,6 +49,16 @@ def write_flags(parser: argparse.ArgumentParser, *, overwrite: bool = True) -> N
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
+def quiet_model_bars() -> None:
+    """No progress bars from transformers or huggingface_hub (loading weights, writing shards):
+    what --no-progress means for a command that loads models."""
+    import huggingface_hub.utils
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
+
+
 def describe(manifest: dict) -> str:
     """'schema version 2, 224 px views, originals kept' and the like."""
     if manifest["schema_version"] == 1:
@@ -61,13 +71,12 @@ def add_demo(sub) -> None:
     """`demo`: the bundled demo dataset as shards."""
     demo = command(sub, "demo", run_demo, run_demo.__doc__)
     demo.add_argument("--out", required=True, type=writable, help="output folder")
-    demo.add_argument("--overwrite", action="store_true",
-                      help="replace a dataset already in --out")
     demo.add_argument("--split-seed", type=int, default=42,
                       help="seed of the deterministic 70/10/20 split (default 42)")
     demo.add_argument("--records-per-shard", type=int, default=4,
                       help="records per ArrayRecord shard (default 4, so the demo has several)")
     view_flags(demo, keep_default=True)
+    write_flags(demo)
 
 
 def run_demo(args) -> int:
@@ -80,7 +89,7 @@ def run_demo(args) -> int:
     from data_prep.demo import build_demo
     manifest = build_demo(args.out, overwrite=args.overwrite, split_seed=args.split_seed,
                           records_per_shard=args.records_per_shard, image_size=args.image_size,
-                          keep_originals=args.keep_originals)
+                          keep_originals=args.keep_originals, progress=not args.no_progress)
     splits = ", ".join(f"{k} {v['records']}" for k, v in manifest["splits"].items())
     print(f"wrote {manifest['records']} records ({describe(manifest)}) to {args.out} "
           f"({splits}); relation regions from box masks standing in for SAM masks")

@@ -46,11 +46,13 @@ def test_quickstart_notebook_runs_top_to_bottom_with_only_the_demo_extra(tmp_pat
     report = tmp_path / "imports.json"
     kernel = demo_extra_kernel(tmp_path / "jupyter", report)
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
-    # started in a folder of its own, not the checkout: the notebook finds its recipes by name
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
+    # started in `/`, far from the checkout: the notebook finds its code, recipes (by name)
+    # and files from any working directory, and writes nothing there
+    elsewhere = Path("/")
+    before = set(os.listdir(elsewhere))
     NotebookClient(nb, timeout=900, kernel_name=kernel,
                    resources={"metadata": {"path": str(elsewhere)}}).execute()
+    assert set(os.listdir(elsewhere)) == before
     outputs = {i: "".join(o.get("text", "") for o in c.get("outputs", []))
                for i, c in enumerate(nb.cells) if c.cell_type == "code"}
     text = "\n".join(outputs.values())

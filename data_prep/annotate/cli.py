@@ -144,6 +144,9 @@ def run(args) -> int:
         vlm_gpus=args.vlm_gpus, detector_gpus=args.detector_gpus, sam_gpus=args.sam_gpus,
         stage_cpus=args.stage_cpus, retries=args.retries,
         stage_concurrency=tuple(parse_concurrency(args.stage_concurrency).items()))
+    if args.no_progress:  # transformers' and the hub's own bars too ("Loading weights")
+        from data_prep.cli import quiet_model_bars
+        quiet_model_bars()
     summary = annotate(cfg)
     print(format_summary(summary))
     print(f"wrote {summary['records']} records to {args.out}; caches and summary.json in "
