@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from sclaro_jax.data.dataset import open_dataset
-from sclaro_jax.export import wds
+from sclaro_jax.export import photo_size, wds
 
 ROOT = Path(__file__).resolve().parents[1]
 SPLIT = "train"  # the demo's largest split (10 images, 12 actions)
@@ -102,7 +102,7 @@ def test_transform_tokenizer_and_model_give_our_views_ids_and_embeddings(folders
     for record, sample in zip(got, ours["samples"]):
         img = record["jpg"]
         # the stored train_image is a downscale: the tag carries the photograph's size
-        assert wds.photo_size_of(img) == (sample.width, sample.height)
+        assert photo_size.photo_size_of(img) == (sample.width, sample.height)
         view = pipeline.sample_views(sample, config)[2]["image"]
         mine = transform.pixels(img)
         # our evaluator decodes with simplejpeg, webdataset with PIL: one grey level at most
