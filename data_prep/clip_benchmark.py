@@ -22,6 +22,14 @@ This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag
   arithmetic);
 - our tokenizer (`sclaro_jax.data.tokenizer.ClipTokenizer`) at the export's context length.
 
+It runs from a checkout in a PyTorch venv without this project's dependencies (docs/exports.md:
+`pip install -c constraints.txt torch transformers open_clip_torch clip-benchmark requests`;
+clip-benchmark imports `requests` without declaring it), as `python -m data_prep.clip_benchmark`
+in the checkout's root: of `sclaro_jax` it imports only `data.augment`, `export.photo_size`
+and `data.tokenizer` (numpy, PIL, and transformers' `tokenizers`). The export and the
+webdataset are written in the project's venv. tests/test_clip_benchmark.py runs this command
+line with every other installed distribution hidden.
+
 Pass `--no_amp` for our numbers: clip_benchmark's default mixed precision runs the towers and
 the scores in bfloat16 on a CPU (float16 on a GPU). Without `--output`, the result file is named
 after the export folder's name (clip_benchmark's default template would put its whole path in
