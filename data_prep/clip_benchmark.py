@@ -17,9 +17,18 @@ This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag
   the heads, `sclaro_jax.export.hf`);
 - our evaluation view as the transform: `sclaro_jax.data.augment.resize_centre_crop` (bicubic
   short-side resize + centre crop, at the export's crop size; from the photograph's box when the
-  image is a tagged downscale, `sclaro_jax.export.wds.photo_size_of`) and CLIP's normalisation
-  (the export's preprocessor_config.json mean / std, `sclaro_jax.ops.normalize`'s arithmetic);
+  image is a tagged downscale, `sclaro_jax.export.photo_size.photo_size_of`) and CLIP's
+  normalisation (the export's preprocessor_config.json mean / std, `sclaro_jax.ops.normalize`'s
+  arithmetic);
 - our tokenizer (`sclaro_jax.data.tokenizer.ClipTokenizer`) at the export's context length.
+
+It runs from a checkout in a PyTorch venv without this project's dependencies (docs/exports.md:
+`pip install -c constraints.txt torch transformers open_clip_torch clip-benchmark requests`;
+clip-benchmark imports `requests` without declaring it), as `python -m data_prep.clip_benchmark`
+in the checkout's root: of `sclaro_jax` it imports only `data.augment`, `export.photo_size`
+and `data.tokenizer` (numpy, PIL, and transformers' `tokenizers`). The export and the
+webdataset are written in the project's venv. tests/test_clip_benchmark.py runs this command
+line with every other installed distribution hidden.
 
 Pass `--no_amp` for our numbers: clip_benchmark's default mixed precision runs the towers and
 the scores in bfloat16 on a CPU (float16 on a GPU). Without `--output`, the result file is named
@@ -108,7 +117,7 @@ class SclaroClip(torch.nn.Module):
 
 class EvalView:
     """PIL image -> float32 [3, S, S]: our evaluation view (`augment.resize_centre_crop`, from
-    the photograph's box when the image carries `wds.photo_size_of`'s tag) normalised as
+    the photograph's box when the image carries `photo_size.photo_size_of`'s tag) normalised as
     `ops.normalize` does, with the export's mean and std."""
 
     def __init__(self, size: int, mean: Sequence[float], std: Sequence[float]):
@@ -119,7 +128,7 @@ class EvalView:
     def pixels(self, img: Image.Image) -> np.ndarray:
         """The uint8 [S, S, 3] view, before normalising."""
         from sclaro_jax.data import augment
-        from sclaro_jax.export.wds import photo_size_of
+        from sclaro_jax.export.photo_size import photo_size_of
 
         photo = photo_size_of(img)
         return np.asarray(augment.resize_centre_crop(img.convert("RGB"), self.size, photo))

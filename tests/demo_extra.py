@@ -1,13 +1,16 @@
 """What a fresh `pip install -e ".[demo]"` venv would hold, and a child process that sees only
-that: shared by tests/test_install.py (the demo run) and tests/test_notebook.py (the notebook).
+that: shared by tests/test_install.py (the demo run) and tests/test_notebook.py (the notebook);
+tests/test_clip_benchmark.py runs the CLIP_benchmark loader the same way in a PyTorch client's
+venv (the packages docs/exports.md installs, no project dependency).
 
 `closure(extras, project, also)` walks the requirements of the core dependencies, the extras
 and `also` (e.g. the notebook runner's ipykernel) through the installed distributions'
 metadata. `HOOK` is the source of a child's `python -c` that hides every installed top-level
 module whose distributions all lie outside a given set, then runs a script (`PATH args...`)
 or a module (`-m NAME args...`) as `__main__`: an import of a hidden package raises
-ModuleNotFoundError, so optional imports (tensorboardX's `import torch`, scikit-learn's
-pandas) take their fallback and required ones fail the run.
+ModuleNotFoundError (and `importlib.util.find_spec` finds nothing), so optional imports
+(tensorboardX's `import torch`, scikit-learn's pandas, torch's probes) take their fallback and
+required ones fail the run.
 """
 
 from __future__ import annotations
@@ -95,18 +98,33 @@ local = {"sclaro_jax", "data_prep", "configs", "launch"}
 tops = {top: {canonicalize_name(d) for d in dists}
         for top, dists in metadata.packages_distributions().items()}
 hidden_tops = {t for t, d in tops.items() if not d & allowed} - local - set(sys.stdlib_module_names)
+visible = allowed | {d for t in local for d in tops.get(t, ())}  # distributions' metadata
 hidden, before = [], set(sys.modules)  # before: the interpreter's start-up (site, .pth files)
-class Hide:
+class Hide:  # start-up's finders, blind to hidden modules and metadata, as if not installed
+    def __init__(self, finders):
+        self.finders = finders
     def find_spec(self, name, path=None, target=None):
-        top = name.partition(".")[0]
-        if top in hidden_tops:
+        if name.partition(".")[0] in hidden_tops:
             hidden.append(name)
-            raise ModuleNotFoundError(f"No module named {name!r} (outside the demo extra)",
-                                      name=name)
+            return None  # importlib.util.find_spec -> None; import -> ModuleNotFoundError
+        for finder in self.finders:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                return spec
         return None
-sys.meta_path.insert(0, Hide())
-for name in ("torch", "transformers"):
-    if name in tops:  # installed here: the hook must make it look absent
+    def find_distributions(self, *args, **kwargs):  # importlib.metadata: hidden ones absent
+        for finder in self.finders:
+            find = getattr(finder, "find_distributions", None)
+            for dist in find(*args, **kwargs) if find else ():
+                if canonicalize_name(dist.metadata["Name"] or "") in visible:
+                    yield dist
+    def invalidate_caches(self):
+        for finder in self.finders:
+            getattr(finder, "invalidate_caches", lambda: None)()
+sys.meta_path[:] = [Hide(list(sys.meta_path))]
+for name in ("torch", "transformers", "jax"):
+    if name in tops and not tops[name] & allowed:  # installed here: must look absent
         try:
             __import__(name)
             raise SystemExit(f"hook failed to hide {name}")

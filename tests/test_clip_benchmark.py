@@ -3,7 +3,8 @@
 (`data_prep.clip_benchmark`) gives our evaluator's views, ids and embeddings; clip_benchmark's
 command line on an exported level reproduces the zero-shot action accuracy our own evaluator
 computes with the JAX model on the same images, classes and template, and our retrieval
-recall."""
+recall. That command line runs as in a PyTorch client's venv: every installed distribution
+outside docs/exports.md's client pip line (and its requirements) hidden, JAX included."""
 
 import json
 import os
@@ -15,10 +16,14 @@ import numpy as np
 import pytest
 import torch
 
+from demo_extra import HOOK, closure
 from sclaro_jax.data.dataset import open_dataset
-from sclaro_jax.export import wds
+from sclaro_jax.export import photo_size, wds
 
 ROOT = Path(__file__).resolve().parents[1]
+# what the client venv must not hold: JAX and the project's other dependencies
+PROJECT_ONLY = {"jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "array-record",
+                "msgpack", "ml-collections", "dm-pix", "simplejpeg", "numba", "tensorboardx"}
 SPLIT = "train"  # the demo's largest split (10 images, 12 actions)
 # A seed whose random tiny model gets some, not all, actions right on the demo's train split:
 # the accuracy comparison is informative (test_..._reproduces_... asserts 0 < top-1 < 100).
@@ -102,7 +107,7 @@ def test_transform_tokenizer_and_model_give_our_views_ids_and_embeddings(folders
     for record, sample in zip(got, ours["samples"]):
         img = record["jpg"]
         # the stored train_image is a downscale: the tag carries the photograph's size
-        assert wds.photo_size_of(img) == (sample.width, sample.height)
+        assert photo_size.photo_size_of(img) == (sample.width, sample.height)
         view = pipeline.sample_views(sample, config)[2]["image"]
         mine = transform.pixels(img)
         # our evaluator decodes with simplejpeg, webdataset with PIL: one grey level at most
@@ -123,21 +128,45 @@ def test_transform_tokenizer_and_model_give_our_views_ids_and_embeddings(folders
     np.testing.assert_allclose(text.numpy(), ours["text"], atol=1e-5)
 
 
+def client_packages() -> list[str]:
+    """The packages of docs/exports.md's client venv line (`.../pip install -c constraints.txt
+    NAME ...`)."""
+    for line in (ROOT / "docs" / "exports.md").read_text(encoding="utf-8").splitlines():
+        words = line.split()
+        if words and words[0].endswith("pip") and "clip-benchmark" in words:
+            assert words[1:4] == ["install", "-c", "constraints.txt"], line
+            return words[4:]
+    raise AssertionError("docs/exports.md shows no client venv pip line")
+
+
 def _run_cli(*argv, cwd):
+    """`python -m data_prep.clip_benchmark ARGV` with every installed distribution outside the
+    client venv's hidden (demo_extra.HOOK); (the process, its import report)."""
+    allowed, missing = closure(set(), {"dependencies": []}, client_packages())
+    assert not missing, f"not installed here, install .[test] first: {sorted(missing)}"
+    assert not allowed & PROJECT_ONLY, sorted(allowed & PROJECT_ONLY)
+    report = Path(cwd) / "client_imports.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-m", "data_prep.clip_benchmark", *map(str, argv)],
+    proc = subprocess.run([sys.executable, "-c", HOOK, json.dumps(sorted(allowed)), str(report),
+                           "-m", "data_prep.clip_benchmark", *map(str, argv)],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    seen = json.loads(report.read_text()) if report.exists() else {}
+    if seen:
+        assert set(seen["imported"]) <= allowed
+        assert not {m.partition(".")[0] for m in seen["modules"]} & {"jax", "flax", "msgpack"}
+    return proc, seen
 
 
-def test_clip_benchmark_cli_reproduces_our_zero_shot_action_accuracy(folders, ours):
+def test_clip_benchmark_cli_in_a_client_venv_reproduces_our_action_accuracy(folders, ours):
     base = folders["base"]
-    result = _run_cli("eval", "--model_type", "sclaro", "--model", "sclaro",
-                      "--pretrained", folders["export"], "--dataset", "wds/sclaro_actions",
-                      "--dataset_root", folders["actions"], "--split", SPLIT,
-                      "--task", "zeroshot_classification", "--no_amp", "--num_workers", "8",
-                      "--batch_size", "4", "--dump_classnames", "--dump_templates",
-                      "--save_clf", base / "clf.pt", "--quiet", cwd=base)
+    result, seen = _run_cli("eval", "--model_type", "sclaro", "--model", "sclaro",
+                            "--pretrained", folders["export"], "--dataset", "wds/sclaro_actions",
+                            "--dataset_root", folders["actions"], "--split", SPLIT,
+                            "--task", "zeroshot_classification", "--no_amp", "--num_workers",
+                            "8", "--batch_size", "4", "--dump_classnames", "--dump_templates",
+                            "--save_clf", base / "clf.pt", "--quiet", cwd=base)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert {"torch", "transformers", "clip-benchmark"} <= set(seen["imported"])
     # 10 images in 4 shards (a quarter each, rounded up): one loader worker per shard, not 8
     assert (folders["actions"] / SPLIT / "nshards.txt").read_text() == "4\n"
     # no --output: the file is named after the export folder, not its path

@@ -24,12 +24,12 @@ benchmark sees our evaluator's pixels: a version-2 record's stored `train_image`
 downscale of the photograph), a version-1 record's photograph. The view is
 `augment.resize_centre_crop` of it; a `train_image`'s view is taken from the box the transform
 takes from the photograph, scaled to the copy, so the JPEG gets one more comment segment
-(`sclaro-photo-size=WxH`, `PHOTO_SIZE_TAG`, the last before its scan; pixel data untouched)
-that `photo_size_of` reads back from a decoded PIL image (`data_prep.clip_benchmark`'s
-transform does; without the tag the view may shift by up to a pixel). The benchmark model's
-image size should be the dataset's view size (`view_size` in OUT/sclaro_wds.json), as our
-evaluator requires. `--originals` stores the full-size photographs instead (records written
-with originals).
+(`sclaro-photo-size=WxH`, the last before its scan; pixel data untouched;
+`sclaro_jax.export.photo_size`) that `photo_size_of` reads back from a decoded PIL image
+(`data_prep.clip_benchmark`'s transform does; without the tag the view may shift by up to a
+pixel). The benchmark model's image size should be the dataset's view size (`view_size` in
+OUT/sclaro_wds.json), as our evaluator requires. `--originals` stores the full-size
+photographs instead (records written with originals).
 
 No model and no trained run is needed; this module imports neither JAX nor torch.
 """
@@ -40,7 +40,6 @@ import argparse
 import io
 import json
 import os
-import re
 import shutil
 import sys
 import tarfile
@@ -51,13 +50,12 @@ from tqdm.auto import tqdm
 from sclaro_jax import cli
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
+from sclaro_jax.export.photo_size import tag_photo_size
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval")
 MAX_SHARD = 1000  # images a shard at most, by default
 TEMPLATE = "{c}"  # our zero-shot evaluator encodes the class string alone
 INFO_FILE = "sclaro_wds.json"
-PHOTO_SIZE_TAG = b"sclaro-photo-size="
-_TAG_RE = re.compile(rb"sclaro-photo-size=(\d+)x(\d+)")
 
 
 class WdsError(ValueError):
@@ -74,34 +72,6 @@ def image_extension(data: bytes) -> str | None:
     if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "webp"
     return None
-
-
-def tag_photo_size(jpeg: bytes, width: int, height: int) -> bytes:
-    """The JPEG with a comment segment `sclaro-photo-size=WxH` just before its scan (SOS), so
-    that it is the last comment, the one PIL keeps in `info["comment"]`; the entropy-coded
-    data, and so the pixels, unchanged. ValueError for bytes whose header does not parse."""
-    if jpeg[:2] != b"\xff\xd8":
-        raise ValueError("not a JPEG")
-    pos = 2
-    while True:
-        if pos + 4 > len(jpeg) or jpeg[pos] != 0xFF:
-            raise ValueError("a JPEG whose header segments do not parse")
-        if jpeg[pos + 1] == 0xDA:  # start of scan
-            break
-        pos += 2 + int.from_bytes(jpeg[pos + 2:pos + 4], "big")
-    body = PHOTO_SIZE_TAG + f"{int(width)}x{int(height)}".encode()
-    segment = b"\xff\xfe" + (len(body) + 2).to_bytes(2, "big") + body
-    return jpeg[:pos] + segment + jpeg[pos:]
-
-
-def photo_size_of(img) -> tuple[int, int] | None:
-    """(width, height) of the photograph a decoded PIL image is a downscaled copy of, from its
-    `tag_photo_size` comment; None for an image without one."""
-    comment = getattr(img, "info", {}).get("comment")
-    if isinstance(comment, str):
-        comment = comment.encode("latin-1", "ignore")
-    match = _TAG_RE.fullmatch(comment) if isinstance(comment, bytes) else None
-    return (int(match.group(1)), int(match.group(2))) if match else None
 
 
 def _image_bytes(sample: schema.Sample, where: str, originals: bool) -> tuple[bytes, str]:
