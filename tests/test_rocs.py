@@ -224,12 +224,21 @@ def test_cli_help_and_clear_errors(tmp_path):
 
 
 def test_named_encoders_come_from_the_encoder_registry():
-    # synthetic registers itself (encoders imports no encoder module); a name is taken once
+    # synthetic registers itself (encoders imports no encoder module); a name is taken once:
+    # another factory under it is refused, the same one again (its module run as __main__
+    # after an import by name) takes its place
     enc = encoders.load_encoder("planted-colours")
     assert type(enc) is synthetic.PlantedColourEncoder
     assert encoders.ENCODERS["planted-colours"] is synthetic.PlantedColourEncoder
+
+    class Other(synthetic.PlantedColourEncoder):
+        pass
+
     with pytest.raises(ValueError, match="registered already"):
-        encoders.register_encoder("planted-colours")(synthetic.PlantedColourEncoder)
+        encoders.register_encoder("planted-colours")(Other)
+    assert encoders.register_encoder("planted-colours")(
+        synthetic.PlantedColourEncoder) is synthetic.PlantedColourEncoder
+    assert encoders.ENCODERS["planted-colours"] is synthetic.PlantedColourEncoder
     emb = enc.encode_texts(["a red and blue flag", "nothing"])
     np.testing.assert_allclose(np.linalg.norm(emb, axis=-1), 1.0, rtol=1e-6)
     assert emb[0, synthetic.NAMES.index("red")] == emb[0, synthetic.NAMES.index("blue")] > 0

@@ -395,7 +395,12 @@ def test_help_lists_the_configs_and_their_variants():
     for spec in ("scenarioclip:demo", "pyramidclip", "scenarioclip_nokd:demo", "detection:demo"):
         assert spec in listed, result.stdout  # the recipes by name, each variant on its line
     assert "configs/NAME.py[:VARIANT]" in result.stdout  # and by file
-    assert "allow_config_change" in result.stdout and "verify_data" in result.stdout
+    # the flags as every command spells them: hyphens, `--[no-]` for a switch
+    for flag in ("--[no-]allow-config-change", "--[no-]verify-data", "--[no-]progress",
+                 "--[no-]eval", "--workdir"):
+        assert f"\n  {flag}" in result.stdout, result.stdout
+    assert "_" not in "".join(line.partition(":")[0] for line in
+                              result.stdout.split("Flags:\n", 1)[1].splitlines())
 
 
 def test_an_allowed_new_length_says_what_happens_to_the_learning_rate(demo_dir, caplog):
