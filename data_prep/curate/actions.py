@@ -13,7 +13,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
-from data_prep.curate.text import STOPWORDS, MissingNLTKData, fold_plurals, normalise_text
+from data_prep.curate.text import STOPWORDS, fold_plurals, normalise_text
+from data_prep.nltk_data import WORDNET_INSTALL, WORDNET_RESOURCE, require_nltk
 
 
 def load_action_map(path: str | Path) -> dict[str, str]:
@@ -69,8 +70,6 @@ def canonical_action(raw: str, action_map: Mapping[str, str], *,
     return action_map.get(text, text)
 
 
-WORDNET_RESOURCE = "corpora/wordnet"
-WORDNET_INSTALL = "python -m nltk.downloader wordnet"
 LEMMATIZERS = ("wordnet", "porter", "none")
 
 
@@ -86,23 +85,13 @@ def require_lemmatizer(kind: str = "wordnet") -> Callable[[str], str] | None:
         raise ValueError(f"action lemmatiser {kind!r} is not one of {LEMMATIZERS}")
     if kind == "none":
         return None
-    try:
-        import nltk
-    except ImportError as e:
-        raise MissingNLTKData(f"the {kind} action lemmatiser needs nltk: pip install nltk"
-                              ) from e
     if kind == "porter":
+        require_nltk(f"the {kind} action lemmatiser")
         from nltk.stem import PorterStemmer
         return PorterStemmer().stem
-    try:
-        nltk.data.find(WORDNET_RESOURCE)
-    except LookupError:
-        raise MissingNLTKData(
-            f"action candidates lemmatise words with NLTK's WordNet lemmatiser (nltk "
-            f"{nltk.__version__}), which needs the resource {WORDNET_RESOURCE!r}; it is not in "
-            f"any NLTK data folder ({', '.join(map(str, nltk.data.path))}). Install it with:\n"
-            f"    {WORDNET_INSTALL}\nor point NLTK_DATA at a folder that holds it, or pass "
-            "--action-lemmatizer porter (rules, no data) or none") from None
+    require_nltk("action candidates lemmatise words with NLTK's WordNet lemmatiser, which",
+                 {WORDNET_RESOURCE: WORDNET_INSTALL},
+                 ", or pass --action-lemmatizer porter (rules, no data) or none")
     from nltk.stem import WordNetLemmatizer
     wordnet = WordNetLemmatizer()
 

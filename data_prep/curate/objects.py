@@ -12,8 +12,8 @@ from __future__ import annotations
 import functools
 from typing import Callable, Iterable, Sequence
 
-from data_prep.curate.text import (MissingNLTKData, fold_plurals, normalise_text,
-                                   singular_candidates)
+from data_prep.curate.text import fold_plurals, normalise_text, singular_candidates
+from data_prep.nltk_data import TAGGER_INSTALL, TAGGER_RESOURCE, require_nltk
 
 Tagger = Callable[[list[str]], list[tuple[str, str]]]
 
@@ -104,8 +104,6 @@ def strip_colours(name: str) -> str:
 # --------------------------------------------------------------------------- adjectives
 
 ADJECTIVE_TAGS = frozenset({"JJ", "JJR", "JJS"})
-TAGGER_RESOURCE = "taggers/averaged_perceptron_tagger_eng/"  # what nltk 3.9+ pos_tag loads
-TAGGER_INSTALL = "python -m nltk.downloader averaged_perceptron_tagger_eng"
 TAGGER_SKIP = ("or skip adjective stripping: `python -m data_prep curate --no-pos-tagger` "
                "(in Python, curate(..., use_tagger=False), or your own tagger=, a function "
                "of a token list returning (token, Penn tag) pairs)")
@@ -114,21 +112,8 @@ TAGGER_SKIP = ("or skip adjective stripping: `python -m data_prep curate --no-po
 def require_tagger() -> Tagger:
     """`nltk.pos_tag` after checking its model is installed; else `MissingNLTKData` saying how
     to install it, or to skip it. Never falls back to another tagger."""
-    try:
-        import nltk
-    except ImportError as e:
-        raise MissingNLTKData(
-            "object curation strips adjectives with NLTK's POS tagger, but nltk is not "
-            f"installed: pip install nltk, then {TAGGER_INSTALL}; {TAGGER_SKIP}") from e
-    try:
-        nltk.data.find(TAGGER_RESOURCE)
-    except LookupError:
-        raise MissingNLTKData(
-            f"object curation strips adjectives with nltk.pos_tag (nltk {nltk.__version__}), "
-            f"which needs the resource {TAGGER_RESOURCE!r}; it is not in any NLTK data folder "
-            f"({', '.join(map(str, nltk.data.path))}). Install it with:\n    {TAGGER_INSTALL}\n"
-            f"or point the NLTK_DATA environment variable at a folder that holds it, "
-            f"{TAGGER_SKIP}") from None
+    nltk = require_nltk("object curation strips adjectives with NLTK's POS tagger, which",
+                        {TAGGER_RESOURCE: TAGGER_INSTALL}, f", {TAGGER_SKIP}")
     return nltk.pos_tag
 
 

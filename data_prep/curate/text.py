@@ -1,5 +1,5 @@
 """Word-level rules that the object, relation and action rules share: text normalisation, the
-stopword list, plural folding, and the error for missing NLTK data.
+stopword list, plural folding, and the error for missing NLTK data (`data_prep.nltk_data`).
 """
 
 from __future__ import annotations
@@ -8,6 +8,8 @@ import functools
 import re
 import unicodedata
 from typing import Iterable
+
+from data_prep.nltk_data import MissingNLTKData  # noqa: F401  (shared with the import wing)
 
 _TYPOGRAPHIC = str.maketrans({
     "\u2018": "'", "\u2019": "'", "\u02bc": "'", "`": "'",
@@ -25,10 +27,6 @@ def normalise_text(s: str) -> str:
     s = unicodedata.normalize("NFKC", s).translate(_TYPOGRAPHIC).lower()
     s = _LOOSE_JOINER.sub(" ", _NOT_WORD_OR_JOINER.sub(" ", s))
     return " ".join(s.split())
-
-
-class MissingNLTKData(RuntimeError):
-    """NLTK, or the data one of its rules needs (POS tagger, WordNet), is not installed."""
 
 
 STOPWORDS: frozenset[str] = frozenset("""

@@ -6,7 +6,8 @@ holds one annotated image:
     id, source, split, width, height (of the original photograph), action, caption,
     (action "" = the VLM gave none: such images are kept, appendix "label curation", and take
     no part in the global contrastive loss or the text distillation terms),
-    mask_kind ("sam" or "box": what made the relation regions' masks),
+    mask_kind ("sam", "box" or "panoptic": what made the relation regions' masks: SAM, the
+               boxes themselves, or a dataset's own panoptic segments, e.g. PSG's),
     objects:   [{name, box: (x0, y0, x1, y1) original pixels, x1/y1 exclusive, view}, ...]
     relations: [{subject, predicate, object, text, region, view}, ...]
                subject/object index into `objects`; `text` is the canonical triplet
@@ -76,7 +77,7 @@ def view_subsampling(view_size: int) -> int:
     return 2 if view_size >= FULL_CHROMA_BELOW else 0
 _HEADER = struct.Struct("<H")
 SPLITS = ("train", "val", "test")
-MASK_KINDS = ("sam", "box")
+MASK_KINDS = ("sam", "box", "panoptic")
 VOCAB_FILES = {
     "actions": "actions.txt",
     "objects": "objects.txt",

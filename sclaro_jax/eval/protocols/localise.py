@@ -108,7 +108,7 @@ def relation_mask(sample: schema.Sample, index: int, mask_fn: MaskFn | None = No
         f"sample {sample.id!r} has mask_kind {sample.mask_kind!r}: its relation masks are not "
         "stored in the record (only the focused-region image, from which they cannot be "
         "recovered reliably); pass mask_fn=(sample, relation_index) -> bool [H, W] with the "
-        "SAM masks, or evaluate on box-mask data")
+        "SAM or panoptic masks, or evaluate on box-mask data")
 
 
 def relation_input(image: np.ndarray, sample: schema.Sample, index: int) -> np.ndarray:
