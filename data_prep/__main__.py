@@ -14,6 +14,7 @@ from data_prep import cli
 from data_prep.annotate import cli as annotate_cli
 from data_prep.curate import cli as curate_cli
 from data_prep.rocs import cli as rocs_cli
+from data_prep.scene_graphs import cli as import_cli
 from sclaro_jax import cli as cli_conventions
 
 
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli.add_demo(sub)
     cli.add_demo_models(sub)
     annotate_cli.add_parser(sub)
+    import_cli.add_parser(sub)
     curate_cli.add_parser(sub)
     cli.add_reshard(sub)
     rocs_cli.add_parser(sub)

@@ -371,23 +371,16 @@ def write_dataset(samples: Iterable[schema.Sample], out_dir: str, *, ids: Iterab
                   overwrite: bool = False, progress: bool = True,
                   view_size: int | None = schema.DEFAULT_VIEW_SIZE, keep_originals: bool = False,
                   view_quality: int = schema.VIEW_QUALITY, created: str | None = None,
-                  manifest_extra: dict | None = None, splits: dict[str, str] | None = None,
-                  split_rule: dict | None = None) -> dict:
+                  manifest_extra: dict | None = None) -> dict:
     """Assign the deterministic split over `ids`, then write `samples` (split filled in) with
     a `ShardWriter(view_size=, keep_originals=, view_quality=, created=, manifest_extra=)`.
 
     `ids` lists every sample id up front (the split needs the whole set); `samples` may be a
-    generator, so images never all sit in memory at once. `splits` ({id: split}) gives a
-    dataset's own split instead (a public dataset's test set), `split_rule` its description for
-    the manifest; `ids` then only sizes the progress bar, and a sample may be left out.
+    generator, so images never all sit in memory at once.
     """
     ids = list(ids)
-    if splits is None:
-        split_of = schema.assign_splits(ids, split_seed, fractions)
-        rule = {"method": "sha256(seed:id) rank", "seed": split_seed,
-                "fractions": list(fractions)}
-    else:
-        split_of, rule = splits, split_rule or {"method": "given"}
+    split_of = schema.assign_splits(ids, split_seed, fractions)
+    rule = {"method": "sha256(seed:id) rank", "seed": split_seed, "fractions": list(fractions)}
     with ShardWriter(out_dir, records_per_shard=records_per_shard, overwrite=overwrite,
                      split_rule=rule, view_size=view_size, keep_originals=keep_originals,
                      view_quality=view_quality, created=created,

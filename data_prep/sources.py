@@ -261,6 +261,16 @@ OPENPSG_LAYOUT = ("<root>/psg.json (or <root>/psg/psg.json) whose 'data' entries
                   "in <root>/coco/<file_name>, e.g. coco/train2017/000000000009.jpg")
 
 
+def openpsg_files(root: str, layout: str = OPENPSG_LAYOUT) -> tuple[str, str]:
+    """(psg.json, the coco folder) of an OpenPSG root: <root>/psg.json or <root>/psg/psg.json,
+    and <root>/coco; `SourceError` naming the one missing and the `layout` expected."""
+    path = os.path.join(root, "psg.json")
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(root, "psg", "psg.json")):
+        path = os.path.join(root, "psg", "psg.json")
+    require_file("OpenPSG", path, layout)
+    return path, require_dir("OpenPSG", os.path.join(root, "coco"), layout)
+
+
 @_adapter("openpsg", "OpenPSG", OPENPSG_LAYOUT)
 def openpsg(root: str) -> Iterator[SourceItem]:
     """OpenPSG (panoptic scene graphs on COCO images), as laid out by the OpenPSG repository::
@@ -274,11 +284,7 @@ def openpsg(root: str) -> Iterator[SourceItem]:
     files are not checked here; a missing one fails in `read_image`.
     """
     title = "OpenPSG"
-    path = os.path.join(root, "psg.json")
-    if not os.path.isfile(path) and os.path.isfile(os.path.join(root, "psg", "psg.json")):
-        path = os.path.join(root, "psg", "psg.json")
-    require_file(title, path, OPENPSG_LAYOUT)
-    coco = require_dir(title, os.path.join(root, "coco"), OPENPSG_LAYOUT)
+    path, coco = openpsg_files(root)
     doc = load_json(title, path)
     data = doc.get("data") if isinstance(doc, dict) else None
     if not isinstance(data, list):

@@ -1,0 +1,53 @@
+"""`python -m data_prep import`: write SCLARO records from a public scene-graph dataset
+(OpenPSG or Visual Genome) as released, without any model.
+
+Objects, boxes and relations come from the dataset; each relation's focused region (appendix
+Eqs. 4-7) from its masks: PSG's panoptic segments, or Visual Genome's boxes (mask_kind box);
+the action word is the lemma of the main verb of the first caption that has one (NLTK POS
+tagger and WordNet: python -m nltk.downloader averaged_perceptron_tagger_eng wordnet), the
+caption that one (PSG: COCO captions; VG: region descriptions); the split is the dataset's
+(PSG: its test ids; VG: a hash of the image id, 20% test). Images that cannot be used are
+skipped and counted by reason. Written atomically: a killed import leaves no dataset, and
+rerunning the same command writes the same records. See docs/data.md, "From PSG or Visual
+Genome", for the layouts.
+"""
+
+import argparse
+
+from data_prep.cli import command, view_flags, writable, write_flags
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    imp = command(sub, "import", run, __doc__)
+    imp.add_argument("--source", required=True, choices=("psg", "vg"),
+                     help="psg: OpenPSG (psg.json, COCO images, panoptic PNGs and captions); "
+                          "vg: Visual Genome (image_data, objects, relationships and "
+                          "region_descriptions json)")
+    imp.add_argument("--root", required=True, metavar="DIR",
+                     help="the dataset's folder as released (layouts in docs/data.md)")
+    imp.add_argument("--out", required=True, type=writable, help="dataset folder to write")
+    imp.add_argument("--captions", action="append", default=[], metavar="FILE",
+                     help="psg: a COCO captions json (repeatable; default "
+                          "ROOT/coco/annotations/captions_*.json)")
+    imp.add_argument("--no-actions", action="store_true",
+                     help="no action words (every action \"\"): needs no NLTK data")
+    imp.add_argument("--limit", type=int, default=0, metavar="N",
+                     help="only the first N images of the dataset (0 = all)")
+    imp.add_argument("--records-per-shard", type=int, default=1000, metavar="N",
+                     help="records per ArrayRecord shard (default 1000)")
+    view_flags(imp, keep_default=False)
+    write_flags(imp)
+    return imp
+
+
+def run(args) -> int:
+    from data_prep.scene_graphs import format_summary, import_scene_graphs
+    manifest = import_scene_graphs(
+        args.source, args.root, args.out, captions=tuple(args.captions),
+        with_actions=not args.no_actions, limit=args.limit,
+        records_per_shard=args.records_per_shard, overwrite=args.overwrite,
+        image_size=args.image_size, keep_originals=args.keep_originals,
+        progress=not args.no_progress)
+    print(format_summary(manifest["import"]))
+    print(f"wrote {manifest['records']} records to {args.out}")
+    return 0

@@ -1,0 +1,125 @@
+"""OpenPSG (panoptic scene graphs on COCO images) as released: psg.json, the COCO images, the
+COCO panoptic PNGs and the COCO captions.
+
+    <root>/psg.json          (or <root>/psg/psg.json) {"data": [{"file_name":
+                             "train2017/000000000009.jpg", "image_id", "height", "width",
+                             "pan_seg_file_name": "panoptic_train2017/000000000009.png",
+                             "segments_info": [{"id", "category_id", "isthing", ...}],
+                             "annotations": [{"bbox": [x0, y0, x1, y1], "category_id"}],
+                             "relations": [[subject, object, predicate], ...]}, ...],
+                             "thing_classes", "stuff_classes", "predicate_classes",
+                             "test_image_ids"}
+    <root>/coco/<file_name>, <root>/coco/<pan_seg_file_name>
+    <root>/coco/annotations/captions_*.json   COCO captions (train2017 and val2017)
+
+Objects are the segments in order: the class `thing_classes + stuff_classes`[category_id]
+written as words (`class_words`), the box `annotations[k].bbox` (xyxy, the list parallel to
+`segments_info`; without it the segment's COCO `bbox` [x, y, w, h], else the mask's box).
+Segment k's mask is the pixels of the panoptic PNG whose id R + 256 G + 256^2 B equals
+`segments_info[k].id`. Relations are [subject, object, predicate] indices. Captions are
+matched by the image's file name through the captions file's "images" (else by image id) and
+ordered by caption id. The split is PSG's: "test" for `test_image_ids`, "train" otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import os
+
+from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean
+from data_prep.source_items import SourceError, id_key, load_json
+from data_prep.sources import openpsg_files
+
+TITLE = "OpenPSG"
+LAYOUT = ("<root>/psg.json (or <root>/psg/psg.json), images and panoptic PNGs under "
+          "<root>/coco/ at the json's file_name and pan_seg_file_name, COCO captions in "
+          "<root>/coco/annotations/captions_*.json (or --captions FILE)")
+
+
+def class_words(name: str) -> str:
+    """A COCO panoptic class name as words: the suffixes -merged, then -other and -stuff
+    dropped, hyphens as spaces: "sky-other-merged" -> "sky", "door-stuff" -> "door",
+    "wall-brick" -> "wall brick", "traffic light" stays."""
+    name = name.removesuffix("-merged")
+    for suffix in ("-other", "-stuff"):
+        name = name.removesuffix(suffix)
+    return clean(name.replace("-", " "))
+
+
+def read_captions(paths: list[str]) -> tuple[dict, dict]:
+    """COCO captions files -> ({image file name: image id}, {image id: captions by caption
+    id}); ids as strings."""
+    names, by_id = {}, collections.defaultdict(list)
+    for path in paths:
+        doc = load_json("COCO captions", path)
+        try:
+            for image in doc.get("images", []):
+                names[os.path.basename(image["file_name"])] = str(image["id"])
+            for ann in doc["annotations"]:
+                by_id[str(ann["image_id"])].append((ann.get("id", 0), clean(ann["caption"])))
+        except (AttributeError, KeyError, TypeError) as e:
+            raise SourceError(f"COCO captions: {path} is not a COCO captions file (images, "
+                              f"annotations with image_id and caption): {e!r}") from None
+    return names, {k: [c for _, c in sorted(v) if c] for k, v in by_id.items()}
+
+
+def _objects(entry: dict, classes: list[str]) -> list:
+    anns = entry.get("annotations") or []
+    objects = []
+    for k, seg in enumerate(entry["segments_info"]):
+        if len(anns) == len(entry["segments_info"]):
+            box = tuple(float(v) for v in anns[k]["bbox"])
+        elif seg.get("bbox"):
+            x, y, w, h = (float(v) for v in seg["bbox"])
+            box = (x, y, x + w, y + h)
+        else:
+            box = None
+        objects.append((class_words(classes[seg["category_id"]]), box))
+    return objects
+
+
+def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
+    """Every image of psg.json as a `Graph`, in the file's order."""
+    root = os.path.abspath(root)
+    if not os.path.isdir(root):
+        raise SourceError(f"{TITLE}: root folder {root} not found; expected {LAYOUT}")
+    path, coco = openpsg_files(root, LAYOUT)
+    caption_files = list(captions) or sorted(
+        glob.glob(os.path.join(coco, "annotations", "captions_*.json")))
+    if not caption_files:
+        raise SourceError(f"{TITLE}: no COCO captions_*.json in "
+                          f"{os.path.join(coco, 'annotations')}; expected {LAYOUT}")
+    doc = load_json(TITLE, path)
+    names, by_id = read_captions(caption_files)
+    try:
+        classes = list(doc["thing_classes"]) + list(doc["stuff_classes"])
+        predicates = list(doc["predicate_classes"])
+        test_ids = {str(i) for i in doc.get("test_image_ids", [])}
+        data = list(doc["data"])
+    except (KeyError, TypeError) as e:
+        raise SourceError(f"{TITLE}: {path} lacks {e} (data, thing_classes, stuff_classes, "
+                          f"predicate_classes); expected {LAYOUT}") from None
+    graphs = []
+    for i, entry in enumerate(data):
+        try:
+            image_id = str(entry["image_id"])
+            coco_id = names.get(os.path.basename(entry["file_name"]), image_id)
+            graphs.append(Graph(
+                id=f"openpsg/{id_key(image_id)}",
+                split="test" if image_id in test_ids else "train",
+                image=os.path.join(coco, entry["file_name"]),
+                objects=tuple(_objects(entry, classes)),
+                relations=tuple((int(s), clean(predicates[p]), int(o))
+                                for s, o, p in entry["relations"]),
+                captions=tuple(by_id.get(coco_id, ())),
+                panoptic=os.path.join(coco, entry["pan_seg_file_name"]),
+                segments=tuple(int(seg["id"]) for seg in entry["segments_info"])))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise SourceError(f"{TITLE}: {path} data[{i}] is malformed ({type(e).__name__}: "
+                              f"{e}); expected {LAYOUT}") from None
+    return SceneGraphs(
+        source="openpsg", mask_kind="panoptic", graphs=graphs,
+        split_rule={"method": "dataset", "rule": "PSG's test_image_ids are test, the rest "
+                                                  "train"},
+        files={"annotations": path, "captions": caption_files})
