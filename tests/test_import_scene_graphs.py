@@ -195,3 +195,162 @@ def test_action_rule_on_a_known_caption_list():
         "ride", "There is a man riding a horse")
     assert action_and_caption(["A kitchen.", "A stove"], *RULE) == ("", "A kitchen.")
     assert action_and_caption([], *RULE) == ("", "")
+
+
+# --------------------------------------------------------------------------- Visual Genome
+
+def vg_object(object_id, box, name, key="names"):
+    x, y, w, h = box
+    return {"object_id": object_id, "x": x, "y": y, "w": w, "h": h,
+            key: [name] if key == "names" else name}
+
+
+@pytest.fixture(scope="module")
+def vg_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vg")
+    (root / "VG_100K").mkdir()
+    (root / "VG_100K_2").mkdir()
+    (root / "VG_100K" / "10.jpg").write_bytes(jpeg(photo("astronaut", (96, 72))))
+    (root / "VG_100K_2" / "11.jpg").write_bytes(jpeg(photo("chelsea", (80, 64))))
+    url = "https://cs.stanford.edu/people/rak248/VG_100K/{}.jpg"
+    write_json(str(root / "image_data.json"), [
+        {"image_id": 10, "url": url.format(10), "width": 96, "height": 72},
+        {"id": 11, "width": 80, "height": 64},          # no url: found in VG_100K_2
+        {"image_id": 12, "url": url.format(12), "width": 50, "height": 50}])   # missing
+    write_json(str(root / "objects_v1_4.json"), [   # a version's name
+        {"image_id": 10, "objects": [vg_object(100, (5, 6, 40, 50), "Man"),
+                                     vg_object(101, (50, 10, 40, 30), "horse"),
+                                     vg_object(102, (60, 50, 20, 10), "  Big  Hat ")]},
+        {"image_id": 11, "objects": [vg_object(200, (20, 10, 30, 25), "cat", key="name")]},
+        {"image_id": 12, "objects": [vg_object(300, (0, 0, 10, 10), "dog")]}])
+    write_json(str(root / "relationships.json"), [
+        {"image_id": 10, "relationships": [
+            {"predicate": "RIDING", "subject": {"object_id": 100}, "object": {"object_id": 101}},
+            {"predicate": "wears", "subject": {"object_id": 100},     # object not in objects
+             "object": vg_object(103, (10, 0, 20, 10), "cap", key="name")},
+            {"predicate": "near", "subject": {"object_id": 999}, "object": {"object_id": 101}}]},
+        {"image_id": 11, "relationships": [   # the table's box reaches past the photograph
+            {"predicate": "on", "subject": {"object_id": 200},
+             "object": vg_object(201, (0, 40, 80, 100), "table")}]},
+        {"image_id": 12, "relationships": [
+            {"predicate": "on", "subject": {"object_id": 300}, "object": {"object_id": 300}}]}])
+    write_json(str(root / "region_descriptions.json"), [
+        {"id": 10, "regions": [{"phrase": "a man riding a horse", "image_id": 10}]},
+        {"id": 11, "regions": [{"phrase": "cat on a table", "image_id": 11},
+                               {"phrase": "a table", "image_id": 11}]},
+        {"id": 12, "regions": [{"phrase": "a dog", "image_id": 12}]}])
+    return root
+
+
+def centre_box_mask(box, width, height):
+    """The test's own box mask: the pixels whose centres lie inside the box."""
+    yy, xx = np.mgrid[:height, :width] + 0.5
+    x0, y0, x1, y1 = box
+    return (xx >= x0) & (xx < x1) & (yy >= y0) & (yy < y1)
+
+
+def test_vg_records_equal_values_worked_out_independently(vg_root, tmp_path):
+    manifest = import_scene_graphs("vg", str(vg_root), str(tmp_path / "vg"), rule=RULE,
+                                   image_size=32, keep_originals=True, progress=False)
+    got = {i: schema.decode(r) for i, (_, r) in records(tmp_path / "vg").items()}
+    assert sorted(got) == ["vg/10", "vg/11"]
+    expected = {
+        "vg/10": ([("man", (5, 6, 45, 56)), ("horse", (50, 10, 90, 40)),
+                   ("big hat", (60, 50, 80, 60)), ("cap", (10, 0, 30, 10))],
+                  [(0, "riding", 1), (0, "wears", 3)], "ride", "a man riding a horse",
+                  "VG_100K/10.jpg"),
+        "vg/11": ([("cat", (20, 10, 50, 35)), ("table", (0, 40, 80, 64))],   # clipped
+                  [(0, "on", 1)], "", "cat on a table", "VG_100K_2/11.jpg")}
+    for image_id, (objects, relations, action, caption, path) in expected.items():
+        sample = got[image_id]
+        digest = hashlib.sha256(f"vg:{image_id[3:]}".encode()).hexdigest()
+        assert sample.split == ("test" if int(digest[:8], 16) < 0.2 * 2 ** 32 else "train")
+        assert (sample.source, sample.mask_kind, sample.action, sample.caption) == (
+            "vg", "box", action, caption)
+        assert sample.image == (vg_root / path).read_bytes()
+        assert [(o.name, o.box) for o in sample.objects] == [
+            (n, tuple(map(float, b))) for n, b in objects]
+        assert [(r.subject, r.predicate, r.object, r.text) for r in sample.relations] == [
+            (s, p, o, f"{objects[s][0]} {p} {objects[o][0]}") for s, p, o in relations]
+        rgb = np.asarray(Image.open(vg_root / path).convert("RGB"))
+        h, w = rgb.shape[:2]
+        for r in sample.relations:
+            region = focus.focused_region(rgb, centre_box_mask(objects[r.subject][1], w, h),
+                                          centre_box_mask(objects[r.object][1], w, h))
+            assert r.region == jpeg(region)
+    summary = manifest["import"]
+    assert summary["skipped"] == {"missing_image": 1}
+    assert summary["relations_dropped"] == {"index_out_of_range": 1}
+    assert manifest["split_rule"]["test_fraction"] == 0.2
+
+
+# --------------------------------------------------------------------------- bad input, CLI
+
+def test_cli_imports_vg_without_action_words(vg_root, tmp_path, capsys):
+    out = tmp_path / "vg"
+    assert main(["import", "--source", "vg", "--root", str(vg_root), "--out", str(out),
+                 "--no-actions", "--image-size", "32", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "3 images: 2 kept" in printed and "skipped: missing_image 1" in printed
+    assert "relations dropped: index_out_of_range 1" in printed
+    assert "action words: 0 of 2 images (0.0%) (--no-actions)" in printed
+    assert {schema.decode(r).action for _, r in records(out).values()} == {""}
+
+
+@pytest.mark.parametrize("source,name", [("psg", "psg/psg.json"), ("vg", "relationships.json")])
+def test_a_truncated_json_is_one_error_line_naming_it(source, name, psg_root, vg_root,
+                                                      tmp_path, capsys):
+    import shutil
+    root = tmp_path / "root"
+    shutil.copytree(psg_root if source == "psg" else vg_root, root)
+    text = (root / name).read_text()
+    (root / name).write_text(text[:len(text) // 2])
+    assert main(["import", "--source", source, "--root", str(root), "--out",
+                 str(tmp_path / "out"), "--no-actions", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and str(root / name) in err[0]
+    assert not (tmp_path / "out" / schema.MANIFEST).exists()
+
+
+def test_missing_nltk_data_names_every_download(psg_root, tmp_path, capsys, monkeypatch):
+    import nltk
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "no_nltk_data")])
+    assert main(["import", "--source", "psg", "--root", str(psg_root), "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("error:") == 1
+    for what in ("python -m nltk.downloader averaged_perceptron_tagger_eng",
+                 "python -m nltk.downloader wordnet", "--no-actions"):
+        assert what in err
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+KILLED_IMPORT = """
+import os, signal, sys
+from data_prep.scene_graphs import pipeline
+real, calls = pipeline.make_sample, []
+def make_sample(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 4:   # two records in the writer's hidden folder, a shard finished
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real(*args, **kwargs)
+pipeline.make_sample = make_sample
+pipeline.import_scene_graphs("psg", sys.argv[1], sys.argv[2], with_actions=False,
+                             image_size=32, keep_originals=True, records_per_shard=2,
+                             progress=False)
+"""
+
+
+def test_rerun_after_a_killed_import_gives_the_same_records(psg_root, psg_out, tmp_path):
+    out = tmp_path / "data"
+    run = subprocess.run([sys.executable, "-c", KILLED_IMPORT, str(psg_root), str(out)],
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr
+    assert not (out / schema.MANIFEST).exists()
+    assert [n for n in os.listdir(out) if n.startswith(TMP_PREFIX)]   # what the kill left
+    manifest = import_scene_graphs("psg", str(psg_root), str(out), rule=RULE, image_size=32,
+                                   keep_originals=True, records_per_shard=2, progress=False)
+    assert records(out) == records(psg_out[0])
+    assert manifest["import"] == psg_out[1]["import"]
+    assert not [n for n in os.listdir(out) if n.startswith(TMP_PREFIX)]
