@@ -38,7 +38,7 @@ SHELL_BLOCKS = ("bash", "sh", "shell")
 SUBCOMMANDS = ("data_prep", "data_prep.clip_benchmark")
 # other projects' commands that the pages run (the test command): importable, not run here
 EXTERNAL = ("pytest",)
-DATA_PREP_COMMANDS = ("demo", "demo-models", "annotate", "curate", "reshard", "rocs")
+DATA_PREP_COMMANDS = ("demo", "demo-models", "annotate", "import", "curate", "reshard", "rocs")
 # (kind, target, argv) that answer --help whatever the pages name; with text their output holds
 REQUIRED = {
     ("path", "launch/train.py", ("--help",)): "--workdir",

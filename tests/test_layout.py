@@ -221,7 +221,7 @@ def test_train_cli_missing_data_message(tmp_path):
 # data_prep's wings: each imports only itself and the shared modules at the top of data_prep,
 # and no shared module reaches into a wing, so no wing reaches another, not even through a
 # shared module. data_prep.__main__ assembles the wings' command lines and is exempt.
-WINGS = ("data_prep.annotate", "data_prep.curate", "data_prep.rocs")
+WINGS = ("data_prep.annotate", "data_prep.curate", "data_prep.rocs", "data_prep.scene_graphs")
 WING_EXEMPT = ("data_prep.__main__",)
 
 
