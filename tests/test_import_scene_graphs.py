@@ -354,3 +354,28 @@ def test_rerun_after_a_killed_import_gives_the_same_records(psg_root, psg_out, t
     assert records(out) == records(psg_out[0])
     assert manifest["import"] == psg_out[1]["import"]
     assert not [n for n in os.listdir(out) if n.startswith(TMP_PREFIX)]
+
+
+def test_curate_runs_on_an_import_unchanged(psg_out, tmp_path):
+    from data_prep.curate import NeedsLabels, curate
+    with pytest.raises(NeedsLabels):   # the first pass: clusters written for labelling
+        curate(str(psg_out[0]), str(tmp_path / "curated"), clusters=str(tmp_path / "c.json"),
+               tagger=lambda tokens: [(t, "NN") for t in tokens], action_lemmatizer="porter",
+               progress=False)
+    doc = json.loads((tmp_path / "c.json").read_text())
+    result = curate(str(psg_out[0]), str(tmp_path / "curated"), clusters=str(tmp_path / "c.json"),
+                    tagger=lambda tokens: [(t, "NN") for t in tokens], accept_suggested=True,
+                    action_lemmatizer="porter", progress=False)
+    assert result["records"] == 3, doc
+
+
+def test_a_panoptic_png_of_another_size_is_a_counted_skip_and_limit_counts(psg_root, tmp_path):
+    import shutil
+    root = tmp_path / "root"
+    shutil.copytree(psg_root, root)
+    Image.new("RGB", (8, 8)).save(root / "coco" / "panoptic_train2017" / "000000000003.png")
+    manifest = import_scene_graphs("psg", str(root), str(tmp_path / "out"), rule=RULE,
+                                   image_size=32, limit=3, progress=False)
+    assert (manifest["import"]["images"], manifest["import"]["skipped"]) == (
+        3, {"bad_panoptic_png": 1})
+    assert manifest["records"] == 2
