@@ -17,7 +17,7 @@ from PIL import Image
 
 from data_prep import focus
 from data_prep.__main__ import main
-from data_prep.scene_graphs import import_scene_graphs
+from data_prep.scene_graphs.pipeline import import_scene_graphs
 from data_prep.shards import TMP_PREFIX
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset

@@ -41,7 +41,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from data_prep.scene_graphs import format_summary, import_scene_graphs
+    from data_prep.scene_graphs.pipeline import format_summary, import_scene_graphs
     manifest = import_scene_graphs(
         args.source, args.root, args.out, captions=tuple(args.captions),
         with_actions=not args.no_actions, limit=args.limit,

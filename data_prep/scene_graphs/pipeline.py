@@ -92,10 +92,13 @@ class Counts:
 
 
 class Masks:
-    """Each object's mask, made when first asked: PSG's segment pixels or the box's."""
+    """Each object's mask (by its index in the graph), made when first asked: the pixels of
+    its PSG segment (`ids`: the panoptic PNG's segment ids) or, without `ids`, of its box
+    (`boxes`: {index: clipped box}, filled in once the objects are checked)."""
 
-    def __init__(self, graph: Graph, ids: np.ndarray | None, boxes: list, size):
-        self.graph, self.ids, self.boxes, self.size = graph, ids, boxes, size
+    def __init__(self, graph: Graph, ids: np.ndarray | None, size: tuple[int, int]):
+        self.graph, self.ids, self.size = graph, ids, size
+        self.boxes: dict[int, tuple] = {}
         self._made: dict[int, np.ndarray] = {}
 
     def __getitem__(self, k: int) -> np.ndarray:
@@ -173,7 +176,7 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
         except (OSError, ValueError):
             counts.skipped["bad_panoptic_png"] += 1
             return None
-    masks = Masks(graph, ids, [], img.size)
+    masks = Masks(graph, ids, img.size)
     objects, index = _objects(graph, masks, counts)
     relations = _relations(graph, np.asarray(img), objects, index, masks, counts,
                            region_quality)
