@@ -379,3 +379,21 @@ def test_a_panoptic_png_of_another_size_is_a_counted_skip_and_limit_counts(psg_r
     assert (manifest["import"]["images"], manifest["import"]["skipped"]) == (
         3, {"bad_panoptic_png": 1})
     assert manifest["records"] == 2
+
+
+def test_cli_uses_nltks_tagger_and_wordnet_verb_lemmas(psg_root, tmp_path, monkeypatch, capsys):
+    import nltk
+    import nltk.stem
+
+    class FakeWordNet:   # WordNet's answer for the verbs of the captions, read as verbs
+        def lemmatize(self, word, pos):
+            return LEMMAS[word] if pos == "v" else word
+    monkeypatch.setattr(nltk.data, "find", lambda resource: resource)
+    monkeypatch.setattr(nltk, "pos_tag", RULE[0])
+    monkeypatch.setattr(nltk.stem, "WordNetLemmatizer", FakeWordNet)
+    out = tmp_path / "out"
+    assert main(["import", "--source", "psg", "--root", str(psg_root), "--out", str(out),
+                 "--image-size", "32", "--no-progress"]) == 0
+    assert "action words: 2 of 3 images (66.7%)" in capsys.readouterr().out
+    assert {i: schema.decode(r).action for i, (_, r) in records(out).items()} == {
+        "openpsg/1": "hold", "openpsg/2": "sit", "openpsg/3": ""}
