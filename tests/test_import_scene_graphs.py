@@ -397,3 +397,10 @@ def test_cli_uses_nltks_tagger_and_wordnet_verb_lemmas(psg_root, tmp_path, monke
     assert "action words: 2 of 3 images (66.7%)" in capsys.readouterr().out
     assert {i: schema.decode(r).action for i, (_, r) in records(out).items()} == {
         "openpsg/1": "hold", "openpsg/2": "sit", "openpsg/3": ""}
+
+
+def test_a_dataset_in_out_is_refused_before_reading(psg_out, tmp_path, capsys):
+    assert main(["import", "--source", "vg", "--root", str(tmp_path / "absent"), "--out",
+                 str(psg_out[0]), "--no-actions", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "already holds a dataset" in err

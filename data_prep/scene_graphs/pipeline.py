@@ -207,12 +207,13 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
         raise ValueError(f"unknown scene-graph source {kind!r}; choose {', '.join(READERS)}")
     if with_actions and rule is None:
         rule = action_rule.require_rule()
-    data = READERS[kind](root, captions=tuple(captions))
-    graphs = data.graphs[:limit] if limit else data.graphs
     counts = Counts()
+    # the writer first: a dataset already in `out` is refused before the json files are read
     with ShardWriter(out, records_per_shard=records_per_shard, overwrite=overwrite,
-                     split_rule=data.split_rule, view_size=image_size,
-                     keep_originals=keep_originals) as writer:
+                     view_size=image_size, keep_originals=keep_originals) as writer:
+        data = READERS[kind](root, captions=tuple(captions))
+        writer.split_rule = data.split_rule
+        graphs = data.graphs[:limit] if limit else data.graphs
         for graph in tqdm(graphs, desc=f"importing {kind}", unit="image", disable=not progress):
             counts.images += 1
             sample = make_sample(graph, data, counts, rule if with_actions else None)
