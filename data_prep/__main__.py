@@ -37,9 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 2
+    if args.command is None:  # a usage error: one line, naming the commands
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser.error(f"a command is required: one of {', '.join(sub.choices)}")
     try:
         return args.func(args)
     except (*cli_conventions.USER_ERRORS, RuntimeError) as e:

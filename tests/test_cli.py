@@ -3,6 +3,7 @@ underscore spelling accepted as a hidden alias; --help states each default once;
 is one `error:` line and exit status 2."""
 
 import argparse
+import os
 import re
 
 import pytest
@@ -113,3 +114,55 @@ def test_data_prep_user_errors_exit_2_naming_the_folder(tmp_path, capsys):
     assert f"{mine} is not a SCLARO dataset folder" in err
     assert "`python -m data_prep annotate --root IMAGES --out DIR`" in err
     assert "or the bundled demo, `python -m data_prep demo --out DIR`" in err
+
+
+def _usage_error(capsys, main, argv) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1, err
+    return err.rstrip("\n")
+
+
+def test_usage_errors_are_one_line_naming_the_typo_first(tmp_path, capsys):
+    """argparse's usage block is gone; an unknown flag is named (with the closest flag of the
+    sub-command that was reached) before a missing required flag; a mistyped sub-command or
+    choice gets the closest; no sub-command at all names them."""
+    from data_prep.__main__ import main
+    assert _usage_error(capsys, main, ["annotate", "--sorce", "folder"]) == (
+        "error: unrecognized argument: --sorce (did you mean --source?) "
+        "(see python -m data_prep annotate --help)")
+    # --dta is curate's --data, not annotate's --detector or another command's flag
+    assert _usage_error(capsys, main, ["curate", "--dta", "x", "--out", str(tmp_path)]) == (
+        "error: unrecognized argument: --dta (did you mean --data?) "
+        "(see python -m data_prep curate --help)")
+    err = _usage_error(capsys, main, ["anotate", "--root", "x"])
+    assert err.startswith("error: argument COMMAND: invalid choice: 'anotate' (choose from ")
+    assert err.endswith("(did you mean annotate?) (see python -m data_prep --help)")
+    assert _usage_error(capsys, main, []) == (
+        "error: a command is required: one of demo, demo-models, annotate, curate, reshard, "
+        "rocs (see python -m data_prep --help)")
+    assert _usage_error(capsys, rocs.main, ["--model", "m", "--split", "s", "--k", "x"]) == (
+        "error: argument --k: invalid int value: 'x' (see python -m sclaro_jax.eval.rocs --help)")
+    assert _usage_error(capsys, rocs.main, ["--modl", "m", "--sply", "s"]) == (
+        "error: unrecognized arguments: --modl (did you mean --model?), --sply (did you mean "
+        "--split?) (see python -m sclaro_jax.eval.rocs --help)")
+
+
+def test_an_output_folder_is_checked_when_the_flags_are_read(tmp_path, capsys):
+    """`cli.writable`: a file in the way, a folder that takes no new files (/proc, even for
+    root), all before any work; a writable path comes back unchanged and leaves nothing."""
+    from sclaro_jax import cli
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for out, why in ((a_file, f"{a_file} is a file, not a folder"),
+                     (a_file / "sub", f"cannot write {a_file / 'sub'}: {a_file} is a file, not "
+                                      "a folder"),
+                     ("/proc/sclaro/out", "cannot write /proc/sclaro/out: /proc refuses new "
+                                          "files (No such file or directory)")):
+        assert _usage_error(capsys, synthetic.main, ["--out", str(out)]) == (
+            f"error: argument --out: {why} (see python -m sclaro_jax.eval.retrieval.synthetic "
+            "--help)")
+    fresh = tmp_path / "new" / "deeper"
+    assert cli.writable(str(fresh)) == str(fresh)
+    assert os.listdir(tmp_path) == ["a_file"]
