@@ -140,8 +140,8 @@ def test_usage_errors_are_one_line_naming_the_typo_first(tmp_path, capsys):
     assert err.startswith("error: argument COMMAND: invalid choice: 'anotate' (choose from ")
     assert err.endswith("(did you mean annotate?) (see python -m data_prep --help)")
     assert _usage_error(capsys, main, []) == (
-        "error: a command is required: one of demo, demo-models, annotate, curate, reshard, "
-        "rocs (see python -m data_prep --help)")
+        "error: a command is required: one of demo, demo-models, annotate, import, curate, "
+        "reshard, rocs (see python -m data_prep --help)")
     assert _usage_error(capsys, rocs.main, ["--model", "m", "--split", "s", "--k", "x"]) == (
         "error: argument --k: invalid int value: 'x' (see python -m sclaro_jax.eval.rocs --help)")
     assert _usage_error(capsys, rocs.main, ["--modl", "m", "--sply", "s"]) == (
