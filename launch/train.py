@@ -85,14 +85,24 @@ def define_flags(spec: str | None, argv: list[str]) -> None:
 FLAGS = flags.FLAGS
 
 
+def check_data_dir(config, task) -> None:
+    """An empty config.data.dir is for the demo configs only (the launcher writes the bundled
+    demo, `prepare_demo`); other recipes are refused, before the workdir is made, naming the
+    flag and the command that writes their data (`config.data.prepare`, when they name one)."""
+    if config.data.dir or task.demo_view_size(config) is not None:
+        return
+    if config.data.get("prepare"):  # a user error: one `error:` line, exit 2
+        raise ValueError(f"config.data.dir is empty: pass --config.data.dir=DIR, the dataset "
+                         f"written by `{config.data.prepare}`")
+    raise app.UsageError(f"config.data.dir is empty: pass --config.data.dir=DIR (a dataset "
+                         f"folder from `python -m data_prep`), or use the :demo variant of "
+                         f"configs/{task.name}.py for the bundled demo")
+
+
 def prepare_demo(config, workdir: str, task) -> None:
     """An empty config.data.dir with a demo config: the bundled demo in WORKDIR/demo_data, made
     at the image size of the task's demo views (0: the originals)."""
     size = task.demo_view_size(config)
-    if size is None:
-        raise app.UsageError(f"config.data.dir is empty: pass --config.data.dir=DIR (a dataset "
-                             f"folder from `python -m data_prep`), or use the :demo variant of "
-                             f"configs/{task.name}.py for the bundled demo")
     from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
     data = os.path.join(workdir, "demo_data")
     manifest = os.path.join(data, "manifest.json")
@@ -120,6 +130,7 @@ def main(argv):
     from sclaro_jax.run import lock, task as tasks
     task = tasks.of(config)
     task.check(config)  # before anything is written
+    check_data_dir(config, task)
     lock.hold_workdir(workdir)  # this process is the run's one writer until it ends
     if not config.data.dir:
         prepare_demo(config, workdir, task)

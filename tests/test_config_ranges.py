@@ -14,8 +14,8 @@ from pathlib import Path
 import ml_collections
 import pytest
 
-from sclaro_jax.config import (Range, RangeError, check_fields, field_ranges, load_config,
-                               ranged, recipes, unranged, validate)
+from sclaro_jax.config import (Range, RangeError, check_fields, field_ranges, flatten,
+                               load_config, ranged, recipes, unranged, validate)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,6 +36,14 @@ def test_every_numeric_key_of_every_recipe_has_a_range(spec, module):
     validate(config, module.RANGES)  # the defaults are inside their ranges
     declared = set(module.RANGES)
     assert any(module.RANGES[k].path for k in declared if k.endswith("data.dir")), spec
+
+
+def test_the_psg_variant_is_the_paper_recipe_evaluated_on_test():
+    paper, psg = load_config("scenarioclip"), load_config("scenarioclip:psg")
+    assert psg.data.dir == "" and psg.evals.zero_shot.split == "test"  # the import has no val
+    assert "import --source psg" in psg.data.prepare
+    changed = {k for k, v in flatten(psg).items() if flatten(paper).get(k) != v}
+    assert changed == {"data.prepare", "evals.zero_shot.split"}
 
 
 def test_a_planted_key_or_field_without_a_range_is_caught():
@@ -139,6 +147,9 @@ CASES = [
     ("detection", "--config.detector.box_positive_fraction=1.5",
      "config.detector.box_positive_fraction = 1.5: must be >= 0 and <= 1"),
     ("detection:demo", "--config.keep_checkpoints=0", "config.keep_checkpoints = 0: must be >= 1"),
+    # not a range: a recipe whose data must be imported names the flag and the import command
+    ("scenarioclip:psg", "--config.train.steps=5", "config.data.dir is empty: pass "
+     "--config.data.dir=DIR, the dataset written by `python -m data_prep import --source psg "),
 ]
 
 # One launcher process runs every case through launch/train.py's `cli`, in turn (absl's flags

@@ -392,7 +392,8 @@ def test_help_lists_the_configs_and_their_variants():
     result = _run([sys.executable, "launch/train.py", "--help"], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     listed = {line.split()[0] for line in result.stdout.splitlines() if line.startswith("  ")}
-    for spec in ("scenarioclip:demo", "pyramidclip", "scenarioclip_nokd:demo", "detection:demo"):
+    for spec in ("scenarioclip:demo", "scenarioclip:psg", "pyramidclip", "scenarioclip_nokd:demo",
+                 "detection:demo"):
         assert spec in listed, result.stdout  # the recipes by name, each variant on its line
     assert "configs/NAME.py[:VARIANT]" in result.stdout  # and by file
     # the flags as every command spells them: hyphens, `--[no-]` for a switch

@@ -17,7 +17,9 @@ from sclaro_jax.train.core import TrainConfig
 # `--config NAME:<variant>` or `configs/NAME.py:<variant>`: the variants get_config takes
 # ("" = none).
 VARIANTS = {"": "the paper recipe (ViT-B/32, 224 px, batch 128, 12 epochs)",
-            "demo": "minutes on a CPU: tiny model, 32 px, the bundled demo data, 60 steps"}
+            "demo": "minutes on a CPU: tiny model, 32 px, the bundled demo data, 60 steps",
+            "psg": "the full recipe on PSG, as written by `python -m data_prep import --source "
+                   "psg` (--config.data.dir; no val split: evaluated on test)"}
 
 # The range of every numeric and path key below (`config.Range`; config.train's from
 # TrainConfig's fields), checked by the task before anything runs (`config.validate`; a key
@@ -145,6 +147,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         c.train.frozen_text_layers = 1
         c.log_every = 5
         c.checkpoint_every = 20
+    elif arg == "psg":
+        # The paper recipe on public scene graphs (docs/data.md, "From PSG or Visual Genome"):
+        # the import writes train and test (PSG's own test ids), no val, so the evaluators
+        # read test. data.dir has no default: the launcher refuses an empty one, naming
+        # `data.prepare`, the command that writes it.
+        c.data.prepare = "python -m data_prep import --source psg --root PSG_ROOT --out DIR"
+        c.evals.zero_shot.split = "test"
     elif arg not in (None, ""):
         raise ValueError(f"unknown config variant {arg!r}; known: "
                          f"{', '.join(v for v in VARIANTS if v)}")
