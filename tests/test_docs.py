@@ -296,6 +296,14 @@ FAULTS = {
                     "{missing}/sam.pth"),
         "unwritable": ("annotate", "--root", "{tmp}", "--out", "/proc/sclaro/ds"),
     },
+    ("module", "data_prep", ("import",)): {
+        "typo": ("import", "--sorce", "psg", "--root", "{tmp}", "--out", "{tmp}/psg"),
+        "type": ("import", "--source", "psg", "--root", "{tmp}", "--out", "{tmp}/psg",
+                 "--limit", "x"),
+        "missing": ("import", "--source", "psg", "--root", "{missing}", "--out", "{tmp}/psg"),
+        "unwritable": ("import", "--source", "psg", "--root", "{tmp}", "--out",
+                       "/proc/sclaro/psg"),
+    },
     ("module", "data_prep", ("demo-models",)): {
         "typo": ("demo-models", "--outt", "{tmp}/models"),
         "type": ("demo-models", "--out", "{tmp}/models", "--photos", "x"),

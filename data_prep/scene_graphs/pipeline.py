@@ -29,7 +29,9 @@ manifest's "import" entry.
 from __future__ import annotations
 
 import collections
+import errno
 import io
+import os
 
 import numpy as np
 from PIL import Image
@@ -205,6 +207,8 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
     (tagger, lemmatize) in place of NLTK's (tests); checked before anything is read."""
     if kind not in READERS:
         raise ValueError(f"unknown scene-graph source {kind!r}; choose {', '.join(READERS)}")
+    if not os.path.isdir(root):  # before NLTK's data is looked for: the missing input first
+        raise FileNotFoundError(errno.ENOENT, "no such dataset folder (--root)", root)
     if with_actions and rule is None:
         rule = action_rule.require_rule()
     counts = Counts()
