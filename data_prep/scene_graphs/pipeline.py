@@ -207,14 +207,15 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
     (tagger, lemmatize) in place of NLTK's (tests); checked before anything is read."""
     if kind not in READERS:
         raise ValueError(f"unknown scene-graph source {kind!r}; choose {', '.join(READERS)}")
-    if not os.path.isdir(root):  # before NLTK's data is looked for: the missing input first
-        raise FileNotFoundError(errno.ENOENT, "no such dataset folder (--root)", root)
-    if with_actions and rule is None:
-        rule = action_rule.require_rule()
     counts = Counts()
-    # the writer first: a dataset already in `out` is refused before the json files are read
+    # the writer first: a dataset already in `out` is refused before the json files are read,
+    # then a missing root, then missing NLTK data
     with ShardWriter(out, records_per_shard=records_per_shard, overwrite=overwrite,
                      view_size=image_size, keep_originals=keep_originals) as writer:
+        if not os.path.isdir(root):
+            raise FileNotFoundError(errno.ENOENT, "no such dataset folder (--root)", root)
+        if with_actions and rule is None:
+            rule = action_rule.require_rule()
         data = READERS[kind](root, captions=tuple(captions))
         writer.split_rule = data.split_rule
         graphs = data.graphs[:limit] if limit else data.graphs
