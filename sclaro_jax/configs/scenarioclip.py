@@ -3,6 +3,8 @@
     python launch/train.py --config configs/scenarioclip.py --workdir DIR \\
         --config.data.dir=/data/sclaro --config.model.init=/models/clip-vit-base-patch32
     python launch/train.py --config configs/scenarioclip.py:demo --workdir /tmp/sclaro_demo
+    python launch/train.py --config configs/scenarioclip.py:psg --workdir DIR \\
+        --config.data.dir=/data/sclaro-psg   # from `python -m data_prep import --source psg`
 
 (`--config scenarioclip[:demo]` names the same recipe from any folder.)
 """
