@@ -94,9 +94,9 @@ def check_data_dir(config, task) -> None:
     if config.data.get("prepare"):  # a user error: one `error:` line, exit 2
         raise ValueError(f"config.data.dir is empty: pass --config.data.dir=DIR, the dataset "
                          f"written by `{config.data.prepare}`")
-    raise app.UsageError(f"config.data.dir is empty: pass --config.data.dir=DIR (a dataset "
-                         f"folder from `python -m data_prep`), or use the :demo variant of "
-                         f"configs/{task.name}.py for the bundled demo")
+    raise ValueError(f"config.data.dir is empty: pass --config.data.dir=DIR (a dataset folder "
+                     f"from `python -m data_prep`), or use the :demo variant of "
+                     f"configs/{task.name}.py for the bundled demo")
 
 
 def prepare_demo(config, workdir: str, task) -> None:
