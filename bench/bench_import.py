@@ -29,7 +29,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE.parent / "tests"))  # the PSG fixture's encoders
 
 PSG_IMAGES = 48_749
 SIZE = (640, 480)
@@ -41,8 +40,7 @@ def make_psg(tmp: str, n: int) -> tuple[str, str, str]:
     import numpy as np
     from PIL import Image
 
-    from data_prep.testing import SCENES, photograph, scripted_reply
-    from test_import_scene_graphs import rgb_encode, write_json
+    from data_prep.testing import SCENES, photograph, rgb_encode, scripted_reply, write_json
 
     root = Path(tmp) / "psg_root"
     photos = Path(tmp) / "photos"

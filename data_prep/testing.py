@@ -1,8 +1,12 @@
 """Scripted stage-1 material for tests and benchmarks: scikit-image's sample photographs with
 hand-written action / objects / relations, and a reply in the shape the appendix's prompt asks
-for (its own example's missing commas and a code fence included)."""
+for (its own example's missing commas and a code fence included); the writers of scene-graph
+fixtures in their released formats (`write_json`, COCO panoptic's `rgb_encode`)."""
 
 from __future__ import annotations
+
+import json
+import os
 
 import numpy as np
 
@@ -104,3 +108,15 @@ def write_long_tail_dataset(out_dir: str, records: int = 200, *, seed: int = 0,
                 caption="", objects=tuple(objects), relations=tuple(relations),
                 mask_kind="box"))
     return writer.manifest
+
+
+def write_json(path, doc) -> None:
+    """`doc` as a json file at `path`, its folder made."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def rgb_encode(ids):
+    """COCO panoptic's encoding of segment ids: id = R + 256 G + 256^2 B (the PNG's pixels)."""
+    return np.stack([ids % 256, ids // 256 % 256, ids // 65536], -1).astype(np.uint8)

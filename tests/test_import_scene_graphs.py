@@ -20,6 +20,7 @@ from data_prep import focus
 from data_prep.__main__ import main
 from data_prep.scene_graphs.pipeline import import_scene_graphs
 from data_prep.shards import TMP_PREFIX
+from data_prep.testing import rgb_encode, write_json
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
 
@@ -47,17 +48,6 @@ def jpeg(pixels):
     buf = io.BytesIO()
     Image.fromarray(pixels).save(buf, format="JPEG", quality=95)
     return buf.getvalue()
-
-
-def write_json(path, doc):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f)
-
-
-def rgb_encode(ids):
-    """COCO panoptic's encoding of segment ids: id = R + 256 G + 256^2 B."""
-    return np.stack([ids % 256, ids // 256 % 256, ids // 65536], -1).astype(np.uint8)
 
 
 # image id -> (photograph, size, [(segment id, category, (x0, y0, x1, y1))], relations)
