@@ -4,8 +4,8 @@ module.
 
 The conventions of `sclaro_jax.cli`: flags with hyphens (the underscore spelling is a hidden
 alias), a usage error is one `error: ... (see PROG --help)` line (exit 2), and any other user
-error (a missing file, a dataset already in --out, ...) prints one `error:` line and exits 2. `curate` also exits 3 after its first pass (label the clusters
-file, then rerun)."""
+error (a missing file, a dataset already in --out, ...) prints one `error:` line and exits 2.
+`curate` also exits 3 after its first pass (label the clusters file, then rerun)."""
 
 import argparse
 import sys

@@ -8,9 +8,10 @@ DIR is a detector run, trained by `launch/train.py --config configs/detection.py
 again, e.g. on another split (`--config.eval_split=val`) or dataset (`--config.data.dir=...`).
 The recipe is DIR/config.json, or `--config`; overrides use the launcher's grammar,
 `--config.KEY=VALUE`. The backbone (the encoders the detector was trained on) is the recipe's
-`backbone.workdir`. A damaged checkpoint (`checkpoint.check_run`) is refused with the
-step to pass as `--step` instead. Writes DIR/results.json (every number and setting) and DIR/results.md
-(Model | AP | AP50 | AP75 | APr | APc | APf) and prints the table (`sclaro_jax.detection.task`).
+`backbone.workdir`. A damaged checkpoint (`checkpoint.check_run`) is refused with the step to
+pass as `--step` instead. Writes DIR/results.json (every number and setting) and
+DIR/results.md (Model | AP | AP50 | AP75 | APr | APc | APf) and prints the table
+(`sclaro_jax.detection.task`).
 """
 
 from __future__ import annotations

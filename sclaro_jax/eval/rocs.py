@@ -123,8 +123,8 @@ def _bank_texts(spec: str, args) -> list[str]:
 
 
 def _prepare_csls(settings: Settings) -> None:
-    """On a CPU, CSLS runs numba kernels that are compiled once per machine (10-20 s, then
-    cached on disk): said before the wait, and timed."""
+    """On a CPU, CSLS runs numba kernels that are compiled once per machine (about 20 s, then
+    cached on disk: `_cpu_csls.prepare`): said before the wait, and timed."""
     import jax
 
     from sclaro_jax.miner import _cpu_csls, kernels

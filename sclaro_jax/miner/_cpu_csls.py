@@ -23,7 +23,7 @@ not matter: a mean of the k largest values is the same whichever tied element is
 scores are not supported (a NaN never enters a list).
 
 numba compiles the kernels on first use and caches them next to this file (or in numba's
-per-user cache where that folder is read-only): 10-20 s once per machine (and per numba
+per-user cache where that folder is read-only): about 20 s once per machine (and per numba
 version), then a fraction of a second to load. `prepare` does it up front and says which
 happened, so a command can announce the wait and time it.
 """
