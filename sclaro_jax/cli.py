@@ -82,6 +82,17 @@ def writable(path: str) -> str:
     return path
 
 
+def positive_int(text: str) -> int:
+    """argparse `type=` of a count of at least 1 (`--workers 0` is a usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def other_spelling(option: str) -> str | None:
     """'--no-progress' -> '--no_progress' and back; None for a flag with neither."""
     if not option.startswith("--"):

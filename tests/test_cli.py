@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from sclaro_jax import cli
 from sclaro_jax.eval import detect, rocs, suite
 from sclaro_jax.eval.retrieval import synthetic
 from sclaro_jax.export import wds
@@ -32,7 +33,7 @@ def _value(action) -> list[str]:
         return [str(next(iter(action.choices)))]
     if action.dest == "stage_cpus":  # "auto" or a number
         return ["0.5"]
-    return [{int: "3", float: "0.5"}.get(action.type, "v")]
+    return [{int: "3", cli.positive_int: "3", float: "0.5"}.get(action.type, "v")]
 
 
 @pytest.mark.parametrize("name", sorted(parsers()))

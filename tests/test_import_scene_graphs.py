@@ -19,7 +19,6 @@ from PIL import Image
 from data_prep import focus
 from data_prep.__main__ import main
 from data_prep.scene_graphs.pipeline import import_scene_graphs
-from data_prep.shards import TMP_PREFIX
 from data_prep.testing import rgb_encode, write_json
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
@@ -58,7 +57,8 @@ PSG_IMAGES = {
     "2": ("chelsea", (80, 64), [(1234567, 1, (20, 16, 70, 60)), (300, 3, (0, 0, 80, 16)),
                                 (777777, 2, (0, 0, 10, 10))],
           [[0, 1, 0], [2, 0, 2]]),   # segment 777777 is not in the PNG: an empty mask
-    "3": ("coffee", (96, 64), [(5, 0, (30, 20, 60, 50)), (6, 3, (0, 0, 96, 20))], [[0, 1, 2]]),
+    "3": ("coffee", (96, 64), [(5, 0, (30, 20, 60, 50)), (6, 3, (0, 0, 96, 20))],
+          [[0, 1, 2], [1, 0, 7]]),   # predicate 7: past predicate_classes
     "4": ("astronaut", (64, 64), [(7, 0, (0, 0, 32, 32)), (8, 3, (32, 32, 64, 64))],
           [[0, 1, 0]]),     # its photograph is missing
     "5": ("coffee", (64, 48), [(9, 0, (0, 0, 32, 32)), (10, 3, (32, 0, 64, 48))],
@@ -122,8 +122,11 @@ def records(folder):
 @pytest.fixture(scope="module")
 def psg_out(psg_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("psg_out") / "data"
+    # two worker processes, blocks of two images (the kill test below: one process)
     manifest = import_scene_graphs("psg", str(psg_root), str(out), rule=RULE, image_size=32,
-                                   keep_originals=True, records_per_shard=2, progress=False)
+                                   keep_originals=True, records_per_shard=2, progress=False,
+                                   workers=2, block_size=2)
+    assert not os.path.exists(f"{out}.work")   # removed once the dataset is written
     return out, manifest
 
 
@@ -155,7 +158,7 @@ def test_psg_records_equal_values_worked_out_independently(psg_root, psg_out):
         ids = decode_panoptic(psg_root / "coco" / f"panoptic_train2017/{int(image_id):012d}.png")
         rgb = np.asarray(Image.open(path).convert("RGB"))
         expected = [(s, PREDICATES[p], o) for s, o, p in relations
-                    if o < len(segments) and (ids == segments[s][0]).any()
+                    if o < len(segments) and p < len(PREDICATES) and (ids == segments[s][0]).any()
                     and (ids == segments[o][0]).any()]
         assert [(r.subject, r.predicate, r.object, r.text) for r in sample.relations] == [
             (s, p, o, f"{NAMES[segments[s][1]]} {p} {NAMES[segments[o][1]]}")
@@ -166,7 +169,7 @@ def test_psg_records_equal_values_worked_out_independently(psg_root, psg_out):
             assert r.region == jpeg(region)
     summary = manifest["import"]
     assert summary["skipped"] == {"missing_image": 1, "no_caption": 1}
-    assert summary["relations_dropped"] == {"empty_mask": 1, "index_out_of_range": 1}
+    assert summary["relations_dropped"] == {"empty_mask": 1, "index_out_of_range": 2}
     assert (summary["images"], summary["kept"], summary["actions"]["with_action"]) == (5, 3, 2)
     assert manifest["split_rule"]["method"] == "dataset"
     assert manifest["mask_kinds"] == {"panoptic": 3}
@@ -302,7 +305,7 @@ def test_a_truncated_json_is_one_error_line_naming_it(source, name, psg_root, vg
                  str(tmp_path / "out"), "--no-actions", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and str(root / name) in err[0]
-    assert not (tmp_path / "out" / schema.MANIFEST).exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.work").exists()
 
 
 def test_missing_nltk_data_names_every_download(psg_root, tmp_path, capsys, monkeypatch):
@@ -315,38 +318,77 @@ def test_missing_nltk_data_names_every_download(psg_root, tmp_path, capsys, monk
     for what in ("python -m nltk.downloader averaged_perceptron_tagger_eng",
                  "python -m nltk.downloader wordnet", "--no-actions"):
         assert what in err
-    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.work").exists()
 
 
 KILLED_IMPORT = """
-import os, signal, sys
+import json, os, signal, sys
 from data_prep.scene_graphs import pipeline
+verbs, lemmas = json.loads(sys.argv[3])
+rule = (lambda tokens: [(t, verbs.get(t.lower(), "NN")) for t in tokens], lemmas.__getitem__)
 real, calls = pipeline.make_sample, []
 def make_sample(*args, **kwargs):
     calls.append(1)
-    if len(calls) == 4:   # two records in the writer's hidden folder, a shard finished
+    if len(calls) == 4:   # block 0 (images 1, 2) finished, block 1 half done
         os.kill(os.getpid(), signal.SIGKILL)
     return real(*args, **kwargs)
 pipeline.make_sample = make_sample
-pipeline.import_scene_graphs("psg", sys.argv[1], sys.argv[2], with_actions=False,
-                             image_size=32, keep_originals=True, records_per_shard=2,
-                             progress=False)
+pipeline.import_scene_graphs("psg", sys.argv[1], sys.argv[2], rule=rule, image_size=32,
+                             keep_originals=True, records_per_shard=2, progress=False,
+                             block_size=2)
 """
 
 
-def test_rerun_after_a_killed_import_gives_the_same_records(psg_root, psg_out, tmp_path):
+def test_rerun_after_a_killed_import_resumes_with_the_same_records(psg_root, psg_out, tmp_path,
+                                                                   monkeypatch, capsys):
+    from data_prep.scene_graphs import pipeline
     out = tmp_path / "data"
-    run = subprocess.run([sys.executable, "-c", KILLED_IMPORT, str(psg_root), str(out)],
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                         capture_output=True, text=True, timeout=300)
+    killed = [sys.executable, "-c", KILLED_IMPORT, str(psg_root), str(out),
+              json.dumps([VERBS, LEMMAS])]
+    run = subprocess.run(killed, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == -signal.SIGKILL, run.stderr
-    assert not (out / schema.MANIFEST).exists()
-    assert [n for n in os.listdir(out) if n.startswith(TMP_PREFIX)]   # what the kill left
-    manifest = import_scene_graphs("psg", str(psg_root), str(out), rule=RULE, image_size=32,
-                                   keep_originals=True, records_per_shard=2, progress=False)
+    assert not out.exists()                     # nothing published
+    blocks = sorted(os.listdir(f"{out}.work/blocks"))
+    assert blocks == ["000000.array_record", "000000.json"], blocks   # what the kill kept
+    # another command on that work folder (no action words): the block is redone
+    calls = []
+    real = pipeline.make_sample
+    monkeypatch.setattr(pipeline, "make_sample", lambda g, *a, **k: calls.append(g.id) or
+                        real(g, *a, **k))
+    kw = dict(image_size=32, keep_originals=True, records_per_shard=2, progress=False,
+              block_size=2)
+    import_scene_graphs("psg", str(psg_root), str(tmp_path / "other"), with_actions=False,
+                        work=f"{out}.work", **kw)
+    assert "1 blocks in" in capsys.readouterr().err and len(calls) == 5
+    # the same command after a kill: block 0 is kept, blocks 1 and 2 are done
+    assert subprocess.run(killed, cwd=ROOT, timeout=300).returncode == -signal.SIGKILL
+    calls.clear()
+    manifest = import_scene_graphs("psg", str(psg_root), str(out), rule=RULE, **kw)
+    assert "1 of 3 blocks already done" in capsys.readouterr().err
+    assert calls == ["openpsg/3", "openpsg/4", "openpsg/5"]
+    assert not os.path.exists(f"{out}.work")
+    # one process after a kill == two worker processes without (psg_out)
     assert records(out) == records(psg_out[0])
     assert manifest["import"] == psg_out[1]["import"]
-    assert not [n for n in os.listdir(out) if n.startswith(TMP_PREFIX)]
+
+
+def test_ctrl_c_keeps_the_finished_blocks_and_says_so(psg_root, tmp_path, monkeypatch, capsys):
+    from data_prep.scene_graphs import pipeline
+    real, calls = pipeline.make_sample, []
+
+    def make_sample(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+    monkeypatch.setattr(pipeline, "make_sample", make_sample)
+    out = tmp_path / "out"
+    assert main(["import", "--source", "psg", "--root", str(psg_root), "--out", str(out),
+                 "--no-actions", "--no-progress", "--workers", "1", "--block-size", "2"]) == 130
+    err = capsys.readouterr().err
+    assert f"1 of 3 blocks are kept in {out}.work: rerun the same command to resume" in err
+    assert "Traceback" not in err and not out.exists()
+    assert sorted(os.listdir(f"{out}.work/blocks")) == ["000000.array_record", "000000.json"]
 
 
 def test_curate_runs_on_an_import_unchanged(psg_out, tmp_path):

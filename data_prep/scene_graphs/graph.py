@@ -14,7 +14,8 @@ class Graph:
     split: str  # the dataset's own split: "train" or "test"
     image: str  # path of the photograph
     objects: tuple[tuple[str, Box | None], ...]  # (name, box); None: the box of its mask
-    relations: tuple[tuple[int, str, int], ...]  # (subject, predicate, object) as given
+    relations: tuple[tuple[int, str | None, int], ...]  # (subject, predicate, object); None:
+    # a predicate the dataset's index does not name
     captions: tuple[str, ...] = ()  # in the dataset's order
     panoptic: str | None = None  # PSG: the panoptic PNG; None: box masks
     segments: tuple[int, ...] = ()  # PSG: each object's segment id in the PNG

@@ -11,7 +11,8 @@ What cannot be used is skipped and counted, never fatal. An image is skipped (`s
     no_relations         no relation is left (the dataset gave none, or all were dropped)
 a relation is dropped (`relations_dropped`) for:
     index_out_of_range   its subject or object index lies past the object list (VG: an object
-                         neither listed nor boxed)
+                         neither listed nor boxed), or PSG's predicate index past
+                         predicate_classes
     object_dropped       its subject or object was dropped (below)
     empty_mask           a mask is empty: PSG's segment id is absent from the PNG (or a box
                          covers no pixel centre)
@@ -19,11 +20,14 @@ a relation is dropped (`relations_dropped`) for:
 and an object (`objects_dropped`) for an empty name (no_name) or a box with no area inside the
 photograph (bad_box); boxes are clipped to the photograph.
 
-Atomic, so a rerun is the resume: the shards go to a hidden folder that is published only
-when every image is done (`data_prep.shards`), so a killed import leaves no dataset and the
-rerun removes the leftovers and writes the same records (the manifest's creation time aside).
-The summary (counts above, action coverage, the rule and files read) goes into the
-manifest's "import" entry.
+Parallel and resumable: the images go in blocks (256 by default) to worker processes; each
+finished block is written to the work folder (OUT.work: `blocks`), so a killed import keeps
+what it finished and the rerun of the same command does only the rest. When every block is
+done the records are published in the dataset's order through a `ShardWriter` (atomic: a kill
+there leaves no dataset, and the rerun publishes again from the blocks) and the work folder is
+removed. The records are the same for any number of workers, block size or kills (the
+manifest's creation time aside). The summary (counts above, action coverage, the rule and files
+read) goes into the manifest's "import" entry.
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ from __future__ import annotations
 import collections
 import errno
 import io
+import multiprocessing
 import os
+import shutil
+import signal
+import sys
+from concurrent import futures
 
 import numpy as np
 from PIL import Image
@@ -40,9 +49,9 @@ from tqdm import tqdm
 from data_prep import focus
 from data_prep.demo import box_mask, encode_jpeg
 from data_prep.scene_graphs import actions as action_rule
-from data_prep.scene_graphs import psg, vg
+from data_prep.scene_graphs import blocks, psg, vg
 from data_prep.scene_graphs.graph import Graph, SceneGraphs
-from data_prep.shards import ShardWriter
+from data_prep.shards import ShardWriter, convert_sample
 from data_prep.source_items import SourceError, SourceItem, read_image
 from sclaro_jax.data import schema
 
@@ -78,6 +87,19 @@ class Counts:
         self.skipped, self.relations_dropped, self.objects_dropped = (
             collections.Counter(), collections.Counter(), collections.Counter())
         self.splits = collections.Counter()
+
+    def as_dict(self) -> dict:
+        return {"images": self.images, "kept": self.kept, "with_action": self.with_action,
+                "skipped": dict(self.skipped), "relations_dropped": dict(self.relations_dropped),
+                "objects_dropped": dict(self.objects_dropped), "splits": dict(self.splits)}
+
+    def add(self, d: dict) -> None:
+        """Add the tallies of another `as_dict` (a block's)."""
+        self.images += d["images"]
+        self.kept += d["kept"]
+        self.with_action += d["with_action"]
+        for name in ("skipped", "relations_dropped", "objects_dropped", "splits"):
+            getattr(self, name).update(d[name])
 
     def summary(self, data: SceneGraphs, with_actions: bool) -> dict:
         return {
@@ -139,7 +161,7 @@ def _relations(graph: Graph, rgb: np.ndarray, objects: list, index: dict, masks:
     relations = []
     n = len(graph.objects)
     for s, predicate, o in graph.relations:
-        if not (0 <= s < n and 0 <= o < n):
+        if predicate is None or not (0 <= s < n and 0 <= o < n):
             reason = "index_out_of_range"
         elif s not in index or o not in index:
             reason = "object_dropped"
@@ -196,39 +218,152 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
         relations=tuple(relations), mask_kind=data.mask_kind)
 
 
+def _files(data: SceneGraphs) -> list[str]:
+    """The dataset files a reader read (the key of the blocks made from them)."""
+    out = []
+    for value in data.files.values():
+        out.extend([value] if isinstance(value, str) else list(value))
+    return out
+
+
+_JOB: dict = {}  # what a block needs; forked workers inherit it (no pickling of the graphs)
+
+
+def _run_block(k: int) -> dict:
+    """Block k: its records (views made, as the writer would) in one block file; its marker."""
+    job = _JOB
+    graphs, counts, records = job["blocks"][k], Counts(), []
+    for graph in graphs:
+        counts.images += 1
+        sample = make_sample(graph, job["data"], counts, job["rule"])
+        if sample is not None:
+            sample, _ = convert_sample(sample, None, view_size=job["view_size"],
+                                       keep_originals=job["keep_originals"],
+                                       view_quality=schema.VIEW_QUALITY)
+            records.append(schema.encode(sample))
+    return blocks.write(job["work"], k, [g.id for g in graphs], records, counts.as_dict(),
+                        job["key"])
+
+
+def _run_blocks(todo: list[int], workers: int):
+    """The markers of the blocks `todo`, as they finish: in this process for one worker, else
+    in `workers` forked processes (a Ctrl-C ends them at once, without their tracebacks; the
+    blocks they were writing are left as temporary files, removed by the next run)."""
+    if workers <= 1 or len(todo) <= 1:
+        for k in todo:
+            yield _run_block(k)
+        return
+    pool = futures.ProcessPoolExecutor(min(workers, len(todo)),
+                                       mp_context=multiprocessing.get_context("fork"),
+                                       initializer=signal.signal,
+                                       initargs=(signal.SIGINT, signal.SIG_DFL))
+    try:
+        running = [pool.submit(_run_block, k) for k in todo]
+        for done in futures.as_completed(running):
+            yield done.result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, ...] = (),
                         with_actions: bool = True, limit: int = 0,
                         records_per_shard: int = 1000, overwrite: bool = False,
                         image_size: int | None = schema.DEFAULT_VIEW_SIZE,
                         keep_originals: bool = False, progress: bool = True,
-                        rule=None) -> dict:
+                        rule=None, workers: int = 1, block_size: int = 256,
+                        work: str | None = None) -> dict:
     """Import dataset `kind` ("psg" or "vg") from its released layout under `root` into the
-    dataset folder `out`; returns the manifest (its "import" entry is the summary). `rule`:
-    (tagger, lemmatize) in place of NLTK's (tests); checked before anything is read."""
+    dataset folder `out`; returns the manifest (its "import" entry is the summary).
+
+    The images go in blocks of `block_size` to `workers` processes, each block written to the
+    work folder `work` (default OUT.work) when finished (`blocks`); a rerun after a kill keeps
+    the finished blocks. When every block is done the records are published in the dataset's
+    order (`ShardWriter`, atomic) and the work folder removed: the records are the same for any
+    number of workers or kills. `rule`: (tagger, lemmatize) in place of NLTK's (tests).
+    Checked before anything is read or made: a dataset already in `out`, a missing root, then
+    missing NLTK data."""
     if kind not in READERS:
         raise ValueError(f"unknown scene-graph source {kind!r}; choose {', '.join(READERS)}")
+    if block_size < 1 or workers < 1:
+        raise ValueError(f"block_size ({block_size}) and workers ({workers}) must be at least 1")
+    out = os.path.abspath(out)
+    manifest_path = os.path.join(out, schema.MANIFEST)
+    if os.path.exists(manifest_path) and not overwrite:
+        raise FileExistsError(f"{manifest_path} exists: {out} already holds a dataset (pass "
+                              f"overwrite=True / --overwrite to replace it)")
+    if not os.path.isdir(root):
+        raise FileNotFoundError(errno.ENOENT, "no such dataset folder (--root)", root)
+    actions = "none"
+    if with_actions:
+        actions = "given" if rule is not None else "nltk"
+        rule = rule if rule is not None else action_rule.require_rule()
+    else:
+        rule = None
+    data = READERS[kind](root, captions=tuple(captions))
+    graphs = data.graphs[:limit] if limit else data.graphs
+    chunks = [graphs[i:i + block_size] for i in range(0, len(graphs), block_size)]
+    keep = bool(keep_originals) or image_size is None
+    key = blocks.run_key({"version": 1, "source": kind, "root": os.path.abspath(root),
+                          "actions": actions, "view_size": image_size, "keep_originals": keep,
+                          "view_quality": schema.VIEW_QUALITY,
+                          "region_quality": REGION_QUALITY}, _files(data))
+    work = os.path.abspath(work or out.rstrip(os.sep) + ".work")
+    os.makedirs(work, exist_ok=True)
+    blocks.clear_partial(work)
+    markers, other = blocks.finished(work, [[g.id for g in c] for c in chunks], key)
+    if markers:
+        print(f"import: {len(markers)} of {len(chunks)} blocks already done in {work} (an "
+              f"earlier run); doing the other {len(chunks) - len(markers)}", file=sys.stderr)
+    if other:
+        print(f"import: {other} blocks in {work} were made from other files or settings; "
+              f"redoing them", file=sys.stderr)
+    todo = [k for k in range(len(chunks)) if k not in markers]
+    _JOB.update(blocks=chunks, data=data, rule=rule, view_size=image_size, keep_originals=keep,
+                work=work, key=key)
+    bar = tqdm(total=len(graphs), initial=sum(len(chunks[k]) for k in markers),
+               desc=f"importing {kind}", unit="image", disable=not progress)
+    try:
+        for marker in _run_blocks(todo, workers):
+            markers[marker["block"]] = marker
+            bar.update(len(marker["ids"]))
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"import: interrupted; {len(markers)} of {len(chunks)} blocks are kept in {work}: "
+              f"rerun the same command to resume", file=sys.stderr)
+        raise
+    finally:
+        bar.close()
+        _JOB.clear()
     counts = Counts()
-    # the writer first: a dataset already in `out` is refused before the json files are read,
-    # then a missing root, then missing NLTK data
-    with ShardWriter(out, records_per_shard=records_per_shard, overwrite=overwrite,
-                     view_size=image_size, keep_originals=keep_originals) as writer:
-        if not os.path.isdir(root):
-            raise FileNotFoundError(errno.ENOENT, "no such dataset folder (--root)", root)
-        if with_actions and rule is None:
-            rule = action_rule.require_rule()
-        data = READERS[kind](root, captions=tuple(captions))
-        writer.split_rule = data.split_rule
-        graphs = data.graphs[:limit] if limit else data.graphs
-        for graph in tqdm(graphs, desc=f"importing {kind}", unit="image", disable=not progress):
-            counts.images += 1
-            sample = make_sample(graph, data, counts, rule if with_actions else None)
-            if sample is not None:
-                writer.add(sample)
-        summary = counts.summary(data, with_actions)
-        if not counts.kept:
-            raise ValueError(f"no image of {root} could be imported: "
-                             + format_summary(summary).replace("\n", ";"))
-        writer.manifest_extra["import"] = summary
+    for k in range(len(chunks)):
+        counts.add(markers[k]["counts"])
+    summary = counts.summary(data, with_actions)
+    if not counts.kept:
+        shutil.rmtree(work, ignore_errors=True)
+        raise ValueError(f"no image of {root} could be imported: "
+                         + format_summary(summary).replace("\n", ";"))
+    existed = os.path.isdir(out)
+    try:
+        # validated and given their views in the blocks: passed through here
+        with ShardWriter(out, records_per_shard=records_per_shard, overwrite=overwrite,
+                         split_rule=data.split_rule, validate_images=False,
+                         view_size=image_size, keep_originals=keep_originals,
+                         manifest_extra={"import": summary}) as writer:
+            for k in tqdm(range(len(chunks)), desc="writing shards", unit="block",
+                          disable=not progress):
+                for record in blocks.records(work, k):
+                    writer.add(record)
+    except BaseException as e:
+        if not existed:
+            try:
+                os.rmdir(out)   # only if the writer left it empty
+            except OSError:
+                pass
+        if isinstance(e, KeyboardInterrupt):
+            print(f"import: interrupted while writing {out}; every block is kept in {work}: "
+                  f"rerun the same command to write it", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     return writer.manifest
 
 

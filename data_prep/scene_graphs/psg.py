@@ -12,13 +12,14 @@ COCO panoptic PNGs and the COCO captions.
     <root>/coco/<file_name>, <root>/coco/<pan_seg_file_name>
     <root>/coco/annotations/captions_*.json   COCO captions (train2017 and val2017)
 
-Objects are the segments in order: the class `thing_classes + stuff_classes`[category_id]
-written as words (`class_words`), the box `annotations[k].bbox` (xyxy, the list parallel to
-`segments_info`; without it the segment's COCO `bbox` [x, y, w, h], else the mask's box).
-Segment k's mask is the pixels of the panoptic PNG whose id R + 256 G + 256^2 B equals
-`segments_info[k].id`. Relations are [subject, object, predicate] indices. Captions are
-matched by the image's file name through the captions file's "images" (else by image id) and
-ordered by caption id. The split is PSG's: "test" for `test_image_ids`, "train" otherwise.
+Objects are the segments in order: the class `thing_classes + stuff_classes`[category_id] written as
+words (`class_words`), the box `annotations[k].bbox` (xyxy, the list parallel to `segments_info`;
+without it the segment's COCO `bbox` [x, y, w, h], else the mask's box). Segment k's mask is the
+pixels of the panoptic PNG whose id R + 256 G + 256^2 B equals `segments_info[k].id`. Relations are
+[subject, object, predicate] indices (a predicate index past predicate_classes is kept as None: the
+import counts the relation as out of range). Captions are matched by the image's file name through
+the captions file's "images" (else by image id) and ordered by caption id. The split is PSG's:
+"test" for `test_image_ids`, "train" otherwise.
 """
 
 from __future__ import annotations
@@ -79,6 +80,13 @@ def _objects(entry: dict, classes: list[str]) -> list:
     return objects
 
 
+def _predicate(predicates: list[str], p) -> str | None:
+    """Predicate class p as words; None past the list (the import counts the relation as
+    index_out_of_range)."""
+    p = int(p)
+    return clean(predicates[p]) if 0 <= p < len(predicates) else None
+
+
 def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
     """Every image of psg.json as a `Graph`, in the file's order."""
     root = os.path.abspath(root)
@@ -110,7 +118,7 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
                 split="test" if image_id in test_ids else "train",
                 image=os.path.join(coco, entry["file_name"]),
                 objects=tuple(_objects(entry, classes)),
-                relations=tuple((int(s), clean(predicates[p]), int(o))
+                relations=tuple((int(s), _predicate(predicates, p), int(o))
                                 for s, o, p in entry["relations"]),
                 captions=tuple(by_id.get(coco_id, ())),
                 panoptic=os.path.join(coco, entry["pan_seg_file_name"]),
