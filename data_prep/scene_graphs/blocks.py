@@ -20,17 +20,11 @@ import json
 import os
 import uuid
 
+from sclaro_jax.data.schema import file_sha256
+
 BLOCKS = "blocks"
 RUN = "run.json"
 MARKER_VERSION = 1
-
-
-def file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def run_key(settings: dict, files: list[str]) -> str:
