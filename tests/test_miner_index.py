@@ -91,6 +91,32 @@ def test_global_index_folds_r_i_into_an_inner_product(data, flat, exact):
     np.testing.assert_array_equal(np.sort(ids, 1), np.sort(np.argsort(-direct, 1)[:, :5], 1))
 
 
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_fused_crop_vectors_are_the_csls_order(data, flat, exact, pool, tmp_path):
+    """max_r [t, 1].[(1 - alpha) g + alpha c_r, -r_i / 2] = S - r_i / 2 (max pooling; the mean
+    crop for mean pooling), S computed here in numpy from the float16 embeddings."""
+    n = G if pool == "max" else 300
+    if pool == "max":
+        shard, r_i = index.open_index(flat["crops"]), exact["crops"].r_i
+    else:
+        bank = data["bank"]
+        shard = index.open_index(index.build(
+            index.Gallery.from_arrays(data["images"][:n], data["crops"][:n]), bank,
+            tmp_path / "mean", factory="Flat", pool="mean", progress=False))
+        r_i = stream.search(bank[:1], data["images"][:n], data["crops"][:n], bank=bank,
+                            pool="mean").r_i
+    t = data["queries"]
+    ip, ids = shard.crops.search(np.concatenate([t, np.ones((len(t), 1), np.float32)], 1),
+                                 shard.crops.ntotal)
+    per = R if pool == "max" else 1
+    best = np.full((len(t), n), -np.inf, np.float32)
+    np.maximum.at(best, (np.arange(len(t))[:, None], ids // per), ip)
+    g = data["images"][:n].astype(np.float32)
+    c = np.einsum("qd,grd->qgr", t, data["crops"][:n].astype(np.float32))
+    s = 0.6 * t @ g.T + 0.4 * (c.max(-1) if pool == "max" else c.mean(-1))
+    np.testing.assert_allclose(best, s - r_i / 2, atol=1e-5)
+
+
 def test_a_short_shortlist_keeps_the_exact_top_on_structured_data(data, flat, exact):
     res = index.search(data["queries"], [flat["crops"]], top=10, shortlist=50, batch=16)
     ref = exact["crops"]

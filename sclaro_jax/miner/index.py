@@ -15,11 +15,16 @@ Scores (docs/design.md, section 4; `stream`'s docstring), all embeddings L2-norm
 For one query r_q is a constant, so the order is that of 2S - r_i. Without crops that is a
 maximum inner product search: 2 (t.g_i - r_i / 2) = 2 [t, 1] . [g_i, -r_i / 2]. So the global
 index holds x_i = [g_i, -r_i / 2] (zero-padded to the factory's sub-quantizer multiple) and is
-searched with [t, 1, 0...]; the crop index holds every crop c_ir (row i * R + r, image i). A
-search takes, per query, the top `shortlist` images of the global index and the images of the
-top `shortlist` crop vectors, their union (at most 2 * shortlist images per shard), and computes
-the EXACT fused score S and CSLS there from the stored float16 embeddings (jax: on the GPU when
-there is one), with `stream.search`'s tie rule (equal scores: the lower gallery index first).
+searched with [t, 1, 0...]. With crops the same holds per crop: since (1 - alpha) t.g_i does not
+depend on r, S_i = max_r t.((1 - alpha) g_i + alpha c_ir) for max pooling (and
+t.((1 - alpha) g_i + alpha mean_r c_ir) for mean), so the crop index holds the fused crop
+vectors [(1 - alpha) g_i + alpha c_ir, -r_i / 2] (row i * R + r, image i; one per image for
+mean pooling), and an exact inner product search over them, keeping each image's best vector,
+IS the MINER + CSLS order (`crop_vectors`). The ANN approximates those inner products. A search
+takes, per query, the top `shortlist` images of the global index and the images of the top
+`shortlist` fused crop vectors, their union (at most 2 * shortlist images per shard), and
+computes the EXACT fused score S and CSLS there from the stored float16 embeddings (jax: on the
+GPU when there is one), with `stream.search`'s tie rule (the lower gallery index first).
 r_q over the shortlist equals stream's r_q (over the whole gallery) whenever the shortlist holds
 the query's k best images by S; with a flat index and a shortlist the size of the gallery the
 result is `stream.search(queries, images, crops, bank=B)` (tests/test_miner_index.py).
@@ -40,7 +45,8 @@ alpha, k, pool, bank hash, factory, shard); an index, or a resumed build, with o
 refused naming both values.
 
 FAISS factories: `{nlist}` becomes 2^round(log2(sqrt(n))) for the n vectors of that index (at
-most n / 39, at least 1), `{m}` becomes ceil(d / 8) (8 dimensions per sub-quantizer); vectors
+most n / 39, at least 1), `{m}` becomes ceil(d / 8) (8 dimensions per sub-quantizer) and
+`{m/N}` ceil(d / N); vectors
 are zero-padded to a multiple of the PQ size (`PQm`). The default (`DEFAULT_FACTORY`) was chosen
 by measurement (bench/README.md, "MINER ANN index"). Indexes must support `merge_from` (flat,
 IVF, OPQ + IVF), which is what the chunked, resumable build needs; HNSW does not.
@@ -66,7 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 
 VERSION = 1
-DEFAULT_FACTORY = "IVF{nlist},PQ{m}x4fs"
+DEFAULT_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
 DEFAULT_NPROBE = 32
 DEFAULT_SHORTLIST = 100
 INSTALL = 'pip install "sclaro-jax[ann]"'
@@ -216,8 +222,8 @@ def resolve_factory(template: str, n: int, d: int) -> tuple[str, int]:
     """(factory string, padded dimension) for n vectors of dimension d; see the module doc."""
     nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
     nlist = max(1, min(nlist, n // 39))
-    m = -(-d // 8)
-    text = template.replace("{nlist}", str(nlist)).replace("{m}", str(m))
+    text = template.replace("{nlist}", str(nlist)).replace("{m}", str(-(-d // 8)))
+    text = re.sub(r"\{m/(\d+)\}", lambda g: str(-(-d // int(g.group(1)))), text)
     pq = re.search(r"(?<!O)PQ(\d+)", text)
     q = int(pq.group(1)) if pq else 1
     opq = re.match(r"OPQ(\d+)", text)
@@ -241,10 +247,30 @@ def global_vectors(views: np.ndarray, r_i: np.ndarray, d: int) -> np.ndarray:
     return _pad(np.concatenate([g, -0.5 * r_i.astype(np.float32)[:, None]], axis=1), d)
 
 
-def crop_vectors(views: np.ndarray, d: int) -> np.ndarray:
-    """The crops c_ir as rows i * R + r, float32 [n * R, d]."""
-    c = views[:, 1:]
-    return _pad(c.reshape(-1, c.shape[2]).astype(np.float32), d)
+def crop_vectors(views: np.ndarray, r_i: np.ndarray, d: int, alpha: float, pool: str
+                 ) -> np.ndarray:
+    """The fused crop vectors, float32 [n * P, d] (P = R for pool max, 1 for mean), image i's
+    at rows i * P ... i * P + P - 1:
+
+        max:  x_ir = [(1 - alpha) g_i + alpha c_ir, -r_i / 2]      r = 0 .. R - 1
+        mean: x_i  = [(1 - alpha) g_i + alpha mean_r c_ir, -r_i / 2]
+
+    so that with the query [t, 1], max_r t.x_ir (or t.x_i) = S_i - r_i / 2 = (2 S_i - r_i) / 2:
+    an exact inner product search over these vectors, keeping each image's best, gives the
+    MINER + CSLS order; the ANN only approximates the inner products."""
+    g = views[:, :1].astype(np.float32)
+    c = views[:, 1:].astype(np.float32)
+    if pool == "mean":
+        c = c.mean(axis=1, keepdims=True)
+    x = (1 - alpha) * g + alpha * c
+    ri = np.broadcast_to(-0.5 * r_i.astype(np.float32)[:, None, None], x.shape[:2] + (1,))
+    x = np.concatenate([x, ri], axis=2)
+    return _pad(x.reshape(-1, x.shape[2]), d)
+
+
+def per_image(n_crops: int, pool: str) -> int:
+    """Crop-index vectors per image (`crop_vectors`)."""
+    return n_crops if pool == "max" else 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -324,7 +350,8 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     if n < 1:
         raise ValueError(f"shard {shard[0]}/{shard[1]} of {gallery.n} images is empty")
     d_glob_f, d_glob = resolve_factory(factory, n, gallery.dim + 1)
-    d_crop_f, d_crop = resolve_factory(factory, max(1, n * r), gallery.dim)
+    p_img = per_image(r, pool)
+    d_crop_f, d_crop = resolve_factory(factory, max(1, n * p_img), gallery.dim + 1)
     meta = {"version": VERSION, "encoder": gallery.encoder, "crop_rule": gallery.crop_rule,
             "crops": gallery.crop_spec, "n_crops": r, "dim": gallery.dim, "alpha": float(alpha),
             "k": int(k), "pool": pool, "bank_hash": bank_hash(bank), "bank_rows": len(bank),
@@ -393,14 +420,14 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     kinds = [("global", d_glob_f, d_glob)] + ([("crops", d_crop_f, d_crop)] if r else [])
     if not man["trained"]:
         for kind, fac, d in kinds:
-            total = n if kind == "global" else n * r
-            size = min(total, train_size or max(64 * _nlist_of(fac), 20_000))
+            total = n if kind == "global" else n * p_img
+            size = min(total, train_size or max(40 * _nlist_of(fac), 10_000))
             rows = np.unique(np.linspace(0, total - 1, size).astype(np.int64))
             if kind == "global":
                 x = global_vectors(np.asarray(views[rows]), r_i_rows(rows), d)
             else:
-                img = np.unique(rows // r)
-                x = crop_vectors(np.asarray(views[img]), d)
+                img = np.unique(rows // p_img)
+                x = crop_vectors(np.asarray(views[img]), r_i_rows(img), d, alpha, pool)
             index = faiss().index_factory(d, fac, faiss().METRIC_INNER_PRODUCT)
             if not index.is_trained:
                 index.train(x)
@@ -418,7 +445,8 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         ri = np.load(parts / f"ri-{c:05d}.npy")
         for kind, _, d in kinds:
             index = faiss().clone_index(trained[kind])
-            x = global_vectors(v, ri, d) if kind == "global" else crop_vectors(v, d)
+            x = global_vectors(v, ri, d) if kind == "global" else \
+                crop_vectors(v, ri, d, alpha, pool)
             index.add(x)
             _write_index(parts / f"{kind}-{c:05d}.faiss", index)
         record("added", c)
@@ -426,7 +454,7 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     # 4. assemble: merge the parts in gallery order, or (fast-scan) add the chunks in order
     for kind, fac, d in kinds:
         index = faiss().clone_index(trained[kind])
-        per = 1 if kind == "global" else r
+        per = 1 if kind == "global" else p_img
         for c, (a, b) in enumerate(tqdm(chunks, desc=f"index {out.name}: {kind}", unit="chunk",
                                         disable=not progress or mergeable)):
             if mergeable:
@@ -436,7 +464,8 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
             else:
                 v = np.asarray(views[a:b])
                 ri = np.load(parts / f"ri-{c:05d}.npy")
-                index.add(global_vectors(v, ri, d) if kind == "global" else crop_vectors(v, d))
+                index.add(global_vectors(v, ri, d) if kind == "global" else
+                          crop_vectors(v, ri, d, alpha, pool))
         _write_index(out / f"{kind}.faiss", index)
     _write_npy(out / "r_i.npy", np.concatenate([np.load(parts / f"ri-{c:05d}.npy")
                                                 for c in range(len(chunks))]))
@@ -600,16 +629,16 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
         for index, fac in ((s.glob, s.meta["factory_global"]), (s.crops, s.meta["factory_crops"])):
             if index is not None and _is_ivf(fac):
                 params.set_index_parameter(index, "nprobe", nprobe)
-        qg = np.zeros((b, s.glob.d), np.float32)
+        qg = np.zeros((b, max(s.glob.d, s.crops.d if s.crops is not None else 0)), np.float32)
         qg[:, :t.shape[1]] = t
         qg[:, t.shape[1]] = 1.0
-        _, ig = s.glob.search(qg, min(shortlist, s.n))
+        _, ig = s.glob.search(np.ascontiguousarray(qg[:, :s.glob.d]), min(shortlist, s.n))
         found.append(np.where(ig >= 0, ig + s.offset, -1))
         if s.crops is not None:
-            qc = np.zeros((b, s.crops.d), np.float32)
-            qc[:, :t.shape[1]] = t
-            _, ic = s.crops.search(qc, min(shortlist, s.crops.ntotal))
-            found.append(np.where(ic >= 0, ic // s.meta["n_crops"] + s.offset, -1))
+            _, ic = s.crops.search(np.ascontiguousarray(qg[:, :s.crops.d]),
+                                   min(shortlist, s.crops.ntotal))
+            per = per_image(s.meta["n_crops"], s.meta["pool"])
+            found.append(np.where(ic >= 0, ic // per + s.offset, -1))
     ids = np.concatenate(found, axis=1)
     big = np.iinfo(np.int64).max
     ids = np.sort(np.where(ids < 0, big, ids), axis=1)
