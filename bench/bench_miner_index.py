@@ -21,12 +21,14 @@ recall@10 of its top 10 against the exact top 10, R@1 / R@10 against the ground 
 indexes + r_i) against the float16 embeddings it indexes.
 
     python bench/bench_miner_index.py --n 1000000 --crops 5 --dim 768 --dir /tmp/ann_bench
-    python bench/bench_miner_index.py --n 100000 --factories "IVF{nlist},PQ{m}x4fs;..."
+    python bench/bench_miner_index.py --n 20000 --factories "IVF{nlist},PQ{m}x4fs;..."
+    python bench/bench_miner_index.py --cache OUT/cache     # an eval.rocs cache (planted-colours)
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -98,6 +100,31 @@ def generate(folder: Path, n: int, r: int, dim: int, n_queries: int, n_bank: int
             for name in ("images", "crops", "queries", "gt", "bank")}
 
 
+def from_cache(args) -> None:
+    """recall@10 of the index against the exact ranking on an eval.rocs embedding cache (e.g. the
+    planted-colours benchmark's): queries and bank are the split's queries (queries.npy)."""
+    from sclaro_jax.miner import index, stream
+
+    gallery = index.Gallery.from_cache(args.cache)
+    views = gallery.views(0, gallery.n)
+    q = np.load(Path(gallery.parts[0][2]).parent / "queries.npy").astype(np.float32)
+    ref = stream.search(q, views[:, 0], views[:, 1:], bank=q, top=10)
+    for factory in args.factories.split(";"):
+        out = Path(args.dir) / "index_cache"
+        shutil.rmtree(out, ignore_errors=True)
+        index.build(gallery, q, out, factory=factory, progress=False)
+        shard = index.open_index(out)
+        for m in [int(x) for x in args.shortlists.split(",")]:
+            for nprobe in [int(x) for x in args.nprobes.split(",")]:
+                res = index.search(q, [shard], shortlist=m, nprobe=nprobe)
+                rec = np.mean([len(set(a) & set(b)) / 10 for a, b in
+                               zip(res.indices, ref.indices)])
+                top1 = np.mean(res.indices[:, 0] == ref.indices[:, 0])
+                print(f"| {gallery.n} x {1 + gallery.n_crops} | {len(q)} | "
+                      f"{shard.meta['factory_global']} / {shard.meta['factory_crops']} | {m} | "
+                      f"{nprobe} | {rec:.3f} | {top1:.3f} |", flush=True)
+
+
 def rss() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -121,8 +148,14 @@ def main() -> None:
     p.add_argument("--stream-chunk", type=int, default=32768, help="stream.search chunk")
     p.add_argument("--batch", type=int, default=64, help="re-rank batch")
     p.add_argument("--keep", action="store_true", help="keep the built indexes")
+    p.add_argument("--reuse", action="store_true",
+                   help="search an index kept by an earlier --keep run (its build time)")
     p.add_argument("--no-exact", action="store_true", help="reuse exact.npz from an earlier run")
+    p.add_argument("--cache", help="instead: recall on this eval.rocs embedding cache folder")
     args = p.parse_args()
+    if args.cache:
+        from_cache(args)
+        return
 
     import jax
 
@@ -160,11 +193,16 @@ def main() -> None:
     rows = []
     gallery = index.Gallery.from_arrays(d["images"], crops, encoder="synthetic")
     for factory in args.factories.split(";"):
-        out = Path(args.dir) / f"index_{args.n}x{args.crops}_{abs(hash(factory)) % 10**8}"
-        shutil.rmtree(out, ignore_errors=True)
+        tag = hashlib.md5(factory.encode()).hexdigest()[:8]
+        out = Path(args.dir) / f"index_{args.n}x{args.crops}_{tag}"
+        if not args.reuse:
+            shutil.rmtree(out, ignore_errors=True)
         t0 = time.perf_counter()
         index.build(gallery, bank, out, factory=factory, chunk=args.chunk, progress=False)
         build_s = time.perf_counter() - t0
+        if args.reuse and (out / "build_s.txt").exists():
+            build_s = float((out / "build_s.txt").read_text())
+        (out / "build_s.txt").write_text(str(build_s))
         shard = index.open_index(out)
         mem = shard.memory_bytes()
         for m in [int(x) for x in args.shortlists.split(",")]:

@@ -112,7 +112,7 @@ def _parser() -> argparse.ArgumentParser:
                         "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
     m.add_argument("--index-shortlist", type=int, default=100,
                    help="--index: candidates per ANN index and shard")
-    m.add_argument("--nprobe", type=int, default=32, help="--index: IVF lists visited")
+    m.add_argument("--nprobe", type=int, default=512, help="--index: IVF lists visited")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,
                    help="folder for results.json / results.md")

@@ -21,8 +21,9 @@ t.((1 - alpha) g_i + alpha mean_r c_ir) for mean), so the crop index holds the f
 vectors [(1 - alpha) g_i + alpha c_ir, -r_i / 2] (row i * R + r, image i; one per image for
 mean pooling), and an exact inner product search over them, keeping each image's best vector,
 IS the MINER + CSLS order (`crop_vectors`). The ANN approximates those inner products. A search
-takes, per query, the top `shortlist` images of the global index and the images of the top
-`shortlist` fused crop vectors, their union (at most 2 * shortlist images per shard), and
+takes, per query, the top `shortlist` images of the global index and the first `shortlist`
+distinct images of the top `shortlist * R` fused crop vectors, their union (at most
+2 * shortlist images per shard), and
 computes the EXACT fused score S and CSLS there from the stored float16 embeddings (jax: on the
 GPU when there is one), with `stream.search`'s tie rule (the lower gallery index first).
 r_q over the shortlist equals stream's r_q (over the whole gallery) whenever the shortlist holds
@@ -73,7 +74,7 @@ import numpy as np
 
 VERSION = 1
 DEFAULT_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
-DEFAULT_NPROBE = 32
+DEFAULT_NPROBE = 512
 DEFAULT_SHORTLIST = 100
 INSTALL = 'pip install "sclaro-jax[ann]"'
 
@@ -619,8 +620,9 @@ def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: 
 def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int
                ) -> np.ndarray:
     """[B, W] gallery rows per query: the union over shards of the top `shortlist` images of
-    the global index and the images of the top `shortlist` crop vectors, ascending, padded with
-    -1 (W = 2 * shortlist * shards, less where a shard is smaller)."""
+    the global index and the first `shortlist` distinct images of the top `shortlist * P` fused
+    crop vectors (P per image), ascending, padded with -1 (W = 2 * shortlist * shards, less
+    where a shard is smaller)."""
     f = faiss()
     found = []
     b = t.shape[0]
@@ -635,10 +637,11 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
         _, ig = s.glob.search(np.ascontiguousarray(qg[:, :s.glob.d]), min(shortlist, s.n))
         found.append(np.where(ig >= 0, ig + s.offset, -1))
         if s.crops is not None:
-            _, ic = s.crops.search(np.ascontiguousarray(qg[:, :s.crops.d]),
-                                   min(shortlist, s.crops.ntotal))
             per = per_image(s.meta["n_crops"], s.meta["pool"])
-            found.append(np.where(ic >= 0, ic // per + s.offset, -1))
+            _, ic = s.crops.search(np.ascontiguousarray(qg[:, :s.crops.d]),
+                                   min(shortlist * per, s.crops.ntotal))
+            found.append(_first_distinct(np.where(ic >= 0, ic // per + s.offset, -1),
+                                         min(shortlist, s.n)))
     ids = np.concatenate(found, axis=1)
     big = np.iinfo(np.int64).max
     ids = np.sort(np.where(ids < 0, big, ids), axis=1)
@@ -646,6 +649,17 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
     dup[:, 1:] = ids[:, 1:] == ids[:, :-1]
     ids = np.sort(np.where(dup, big, ids), axis=1)
     return np.where(ids == big, -1, ids)
+
+
+def _first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
+    """Per row, the first m distinct non-negative ids in row order, padded with -1."""
+    out = np.full((ids.shape[0], m), -1, np.int64)
+    for row, found in zip(out, ids):
+        found = found[found >= 0]
+        _, first = np.unique(found, return_index=True)
+        keep = found[np.sort(first)][:m]
+        row[:len(keep)] = keep
+    return out
 
 
 def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
