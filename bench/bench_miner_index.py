@@ -143,7 +143,8 @@ def main() -> None:
     p.add_argument("--factories", default="IVF{nlist},PQ{m}x4fs",
                    help="';'-separated FAISS factory templates to build and search")
     p.add_argument("--shortlists", default="50,100,200", help="comma list of shortlist M")
-    p.add_argument("--nprobes", default="16,32,64", help="comma list of nprobe")
+    p.add_argument("--nprobes", default="16,32,64",
+                   help="comma list of nprobe (CROPS/GLOBAL for different ones)")
     p.add_argument("--chunk", type=int, default=32768, help="build chunk")
     p.add_argument("--stream-chunk", type=int, default=32768, help="stream.search chunk")
     p.add_argument("--batch", type=int, default=64, help="re-rank batch")
@@ -206,15 +207,19 @@ def main() -> None:
         shard = index.open_index(out)
         mem = shard.memory_bytes()
         for m in [int(x) for x in args.shortlists.split(",")]:
-            for nprobe in [int(x) for x in args.nprobes.split(",")]:
+            for probes in args.nprobes.split(","):
+                nprobe, _, nprobe_global = probes.partition("/")
+                nprobe, nprobe_global = int(nprobe), int(nprobe_global or nprobe)
                 index.search(q[:args.batch], [shard], shortlist=m, nprobe=nprobe,
-                             batch=args.batch)  # warm-up: compiles the re-rank
+                             nprobe_global=nprobe_global, batch=args.batch)  # compiles
                 t0 = time.perf_counter()
-                res = index.search(q, [shard], shortlist=m, nprobe=nprobe, batch=args.batch)
+                res = index.search(q, [shard], shortlist=m, nprobe=nprobe,
+                                   nprobe_global=nprobe_global, batch=args.batch)
                 s = time.perf_counter() - t0
                 ranks = index.gt_ranks(res.indices, gt)
                 row = dict(factory=shard.meta["factory_global"] + " / "
-                           + str(shard.meta["factory_crops"]), shortlist=m, nprobe=nprobe,
+                           + str(shard.meta["factory_crops"]), shortlist=m,
+                           nprobe=f"{nprobe} / {nprobe_global}",
                            recall10=float(np.mean([len(set(a) & set(b)) / 10 for a, b in
                                                    zip(res.indices, exact_ids)])),
                            R1=100 * float(np.mean(ranks < 1)),

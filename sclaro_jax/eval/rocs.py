@@ -112,7 +112,10 @@ def _parser() -> argparse.ArgumentParser:
                         "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
     m.add_argument("--index-shortlist", type=int, default=100,
                    help="--index: candidates per ANN index and shard")
-    m.add_argument("--nprobe", type=int, default=512, help="--index: IVF lists visited")
+    m.add_argument("--nprobe", type=int, default=896,
+                   help="--index: IVF lists visited in the crop index")
+    m.add_argument("--nprobe-global", type=int, default=256,
+                   help="--index: IVF lists visited in the global index")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,
                    help="folder for results.json / results.md")
@@ -174,7 +177,8 @@ def _through_index(args, shards: list, emb, split, settings: Settings) -> dict:
             f"images, not {split.num_images}")
     top = min(max(max(settings.ks), settings.k), split.num_images)
     res = index_lib.search(emb.texts, shards, top=top, shortlist=args.index_shortlist,
-                           nprobe=args.nprobe, progress=not args.no_progress)
+                           nprobe=args.nprobe, nprobe_global=args.nprobe_global,
+                           progress=not args.no_progress)
     ranks = index_lib.gt_ranks(res.indices, split.gt)
     out = {f"R@{k}": v for k, v in miner.recall_from_ranks(ranks, settings.ks).items()}
     hits = res.indices[:, :min(settings.k, top)]

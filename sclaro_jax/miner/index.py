@@ -74,7 +74,8 @@ import numpy as np
 
 VERSION = 1
 DEFAULT_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
-DEFAULT_NPROBE = 512
+DEFAULT_NPROBE = 896  # crop index; measured at 1M images (bench/README.md)
+DEFAULT_NPROBE_GLOBAL = 256  # global index
 DEFAULT_SHORTLIST = 100
 INSTALL = 'pip install "sclaro-jax[ann]"'
 
@@ -617,20 +618,22 @@ def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: 
     return vals, idx, r_q
 
 
-def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int
-               ) -> np.ndarray:
+def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int,
+               nprobe_global: Optional[int] = None) -> np.ndarray:
     """[B, W] gallery rows per query: the union over shards of the top `shortlist` images of
     the global index and the first `shortlist` distinct images of the top `shortlist * P` fused
     crop vectors (P per image), ascending, padded with -1 (W = 2 * shortlist * shards, less
-    where a shard is smaller)."""
+    where a shard is smaller). nprobe / nprobe_global: IVF lists visited in the crop / global
+    index (None: nprobe in both)."""
     f = faiss()
     found = []
     b = t.shape[0]
     for s in shards:
         params = f.ParameterSpace()
-        for index, fac in ((s.glob, s.meta["factory_global"]), (s.crops, s.meta["factory_crops"])):
+        for index, fac, probes in ((s.glob, s.meta["factory_global"], nprobe_global or nprobe),
+                                   (s.crops, s.meta["factory_crops"], nprobe)):
             if index is not None and _is_ivf(fac):
-                params.set_index_parameter(index, "nprobe", nprobe)
+                params.set_index_parameter(index, "nprobe", probes)
         qg = np.zeros((b, max(s.glob.d, s.crops.d if s.crops is not None else 0)), np.float32)
         qg[:, :t.shape[1]] = t
         qg[:, t.shape[1]] = 1.0
@@ -681,7 +684,8 @@ def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: int = DEFAULT_SHORTLIST,
-           nprobe: int = DEFAULT_NPROBE, batch: int = 64, progress: bool = False):
+           nprobe: int = DEFAULT_NPROBE, nprobe_global: Optional[int] = DEFAULT_NPROBE_GLOBAL,
+           batch: int = 64, progress: bool = False):
     """Top `top` gallery images per query under the exact MINER + CSLS score on the ANN
     shortlist (module docstring). queries [Q, D] L2-normalised; shards: from `open_shards` (or
     folders). Returns `stream.SearchResult` (scores [Q, top] 2S - r_q - r_i, indices [Q, top]
@@ -707,7 +711,7 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: int = DEFAU
     for a in tqdm(range(0, len(queries), batch), desc="search", unit="batch",
                   disable=not progress):
         t = queries[a:a + batch]
-        ids = candidates(shards, t, shortlist, nprobe)
+        ids = candidates(shards, t, shortlist, nprobe, nprobe_global)
         b = len(t)
         if b < batch and len(queries) > batch:  # one compiled shape for every batch
             t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
@@ -775,7 +779,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--top", type=int, default=10, help="results per query")
     s.add_argument("--shortlist", type=int, default=DEFAULT_SHORTLIST,
                    help="candidates per index (global, crops) and shard")
-    s.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE, help="IVF lists visited")
+    s.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE,
+                   help="IVF lists visited in the crop index")
+    s.add_argument("--nprobe-global", type=int, default=DEFAULT_NPROBE_GLOBAL,
+                   help="IVF lists visited in the global index")
     s.add_argument("--batch", type=int, default=64, help="queries per re-rank batch")
     s.add_argument("--out", required=True, type=cli.writable,
                    help="folder for hits.npz (scores, indices, r_q)")
@@ -816,7 +823,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         gt = None if args.gt is None else np.asarray(_load(args.gt))
         shards = open_shards(args.index)
         res = search(queries, shards, top=args.top, shortlist=args.shortlist,
-                     nprobe=args.nprobe, batch=args.batch, progress=not args.no_progress)
+                     nprobe=args.nprobe, nprobe_global=args.nprobe_global, batch=args.batch,
+                     progress=not args.no_progress)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         np.savez(out / "hits.npz", scores=res.scores, indices=res.indices, r_q=res.r_q)
