@@ -170,7 +170,8 @@ def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
     man = json.loads((killed / "manifest.json").read_text())
     assert man["stored"] == list(range(8)) and man["trained"] and man["added"] == [0, 1, 2]
     assert not man["complete"] and not (killed / "global.faiss").exists()
-    with pytest.raises(index.IndexFileError, match="not finished .3 chunks added.; run the same"):
+    with pytest.raises(index.IndexFileError,
+                       match="not finished .8 of 8 chunks stored, 3 added.; run the same"):
         index.open_index(killed)
     done = {p.name: p.read_bytes() for p in (killed / "parts").glob("*-0000[0-2].faiss")}
     gallery = index.Gallery.from_arrays(data["images"], data["crops"])

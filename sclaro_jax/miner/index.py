@@ -2,7 +2,7 @@
 
     python -m sclaro_jax.miner.index build --cache CACHE_DIR --out IDX       # eval.rocs's cache
     python -m sclaro_jax.miner.index build --images G.npy --crops C.npy --bank B.npy --out IDX
-    python -m sclaro_jax.miner.index search --index IDX --queries Q.npy --out hits.npz
+    python -m sclaro_jax.miner.index search --index IDX --queries Q.npy --out DIR  # hits.npz
 
 Scores (docs/design.md, section 4; `stream`'s docstring), all embeddings L2-normalised:
 
@@ -23,9 +23,9 @@ mean pooling), and an exact inner product search over them, keeping each image's
 IS the MINER + CSLS order (`crop_vectors`). The ANN approximates those inner products. A search
 takes, per query, the top `shortlist` images of the global index and the first `shortlist`
 distinct images of the top `shortlist * R` fused crop vectors, their union (at most
-2 * shortlist images per shard), and
-computes the EXACT fused score S and CSLS there from the stored float16 embeddings (jax: on the
-GPU when there is one), with `stream.search`'s tie rule (the lower gallery index first).
+2 * shortlist images per shard), and computes the EXACT fused score S and CSLS there from the
+stored float16 embeddings (jax: on the GPU when there is one), with `stream.search`'s tie rule
+(the lower gallery index first).
 r_q over the shortlist equals stream's r_q (over the whole gallery) whenever the shortlist holds
 the query's k best images by S; with a flat index and a shortlist the size of the gallery the
 result is `stream.search(queries, images, crops, bank=B)` (tests/test_miner_index.py).
@@ -38,6 +38,8 @@ of `chunk` images, bounded memory (one chunk of views plus the bank's [Qb, chunk
     3. add: each chunk's vectors into a copy of the trained index, `parts/{global,crops}-*.faiss`;
     4. assemble: the parts merged in order into `global.faiss` / `crops.faiss`, `r_i.npy`, the
        sizes of every file into `meta.json`; the parts are removed.
+Fast-scan PQ (`...x4fs`, the default) cannot be merged (`_mergeable`): step 3 is skipped and
+step 4 adds the stored chunks in order, one step (a kill there redoes the adding only).
 `manifest.json` records each finished step and chunk (every file is written whole, then
 renamed, then recorded), so a build killed at any point and run again redoes only the
 unrecorded work and ends with the same files as an uninterrupted build (the trained index is
@@ -47,10 +49,9 @@ refused naming both values.
 
 FAISS factories: `{nlist}` becomes 2^round(log2(sqrt(n))) for the n vectors of that index (at
 most n / 39, at least 1), `{m}` becomes ceil(d / 8) (8 dimensions per sub-quantizer) and
-`{m/N}` ceil(d / N); vectors
-are zero-padded to a multiple of the PQ size (`PQm`). The default (`DEFAULT_FACTORY`) was chosen
-by measurement (bench/README.md, "MINER ANN index"). Indexes must support `merge_from` (flat,
-IVF, OPQ + IVF), which is what the chunked, resumable build needs; HNSW does not.
+`{m/N}` ceil(d / N); vectors are zero-padded to a multiple of the PQ size (`PQm`). The default
+(`DEFAULT_FACTORY`) and the nprobe defaults were chosen by measurement (bench/README.md, "MINER
+ANN index on CPU"). HNSW is not supported: it has no `merge_from` and no IVF lists.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Gallery:
         total = int(files[0].name.split("-of-")[1][:5]) if files else 0
         if not files or len(files) != total:
             raise IndexFileError(f"{folder}: {len(files)} of {total or '?'} gallery parts; run "
-                              f"eval.rocs to finish the cache")
+                                 f"eval.rocs to finish the cache")
         parts, start, shape = [], 0, None
         for path in files:
             try:
@@ -193,7 +194,8 @@ class Gallery:
             start += arr.shape[0]
             shape = arr.shape
         if start != meta.get("images", start):
-            raise IndexFileError(f"{folder}: {start} gallery rows, meta.json says {meta['images']}")
+            raise IndexFileError(f"{folder}: {start} gallery rows, meta.json says "
+                                 f"{meta['images']}")
         queries = folder / "queries.npy"
         return cls(n=start, dim=shape[2], n_crops=shape[1] - 1, parts=parts,
                    encoder=meta.get("encoder"), crop_rule=meta.get("crop_rule"),
@@ -307,7 +309,7 @@ def _read_index(path: Path):
         return faiss().deserialize_index(np.fromfile(path, dtype=np.uint8))
     except RuntimeError as e:
         raise IndexFileError(f"{path}: unreadable FAISS index "
-                          f"({str(e).strip().splitlines()[-1][:200]})") from None
+                             f"({str(e).strip().splitlines()[-1][:200]})") from None
 
 
 def shard_rows(n: int, shard: tuple[int, int]) -> tuple[int, int]:
@@ -503,7 +505,7 @@ def _nlist_of(factory: str) -> int:
 def _read_json(path: Path) -> dict:
     if not path.is_file():
         raise IndexFileError(f"{path}: missing (not a MINER index folder, or its build never "
-                          f"started)")
+                             f"started)")
     try:
         return json.loads(path.read_text())
     except ValueError as e:
@@ -547,19 +549,20 @@ def open_index(path) -> Shard:
     meta = _read_json(path / "meta.json")
     man = _read_json(path / "manifest.json")
     if not man.get("complete") or "files" not in meta:
-        done = len(man.get("added", []))
-        raise IndexFileError(f"{path}: the build is not finished ({done} chunks added); run the "
-                          f"same build command again to resume it")
+        chunks = -(-meta.get("images", 0) // max(1, meta.get("chunk", 1)))
+        raise IndexFileError(f"{path}: the build is not finished ({len(man.get('stored', []))} "
+                             f"of {chunks} chunks stored, {len(man.get('added', []))} added); "
+                             f"run the same build command again to resume it")
     if meta.get("version") != VERSION:
         raise IndexFileError(f"{path / 'meta.json'}: index version {meta.get('version')}, this "
-                          f"code reads {VERSION}; rebuild the index")
+                             f"code reads {VERSION}; rebuild the index")
     for name, size in meta["files"].items():
         f = path / name
         if not f.is_file():
             raise IndexFileError(f"{f}: missing; rebuild the index")
         if f.stat().st_size != size:
             raise IndexFileError(f"{f}: {f.stat().st_size} bytes, the build wrote {size} "
-                              f"(truncated or replaced); rebuild the index")
+                                 f"(truncated or replaced); rebuild the index")
     views = np.load(path / "views.npy", mmap_mode="r")
     r_i = np.load(path / "r_i.npy")
     glob = _read_index(path / "global.faiss")
@@ -575,6 +578,8 @@ def open_shards(paths: Sequence, expect: Optional[dict] = None,
     `opened`: shards already opened, checked again (against another `expect`)."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
+    if not opened and not paths:
+        raise ValueError("no index folder given")
     shards = sorted(opened or (open_index(p) for p in paths), key=lambda s: s.meta["shard"][0])
     first = shards[0]
     for s in shards[1:]:
@@ -585,7 +590,7 @@ def open_shards(paths: Sequence, expect: Optional[dict] = None,
     have = [s.meta["shard"][0] for s in shards]
     if have != list(range(count)):
         raise IndexFileError(f"{', '.join(str(s.path) for s in shards)}: shards {have} of "
-                          f"{count}; a search needs each shard 0..{count - 1} once")
+                             f"{count}; a search needs each shard 0..{count - 1} once")
     if expect:
         _compare(expect, first.meta, str(first.path / "meta.json"), list(expect))
     return shards
