@@ -152,7 +152,7 @@ KILL = textwrap.dedent("""
     index._after_chunk = kill
     d = np.load(sys.argv[1])
     index.build(index.Gallery.from_arrays(d["images"], d["crops"]), d["bank"], sys.argv[4],
-                factory="IVF{nlist},Flat", chunk=256, progress=False)
+                factory=sys.argv[5], chunk=256, progress=False)
 """)
 
 
@@ -164,8 +164,9 @@ def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
     killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "added", "2", str(killed)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "added", "2", str(killed),
+                           "IVF{nlist},Flat"], env=env, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
     man = json.loads((killed / "manifest.json").read_text())
     assert man["stored"] == list(range(8)) and man["trained"] and man["added"] == [0, 1, 2]
@@ -307,3 +308,30 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
                       "--crop-shape", "square"])
     line = _one_error_line(capsys, code)
     assert "the index was built with crop_rule" in line, line
+
+
+def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, tmp_path):
+    """The default factory (fast-scan PQ, added in one step after the chunks): SIGKILL after
+    the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds: the same bytes."""
+    arrays = tmp_path / "data.npz"
+    np.savez(arrays, images=data["images"], crops=data["crops"], bank=data["bank"])
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "stored", "3", str(killed),
+                           index.DEFAULT_FACTORY], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    man = json.loads((killed / "manifest.json").read_text())
+    assert man["stored"] == [0, 1, 2, 3] and not man["trained"]
+    gallery = index.Gallery.from_arrays(data["images"], data["crops"])
+    calls = []
+    index._after_chunk = lambda s, c: calls.append((s, c))
+    try:
+        index.build(gallery, data["bank"], killed, chunk=256, progress=False)
+    finally:
+        index._after_chunk = None
+    assert calls == [("stored", c) for c in range(4, 8)]
+    whole = index.build(gallery, data["bank"], tmp_path / "whole", chunk=256, progress=False)
+    for name in ("views.npy", "r_i.npy", "global.faiss", "crops.faiss", "meta.json"):
+        assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
