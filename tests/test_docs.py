@@ -35,7 +35,7 @@ TEST_COMMAND = ('pip install -c constraints.txt -e ".[test]" && '
 
 SHELL_BLOCKS = ("bash", "sh", "shell")
 # modules whose first positional argument is a sub-command: `python -m data_prep SUB` -> SUB --help
-SUBCOMMANDS = ("data_prep", "data_prep.clip_benchmark")
+SUBCOMMANDS = ("data_prep", "data_prep.clip_benchmark", "sclaro_jax.miner.index")
 # other projects' commands that the pages run (the test command): importable, not run here
 EXTERNAL = ("pytest",)
 DATA_PREP_COMMANDS = ("demo", "demo-models", "annotate", "import", "curate", "reshard", "rocs")
@@ -335,6 +335,13 @@ FAULTS = {
                     "--out", "{tmp}/rocs"),
         "unwritable": ("--model", "planted-colours", "--split", "{tmp}/captions.json", "--out",
                        "/proc/sclaro/rocs"),
+    },
+    ("module", "sclaro_jax.miner.index", ("build",)): {
+        "typo": ("build", "--imagse", "{tmp}/g.npy", "--out", "{tmp}/idx"),
+        "type": ("build", "--images", "{tmp}/g.npy", "--out", "{tmp}/idx", "--chunk", "x"),
+        "missing": ("build", "--images", "{missing}/g.npy", "--bank", "{missing}/b.npy",
+                    "--out", "{tmp}/idx"),
+        "unwritable": ("build", "--images", "{tmp}/g.npy", "--out", "/proc/sclaro/idx"),
     },
     ("module", "sclaro_jax.eval.detect", ()): {
         "typo": ("--workdr", "{tmp}"),

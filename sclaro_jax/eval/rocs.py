@@ -17,6 +17,12 @@ caption one query, one ground-truth image) and hubness statistics:
 query's top-M global candidates only), `qbnorm` (dynamic inverted softmax over the `--bank`
 queries), `sinkhorn`, `dual-softmax`, `none`. Results go to stdout, `OUT/results.json` (every
 number and every setting) and `OUT/results.md` (the paper's table layout).
+
+`--index DIR` (one split; repeat it for each shard of a sharded index) adds a row `MINER (index)`:
+the same split's queries searched through an ANN index of its gallery (`miner.index`, built
+from this command's embedding cache), re-ranked by the exact MINER score with CSLS (r_i from the
+index's query bank, r_q over the shortlist). An index built with another encoder, crop rule,
+dimension, alpha, k or pooling is refused naming both values.
 """
 
 from __future__ import annotations
@@ -101,6 +107,15 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--stream-above", type=float, default=200_000_000,
                    help="matrix entries above which --stream auto streams")
     m.add_argument("--chunk", type=int, default=65536, help="gallery chunk when streaming")
+    m.add_argument("--index", action="append", metavar="DIR",
+                   help="also rank through this ANN index of the split's gallery (python -m "
+                        "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
+    m.add_argument("--index-shortlist", type=int, default=100,
+                   help="--index: candidates per ANN index and shard")
+    m.add_argument("--nprobe", type=int, default=896,
+                   help="--index: IVF lists visited in the crop index")
+    m.add_argument("--nprobe-global", type=int, default=256,
+                   help="--index: IVF lists visited in the global index")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,
                    help="folder for results.json / results.md")
@@ -139,6 +154,38 @@ def _prepare_csls(settings: Settings) -> None:
     print(f"CSLS kernels: {how} ({seconds:.1f} s)", file=sys.stderr, flush=True)
 
 
+def _open_index(args, encoder, crops: CropSpec, settings: Settings) -> list:
+    """The `--index` folders, opened and checked against this run's encoder, crops and MINER
+    settings (before any embedding work)."""
+    from sclaro_jax.miner import index as index_lib
+
+    expect = {"encoder": encoder.name, "crop_rule": crops.rule,
+              "crops": dataclasses.asdict(crops), "alpha": float(settings.alpha),
+              "k": int(settings.k), "pool": settings.pool}
+    return index_lib.open_shards(args.index, expect=expect)
+
+
+def _through_index(args, shards: list, emb, split, settings: Settings) -> dict:
+    """R@k and hubness of the split's queries searched through the `--index` shards."""
+    from sclaro_jax import miner
+    from sclaro_jax.miner import index as index_lib
+
+    index_lib.open_shards([], expect={"dim": int(emb.texts.shape[1])}, opened=shards)
+    if shards[0].meta["total"] != split.num_images:
+        raise index_lib.IndexMismatchError(
+            f"{shards[0].path / 'meta.json'}: the index was built with {shards[0].meta['total']} "
+            f"images, not {split.num_images}")
+    top = min(max(max(settings.ks), settings.k), split.num_images)
+    res = index_lib.search(emb.texts, shards, top=top, shortlist=args.index_shortlist,
+                           nprobe=args.nprobe, nprobe_global=args.nprobe_global,
+                           progress=not args.no_progress)
+    ranks = index_lib.gt_ranks(res.indices, split.gt)
+    out = {f"R@{k}": v for k, v in miner.recall_from_ranks(ranks, settings.ks).items()}
+    hits = res.indices[:, :min(settings.k, top)]
+    out.update(miner.hubness_from_topk(hits[hits >= 0], split.num_images))
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -158,10 +205,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                   for s in args.split]
         if args.max_images:
             splits = [s.subset(args.max_images) for s in splits]
+        if args.index and len(splits) != 1:
+            raise ValueError(f"--index searches one split's gallery; {len(splits)} splits given")
         encoder = enc_lib.load_encoder(args.model, level=args.level, teacher=args.teacher,
                                        batch_size=args.batch_size, step=args.step,
                                        dtype=jnp.bfloat16 if args.bf16 else jnp.float32)
-    except cli.USER_ERRORS as e:
+        shards = _open_index(args, encoder, crops, settings) if args.index else None
+    except (*cli.USER_ERRORS, ImportError) as e:
         return cli.fail(e)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,6 +231,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                      chunk=args.chunk)
         else:
             results[split.name] = evaluate(emb, split.gt, settings, bank=bank)
+        if args.index:
+            try:
+                results[split.name]["MINER (index)"] = _through_index(args, shards, emb, split,
+                                                                      settings)
+            except (*cli.USER_ERRORS, ImportError) as e:
+                return cli.fail(e)
         info[split.name] = {"images": split.num_images, "queries": len(split.queries),
                             "source": split.source, "embed_s": round(t1 - t0, 3),
                             "score_s": round(time.perf_counter() - t1, 3)}

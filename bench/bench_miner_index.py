@@ -1,0 +1,251 @@
+"""`sclaro_jax.miner.index` (ANN shortlist + exact MINER + CSLS re-rank) against the exact
+streamed search (`miner.stream.search`, same query bank) on a structured synthetic gallery.
+
+The gallery is clustered on the sphere, not uniform noise: K scene centres and P object
+prototypes (random unit vectors, dim D); image i has a scene s_i and R objects o_ir;
+
+    crop   c_ir = norm(0.55 O[o_ir] + 0.35 S[s_i] + 0.45 u_ir)          u: unit noise per crop
+    global g_i  = norm(0.60 S[s_i] + 0.30 mean_r O[o_ir] + 0.50 v_i)
+    query       = norm(0.45 O[o_ir] + 0.45 u_ir + 0.20 S[s_i] + 0.75 w)  planted on crop (i, r)
+
+so a query names one object of one image (its prototype and the crop's own detail), more
+visible in the crop than in the global view, with distractors that share the object or the
+scene. The ground truth of a query is its image. The bank (r_i) is a separate set of queries
+planted the same way. Everything is written in chunks as float16 .npy memory maps under --dir
+(kept and reused: the gallery of --n images is generated once).
+
+Per run: the exact search (stream.search with the bank: top-10, exact ground-truth ranks),
+the index build (timed, per step), then the index searched at each --shortlist / --nprobe:
+recall@10 of its top 10 against the exact top 10, R@1 / R@10 against the ground truth, queries/s
+(whole batch, after one warm-up batch) beside stream.search's, the in-memory index (FAISS
+indexes + r_i) against the float16 embeddings it indexes.
+
+    python bench/bench_miner_index.py --n 1000000 --crops 5 --dim 768 --dir /tmp/ann_bench
+    python bench/bench_miner_index.py --n 20000 --factories "IVF{nlist},PQ{m}x4fs;..."
+    python bench/bench_miner_index.py --cache OUT/cache     # an eval.rocs cache (planted-colours)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+NOISE = float(os.environ.get('ANN_BENCH_NOISE', 1.1))
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _rand_unit(rng, *shape) -> np.ndarray:
+    return _unit(rng.standard_normal(shape, dtype=np.float32))
+
+
+def generate(folder: Path, n: int, r: int, dim: int, n_queries: int, n_bank: int,
+             block: int = 20_000, seed: int = 0) -> dict:
+    """Write images.npy [n, dim], crops.npy [n, r, dim] (float16), queries.npy, bank.npy,
+    gt.npy under folder (skipped when done.json says they are there); returns the arrays
+    (memory-mapped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = folder / "done.json"
+    want = dict(n=n, r=r, dim=dim, queries=n_queries, bank=n_bank, seed=seed, v=2, noise=NOISE)
+    if not done.exists() or json.loads(done.read_text()) != want:
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(seed)
+        k_scenes, n_protos = max(16, int(np.sqrt(n) * 2)), max(64, n // 4)
+        scenes, protos = _rand_unit(rng, k_scenes, dim), _rand_unit(rng, n_protos, dim)
+        scene = rng.integers(0, k_scenes, n)
+        objects = rng.integers(0, n_protos, (n, r))
+        images = np.lib.format.open_memmap(folder / "images.npy", "w+", np.float16, (n, dim))
+        crops = np.lib.format.open_memmap(folder / "crops.npy", "w+", np.float16, (n, r, dim))
+        # queries and bank rows: (image, crop) pairs; their crop noise u is kept when generated
+        picks = rng.choice(n, n_queries + n_bank, replace=False)
+        pick_r = rng.integers(0, r, len(picks))
+        order = np.argsort(picks)
+        planted = np.zeros((len(picks), dim), np.float32)
+        for a in range(0, n, block):
+            b = min(a + block, n)
+            u = _rand_unit(rng, b - a, r, dim)
+            obj = protos[objects[a:b]]
+            c = _unit(0.55 * obj + 0.35 * scenes[scene[a:b]][:, None] + 0.45 * u)
+            g = _unit(0.60 * scenes[scene[a:b]] + 0.30 * obj.mean(1)
+                      + 0.50 * _rand_unit(rng, b - a, dim))
+            images[a:b], crops[a:b] = g.astype(np.float16), c.astype(np.float16)
+            lo, hi = np.searchsorted(picks[order], [a, b])
+            for j in order[lo:hi]:
+                i, rr = picks[j], pick_r[j]
+                planted[j] = (0.45 * protos[objects[i, rr]] + 0.45 * u[i - a, rr]
+                              + 0.20 * scenes[scene[i]])
+        images.flush(), crops.flush()
+        del images, crops
+        planted = _unit(planted + NOISE * _rand_unit(rng, len(picks), dim))
+        np.save(folder / "queries.npy", planted[:n_queries])
+        np.save(folder / "gt.npy", picks[:n_queries])
+        np.save(folder / "bank.npy", planted[n_queries:])
+        done.write_text(json.dumps(want))
+        print(f"generated {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return {name: np.load(folder / f"{name}.npy", mmap_mode="r")
+            for name in ("images", "crops", "queries", "gt", "bank")}
+
+
+def from_cache(args) -> None:
+    """recall@10 of the index against the exact ranking on an eval.rocs embedding cache (e.g. the
+    planted-colours benchmark's): queries and bank are the split's queries (queries.npy)."""
+    from sclaro_jax.miner import index, stream
+
+    gallery = index.Gallery.from_cache(args.cache)
+    views = gallery.views(0, gallery.n)
+    q = np.load(Path(gallery.parts[0][2]).parent / "queries.npy").astype(np.float32)
+    ref = stream.search(q, views[:, 0], views[:, 1:], bank=q, top=10)
+    for factory in args.factories.split(";"):
+        out = Path(args.dir) / "index_cache"
+        shutil.rmtree(out, ignore_errors=True)
+        index.build(gallery, q, out, factory=factory, progress=False)
+        shard = index.open_index(out)
+        for m in [int(x) for x in args.shortlists.split(",")]:
+            for nprobe in [int(x) for x in args.nprobes.split(",")]:
+                res = index.search(q, [shard], shortlist=m, nprobe=nprobe)
+                rec = np.mean([len(set(a) & set(b)) / 10 for a, b in
+                               zip(res.indices, ref.indices)])
+                top1 = np.mean(res.indices[:, 0] == ref.indices[:, 0])
+                print(f"| {gallery.n} x {1 + gallery.n_crops} | {len(q)} | "
+                      f"{shard.meta['factory_global']} / {shard.meta['factory_crops']} | {m} | "
+                      f"{nprobe} | {rec:.3f} | {top1:.3f} |", flush=True)
+
+
+def rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=1_000_000, help="gallery images")
+    p.add_argument("--crops", type=int, default=5, help="crops per image (0: global only)")
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--queries", type=int, default=500)
+    p.add_argument("--bank", type=int, default=1000, help="query bank rows (r_i)")
+    p.add_argument("--dir", default="/tmp/ann_bench", help="data and index folder")
+    p.add_argument("--factories", default="IVF{nlist},PQ{m}x4fs",
+                   help="';'-separated FAISS factory templates to build and search")
+    p.add_argument("--shortlists", default="50,100,200", help="comma list of shortlist M")
+    p.add_argument("--nprobes", default="16,32,64",
+                   help="comma list of nprobe (CROPS/GLOBAL for different ones)")
+    p.add_argument("--chunk", type=int, default=32768, help="build chunk")
+    p.add_argument("--stream-chunk", type=int, default=32768, help="stream.search chunk")
+    p.add_argument("--batch", type=int, default=64, help="re-rank batch")
+    p.add_argument("--keep", action="store_true", help="keep the built indexes")
+    p.add_argument("--reuse", action="store_true",
+                   help="search an index kept by an earlier --keep run (its build time)")
+    p.add_argument("--no-exact", action="store_true", help="reuse exact.npz from an earlier run")
+    p.add_argument("--cache", help="instead: recall on this eval.rocs embedding cache folder")
+    args = p.parse_args()
+    if args.cache:
+        from_cache(args)
+        return
+
+    import jax
+
+    from sclaro_jax.miner import index, stream
+
+    data_dir = Path(args.dir) / f"gallery_{args.n}x{args.crops}x{args.dim}"
+    d = generate(data_dir, args.n, max(args.crops, 1), args.dim, args.queries, args.bank)
+    crops = d["crops"] if args.crops else None
+    q, gt, bank = np.asarray(d["queries"]), np.asarray(d["gt"]), np.asarray(d["bank"])
+    emb_bytes = args.n * (1 + args.crops) * args.dim * 2
+    print(f"jax {jax.__version__} on {jax.default_backend()}, {os.cpu_count()} CPUs; gallery "
+          f"{args.n} x (1 + {args.crops}) x {args.dim} float16 = {emb_bytes / 1e9:.2f} GB; "
+          f"{len(q)} queries, bank {len(bank)}", flush=True)
+
+    exact_path = data_dir / "exact.npz"
+    if args.no_exact and exact_path.exists():
+        e = np.load(exact_path)
+        exact_ids, exact_rank, exact_s = e["indices"], e["gt_rank"], float(e["seconds"])
+    else:
+        t0 = time.perf_counter()
+        ref = stream.search(q, d["images"], crops, bank=bank, top=10, k=10,
+                            chunk=args.stream_chunk, gt=gt)
+        exact_s = time.perf_counter() - t0
+        exact_ids, exact_rank = ref.indices, ref.gt_rank
+        np.savez(exact_path, indices=exact_ids, gt_rank=exact_rank, seconds=exact_s)
+    t0 = time.perf_counter()  # the scan alone: no bank (plain top-10 of S), same queries
+    stream.search(q, d["images"], crops, rescore="none", top=10, chunk=args.stream_chunk)
+    scan_s = time.perf_counter() - t0
+    print(json.dumps({"exact_stream_s": round(exact_s, 1), "scan_no_bank_s": round(scan_s, 1),
+                      "scan_q_per_s": round(len(q) / scan_s, 2),
+                      "exact_q_per_s": round(len(q) / exact_s, 2),
+                      "exact_R@1": round(100 * np.mean(exact_rank < 1), 2),
+                      "exact_R@10": round(100 * np.mean(exact_rank < 10), 2)}), flush=True)
+
+    rows = []
+    gallery = index.Gallery.from_arrays(d["images"], crops, encoder="synthetic")
+    for factory in args.factories.split(";"):
+        tag = hashlib.md5(factory.encode()).hexdigest()[:8]
+        out = Path(args.dir) / f"index_{args.n}x{args.crops}_{tag}"
+        if not args.reuse:
+            shutil.rmtree(out, ignore_errors=True)
+        t0 = time.perf_counter()
+        index.build(gallery, bank, out, factory=factory, chunk=args.chunk, progress=False)
+        build_s = time.perf_counter() - t0
+        if args.reuse and (out / "build_s.txt").exists():
+            build_s = float((out / "build_s.txt").read_text())
+        (out / "build_s.txt").write_text(str(build_s))
+        shard = index.open_index(out)
+        mem = shard.memory_bytes()
+        for m in [int(x) for x in args.shortlists.split(",")]:
+            for probes in args.nprobes.split(","):
+                nprobe, _, nprobe_global = probes.partition("/")
+                nprobe, nprobe_global = int(nprobe), int(nprobe_global or nprobe)
+                index.search(q[:args.batch], [shard], shortlist=m, nprobe=nprobe,
+                             nprobe_global=nprobe_global, batch=args.batch)  # compiles
+                t0 = time.perf_counter()
+                res = index.search(q, [shard], shortlist=m, nprobe=nprobe,
+                                   nprobe_global=nprobe_global, batch=args.batch)
+                s = time.perf_counter() - t0
+                ranks = index.gt_ranks(res.indices, gt)
+                row = dict(factory=shard.meta["factory_global"] + " / "
+                           + str(shard.meta["factory_crops"]), shortlist=m,
+                           nprobe=f"{nprobe} / {nprobe_global}",
+                           recall10=float(np.mean([len(set(a) & set(b)) / 10 for a, b in
+                                                   zip(res.indices, exact_ids)])),
+                           R1=100 * float(np.mean(ranks < 1)),
+                           R10=100 * float(np.mean(ranks < 10)),
+                           q_per_s=len(q) / s, speedup=exact_s / s, speedup_scan=scan_s / s,
+                           build_s=build_s,
+                           index_mb=mem / 1e6, mem_ratio=mem / emb_bytes)
+                rows.append(row)
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                  for k, v in row.items()}), flush=True)
+        del shard
+        if not args.keep:
+            shutil.rmtree(out, ignore_errors=True)
+    print(f"\npeak VmHWM {rss() / 1e9:.2f} GB\n")
+    print(f"stream.search without a bank (the scan alone): {len(q) / scan_s:.2f} queries/s")
+    print(f"exact stream.search: {len(q) / exact_s:.2f} queries/s, R@1 "
+          f"{100 * np.mean(exact_rank < 1):.2f}, R@10 {100 * np.mean(exact_rank < 10):.2f}")
+    print("| factory (global / crops) | M | nprobe | recall@10 vs exact | R@1 | R@10 | "
+          "queries/s | x stream (bank) | x scan | build (s) | index MB | index / f16 emb |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['factory']} | {r['shortlist']} | {r['nprobe']} | {r['recall10']:.3f} | "
+              f"{r['R1']:.2f} | {r['R10']:.2f} | {r['q_per_s']:.1f} | {r['speedup']:.1f} | "
+              f"{r['speedup_scan']:.1f} | "
+              f"{r['build_s']:.0f} | {r['index_mb']:.1f} | {r['mem_ratio']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""`sclaro_jax.miner.index`: the ANN index for MINER galleries against `stream.search` (the exact
+streamed MINER + CSLS with the same query bank), its shards, its resume after a kill, its
+refusals, its command and `eval.rocs --index`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("faiss")
+
+from sclaro_jax.eval import rocs  # noqa: E402
+from sclaro_jax.eval.retrieval import synthetic  # noqa: E402
+from sclaro_jax.miner import index, stream  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+G, R, D = 2000, 3, 16
+
+
+def _unit(rng, *shape):
+    x = rng.standard_normal(shape).astype(np.float32)
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def data():
+    """A gallery with structure (images near 40 centres, crops near their image), queries
+    planted near crops, and a separate query bank."""
+    rng = np.random.default_rng(0)
+    centres = _unit(rng, 40, D)
+    images = _unit(rng, G, D) * 0.5 + centres[rng.integers(0, 40, G)]
+    images /= np.linalg.norm(images, axis=1, keepdims=True)
+    crops = images[:, None] + 0.6 * _unit(rng, G, R, D)
+    crops /= np.linalg.norm(crops, axis=-1, keepdims=True)
+    gt = rng.integers(0, G, 60)
+    queries = crops[gt, rng.integers(0, R, 60)] + 0.3 * _unit(rng, 60, D)
+    queries /= np.linalg.norm(queries, axis=1, keepdims=True)
+    bank = _unit(rng, 300, D)
+    return dict(images=images.astype(np.float16), crops=crops.astype(np.float16),
+                queries=queries.astype(np.float32), bank=bank, gt=gt)
+
+
+@pytest.fixture(scope="module")
+def flat(data, tmp_path_factory):
+    """Flat indexes (exact inner products) with and without crops."""
+    out = {}
+    for name, crops in (("crops", data["crops"]), ("global", None)):
+        path = tmp_path_factory.mktemp(f"flat_{name}")
+        index.build(index.Gallery.from_arrays(data["images"], crops, encoder="enc-a",
+                                              crop_rule="rule-a"),
+                    data["bank"], path, factory="Flat", chunk=512, progress=False)
+        out[name] = path
+    return out
+
+
+@pytest.fixture(scope="module")
+def exact(data):
+    return {name: stream.search(data["queries"], data["images"], crops, bank=data["bank"],
+                                top=10, k=10)
+            for name, crops in (("crops", data["crops"]), ("global", None))}
+
+
+def _same(res, ref):
+    np.testing.assert_array_equal(res.indices, ref.indices)
+    np.testing.assert_allclose(res.scores, ref.scores, atol=1e-5)
+    np.testing.assert_allclose(res.r_q, ref.r_q, atol=1e-5)
+    np.testing.assert_allclose(res.r_i, ref.r_i, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["crops", "global"])
+def test_flat_index_with_the_whole_gallery_shortlisted_is_stream_search(data, flat, exact,
+                                                                        name):
+    res = index.search(data["queries"], [flat[name]], top=10, shortlist=G, batch=16)
+    _same(res, exact[name])
+
+
+def test_global_index_folds_r_i_into_an_inner_product(data, flat, exact):
+    """The global index's own top-M (before any re-rank) is the order of 2 t.g - r_i: a flat
+    index searched with [t, 1] returns exactly the top of 2 T G^T - r_i."""
+    shard = index.open_index(flat["crops"])
+    q = np.concatenate([data["queries"], np.ones((len(data["queries"]), 1), np.float32)], 1)
+    _, ids = shard.glob.search(q, 5)
+    direct = 2 * data["queries"] @ data["images"].astype(np.float32).T - exact["crops"].r_i
+    np.testing.assert_array_equal(np.sort(ids, 1), np.sort(np.argsort(-direct, 1)[:, :5], 1))
+
+
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_fused_crop_vectors_are_the_csls_order(data, flat, exact, pool, tmp_path):
+    """max_r [t, 1].[(1 - alpha) g + alpha c_r, -r_i / 2] = S - r_i / 2 (max pooling; the mean
+    crop for mean pooling), S computed here in numpy from the float16 embeddings."""
+    n = G if pool == "max" else 300
+    if pool == "max":
+        shard, r_i = index.open_index(flat["crops"]), exact["crops"].r_i
+    else:
+        bank = data["bank"]
+        shard = index.open_index(index.build(
+            index.Gallery.from_arrays(data["images"][:n], data["crops"][:n]), bank,
+            tmp_path / "mean", factory="Flat", pool="mean", progress=False))
+        r_i = stream.search(bank[:1], data["images"][:n], data["crops"][:n], bank=bank,
+                            pool="mean").r_i
+    t = data["queries"]
+    ip, ids = shard.crops.search(np.concatenate([t, np.ones((len(t), 1), np.float32)], 1),
+                                 shard.crops.ntotal)
+    per = R if pool == "max" else 1
+    best = np.full((len(t), n), -np.inf, np.float32)
+    np.maximum.at(best, (np.arange(len(t))[:, None], ids // per), ip)
+    g = data["images"][:n].astype(np.float32)
+    c = np.einsum("qd,grd->qgr", t, data["crops"][:n].astype(np.float32))
+    s = 0.6 * t @ g.T + 0.4 * (c.max(-1) if pool == "max" else c.mean(-1))
+    np.testing.assert_allclose(best, s - r_i / 2, atol=1e-5)
+
+
+def test_a_short_shortlist_keeps_the_exact_top_on_structured_data(data, flat, exact):
+    res = index.search(data["queries"], [flat["crops"]], top=10, shortlist=50, batch=16)
+    ref = exact["crops"]
+    overlap = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(res.indices, ref.indices)])
+    assert overlap >= 0.95
+    # where the same image comes back its score is the exact one, up to r_q over the shortlist
+    same = res.indices[:, 0] == ref.indices[:, 0]
+    assert same.mean() >= 0.9
+
+
+def test_four_shards_searched_together_are_the_one_index(data, exact, tmp_path):
+    paths = []
+    for i in range(4):
+        paths.append(tmp_path / f"shard{i}")
+        index.build(index.Gallery.from_arrays(data["images"], data["crops"]), data["bank"],
+                    paths[-1], factory="Flat", chunk=256, shard=(i, 4), progress=False)
+    metas = [json.loads((p / "meta.json").read_text()) for p in paths]
+    assert [m["offset"] for m in metas] == [0, 500, 1000, 1500]
+    res = index.search(data["queries"], paths[::-1], top=10, shortlist=G, batch=16)
+    _same(res, exact["crops"])
+    with pytest.raises(index.IndexFileError, match=r"shards \[0, 1, 3\] of 4"):
+        index.open_shards([paths[0], paths[1], paths[3]])
+
+
+KILL = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np
+    from sclaro_jax.miner import index
+    step, chunk = sys.argv[2], int(sys.argv[3])
+    def kill(s, c):
+        if (s, c) == (step, chunk):
+            os.kill(os.getpid(), signal.SIGKILL)
+    index._after_chunk = kill
+    d = np.load(sys.argv[1])
+    index.build(index.Gallery.from_arrays(d["images"], d["crops"]), d["bank"], sys.argv[4],
+                factory=sys.argv[5], chunk=256, progress=False)
+""")
+
+
+def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
+    """SIGKILL after the 3rd chunk is added (the 8 chunks all stored, the index trained); the
+    rerun adds chunks 3..7 and assembles: the same bytes as an uninterrupted build."""
+    arrays = tmp_path / "data.npz"
+    np.savez(arrays, images=data["images"], crops=data["crops"], bank=data["bank"])
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "added", "2", str(killed),
+                           "IVF{nlist},Flat"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    man = json.loads((killed / "manifest.json").read_text())
+    assert man["stored"] == list(range(8)) and man["trained"] and man["added"] == [0, 1, 2]
+    assert not man["complete"] and not (killed / "global.faiss").exists()
+    with pytest.raises(index.IndexFileError,
+                       match="not finished .8 of 8 chunks stored, 3 added.; run the same"):
+        index.open_index(killed)
+    done = {p.name: p.read_bytes() for p in (killed / "parts").glob("*-0000[0-2].faiss")}
+    gallery = index.Gallery.from_arrays(data["images"], data["crops"])
+    calls = []
+    index._after_chunk = lambda s, c: calls.append((s, c))
+    try:
+        index.build(gallery, data["bank"], killed, factory="IVF{nlist},Flat", chunk=256,
+                    progress=False)
+    finally:
+        index._after_chunk = None
+    assert calls == [("added", c) for c in range(3, 8)]  # nothing done before is redone
+    whole = index.build(gallery, data["bank"], tmp_path / "whole", factory="IVF{nlist},Flat",
+                        chunk=256, progress=False)
+    for name in ("views.npy", "r_i.npy", "global.faiss", "crops.faiss", "meta.json"):
+        assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
+    assert done and not (killed / "parts").exists()
+    q = data["queries"]
+    a = index.search(q, [killed], shortlist=200, nprobe=4)
+    b = index.search(q, [whole], shortlist=200, nprobe=4)
+    np.testing.assert_array_equal(a.indices, b.indices)
+
+
+def test_ivf_visiting_every_list_is_exact(data, exact, tmp_path):
+    path = index.build(index.Gallery.from_arrays(data["images"], data["crops"]), data["bank"],
+                       tmp_path / "ivf", factory="IVF{nlist},Flat", chunk=1024, progress=False)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["factory_global"] == "IVF32,Flat" and meta["factory_crops"] == "IVF64,Flat"
+    _same(index.search(data["queries"], [path], shortlist=G, nprobe=64), exact["crops"])
+    # the fused crop index alone, probed whole, holds every image: still exact
+    _same(index.search(data["queries"], [path], shortlist=G, nprobe=64, nprobe_global=1),
+          exact["crops"])
+    few = index.search(data["queries"], [path], shortlist=G, nprobe=1, nprobe_global=1)
+    assert (few.indices != exact["crops"].indices).any()  # one list of 32 / 64 misses some
+
+
+def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp_path):
+    path = flat["crops"]
+    for field, theirs, ours in (("encoder", "enc-a", "enc-b"), ("crop_rule", "rule-a", "rule-b"),
+                                ("dim", D, 32)):
+        with pytest.raises(index.IndexMismatchError,
+                           match=f"built with {field} {theirs!r}, not {ours!r}"):
+            index.open_shards([path], expect={field: ours})
+    with pytest.raises(index.IndexMismatchError, match="built with dim 16, not 8"):
+        index.search(np.zeros((2, 8), np.float32), [path])
+    # a resumed build with other settings
+    with pytest.raises(index.IndexMismatchError, match="built with alpha 0.4, not 0.5"):
+        index.build(index.Gallery.from_arrays(data["images"], data["crops"], encoder="enc-a",
+                                              crop_rule="rule-a"),
+                    data["bank"], path, factory="Flat", chunk=512, alpha=0.5, progress=False)
+
+
+def _one_error_line(capsys, code):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_missing_or_truncated_index_files_are_one_error_line(data, flat, tmp_path, capsys):
+    broken = tmp_path / "broken"
+    import shutil
+    shutil.copytree(flat["crops"], broken)
+    q = tmp_path / "q.npy"
+    np.save(q, data["queries"])
+    argv = ["search", "--index", str(broken), "--queries", str(q), "--out", str(tmp_path / "o"),
+            "--no-progress"]
+    with open(broken / "crops.faiss", "r+b") as f:
+        f.truncate(100)
+    line = _one_error_line(capsys, index.main(argv))
+    assert str(broken / "crops.faiss") in line and "truncated" in line
+    (broken / "crops.faiss").unlink()
+    line = _one_error_line(capsys, index.main(argv))
+    assert f"{broken / 'crops.faiss'}: missing" in line
+    (broken / "meta.json").unlink()
+    line = _one_error_line(capsys, index.main(argv))
+    assert f"{broken / 'meta.json'}: missing" in line
+    line = _one_error_line(capsys, index.main(["search", "--index", str(tmp_path / "nope"),
+                                               "--queries", str(q), "--out", str(tmp_path)]))
+    assert str(tmp_path / "nope" / "meta.json") in line
+
+
+def test_command_builds_from_npy_and_searches_like_the_library(data, flat, tmp_path, capsys):
+    files = {}
+    for name in ("images", "crops", "bank", "queries", "gt"):
+        files[name] = tmp_path / f"{name}.npy"
+        np.save(files[name], data[name])
+    out = tmp_path / "idx"
+    code = index.main(["build", "--images", str(files["images"]), "--crops", str(files["crops"]),
+                       "--bank", str(files["bank"]), "--encoder", "enc-a", "--crop-rule",
+                       "rule-a", "--factory", "Flat", "--chunk", "700", "--out", str(out),
+                       "--no-progress"])
+    assert code == 0 and "2000 images x 4 views" in capsys.readouterr().out
+    code = index.main(["search", "--index", str(out), "--queries", str(files["queries"]),
+                       "--gt", str(files["gt"]), "--shortlist", "2000", "--out",
+                       str(tmp_path / "hits"), "--no-progress"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    hits = np.load(tmp_path / "hits" / "hits.npz")
+    ref = index.search(data["queries"], [flat["crops"]], shortlist=G)
+    np.testing.assert_array_equal(hits["indices"], ref.indices)
+    ranks = index.gt_ranks(ref.indices, data["gt"])
+    assert f"R@1 {100 * np.mean(ranks < 1):.2f}" in printed
+    assert np.mean(ranks < 10) > 0.5  # the planted queries find their images
+    code = index.main(["build", "--images", str(files["images"]), "--out", str(tmp_path / "x"),
+                       "--no-progress"])
+    assert "--images needs --bank" in _one_error_line(capsys, code)
+
+
+def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
+    """Built from eval.rocs's cache with the split's own queries as the bank, a flat index
+    gives the MINER row (transductive CSLS: r_i over those queries)."""
+    json_path = synthetic.make_planted_split(tmp_path / "planted", num_images=56, seed=0)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    base = ["--model", "planted-colours", "--split", f"planted={json_path}", "--cache-dir",
+            str(cache), "--no-progress"]
+    assert rocs.main([*base, "--out", str(out)]) == 0
+    idx = tmp_path / "idx"  # --cache: the cache folder of one split, or its key folder
+    assert index.main(["build", "--cache", str(cache), "--factory", "Flat", "--out", str(idx),
+                       "--no-progress"]) == 0
+    meta = json.loads((idx / "meta.json").read_text())
+    assert meta["encoder"] == "planted-colours" and meta["n_crops"] == 5
+    capsys.readouterr()
+    assert rocs.main([*base, "--out", str(tmp_path / "out2"), "--index", str(idx)]) == 0
+    res = json.loads((tmp_path / "out2" / "results.json").read_text())["results"]["planted"]
+    assert "| MINER (index) |" in capsys.readouterr().out
+    for key in ("R@1", "R@5", "R@10"):
+        assert res["MINER (index)"][key] == res["MINER"][key]
+    assert res["MINER (index)"]["R@1"] >= 80
+    code = rocs.main([*base, "--out", str(tmp_path / "out3"), "--index", str(idx), "--alpha",
+                      "0.5"])
+    assert "built with alpha 0.4, not 0.5" in _one_error_line(capsys, code)
+    code = rocs.main([*base, "--out", str(tmp_path / "out3"), "--index", str(idx),
+                      "--crop-shape", "square"])
+    line = _one_error_line(capsys, code)
+    assert "the index was built with crop_rule" in line, line
+
+
+def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, tmp_path):
+    """The default factory (fast-scan PQ, added in one step after the chunks): SIGKILL after
+    the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds: the same bytes."""
+    arrays = tmp_path / "data.npz"
+    np.savez(arrays, images=data["images"], crops=data["crops"], bank=data["bank"])
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "stored", "3", str(killed),
+                           index.DEFAULT_FACTORY], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    man = json.loads((killed / "manifest.json").read_text())
+    assert man["stored"] == [0, 1, 2, 3] and not man["trained"]
+    gallery = index.Gallery.from_arrays(data["images"], data["crops"])
+    calls = []
+    index._after_chunk = lambda s, c: calls.append((s, c))
+    try:
+        index.build(gallery, data["bank"], killed, chunk=256, progress=False)
+    finally:
+        index._after_chunk = None
+    assert calls == [("stored", c) for c in range(4, 8)]
+    whole = index.build(gallery, data["bank"], tmp_path / "whole", chunk=256, progress=False)
+    for name in ("views.npy", "r_i.npy", "global.faiss", "crops.faiss", "meta.json"):
+        assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
