@@ -311,7 +311,7 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
 
 
 def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, tmp_path):
-    """The default factory (fast-scan PQ, added in one step after the chunks): SIGKILL after
+    """The large-gallery factory (fast-scan PQ, added in one step after the chunks): SIGKILL after
     the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds: the same bytes."""
     arrays = tmp_path / "data.npz"
     np.savez(arrays, images=data["images"], crops=data["crops"], bank=data["bank"])
@@ -319,7 +319,7 @@ def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
                                                        os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "stored", "3", str(killed),
-                           index.DEFAULT_FACTORY], env=env, capture_output=True, text=True,
+                           index.LARGE_FACTORY], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
     man = json.loads((killed / "manifest.json").read_text())
@@ -328,10 +328,19 @@ def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, 
     calls = []
     index._after_chunk = lambda s, c: calls.append((s, c))
     try:
-        index.build(gallery, data["bank"], killed, chunk=256, progress=False)
+        index.build(gallery, data["bank"], killed, factory=index.LARGE_FACTORY, chunk=256,
+                    progress=False)
     finally:
         index._after_chunk = None
     assert calls == [("stored", c) for c in range(4, 8)]
-    whole = index.build(gallery, data["bank"], tmp_path / "whole", chunk=256, progress=False)
+    whole = index.build(gallery, data["bank"], tmp_path / "whole", factory=index.LARGE_FACTORY,
+                        chunk=256, progress=False)
     for name in ("views.npy", "r_i.npy", "global.faiss", "crops.faiss", "meta.json"):
         assert (killed / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+def test_the_default_factory_is_exact_for_small_indexes_and_fast_scan_pq_for_large():
+    assert index.resolve_factory("auto", index.FLAT_BELOW - 1, 16) == ("Flat", 16)
+    # 20,000 vectors of dim 768 + 1: 2^round(log2(sqrt(20000))) = 128 lists, ceil(769 / 2) = 385
+    # sub-quantizers, padded to 770 dimensions
+    assert index.resolve_factory("auto", index.FLAT_BELOW, 769) == ("IVF128,PQ385x4fs", 770)

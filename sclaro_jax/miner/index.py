@@ -38,7 +38,7 @@ of `chunk` images, bounded memory (one chunk of views plus the bank's [Qb, chunk
     3. add: each chunk's vectors into a copy of the trained index, `parts/{global,crops}-*.faiss`;
     4. assemble: the parts merged in order into `global.faiss` / `crops.faiss`, `r_i.npy`, the
        sizes of every file into `meta.json`; the parts are removed.
-Fast-scan PQ (`...x4fs`, the default) cannot be merged (`_mergeable`): step 3 is skipped and
+Fast-scan PQ (`...x4fs`, the default for large galleries) cannot be merged (`_mergeable`): step 3 is skipped and
 step 4 adds the stored chunks in order, one step (a kill there redoes the adding only).
 `manifest.json` records each finished step and chunk (every file is written whole, then
 renamed, then recorded), so a build killed at any point and run again redoes only the
@@ -49,9 +49,10 @@ refused naming both values.
 
 FAISS factories: `{nlist}` becomes 2^round(log2(sqrt(n))) for the n vectors of that index (at
 most n / 39, at least 1), `{m}` becomes ceil(d / 8) (8 dimensions per sub-quantizer) and
-`{m/N}` ceil(d / N); vectors are zero-padded to a multiple of the PQ size (`PQm`). The default
-(`DEFAULT_FACTORY`) and the nprobe defaults were chosen by measurement (bench/README.md, "MINER
-ANN index on CPU"). HNSW is not supported: it has no `merge_from` and no IVF lists.
+`{m/N}` ceil(d / N); vectors are zero-padded to a multiple of the PQ size (`PQm`). The default,
+"auto", is "Flat" (exact) for an index of fewer than `FLAT_BELOW` (20,000) vectors and
+`LARGE_FACTORY` ("IVF{nlist},PQ{m/2}x4fs") above; it and the nprobe defaults were chosen by
+measurement (bench/README.md, "MINER ANN index on CPU"). HNSW is not supported: it has no `merge_from` and no IVF lists.
 """
 
 from __future__ import annotations
@@ -74,7 +75,12 @@ import jax.numpy as jnp
 import numpy as np
 
 VERSION = 1
-DEFAULT_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
+# "auto": exact ("Flat") for an index of fewer than FLAT_BELOW vectors, where a scan is cheap and
+# a quantizer trained on so few vectors loses recall (the planted-colours benchmark's 2,000
+# images: PQ recall@10 0.875, Flat 1.000); LARGE_FACTORY above (measured at 1M images).
+DEFAULT_FACTORY = "auto"
+LARGE_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
+FLAT_BELOW = 20_000
 DEFAULT_NPROBE = 896  # crop index; measured at 1M images (bench/README.md)
 DEFAULT_NPROBE_GLOBAL = 256  # global index
 DEFAULT_SHORTLIST = 100
@@ -223,7 +229,10 @@ def bank_hash(bank: np.ndarray) -> str:
 # --------------------------------------------------------------------------------------------
 
 def resolve_factory(template: str, n: int, d: int) -> tuple[str, int]:
-    """(factory string, padded dimension) for n vectors of dimension d; see the module doc."""
+    """(factory string, padded dimension) for n vectors of dimension d; see the module doc.
+    "auto": "Flat" below FLAT_BELOW vectors, else LARGE_FACTORY."""
+    if template == "auto":
+        template = "Flat" if n < FLAT_BELOW else LARGE_FACTORY
     nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
     nlist = max(1, min(nlist, n // 39))
     text = template.replace("{nlist}", str(nlist)).replace("{m}", str(-(-d // 8)))
@@ -767,7 +776,8 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--crop-rule", help="crop rule to record (with --images)")
     b.add_argument("--out", required=True, type=cli.writable, help="index folder")
     b.add_argument("--factory", default=DEFAULT_FACTORY,
-                   help="FAISS index factory string ({nlist}, {m}: see docs/miner.md)")
+                   help="FAISS index factory string ({nlist}, {m}: see docs/miner.md); auto "
+                        "(default): Flat below 20,000 vectors, else IVF{nlist},PQ{m/2}x4fs")
     b.add_argument("--alpha", type=float, default=0.4, help="weight of the crop score")
     b.add_argument("--k", type=int, default=10, help="CSLS neighbourhood size")
     b.add_argument("--pool", choices=("max", "mean"), default="max", help="pooling over crops")
