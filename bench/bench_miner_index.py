@@ -1,10 +1,20 @@
 """`sclaro_jax.miner.index` (ANN shortlist + exact MINER + CSLS re-rank) against the exact
 streamed search (`miner.stream.search`, same query bank) on a structured synthetic gallery.
 
-The gallery is `bench/miner_gallery.py`'s (clustered on the sphere, not uniform noise: topic
-centres, crops drawn around them, the global the sum of its crops plus noise, queries planted on
-one crop each at noise --gamma, a bank planted the same way on other images; see its docstring),
-generated once under --dir and reused; `--crops 0` makes a global-only gallery (the growth line).
+Two structured galleries (clustered on the sphere, not uniform noise), generated once under --dir
+and reused:
+- `--gallery topics` (default): `bench/miner_gallery.py`'s: 4,096 topic centres, each crop
+  drawn around one, the global view the sum of its crops plus noise, queries planted on one
+  crop each at noise --gamma (3: a query's own crop at cos ~0.32, the crops of its topic at
+  ~0.16, as a caption sits far from its photograph in CLIP space), a bank planted the same way
+  on other images; `--crops 0` makes it global-only (the growth line).
+- `--gallery scenes`: 2 sqrt(n) scene centres and n / 4 object prototypes; image i has a scene
+  s_i and R objects o_ir;
+      crop   c_ir = norm(0.55 O[o_ir] + 0.35 S[s_i] + 0.45 u_ir)         u: unit noise per crop
+      global g_i  = norm(0.60 S[s_i] + 0.30 mean_r O[o_ir] + 0.50 v_i)
+      query       = norm(0.45 O[o_ir] + 0.45 u_ir + 0.20 S[s_i] + --noise w)  planted on (i, r)
+  a query shares its crop's own detail u_ir and its object has about 20 crops in the gallery:
+  an easier gallery (exact R@1 99.5 at 1M, noise 1.4).
 
 Per run: the exact search (stream.search with the bank: top-10, exact ground-truth ranks),
 the index build (timed, per step), then the index searched at each --shortlist / --nprobe:
@@ -35,9 +45,64 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
+def _unit(x: np.ndarray) -> np.ndarray:
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _rand_unit(rng, *shape) -> np.ndarray:
+    return _unit(rng.standard_normal(shape, dtype=np.float32))
+
+
+def generate_scenes(folder: Path, n: int, r: int, dim: int, n_queries: int, n_bank: int,
+                    noise: float, block: int = 20_000, seed: int = 0) -> dict:
+    """The "scenes" gallery (module docstring): images.npy [n, dim], crops.npy [n, r, dim]
+    (float16), queries.npy, bank.npy, gt.npy under folder (skipped when done.json says they are
+    there); returns the arrays (memory-mapped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    done = folder / "done.json"
+    want = dict(n=n, r=r, dim=dim, queries=n_queries, bank=n_bank, seed=seed, v=2, noise=noise)
+    if not done.exists() or json.loads(done.read_text()) != want:
+        t0 = time.perf_counter()
+        rng = np.random.default_rng(seed)
+        k_scenes, n_protos = max(16, int(np.sqrt(n) * 2)), max(64, n // 4)
+        scenes, protos = _rand_unit(rng, k_scenes, dim), _rand_unit(rng, n_protos, dim)
+        scene = rng.integers(0, k_scenes, n)
+        objects = rng.integers(0, n_protos, (n, r))
+        images = np.lib.format.open_memmap(folder / "images.npy", "w+", np.float16, (n, dim))
+        crops = np.lib.format.open_memmap(folder / "crops.npy", "w+", np.float16, (n, r, dim))
+        # queries and bank rows: (image, crop) pairs; their crop noise u is kept when generated
+        picks = rng.choice(n, n_queries + n_bank, replace=False)
+        pick_r = rng.integers(0, r, len(picks))
+        order = np.argsort(picks)
+        planted = np.zeros((len(picks), dim), np.float32)
+        for a in range(0, n, block):
+            b = min(a + block, n)
+            u = _rand_unit(rng, b - a, r, dim)
+            obj = protos[objects[a:b]]
+            c = _unit(0.55 * obj + 0.35 * scenes[scene[a:b]][:, None] + 0.45 * u)
+            g = _unit(0.60 * scenes[scene[a:b]] + 0.30 * obj.mean(1)
+                      + 0.50 * _rand_unit(rng, b - a, dim))
+            images[a:b], crops[a:b] = g.astype(np.float16), c.astype(np.float16)
+            lo, hi = np.searchsorted(picks[order], [a, b])
+            for j in order[lo:hi]:
+                i, rr = picks[j], pick_r[j]
+                planted[j] = (0.45 * protos[objects[i, rr]] + 0.45 * u[i - a, rr]
+                              + 0.20 * scenes[scene[i]])
+        images.flush(), crops.flush()
+        del images, crops
+        planted = _unit(planted + noise * _rand_unit(rng, len(picks), dim))
+        np.save(folder / "queries.npy", planted[:n_queries])
+        np.save(folder / "gt.npy", picks[:n_queries])
+        np.save(folder / "bank.npy", planted[n_queries:])
+        done.write_text(json.dumps(want))
+        print(f"generated {folder} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return {name: np.load(folder / f"{name}.npy", mmap_mode="r")
+            for name in ("images", "crops", "queries", "gt", "bank")}
+
+
 def generate(folder: Path, n: int, r: int, dim: int, n_queries: int, n_bank: int,
              gamma: float) -> dict:
-    """`miner_gallery.make` into folder (reused when made with the same parameters); the arrays
+    """The "topics" gallery: `miner_gallery.make` into folder (reused when made with the same parameters); the arrays
     memory-mapped: images [n, dim], crops [n, r, dim] (None for r = 0), queries, gt, bank."""
     import miner_gallery
     t0 = time.perf_counter()
@@ -90,10 +155,13 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--queries", type=int, default=500)
     p.add_argument("--bank", type=int, default=1000, help="query bank rows (r_i)")
+    p.add_argument("--gallery", choices=("topics", "scenes"), default="topics",
+                   help="which synthetic gallery (module docstring)")
     p.add_argument("--gamma", type=float, default=3.0,
-                   help="query noise of the planted queries (miner_gallery.py)")
+                   help="topics: query noise of the planted queries (miner_gallery.py)")
+    p.add_argument("--noise", type=float, default=1.4, help="scenes: query noise")
     p.add_argument("--dir", default="/tmp/ann_bench", help="data and index folder")
-    p.add_argument("--factories", default="IVF{nlist},PQ{m}x4fs",
+    p.add_argument("--factories", default="IVF{nlist},PQ{m/2}x4fs",
                    help="';'-separated FAISS factory templates to build and search")
     p.add_argument("--shortlists", default="50,100,200", help="comma list of shortlist M")
     p.add_argument("--nprobes", default="16,32,64",
@@ -116,7 +184,14 @@ def main() -> None:
     from sclaro_jax.miner import index, stream
 
     data_dir = Path(args.dir) / f"gallery_{args.n}x{args.crops}x{args.dim}"
-    d = generate(data_dir, args.n, args.crops, args.dim, args.queries, args.bank, args.gamma)
+    if args.gallery == "scenes":
+        data_dir = Path(args.dir) / f"scenes_{args.n}x{args.crops}x{args.dim}"
+        d = generate_scenes(data_dir, args.n, max(args.crops, 1), args.dim, args.queries,
+                            args.bank, args.noise)
+        d["crops"] = d["crops"] if args.crops else None
+    else:
+        d = generate(data_dir, args.n, args.crops, args.dim, args.queries, args.bank,
+                     args.gamma)
     crops = d["crops"]
     q, gt, bank = np.asarray(d["queries"]), np.asarray(d["gt"]), np.asarray(d["bank"])
     emb_bytes = args.n * (1 + args.crops) * args.dim * 2
