@@ -156,18 +156,24 @@ KILL = textwrap.dedent("""
 """)
 
 
-def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
-    """SIGKILL after the 3rd chunk is added (the 8 chunks all stored, the index trained); the
-    rerun adds chunks 3..7 and assembles: the same bytes as an uninterrupted build."""
+def _killed_build(data, tmp_path, step: str, chunk: int, factory: str):
+    """The folder of a build of `data` SIGKILLed in a subprocess once `step` recorded `chunk`."""
     arrays = tmp_path / "data.npz"
     np.savez(arrays, images=data["images"], crops=data["crops"], bank=data["bank"])
     killed = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
                                                        os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "added", "2", str(killed),
-                           "IVF{nlist},Flat"], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), step, str(chunk),
+                           str(killed), factory], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
+    return killed
+
+
+def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
+    """SIGKILL after the 3rd chunk is added (the 8 chunks all stored, the index trained); the
+    rerun adds chunks 3..7 and assembles: the same bytes as an uninterrupted build."""
+    killed = _killed_build(data, tmp_path, "added", 2, "IVF{nlist},Flat")
     man = json.loads((killed / "manifest.json").read_text())
     assert man["stored"] == list(range(8)) and man["trained"] and man["added"] == [0, 1, 2]
     assert not man["complete"] and not (killed / "global.faiss").exists()
@@ -313,15 +319,7 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
 def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, tmp_path):
     """The large-gallery factory (fast-scan PQ, added in one step after the chunks): SIGKILL after
     the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds: the same bytes."""
-    arrays = tmp_path / "data.npz"
-    np.savez(arrays, images=data["images"], crops=data["crops"], bank=data["bank"])
-    killed = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT),
-                                                       os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", KILL, str(arrays), "stored", "3", str(killed),
-                           index.LARGE_FACTORY], env=env, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == -9, proc.stderr[-2000:]
+    killed = _killed_build(data, tmp_path, "stored", 3, index.LARGE_FACTORY)
     man = json.loads((killed / "manifest.json").read_text())
     assert man["stored"] == [0, 1, 2, 3] and not man["trained"]
     gallery = index.Gallery.from_arrays(data["images"], data["crops"])
