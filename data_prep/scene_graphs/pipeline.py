@@ -265,6 +265,20 @@ def _run_blocks(todo: list[int], workers: int):
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _earlier_blocks(work: str, chunks: list, key: str) -> dict:
+    """{k: marker} of the blocks an earlier run finished in `work` with this key, said so."""
+    os.makedirs(work, exist_ok=True)
+    blocks.clear_partial(work)
+    markers, other = blocks.finished(work, [[g.id for g in c] for c in chunks], key)
+    if markers:
+        print(f"import: {len(markers)} of {len(chunks)} blocks already done in {work} (an "
+              f"earlier run); doing the other {len(chunks) - len(markers)}", file=sys.stderr)
+    if other:
+        print(f"import: {other} blocks in {work} were made from other files or settings; "
+              f"redoing them", file=sys.stderr)
+    return markers
+
+
 def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, ...] = (),
                         with_actions: bool = True, limit: int = 0,
                         records_per_shard: int = 1000, overwrite: bool = False,
@@ -308,15 +322,7 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
                           "view_quality": schema.VIEW_QUALITY,
                           "region_quality": REGION_QUALITY}, _files(data))
     work = os.path.abspath(work or out.rstrip(os.sep) + ".work")
-    os.makedirs(work, exist_ok=True)
-    blocks.clear_partial(work)
-    markers, other = blocks.finished(work, [[g.id for g in c] for c in chunks], key)
-    if markers:
-        print(f"import: {len(markers)} of {len(chunks)} blocks already done in {work} (an "
-              f"earlier run); doing the other {len(chunks) - len(markers)}", file=sys.stderr)
-    if other:
-        print(f"import: {other} blocks in {work} were made from other files or settings; "
-              f"redoing them", file=sys.stderr)
+    markers = _earlier_blocks(work, chunks, key)
     todo = [k for k in range(len(chunks)) if k not in markers]
     _JOB.update(blocks=chunks, data=data, rule=rule, view_size=image_size, keep_originals=keep,
                 work=work, key=key)
@@ -342,14 +348,26 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
         shutil.rmtree(work, ignore_errors=True)
         raise ValueError(f"no image of {root} could be imported: "
                          + format_summary(summary).replace("\n", ";"))
+    manifest = _publish(out, work, len(chunks), summary, data.split_rule,
+                        records_per_shard=records_per_shard, overwrite=overwrite,
+                        image_size=image_size, keep_originals=keep_originals,
+                        progress=progress)
+    shutil.rmtree(work, ignore_errors=True)
+    return manifest
+
+
+def _publish(out: str, work: str, n_blocks: int, summary: dict, split_rule: dict, *,
+             records_per_shard: int, overwrite: bool, image_size, keep_originals: bool,
+             progress: bool) -> dict:
+    """The finished blocks' records, in block order, published as the dataset `out` (records
+    validated and given their views in the blocks pass through); its manifest."""
     existed = os.path.isdir(out)
     try:
-        # validated and given their views in the blocks: passed through here
         with ShardWriter(out, records_per_shard=records_per_shard, overwrite=overwrite,
-                         split_rule=data.split_rule, validate_images=False,
-                         view_size=image_size, keep_originals=keep_originals,
+                         split_rule=split_rule, validate_images=False, view_size=image_size,
+                         keep_originals=keep_originals,
                          manifest_extra={"import": summary}) as writer:
-            for k in tqdm(range(len(chunks)), desc="writing shards", unit="block",
+            for k in tqdm(range(n_blocks), desc="writing shards", unit="block",
                           disable=not progress):
                 for record in blocks.records(work, k):
                     writer.add(record)
@@ -363,7 +381,6 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
             print(f"import: interrupted while writing {out}; every block is kept in {work}: "
                   f"rerun the same command to write it", file=sys.stderr)
         raise
-    shutil.rmtree(work, ignore_errors=True)
     return writer.manifest
 
 

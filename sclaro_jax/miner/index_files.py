@@ -1,0 +1,391 @@
+"""The files of a MINER ANN index (`sclaro_jax.miner.index`): settings and defaults, the
+gallery reader, FAISS loading and (de)serialising, the vectors each index holds, and opening an
+index or a set of shards with its settings checked. See `sclaro_jax.miner.index` for the method."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+VERSION = 1
+# "auto": exact ("Flat") for an index of fewer than FLAT_BELOW vectors, where a scan is cheap and
+# a quantizer trained on so few vectors loses recall (the planted-colours benchmark's 2,000
+# images: PQ recall@10 0.875, Flat 1.000); LARGE_FACTORY above (measured at 1M images).
+DEFAULT_FACTORY = "auto"
+LARGE_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
+FLAT_BELOW = 20_000
+DEFAULT_NPROBE = 896  # crop index; measured at 1M images (bench/README.md)
+DEFAULT_NPROBE_GLOBAL = 256  # global index
+DEFAULT_SHORTLIST = 100
+INSTALL = 'pip install "sclaro-jax[ann]"'
+
+
+class IndexFileError(ValueError):
+    """An index folder that cannot be used: missing or truncated files, an unfinished build."""
+
+
+class IndexMismatchError(ValueError):
+    """An index built with other settings (encoder, crop rule, dim, ...) than asked for."""
+
+
+class FaissMissing(ImportError):
+    pass
+
+
+def faiss():
+    """The faiss module, imported on first use; a one-line error naming the extra without it."""
+    try:
+        import faiss as f
+    except ImportError as e:
+        raise FaissMissing(f"the ANN index needs faiss ({e}); install it with {INSTALL}") from None
+    return f
+
+
+# --------------------------------------------------------------------------------------------
+# Galleries to index
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Gallery:
+    """Gallery views to read in row ranges: `images` [G, D] and `crops` [G, R, D] (numpy or
+    np.memmap), or the parts of an `eval.rocs` embedding cache (`from_cache`)."""
+
+    n: int
+    dim: int
+    n_crops: int
+    images: Optional[np.ndarray] = None
+    crops: Optional[np.ndarray] = None
+    parts: Optional[list] = None  # [(start, stop, path)] of [n, 1 + R, D] cache parts
+    encoder: Optional[str] = None
+    crop_rule: Optional[str] = None
+    crop_spec: Optional[dict] = None
+    queries: Optional[Path] = None  # a cache's queries.npy (the default bank)
+
+    def views(self, a: int, b: int) -> np.ndarray:
+        """Rows a:b as float16 [b - a, 1 + R, D], global view first."""
+        from sclaro_jax.miner.stream import read_rows
+
+        if self.parts is not None:
+            out = []
+            for lo, hi, path in self.parts:
+                if hi > a and lo < b:
+                    arr = np.load(path, mmap_mode="r")
+                    out.append(np.asarray(arr[max(a, lo) - lo:min(b, hi) - lo]))
+            return np.concatenate(out).astype(np.float16)
+        g = read_rows(self.images, a, b).astype(np.float16)[:, None]
+        if self.crops is None:
+            return g
+        return np.concatenate([g, read_rows(self.crops, a, b).astype(np.float16)], axis=1)
+
+    @classmethod
+    def from_arrays(cls, images, crops=None, **info) -> "Gallery":
+        images = np.asarray(images) if not isinstance(images, np.ndarray) else images
+        if images.ndim != 2:
+            raise ValueError(f"images must be [G, D], not shape {images.shape}")
+        if crops is not None and (crops.ndim != 3 or crops.shape[0] != images.shape[0]
+                                  or crops.shape[2] != images.shape[1]):
+            raise ValueError(f"crops must be [{images.shape[0]}, R, {images.shape[1]}], not "
+                             f"shape {crops.shape}")
+        return cls(n=images.shape[0], dim=images.shape[1],
+                   n_crops=0 if crops is None else crops.shape[1], images=images, crops=crops,
+                   **info)
+
+    @classmethod
+    def from_npy(cls, images: str, crops: Optional[str] = None, **info) -> "Gallery":
+        return cls.from_arrays(_load(images), None if crops is None else _load(crops), **info)
+
+    @classmethod
+    def from_cache(cls, folder) -> "Gallery":
+        """An `eval.rocs` embedding cache folder (`OUT/cache/<key>`: meta.json, gallery parts
+        `gallery-PPPPP-of-NNNNN.npy` [n, 1 + R, D] float16, queries.npy), or the cache folder
+        `OUT/cache` itself when it holds one split's."""
+        folder = Path(folder)
+        keys = sorted(p.parent for p in folder.glob("*/meta.json"))
+        if not (folder / "meta.json").exists() and len(keys) == 1:
+            folder = keys[0]
+        elif not (folder / "meta.json").exists() and keys:
+            raise ValueError(f"{folder} holds the caches of {len(keys)} splits; name one: "
+                             + ", ".join(str(k) for k in keys))
+        meta_path = folder / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(2, "No such file or directory (not an eval.rocs embedding "
+                                       "cache folder)", str(meta_path))
+        try:
+            meta = json.loads(meta_path.read_text())
+        except ValueError as e:
+            raise ValueError(f"{meta_path} is not JSON ({e})") from None
+        files = sorted(folder.glob("gallery-*-of-*.npy"))
+        total = int(files[0].name.split("-of-")[1][:5]) if files else 0
+        if not files or len(files) != total:
+            raise IndexFileError(f"{folder}: {len(files)} of {total or '?'} gallery parts; run "
+                                 f"eval.rocs to finish the cache")
+        parts, start, shape = [], 0, None
+        for path in files:
+            try:
+                arr = np.load(path, mmap_mode="r")
+            except (ValueError, OSError) as e:
+                raise IndexFileError(f"{path}: unreadable ({e})") from None
+            parts.append((start, start + arr.shape[0], path))
+            start += arr.shape[0]
+            shape = arr.shape
+        if start != meta.get("images", start):
+            raise IndexFileError(f"{folder}: {start} gallery rows, meta.json says "
+                                 f"{meta['images']}")
+        queries = folder / "queries.npy"
+        return cls(n=start, dim=shape[2], n_crops=shape[1] - 1, parts=parts,
+                   encoder=meta.get("encoder"), crop_rule=meta.get("crop_rule"),
+                   crop_spec=meta.get("crops"), queries=queries if queries.is_file() else None)
+
+
+def _load(path: str) -> np.ndarray:
+    """A .npy file as a read-only memory map (a missing one is an OSError naming it)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+    try:
+        return np.load(path, mmap_mode="r")
+    except ValueError as e:
+        raise ValueError(f"{path}: not a .npy array ({e})") from None
+
+
+def bank_hash(bank: np.ndarray) -> str:
+    """sha256 of the bank as float32 (shape and bytes), 16 hex digits."""
+    b = np.ascontiguousarray(bank, np.float32)
+    return hashlib.sha256(repr(b.shape).encode() + b.tobytes()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------------------------
+# Factories
+# --------------------------------------------------------------------------------------------
+
+def resolve_factory(template: str, n: int, d: int) -> tuple[str, int]:
+    """(factory string, padded dimension) for n vectors of dimension d; see the module doc.
+    "auto": "Flat" below FLAT_BELOW vectors, else LARGE_FACTORY."""
+    if template == "auto":
+        template = "Flat" if n < FLAT_BELOW else LARGE_FACTORY
+    nlist = 2 ** round(math.log2(max(1.0, math.sqrt(n))))
+    nlist = max(1, min(nlist, n // 39))
+    text = template.replace("{nlist}", str(nlist)).replace("{m}", str(-(-d // 8)))
+    text = re.sub(r"\{m/(\d+)\}", lambda g: str(-(-d // int(g.group(1)))), text)
+    pq = re.search(r"(?<!O)PQ(\d+)", text)
+    q = int(pq.group(1)) if pq else 1
+    opq = re.match(r"OPQ(\d+)", text)
+    if opq:
+        q = math.lcm(q, int(opq.group(1)))
+    return text, -(-d // q) * q
+
+
+def _pad(x: np.ndarray, d: int) -> np.ndarray:
+    x = np.ascontiguousarray(x, np.float32)
+    if x.shape[1] == d:
+        return x
+    out = np.zeros((x.shape[0], d), np.float32)
+    out[:, :x.shape[1]] = x
+    return out
+
+
+def global_vectors(views: np.ndarray, r_i: np.ndarray, d: int) -> np.ndarray:
+    """[g, -r_i / 2, 0...] per image, float32 [n, d]."""
+    g = views[:, 0].astype(np.float32)
+    return _pad(np.concatenate([g, -0.5 * r_i.astype(np.float32)[:, None]], axis=1), d)
+
+
+def crop_vectors(views: np.ndarray, r_i: np.ndarray, d: int, alpha: float, pool: str
+                 ) -> np.ndarray:
+    """The fused crop vectors, float32 [n * P, d] (P = R for pool max, 1 for mean), image i's
+    at rows i * P ... i * P + P - 1:
+
+        max:  x_ir = [(1 - alpha) g_i + alpha c_ir, -r_i / 2]      r = 0 .. R - 1
+        mean: x_i  = [(1 - alpha) g_i + alpha mean_r c_ir, -r_i / 2]
+
+    so that with the query [t, 1], max_r t.x_ir (or t.x_i) = S_i - r_i / 2 = (2 S_i - r_i) / 2:
+    an exact inner product search over these vectors, keeping each image's best, gives the
+    MINER + CSLS order; the ANN only approximates the inner products."""
+    g = views[:, :1].astype(np.float32)
+    c = views[:, 1:].astype(np.float32)
+    if pool == "mean":
+        c = c.mean(axis=1, keepdims=True)
+    x = (1 - alpha) * g + alpha * c
+    ri = np.broadcast_to(-0.5 * r_i.astype(np.float32)[:, None, None], x.shape[:2] + (1,))
+    x = np.concatenate([x, ri], axis=2)
+    return _pad(x.reshape(-1, x.shape[2]), d)
+
+
+def per_image(n_crops: int, pool: str) -> int:
+    """Crop-index vectors per image (`crop_vectors`)."""
+    return n_crops if pool == "max" else 1
+
+
+# --------------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------------
+
+SETTINGS = ("encoder", "crop_rule", "crops", "dim", "alpha", "k", "pool", "bank_hash",
+            "factory", "shard", "total", "chunk")
+
+
+def _write_json(path: Path, obj) -> None:
+    from sclaro_jax.files import write_replacing
+    write_replacing(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True)),
+                    text=True, fsync=True)
+
+
+def _write_npy(path: Path, arr) -> None:
+    from sclaro_jax.files import write_replacing
+    write_replacing(path, lambda f: np.save(f, arr), fsync=True)
+
+
+def _write_index(path: Path, index) -> None:
+    from sclaro_jax.files import write_replacing
+    data = faiss().serialize_index(index)
+    write_replacing(path, lambda f: f.write(data.tobytes()), fsync=True)
+
+
+def _read_index(path: Path):
+    if not path.is_file():
+        raise IndexFileError(f"{path}: missing")
+    try:
+        return faiss().deserialize_index(np.fromfile(path, dtype=np.uint8))
+    except RuntimeError as e:
+        raise IndexFileError(f"{path}: unreadable FAISS index "
+                             f"({str(e).strip().splitlines()[-1][:200]})") from None
+
+
+def shard_rows(n: int, shard: tuple[int, int]) -> tuple[int, int]:
+    i, count = shard
+    return i * n // count, (i + 1) * n // count
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'i/N' -> (i, N), 0 <= i < N."""
+    m = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise ValueError(f"--shard must be i/N with 0 <= i < N, not {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def _compare(what: dict, have: dict, where: str, fields: Sequence[str]) -> None:
+    """Refuse the first field whose values differ, naming both."""
+    for f in fields:
+        if f in what and what[f] != have.get(f):
+            raise IndexMismatchError(f"{where}: the index was built with {f} {have.get(f)!r}, "
+                                     f"not {what[f]!r}")
+
+
+def _mergeable(factory: str) -> bool:
+    """Whether chunk indexes of this factory can be merged: not fast-scan PQ ("x4fs"), whose
+    `merge_from` corrupts memory in faiss-cpu 1.15.1 (a crash after a few merges)."""
+    return "fs" not in factory
+
+
+def _is_ivf(factory: str) -> bool:
+    """Whether a factory string makes an IVF index (by its text: faiss's
+    `try_extract_index_ivf` returns a wrapper that frees the index it points into)."""
+    return "IVF" in factory
+
+
+def _nlist_of(factory: str) -> int:
+    m = re.search(r"IVF(\d+)", factory)
+    return int(m.group(1)) if m else 1
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise IndexFileError(f"{path}: missing (not a MINER index folder, or its build never "
+                             f"started)")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise IndexFileError(f"{path}: not JSON ({e}); the file is damaged") from None
+
+
+# --------------------------------------------------------------------------------------------
+# Open and search
+# --------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Shard:
+    """One opened index folder."""
+
+    path: Path
+    meta: dict
+    views: np.ndarray        # float16 [n, 1 + R, D], memory-mapped
+    r_i: np.ndarray          # float32 [n]
+    glob: object             # faiss index over [g, -r_i / 2]
+    crops: object            # faiss index over the crops, or None
+
+    @property
+    def offset(self) -> int:
+        return self.meta["offset"]
+
+    @property
+    def n(self) -> int:
+        return self.meta["images"]
+
+    def memory_bytes(self) -> int:
+        """Bytes of the in-memory part: the FAISS indexes (serialised) and r_i."""
+        f = faiss()
+        size = len(f.serialize_index(self.glob)) + self.r_i.nbytes
+        return size + (len(f.serialize_index(self.crops)) if self.crops is not None else 0)
+
+
+def open_index(path) -> Shard:
+    """Open one finished index folder; an unfinished build, a missing or truncated file is an
+    `IndexFileError` naming the file."""
+    path = Path(path)
+    meta = _read_json(path / "meta.json")
+    man = _read_json(path / "manifest.json")
+    if not man.get("complete") or "files" not in meta:
+        chunks = -(-meta.get("images", 0) // max(1, meta.get("chunk", 1)))
+        raise IndexFileError(f"{path}: the build is not finished ({len(man.get('stored', []))} "
+                             f"of {chunks} chunks stored, {len(man.get('added', []))} added); "
+                             f"run the same build command again to resume it")
+    if meta.get("version") != VERSION:
+        raise IndexFileError(f"{path / 'meta.json'}: index version {meta.get('version')}, this "
+                             f"code reads {VERSION}; rebuild the index")
+    for name, size in meta["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise IndexFileError(f"{f}: missing; rebuild the index")
+        if f.stat().st_size != size:
+            raise IndexFileError(f"{f}: {f.stat().st_size} bytes, the build wrote {size} "
+                                 f"(truncated or replaced); rebuild the index")
+    views = np.load(path / "views.npy", mmap_mode="r")
+    r_i = np.load(path / "r_i.npy")
+    glob = _read_index(path / "global.faiss")
+    crops = _read_index(path / "crops.faiss") if meta["n_crops"] else None
+    return Shard(path, meta, views, r_i, glob, crops)
+
+
+def open_shards(paths: Sequence, expect: Optional[dict] = None,
+                opened: Optional[list] = None) -> list[Shard]:
+    """Open the index folders of one gallery (one folder, or every shard i/N of a sharded
+    build, in any order) and check they agree with each other and with `expect` (e.g.
+    {"encoder": ..., "crop_rule": ..., "dim": ...}): a difference is refused naming both.
+    `opened`: shards already opened, checked again (against another `expect`)."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    if not opened and not paths:
+        raise ValueError("no index folder given")
+    shards = sorted(opened or (open_index(p) for p in paths), key=lambda s: s.meta["shard"][0])
+    first = shards[0]
+    for s in shards[1:]:
+        _compare({f: first.meta[f] for f in SETTINGS if f not in ("shard",)}, s.meta,
+                 f"{s.path / 'meta.json'} (beside {first.path})",
+                 [f for f in SETTINGS if f != "shard"])
+    count = first.meta["shard"][1]
+    have = [s.meta["shard"][0] for s in shards]
+    if have != list(range(count)):
+        raise IndexFileError(f"{', '.join(str(s.path) for s in shards)}: shards {have} of "
+                             f"{count}; a search needs each shard 0..{count - 1} once")
+    if expect:
+        _compare(expect, first.meta, str(first.path / "meta.json"), list(expect))
+    return shards

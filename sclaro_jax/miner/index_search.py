@@ -1,0 +1,164 @@
+"""Searching a MINER ANN index (`sclaro_jax.miner.index`): FAISS candidates from the global and
+crop indexes of every shard, then the exact MINER score + CSLS on the union, in jax."""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sclaro_jax.miner.index_files import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
+                                          DEFAULT_SHORTLIST, IndexMismatchError, Shard,
+                                          _is_ivf, faiss, open_shards, per_image)
+
+@functools.partial(jax.jit, static_argnames=("alpha", "pool", "k", "top"))
+def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: int):
+    """Exact MINER + CSLS on each query's candidates.
+
+    t [B, D] f32; views [B, W, V, D] (global, then crops); valid [B, W]; ids [B, W] int32 gallery
+    rows, ascending among the valid ones; r_i [B, W]. S [B, W] by `kernels.fuse`; r_q = mean of
+    the min(k, valid) highest S; CSLS by `kernels.csls_combine`; the top `top` by a stable
+    descending order (ties: the lower position, so the lower gallery row). Invalid: -inf, -1.
+    """
+    from sclaro_jax.miner.kernels import csls_combine, fuse
+
+    def one(tq, v):
+        crops = v[:, 1:] if v.shape[1] > 1 else None
+        return fuse(tq[None], v[:, 0], crops, alpha, pool, precision=jax.lax.Precision.HIGHEST)[0]
+
+    s = jnp.where(valid, jax.vmap(one)(t, views), -jnp.inf)
+    kk = min(k, s.shape[1])
+    best = jax.lax.top_k(s, kk)[0]
+    count = jnp.minimum(valid.sum(axis=1), kk)
+    finite = jnp.arange(kk)[None, :] < count[:, None]
+    r_q = jnp.where(finite, best, 0.0).sum(axis=1) / jnp.maximum(count, 1)
+    resc = jnp.where(valid, csls_combine(s, r_q, r_i), -jnp.inf)
+    vals, pos = jax.lax.top_k(resc, top)
+    idx = jnp.where(jnp.isfinite(vals), jnp.take_along_axis(ids, pos, axis=1), -1)
+    return vals, idx, r_q
+
+
+def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int,
+               nprobe_global: Optional[int] = None) -> np.ndarray:
+    """[B, W] gallery rows per query: the union over shards of the top `shortlist` images of
+    the global index and the first `shortlist` distinct images of the top `shortlist * P` fused
+    crop vectors (P per image), ascending, padded with -1 (W = 2 * shortlist * shards, less
+    where a shard is smaller). nprobe / nprobe_global: IVF lists visited in the crop / global
+    index (None: nprobe in both)."""
+    f = faiss()
+    found = []
+    b = t.shape[0]
+    for s in shards:
+        params = f.ParameterSpace()
+        for index, fac, probes in ((s.glob, s.meta["factory_global"], nprobe_global or nprobe),
+                                   (s.crops, s.meta["factory_crops"], nprobe)):
+            if index is not None and _is_ivf(fac):
+                params.set_index_parameter(index, "nprobe", probes)
+        qg = np.zeros((b, max(s.glob.d, s.crops.d if s.crops is not None else 0)), np.float32)
+        qg[:, :t.shape[1]] = t
+        qg[:, t.shape[1]] = 1.0
+        _, ig = s.glob.search(np.ascontiguousarray(qg[:, :s.glob.d]), min(shortlist, s.n))
+        found.append(np.where(ig >= 0, ig + s.offset, -1))
+        if s.crops is not None:
+            per = per_image(s.meta["n_crops"], s.meta["pool"])
+            _, ic = s.crops.search(np.ascontiguousarray(qg[:, :s.crops.d]),
+                                   min(shortlist * per, s.crops.ntotal))
+            found.append(_first_distinct(np.where(ic >= 0, ic // per + s.offset, -1),
+                                         min(shortlist, s.n)))
+    ids = np.concatenate(found, axis=1)
+    big = np.iinfo(np.int64).max
+    ids = np.sort(np.where(ids < 0, big, ids), axis=1)
+    dup = np.zeros_like(ids, bool)
+    dup[:, 1:] = ids[:, 1:] == ids[:, :-1]
+    ids = np.sort(np.where(dup, big, ids), axis=1)
+    return np.where(ids == big, -1, ids)
+
+
+def _first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
+    """Per row, the first m distinct non-negative ids in row order, padded with -1."""
+    out = np.full((ids.shape[0], m), -1, np.int64)
+    for row, found in zip(out, ids):
+        found = found[found >= 0]
+        _, first = np.unique(found, return_index=True)
+        keep = found[np.sort(first)][:m]
+        row[:len(keep)] = keep
+    return out
+
+
+def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float16 views [B, W, V, D] and r_i [B, W] of gallery rows ids (-1: zeros)."""
+    first = shards[0]
+    v = first.views.shape[1:]
+    out = np.zeros(ids.shape + v, np.float16)
+    r_i = np.zeros(ids.shape, np.float32)
+    flat = ids.reshape(-1)
+    ov, orr = out.reshape((-1,) + v), r_i.reshape(-1)
+    for s in shards:
+        sel = np.nonzero((flat >= s.offset) & (flat < s.offset + s.n))[0]
+        if len(sel):
+            rows = flat[sel] - s.offset
+            order = np.argsort(rows, kind="stable")
+            ov[sel[order]] = s.views[rows[order]]
+            orr[sel] = s.r_i[rows]
+    return out, r_i
+
+
+def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: int = DEFAULT_SHORTLIST,
+           nprobe: int = DEFAULT_NPROBE, nprobe_global: Optional[int] = DEFAULT_NPROBE_GLOBAL,
+           batch: int = 64, progress: bool = False):
+    """Top `top` gallery images per query under the exact MINER + CSLS score on the ANN
+    shortlist (module docstring). queries [Q, D] L2-normalised; shards: from `open_shards` (or
+    folders). Returns `stream.SearchResult` (scores [Q, top] 2S - r_q - r_i, indices [Q, top]
+    global gallery rows, -1 past the candidates; r_q [Q] over the shortlist; r_i [G] the
+    bank's)."""
+    from tqdm.auto import tqdm
+
+    from sclaro_jax.miner.stream import SearchResult
+
+    if not shards or isinstance(shards, (str, os.PathLike)) or not isinstance(shards[0], Shard):
+        shards = open_shards(shards)
+    meta = shards[0].meta
+    queries = np.ascontiguousarray(queries, np.float32)
+    if queries.ndim != 2 or queries.shape[1] != meta["dim"]:
+        raise IndexMismatchError(f"{shards[0].path / 'meta.json'}: the index was built with "
+                                 f"dim {meta['dim']}, not {queries.shape[-1]} (queries of "
+                                 f"shape {queries.shape})")
+    total = meta["total"]
+    top = min(top, total)
+    scores = np.empty((len(queries), top), np.float32)
+    indices = np.empty((len(queries), top), np.int64)
+    r_q = np.empty((len(queries),), np.float32)
+    for a in tqdm(range(0, len(queries), batch), desc="search", unit="batch",
+                  disable=not progress):
+        t = queries[a:a + batch]
+        ids = candidates(shards, t, shortlist, nprobe, nprobe_global)
+        b = len(t)
+        if b < batch and len(queries) > batch:  # one compiled shape for every batch
+            t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
+            ids = np.concatenate([ids, np.full((batch - b, ids.shape[1]), -1)])
+        views, r_i = _gather(shards, ids)
+        vals, idx, rq = _rerank(jnp.asarray(t), jnp.asarray(views), jnp.asarray(ids >= 0),
+                                jnp.asarray(ids.astype(np.int32)), jnp.asarray(r_i),
+                                alpha=meta["alpha"], pool=meta["pool"], k=meta["k"],
+                                top=min(top, ids.shape[1]))
+        vals, idx = np.asarray(vals)[:b], np.asarray(idx)[:b]
+        pad = top - vals.shape[1]
+        scores[a:a + b] = np.pad(vals, ((0, 0), (0, pad)), constant_values=-np.inf)
+        indices[a:a + b] = np.pad(idx, ((0, 0), (0, pad)), constant_values=-1)
+        r_q[a:a + b] = np.asarray(rq)[:b]
+    return SearchResult(scores=scores, indices=indices, r_q=r_q,
+                        r_i=np.concatenate([s.r_i for s in shards]))
+
+
+def gt_ranks(indices: np.ndarray, gt: np.ndarray) -> np.ndarray:
+    """Position of each query's ground truth in its result list, or the list's length when it
+    is not there (so recall@k = mean(rank < k) for k up to the list's length)."""
+    hit = indices == np.asarray(gt)[:, None]
+    return np.where(hit.any(axis=1), hit.argmax(axis=1), indices.shape[1]).astype(np.int64)
+
+
+# --------------------------------------------------------------------------------------------
