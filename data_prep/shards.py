@@ -110,6 +110,15 @@ def _fsync_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def refuse_a_dataset_in(out_dir: str, overwrite: bool) -> None:
+    """`FileExistsError` when `out_dir` already holds a dataset (its manifest) and `overwrite`
+    is not set: what a writer checks first, and a job may check before any work."""
+    manifest = os.path.join(os.path.abspath(out_dir), schema.MANIFEST)
+    if os.path.exists(manifest) and not overwrite:
+        raise FileExistsError(f"{manifest} exists: {os.path.abspath(out_dir)} already holds a "
+                              f"dataset (pass overwrite=True / --overwrite to replace it)")
+
+
 def iter_records(path: str, chunk: int = 32) -> Iterator[tuple[int, bytes]]:
     """(index, record bytes) of one shard file in order, `chunk` records in memory at a time
     (a dataset's records: `ShardedDataset.records` / `.samples`)."""
@@ -183,11 +192,8 @@ class ShardWriter:
             raise ValueError(f"view_size {view_size!r} is not a positive integer (None writes "
                              f"schema version 1)")
         self.out_dir = os.path.abspath(out_dir)
+        refuse_a_dataset_in(self.out_dir, overwrite)
         os.makedirs(self.out_dir, exist_ok=True)
-        manifest = os.path.join(self.out_dir, schema.MANIFEST)
-        if os.path.exists(manifest) and not overwrite:
-            raise FileExistsError(f"{manifest} exists: {self.out_dir} already holds a dataset "
-                                  f"(pass overwrite=True / --overwrite to replace it)")
         self.overwrite = overwrite
         self.records_per_shard = records_per_shard
         self.split_rule = split_rule or {}

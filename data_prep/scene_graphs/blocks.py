@@ -1,7 +1,6 @@
 """The import's work folder: one finished block of images = one ArrayRecord file of its records
 plus a JSON marker, each written atomically, so a killed import keeps every block it finished.
 
-    <work>/run.json                 the key of the inputs (what the blocks were made from)
     <work>/blocks/000012.array_record, 000012.json   block 12: its records, then its marker
 
 A marker holds the block's image ids, its tallies (`pipeline.Counts` as a dict), the key, the
@@ -21,9 +20,9 @@ import os
 import uuid
 
 from sclaro_jax.data.schema import file_sha256
+from sclaro_jax.files import write_replacing
 
 BLOCKS = "blocks"
-RUN = "run.json"
 MARKER_VERSION = 1
 
 
@@ -42,12 +41,6 @@ def paths(work: str, k: int) -> tuple[str, str]:
     return base + ".array_record", base + ".json"
 
 
-def _replace_durably(tmp: str, final: str) -> None:
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-
-
 def write(work: str, k: int, ids: list[str], records: list[bytes], counts: dict,
           key: str) -> dict:
     """Block `k`'s shard, then its marker, each written to a temporary name and moved into
@@ -55,20 +48,19 @@ def write(work: str, k: int, ids: list[str], records: list[bytes], counts: dict,
     from array_record.python.array_record_module import ArrayRecordWriter
     shard, marker_path = paths(work, k)
     os.makedirs(os.path.dirname(shard), exist_ok=True)
-    tag = uuid.uuid4().hex[:8]
-    tmp = f"{shard}.tmp-{tag}"
+    tmp = f"{shard}.tmp-{uuid.uuid4().hex[:8]}"
     writer = ArrayRecordWriter(tmp, "group_size:1")
     for record in records:
         writer.write(record)
     writer.close()
     digest, size = file_sha256(tmp), os.path.getsize(tmp)
-    _replace_durably(tmp, shard)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, shard)
     marker = {"version": MARKER_VERSION, "block": k, "ids": list(ids), "key": key,
               "records": len(records), "bytes": size, "sha256": digest, "counts": counts}
-    tmp = f"{marker_path}.tmp-{tag}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(marker, f, sort_keys=True)
-    _replace_durably(tmp, marker_path)
+    write_replacing(marker_path, lambda f: json.dump(marker, f, sort_keys=True), text=True,
+                    fsync=True, unique=True)
     return marker
 
 
@@ -106,12 +98,3 @@ def finished(work: str, blocks: list[list[str]], key: str) -> tuple[dict, int]:
         done[k] = marker
     return done, other
 
-
-def records(work: str, k: int) -> list[bytes]:
-    """The records of finished block `k`, in its images' order."""
-    from array_record.python.array_record_module import ArrayRecordReader
-    reader = ArrayRecordReader(paths(work, k)[0])
-    try:
-        return list(reader.read_all()) if reader.num_records() else []
-    finally:
-        reader.close()

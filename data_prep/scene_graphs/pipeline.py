@@ -51,7 +51,7 @@ from data_prep.demo import box_mask, encode_jpeg
 from data_prep.scene_graphs import actions as action_rule
 from data_prep.scene_graphs import blocks, psg, vg
 from data_prep.scene_graphs.graph import Graph, SceneGraphs
-from data_prep.shards import ShardWriter, convert_sample
+from data_prep.shards import ShardWriter, convert_sample, iter_records, refuse_a_dataset_in
 from data_prep.source_items import SourceError, SourceItem, read_image
 from sclaro_jax.data import schema
 
@@ -301,10 +301,7 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
     if block_size < 1 or workers < 1:
         raise ValueError(f"block_size ({block_size}) and workers ({workers}) must be at least 1")
     out = os.path.abspath(out)
-    manifest_path = os.path.join(out, schema.MANIFEST)
-    if os.path.exists(manifest_path) and not overwrite:
-        raise FileExistsError(f"{manifest_path} exists: {out} already holds a dataset (pass "
-                              f"overwrite=True / --overwrite to replace it)")
+    refuse_a_dataset_in(out, overwrite)
     if not os.path.isdir(root):
         raise FileNotFoundError(errno.ENOENT, "no such dataset folder (--root)", root)
     actions = "none"
@@ -329,17 +326,17 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
     bar = tqdm(total=len(graphs), initial=sum(len(chunks[k]) for k in markers),
                desc=f"importing {kind}", unit="image", disable=not progress)
     try:
-        for marker in _run_blocks(todo, workers):
-            markers[marker["block"]] = marker
-            bar.update(len(marker["ids"]))
+        try:
+            for marker in _run_blocks(todo, workers):
+                markers[marker["block"]] = marker
+                bar.update(len(marker["ids"]))
+        finally:
+            bar.close()
+            _JOB.clear()
     except KeyboardInterrupt:
-        bar.close()
         print(f"import: interrupted; {len(markers)} of {len(chunks)} blocks are kept in {work}: "
               f"rerun the same command to resume", file=sys.stderr)
         raise
-    finally:
-        bar.close()
-        _JOB.clear()
     counts = Counts()
     for k in range(len(chunks)):
         counts.add(markers[k]["counts"])
@@ -369,7 +366,7 @@ def _publish(out: str, work: str, n_blocks: int, summary: dict, split_rule: dict
                          manifest_extra={"import": summary}) as writer:
             for k in tqdm(range(n_blocks), desc="writing shards", unit="block",
                           disable=not progress):
-                for record in blocks.records(work, k):
+                for _, record in iter_records(blocks.paths(work, k)[0]):
                     writer.add(record)
     except BaseException as e:
         if not existed:
