@@ -212,6 +212,19 @@ def test_ivf_visiting_every_list_is_exact(data, exact, tmp_path):
           exact["crops"])
     few = index.search(data["queries"], [path], shortlist=G, nprobe=1, nprobe_global=1)
     assert (few.indices != exact["crops"].indices).any()  # one list of 32 / 64 misses some
+    # each fused crop vector sits in the list of its CROP's nearest centre, not its own
+    crops = index.open_index(path).crops
+    f = index.faiss()
+    lists = np.full(G * R, -1)
+    for j in range(crops.nlist):
+        ids = f.rev_swig_ptr(crops.invlists.get_ids(j), crops.invlists.list_size(j))
+        lists[np.asarray(ids)] = j
+    views = np.concatenate([data["images"][:, None], data["crops"]], axis=1)
+    _, want = crops.quantizer.search(index.route_vectors(views, 17, "max"), 1)
+    np.testing.assert_array_equal(lists, want[:, 0])
+    r_i = np.load(path / "r_i.npy")
+    _, own = crops.quantizer.search(index.crop_vectors(views, r_i, 17, 0.4, "max"), 1)
+    assert (own[:, 0] != lists).mean() > 0.05
 
 
 def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp_path):
@@ -317,8 +330,9 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
 
 
 def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, tmp_path):
-    """The large-gallery factory (fast-scan PQ, added in one step after the chunks): SIGKILL after
-    the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds: the same bytes."""
+    """The large-gallery factory (fast-scan PQ, built as its plain 4-bit twin, made fast-scan at
+    the end): SIGKILL after the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds
+    every chunk, assembles: the same bytes."""
     killed = _killed_build(data, tmp_path, "stored", 3, index.LARGE_FACTORY)
     man = json.loads((killed / "manifest.json").read_text())
     assert man["stored"] == [0, 1, 2, 3] and not man["trained"]
@@ -330,7 +344,7 @@ def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, 
                     progress=False)
     finally:
         index._after_chunk = None
-    assert calls == [("stored", c) for c in range(4, 8)]
+    assert calls == [("stored", c) for c in range(4, 8)] + [("added", c) for c in range(8)]
     whole = index.build(gallery, data["bank"], tmp_path / "whole", factory=index.LARGE_FACTORY,
                         chunk=256, progress=False)
     for name in ("views.npy", "r_i.npy", "global.faiss", "crops.faiss", "meta.json"):

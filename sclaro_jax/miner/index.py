@@ -38,9 +38,14 @@ of `chunk` images, bounded memory (one chunk of views plus the bank's [Qb, chunk
     3. add: each chunk's vectors into a copy of the trained index, `parts/{global,crops}-*.faiss`;
     4. assemble: the parts merged in order into `global.faiss` / `crops.faiss`, `r_i.npy`, the
        sizes of every file into `meta.json`; the parts are removed.
-Fast-scan PQ (`...x4fs`, the default for large galleries) cannot be merged (`_mergeable`): step
-3 is skipped and step 4 adds the stored chunks in order, one step (a kill there redoes the adding
-only).
+Fast-scan PQ (`...x4fs`, the default for large galleries) cannot be merged, so it is built as
+its plain 4-bit twin (`...x4`, the same codes) and made fast-scan when it is written in step 4
+(`build_form`, `final_index`).
+The crop index's IVF lists are chosen by the crops, not by the fused vectors they store
+(`route_vectors`): k-means on the crop vectors [c_ir, 0...], each fused vector added to the list
+of its crop's nearest centre. A fused vector mixes the image's global view into every crop, so
+lists of fused vectors group images rather than what their crops show, and a query about one
+crop probes the wrong lists; the stored vectors, and so the scores, are unchanged.
 `manifest.json` records each finished step and chunk (every file is written whole, then
 renamed, then recorded), so a build killed at any point and run again redoes only the
 unrecorded work and ends with the same files as an uninterrupted build (the trained index is
@@ -64,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -74,10 +80,108 @@ import numpy as np
 from sclaro_jax.miner.index_files import (  # noqa: F401  (the index's names, in one place)
     DEFAULT_FACTORY, DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL, DEFAULT_SHORTLIST, FLAT_BELOW,
     LARGE_FACTORY, SETTINGS, VERSION, FaissMissing, Gallery, IndexFileError, IndexMismatchError,
-    Shard, _compare, _is_ivf, _load, _mergeable, _nlist_of, _read_index, _read_json,
+    Shard, _compare, _is_ivf, _load, _nlist_of, _pad, _read_index, _read_json,
     _write_index, _write_json, _write_npy, bank_hash, crop_vectors, faiss, global_vectors,
     open_index, open_shards, parse_shard, per_image, resolve_factory, shard_rows)
 from sclaro_jax.miner.index_search import candidates, gt_ranks, search  # noqa: F401
+
+
+# Building: fast-scan twins, crop-routed IVF lists
+# --------------------------------------------------------------------------------------------
+
+_FAST_SCAN = re.compile(r"((?:IVF\d+,)?PQ\d+x4)fs(r?)")
+
+
+def build_form(factory: str) -> str:
+    """The factory a build trains, adds and merges with. Fast-scan PQ ("[IVF{n},]PQ{m}x4fs[r]")
+    indexes cannot be merged (`merge_from` corrupts memory in faiss-cpu 1.15.1), so they are
+    built as their plain 4-bit twin ("...PQ{m}x4", same codes) and made fast-scan when the build
+    ends (`final_index`); any other factory is built as it is."""
+    m = _FAST_SCAN.fullmatch(factory)
+    return m.group(1) if m else factory
+
+
+def new_index(factory: str, d: int):
+    """An untrained index of `factory`'s build form (`build_form`), inner-product metric."""
+    f = faiss()
+    form = build_form(factory)
+    index = f.index_factory(d, form, f.METRIC_INNER_PRODUCT)
+    if form != factory and _is_ivf(factory):
+        index.by_residual = factory.endswith("r")  # as faiss makes "x4fs" / "x4fsr"
+    return index
+
+
+def final_index(index, factory: str):
+    """The index as `factory` makes it: a twin built by `build_form` made fast-scan."""
+    if build_form(factory) == factory:
+        return index
+    f = faiss()
+    return f.IndexIVFPQFastScan(index) if _is_ivf(factory) else f.IndexPQFastScan(index)
+
+
+def _mergeable(factory: str) -> bool:
+    """Whether chunk indexes of this factory's build form can be merged (`build_form`)."""
+    return "fs" not in build_form(factory)
+
+
+def routed(index) -> bool:
+    """Whether the crop index's lists are chosen by the crops (`route_vectors`): an IVF index
+    with nothing before it (no OPQ / PCA transform)."""
+    return isinstance(index, faiss().IndexIVF)
+
+
+def route_vectors(views: np.ndarray, d: int, pool: str) -> np.ndarray:
+    """The vectors that choose each crop-index vector's IVF list, float32 [n * P, d] in
+    `crop_vectors`' order: the crop itself, [c_ir, 0...] (max), or [mean_r c_ir, 0...] (mean).
+    The fused vector mixes the image's global view into every crop, so lists made from fused
+    vectors group images, not what their crops show, and a query about one crop (far from any
+    fused vector: cos ~0.3 for a caption) probes the wrong lists. Lists made from the crops
+    group what the crops show; the fused vector is still what each list stores and scores.
+    (Measured in bench/README.md, "MINER ANN index on CPU".)"""
+    c = views[:, 1:].astype(np.float32)
+    if pool == "mean":
+        c = c.mean(axis=1, keepdims=True)
+    return _pad(c.reshape(-1, c.shape[2]), d)
+
+
+def _assign(index, routes: np.ndarray) -> np.ndarray:
+    _, lists = index.quantizer.search(routes, 1)
+    return np.ascontiguousarray(lists[:, 0], np.int64)
+
+
+def train_routed(index, x: np.ndarray, routes: np.ndarray) -> None:
+    """Train an IVF index whose lists are chosen by `routes` (k-means on them, faiss's own
+    `train_q1`) and whose codes encode `x` (the residual from the route's list centre where
+    the index encodes residuals)."""
+    f = faiss()
+    routes = np.ascontiguousarray(routes, np.float32)
+    index.train_q1(len(routes), f.swig_ptr(routes), False, index.metric_type)
+    lists = _assign(index, routes)
+    x = np.ascontiguousarray(x, np.float32)
+    if index.by_residual:
+        x = np.ascontiguousarray(x - index.quantizer.reconstruct_n(0, index.nlist)[lists])
+    index.train_encoder(len(x), f.swig_ptr(x), f.swig_ptr(lists))  # x, lists alive here
+    index.is_trained = True
+
+
+def add_routed(index, x: np.ndarray, routes: np.ndarray) -> None:
+    """Add `x` to the lists that `routes` choose (ids continue from `index.ntotal`)."""
+    f = faiss()
+    x = np.ascontiguousarray(x, np.float32)
+    lists = _assign(index, np.ascontiguousarray(routes, np.float32))
+    index.add_core(len(x), f.swig_ptr(x), None, f.swig_ptr(lists))
+
+
+def _add(index, kind: str, views: np.ndarray, r_i: np.ndarray, d: int, alpha: float,
+         pool: str) -> None:
+    """Add one chunk's vectors of index `kind` (crop vectors into the lists their crops choose
+    where the index is `routed`)."""
+    if kind == "global":
+        index.add(global_vectors(views, r_i, d))
+    elif routed(index):
+        add_routed(index, crop_vectors(views, r_i, d, alpha, pool), route_vectors(views, d, pool))
+    else:
+        index.add(crop_vectors(views, r_i, d, alpha, pool))
 
 
 # A hook run after each chunk of a build step is recorded: (step, chunk) -> None. Tests replace
@@ -119,8 +223,8 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     if meta_path.exists():
         old = _read_json(meta_path)
         _compare({f: meta[f] for f in SETTINGS}, old, str(meta_path), SETTINGS)
-        _compare({f: meta[f] for f in ("n_crops", "images")}, old, str(meta_path),
-                 ("n_crops", "images"))
+        _compare({f: meta[f] for f in ("version", "n_crops", "images")}, old, str(meta_path),
+                 ("version", "n_crops", "images"))
         if "files" in old:
             meta["files"] = old["files"]
     else:
@@ -183,8 +287,10 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
             else:
                 img = np.unique(rows // p_img)
                 x = crop_vectors(np.asarray(views[img]), r_i_rows(img), d, alpha, pool)
-            index = faiss().index_factory(d, fac, faiss().METRIC_INNER_PRODUCT)
-            if not index.is_trained:
+            index = new_index(fac, d)
+            if kind == "crops" and routed(index):
+                train_routed(index, x, route_vectors(np.asarray(views[img]), d, pool))
+            elif not index.is_trained:
                 index.train(x)
             _write_index(out / f"trained-{kind}.faiss", index)
         man["trained"] = True
@@ -200,9 +306,7 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         ri = np.load(parts / f"ri-{c:05d}.npy")
         for kind, _, d in kinds:
             index = faiss().clone_index(trained[kind])
-            x = global_vectors(v, ri, d) if kind == "global" else \
-                crop_vectors(v, ri, d, alpha, pool)
-            index.add(x)
+            _add(index, kind, v, ri, d, alpha, pool)
             _write_index(parts / f"{kind}-{c:05d}.faiss", index)
         record("added", c)
 
@@ -217,11 +321,9 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
                 # IVF lists store ids (shifted by the chunk's first row); flat ids: positions
                 index.merge_from(part, a * per if _is_ivf(fac) else 0)
             else:
-                v = np.asarray(views[a:b])
-                ri = np.load(parts / f"ri-{c:05d}.npy")
-                index.add(global_vectors(v, ri, d) if kind == "global" else
-                          crop_vectors(v, ri, d, alpha, pool))
-        _write_index(out / f"{kind}.faiss", index)
+                _add(index, kind, np.asarray(views[a:b]), np.load(parts / f"ri-{c:05d}.npy"),
+                     d, alpha, pool)
+        _write_index(out / f"{kind}.faiss", final_index(index, fac))
     _write_npy(out / "r_i.npy", np.concatenate([np.load(parts / f"ri-{c:05d}.npy")
                                                 for c in range(len(chunks))]))
     del views
