@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--id-column", help="image-id column of a datasets folder (auto)")
     d.add_argument("--max-images", type=int, default=None,
                    help="evaluate only the first N gallery images of each split (quick runs)")
+    from sclaro_jax.miner.index_files import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
+                                              DEFAULT_SHORTLIST)
+
     m = p.add_argument_group("MINER")
     m.add_argument("--crops", choices=("fixed5", "grid3x3", "random"), default="fixed5",
                    help="region generator")
@@ -110,11 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--index", action="append", metavar="DIR",
                    help="also rank through this ANN index of the split's gallery (python -m "
                         "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
-    m.add_argument("--index-shortlist", type=int, default=100,
+    m.add_argument("--index-shortlist", type=int, default=DEFAULT_SHORTLIST,
                    help="--index: candidates per ANN index and shard")
-    m.add_argument("--nprobe", type=int, default=896,
+    m.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE,
                    help="--index: IVF lists visited in the crop index")
-    m.add_argument("--nprobe-global", type=int, default=256,
+    m.add_argument("--nprobe-global", type=int, default=DEFAULT_NPROBE_GLOBAL,
                    help="--index: IVF lists visited in the global index")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,

@@ -90,9 +90,14 @@ def _first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
 
 
 def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float16 views [B, W, V, D] and r_i [B, W] of gallery rows ids (-1: zeros)."""
+    """float16 views [B, W, V, D] and r_i [B, W] of gallery rows ids (-1: zeros, or with one
+    shard row 0's views, which the re-rank masks)."""
     first = shards[0]
     v = first.views.shape[1:]
+    if len(shards) == 1:  # one read, no zero fill: rows of -1 read row 0, masked by the re-rank
+        rows = np.where(ids >= 0, ids - first.offset, 0).reshape(-1)
+        return (first.views[rows].reshape(ids.shape + v),
+                np.where(ids >= 0, first.r_i[rows].reshape(ids.shape), 0).astype(np.float32))
     out = np.zeros(ids.shape + v, np.float16)
     r_i = np.zeros(ids.shape, np.float32)
     flat = ids.reshape(-1)
