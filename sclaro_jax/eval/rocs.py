@@ -76,9 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--id-column", help="image-id column of a datasets folder (auto)")
     d.add_argument("--max-images", type=int, default=None,
                    help="evaluate only the first N gallery images of each split (quick runs)")
-    from sclaro_jax.miner.index_files import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
-                                              DEFAULT_SHORTLIST)
-
+    from sclaro_jax.miner import index_files as ix  # the index's search defaults
     m = p.add_argument_group("MINER")
     m.add_argument("--crops", choices=("fixed5", "grid3x3", "random"), default="fixed5",
                    help="region generator")
@@ -113,11 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--index", action="append", metavar="DIR",
                    help="also rank through this ANN index of the split's gallery (python -m "
                         "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
-    m.add_argument("--index-shortlist", type=int, default=DEFAULT_SHORTLIST,
+    m.add_argument("--index-shortlist", type=int, default=ix.DEFAULT_SHORTLIST,
                    help="--index: candidates per ANN index and shard")
-    m.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE,
+    m.add_argument("--nprobe", type=int, default=ix.DEFAULT_NPROBE,
                    help="--index: IVF lists visited in the crop index")
-    m.add_argument("--nprobe-global", type=int, default=DEFAULT_NPROBE_GLOBAL,
+    m.add_argument("--nprobe-global", type=int, default=ix.DEFAULT_NPROBE_GLOBAL,
                    help="--index: IVF lists visited in the global index")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,

@@ -25,7 +25,7 @@ LARGE_FACTORY = "IVF{nlist},PQ{m/2}x4fs"
 FLAT_BELOW = 20_000
 # Lists visited in the crop index (of 2048 at 1M images) and the global index (of 1024): the
 # topics gallery at 1M images, M 100: recall@10 0.973 of the exact ranking, R@1 72.4 (exact
-# 72.5), 20.4x the exact search (bench/README.md, "MINER ANN index on CPU").
+# 72.5), 21.8x the exact search in the same run (bench/README.md, "MINER ANN index on CPU").
 DEFAULT_NPROBE = 256
 DEFAULT_NPROBE_GLOBAL = 32
 DEFAULT_SHORTLIST = 100
