@@ -286,10 +286,11 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
                 x = global_vectors(np.asarray(views[rows]), r_i_rows(rows), d)
             else:
                 img = np.unique(rows // p_img)
-                x = crop_vectors(np.asarray(views[img]), r_i_rows(img), d, alpha, pool)
+                sample = np.asarray(views[img])
+                x = crop_vectors(sample, r_i_rows(img), d, alpha, pool)
             index = new_index(fac, d)
             if kind == "crops" and routed(index):
-                train_routed(index, x, route_vectors(np.asarray(views[img]), d, pool))
+                train_routed(index, x, route_vectors(sample, d, pool))
             elif not index.is_trained:
                 index.train(x)
             _write_index(out / f"trained-{kind}.faiss", index)
