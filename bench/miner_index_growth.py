@@ -76,6 +76,9 @@ def main() -> None:
                    help="queries for the exact scan beside the index (0: none)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--keep", action="store_true", help="keep the indexes")
+    p.add_argument("--reuse", action="store_true",
+                   help="search a finished index already in --dir (kept with --keep) instead "
+                        "of building it; no build figures")
     args = p.parse_args()
     src = Path(args.queries_from)
     params = json.loads((src / "gallery.json").read_text())
@@ -84,10 +87,12 @@ def main() -> None:
     for n in [int(x) for x in args.sizes.split(",")]:
         gallery = Generated(n, params)
         out = Path(args.dir) / f"growth_{n}"
-        shutil.rmtree(out, ignore_errors=True)
-        t0 = time.perf_counter()
-        index.build(gallery, bank, out, progress=False)
-        build_s = time.perf_counter() - t0 - gallery.seconds
+        build_s = None
+        if not (args.reuse and (out / "meta.json").is_file()):
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            index.build(gallery, bank, out, progress=False)
+            build_s = round(time.perf_counter() - t0 - gallery.seconds, 1)
         shard = index.open_index(out)
         emb = n * (1 + params["crops"]) * params["dim"] * 2
         mem = shard.memory_bytes()
@@ -95,7 +100,8 @@ def main() -> None:
         if args.scan_queries:
             qe = q[:args.scan_queries]
             t0 = time.perf_counter()
-            stream.search(qe, shard.views[:, 0], shard.views[:, 1:], rescore="none", top=10)
+            views = np.load(out / "views.npy", mmap_mode="r")  # read in order, not advised random
+            stream.search(qe, views[:, 0], views[:, 1:], rescore="none", top=10)
             scan = len(qe) / (time.perf_counter() - t0)
         for probes in args.nprobes.split(","):
             crops_, _, glob_ = probes.partition("/")
@@ -106,8 +112,9 @@ def main() -> None:
             res = index.search(q, [shard], **kw)
             qps = len(q) / (time.perf_counter() - t0)
             ranks = index.gt_ranks(res.indices, gt)
-            row = dict(images=n, nprobe=probes, build_s=round(build_s, 1),
-                       generate_s=round(gallery.seconds, 1), q_per_s=round(qps, 1),
+            row = dict(images=n, nprobe=probes, build_s=build_s,
+                       generate_s=round(gallery.seconds, 1) if build_s else None,
+                       q_per_s=round(qps, 1),
                        R1=round(100 * float(np.mean(ranks < 1)), 2),
                        R10=round(100 * float(np.mean(ranks < 10)), 2),
                        index_mb=round(mem / 1e6, 1), mem_ratio=round(mem / emb, 3))

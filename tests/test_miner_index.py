@@ -18,7 +18,7 @@ pytest.importorskip("faiss")
 
 from sclaro_jax.eval import rocs  # noqa: E402
 from sclaro_jax.eval.retrieval import synthetic  # noqa: E402
-from sclaro_jax.miner import index, stream  # noqa: E402
+from sclaro_jax.miner import index, index_files, stream  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 G, R, D = 2000, 3, 16
@@ -139,6 +139,40 @@ def test_four_shards_searched_together_are_the_one_index(data, exact, tmp_path):
     _same(res, exact["crops"])
     with pytest.raises(index.IndexFileError, match=r"shards \[0, 1, 3\] of 4"):
         index.open_shards([paths[0], paths[1], paths[3]])
+
+
+def _views_vmflags(path: Path) -> list[str]:
+    """VmFlags of this process's mappings of `path` (from /proc/self/smaps)."""
+    out, mine = [], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0]:
+            mine = line.endswith(str(path))
+        elif mine and line.startswith("VmFlags:"):
+            out.append(line.split()[1:])
+    return out
+
+
+def test_views_beyond_the_page_cache_are_advised_random_and_read_ahead_per_batch(
+        data, flat, exact, monkeypatch):
+    """A views.npy of more than half the memory is mapped MADV_RANDOM (VmFlags "rr") and each
+    batch's rows are asked for at once (posix_fadvise WILLNEED per run of rows); a smaller one
+    is neither. The results are the same either way."""
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda *a: (calls.append(a[1:]), real(*a))[1])
+    views = flat["crops"] / "views.npy"
+    for ram, advised in ((1 << 50, False), (0, True)):
+        monkeypatch.setattr(index_files, "_ram_bytes", lambda: ram)
+        shard = index.open_index(flat["crops"])
+        assert [("rr" in f) for f in _views_vmflags(views)] == [advised]
+        calls.clear()
+        _same(index.search(data["queries"], [shard], top=10, shortlist=G, batch=16),
+              exact["crops"])
+        # every batch shortlists the whole gallery: one run of G rows from the data's start
+        row = shard.views.strides[0]
+        assert calls == ([(shard.views.offset, G * row, os.POSIX_FADV_WILLNEED)] * 4
+                         if advised else [])
+        del shard
 
 
 KILL = textwrap.dedent("""

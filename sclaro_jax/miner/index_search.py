@@ -13,7 +13,8 @@ import numpy as np
 
 from sclaro_jax.miner.index_files import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
                                           DEFAULT_SHORTLIST, IndexMismatchError, Shard,
-                                          _is_ivf, faiss, open_shards, per_image)
+                                          _is_ivf, faiss, open_shards, per_image,
+                                          prefetch)
 
 @functools.partial(jax.jit, static_argnames=("alpha", "pool", "k", "top"))
 def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: int):
@@ -96,6 +97,7 @@ def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.nd
     v = first.views.shape[1:]
     if len(shards) == 1:  # one read, no zero fill: rows of -1 read row 0, masked by the re-rank
         rows = np.where(ids >= 0, ids - first.offset, 0).reshape(-1)
+        prefetch(first.views, rows)
         return (first.views[rows].reshape(ids.shape + v),
                 np.where(ids >= 0, first.r_i[rows].reshape(ids.shape), 0).astype(np.float32))
     out = np.zeros(ids.shape + v, np.float16)
@@ -107,6 +109,7 @@ def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.nd
         if len(sel):
             rows = flat[sel] - s.offset
             order = np.argsort(rows, kind="stable")
+            prefetch(s.views, rows)
             ov[sel[order]] = s.views[rows[order]]
             orr[sel] = s.r_i[rows]
     return out, r_i
