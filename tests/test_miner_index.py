@@ -141,7 +141,7 @@ def test_four_shards_searched_together_are_the_one_index(data, exact, tmp_path):
         index.open_shards([paths[0], paths[1], paths[3]])
 
 
-def _views_vmflags(path: Path) -> list[str]:
+def _views_vmflags(path: Path) -> list[list[str]]:
     """VmFlags of this process's mappings of `path` (from /proc/self/smaps)."""
     out, mine = [], False
     for line in Path("/proc/self/smaps").read_text().splitlines():
