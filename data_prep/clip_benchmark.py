@@ -297,8 +297,8 @@ def register(trust_remote_code: bool = False) -> None:
     from clip_benchmark import cli as cb_cli
     from clip_benchmark import models
 
-    models.TYPE2FUNC[MODEL_TYPE] = (functools.partial(load_sclaro, trust_remote_code=True)
-                                    if trust_remote_code else load_sclaro)
+    models.TYPE2FUNC[MODEL_TYPE] = functools.partial(load_sclaro,
+                                                     trust_remote_code=trust_remote_code)
     if MODEL_TYPE not in models.MODEL_TYPES:
         models.MODEL_TYPES.append(MODEL_TYPE)
     _fix_accuracy()
