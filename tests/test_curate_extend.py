@@ -179,7 +179,12 @@ def test_saved_as_plain_data_and_refit_to_the_same_clusterer(minilm, curated):
     folder, saved = curated
     assert sorted(p.name for p in folder.iterdir()) == ["curation.json", "embeddings.npy"]
     assert np.load(folder / "embeddings.npy", allow_pickle=False).dtype == np.float32
-    cur = ce.load_curation(folder, encoder)
+    planted = folder / "clusterer.pkl"
+    planted.mkdir()  # a file of that name beside a current curation is never opened
+    try:
+        cur = ce.load_curation(folder, encoder)
+    finally:
+        planted.rmdir()
     assert cur.clusterer is not saved
     np.testing.assert_array_equal(cur.clusterer.labels_, saved.labels_)
     np.testing.assert_array_equal(cur.clusters, json.loads(
@@ -383,6 +388,14 @@ def test_cli_extend_end_to_end(demo_dir, other_encoders, tmp_path, capsys):
     curated = dict(zip(saved["names"], saved["labels"]))
     assert {curated[n] for n in doc["clusters"][0]["members"]} == {"my label"}
     assert saved["params"] == {"min_cluster_size": 3, "min_samples": 1}
+    # a format-1 curation (earlier versions: a pickled clusterer) is refused naming a fix that
+    # works: the same command again, with --overwrite
+    state = out1 / ce.STATE_DIR
+    (state / "curation.json").write_text(json.dumps({**saved, "format": 1}))
+    with pytest.raises(ce.CurationMismatch, match="again, with --overwrite"):
+        ce.read_saved(out1)
+    assert main(first_cmd + ["--overwrite"]) == 0
+    assert json.loads((state / "curation.json").read_text()) == saved
 
     demo, _ = read_samples(demo_dir, progress=False)
     rename = {"cup": "mug", "motorcycle": "motorbike", "eye": "eyes", "person": "woman",

@@ -222,14 +222,20 @@ def check_encoder(folder: Path, meta: dict, emb: np.ndarray, encoder) -> None:
             f"needs the same encoder (--encoder {saved['path']})")
 
 
-def load_curation(path, encoder) -> Curation:
-    """Read and check a saved curation (`state_folder(path)`) for extension with `encoder`:
-    `encoder` must embed its names as they were (`check_encoder`), and the clusterer refit on
-    embeddings.npy with the saved settings must give the saved clusters; otherwise
-    `CurationMismatch` says which and why."""
+def read_saved(path) -> tuple[Path, dict, np.ndarray]:
+    """(folder, curation.json's fields, embeddings) of the saved curation `state_folder(path)`,
+    checked as data (format, fields, array): what is refused before any model is loaded."""
     folder = state_folder(path)
     meta = _read_meta(folder)
-    emb = _read_embeddings(folder, len(meta["names"]))
+    return folder, meta, _read_embeddings(folder, len(meta["names"]))
+
+
+def load_curation(path, encoder, saved: tuple | None = None) -> Curation:
+    """Read and check a saved curation (`read_saved(path)`, or `saved`, what it returned) for
+    extension with `encoder`: `encoder` must embed its names as they were (`check_encoder`),
+    and the clusterer refit on embeddings.npy with the saved settings must give the saved
+    clusters; otherwise `CurationMismatch` says which and why."""
+    folder, meta, emb = saved or read_saved(path)
     check_encoder(folder, meta, emb, encoder)
     clusterer, clusters = cc.fit_labels(emb, **meta["params"])
     saved = np.asarray(meta["clusters"], np.int64)

@@ -284,8 +284,9 @@ def _previous_curation(extend: str, encoder, min_cluster_size, min_samples):
     from data_prep.curate import cluster as curate_cluster, extend as curate_extend
     text_encoder, prev = None, None
     if extend:
+        saved = curate_extend.read_saved(extend)  # a bad folder: refused before the model loads
         text_encoder = curate_cluster.TextEncoder(encoder or curate_cluster.default_model_path())
-        prev = curate_extend.load_curation(extend, text_encoder)
+        prev = curate_extend.load_curation(extend, text_encoder, saved)
         params = prev.meta["params"]
     else:
         params = {"min_cluster_size": curate_cluster.MIN_CLUSTER_SIZE,
