@@ -20,8 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    from sclaro_jax.config import CODE_NOTE
+
     parser.add_argument("--config", default="configs/scenarioclip.py",
-                        help="the recipe, FILE[:VARIANT]")
+                        help=f"the recipe, FILE[:VARIANT]; {CODE_NOTE}")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config value, e.g. model.dtype=bfloat16 (repeatable)")
     parser.add_argument("--data", default="",

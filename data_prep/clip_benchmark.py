@@ -12,9 +12,15 @@ This is clip_benchmark's own command line (`clip_benchmark.cli.main`, every flag
 `TYPE2FUNC` / `MODEL_TYPES`: `--pretrained` (or `--model`) is the export folder, and
 `load_sclaro` returns
 - a torch module whose `encode_image` / `encode_text` give our embeddings (the level's head
-  outputs): `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)`'s
-  `get_image_features` / `get_text_features` (the export carries the model code that applies
-  the heads, `sclaro_jax.export.hf`);
+  outputs): `ScenarioCLIPModel.get_image_features` / `get_text_features`, the class of this
+  checkout's own `sclaro_jax/models/remote/modeling_scenarioclip.py` (loaded by its path) with
+  the export's config.json and model.safetensors. The export carries a copy of that file for
+  transformers' `trust_remote_code` (`sclaro_jax.export.hf`); this loader never runs the
+  export's copy, so an export folder from anyone is data. `--trust-remote-code` (this
+  command's flag, taken out before clip_benchmark parses the rest) loads the export with
+  `AutoModel.from_pretrained(EXPORT, trust_remote_code=True)` instead, which runs the Python
+  files of the export folder with your permissions: pass it only for exports you trust
+  (it prints a line saying so for each export it loads);
 - our evaluation view as the transform: `sclaro_jax.data.augment.resize_centre_crop` (bicubic
   short-side resize + centre crop, at the export's crop size; from the photograph's box when the
   image is a tagged downscale, `sclaro_jax.export.photo_size.photo_size_of`) and CLIP's
@@ -40,6 +46,7 @@ fails a worker without one). clip_benchmark 1.6.2's top-k accuracy fails under N
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -51,6 +58,8 @@ from PIL import Image
 
 EXPORT_MODEL_TYPE = "scenarioclip"  # sclaro_jax.models.clip.EXPORT_MODEL_TYPE
 REMOTE_CODE = "modeling_scenarioclip.py"  # the model code an export carries
+WEIGHTS_FILE = "model.safetensors"
+TRUST_FLAG = "--trust-remote-code"
 PREPROCESSOR_FILE = "preprocessor_config.json"
 MODEL_TYPE = "sclaro"
 DEFAULT_OUTPUT = "{dataset}_{pretrained}_{model}_{language}_{task}.json"  # clip_benchmark's
@@ -83,12 +92,37 @@ def _features(out) -> torch.Tensor:
     raise TypeError(f"cannot read features from a {type(out).__name__}")
 
 
+def own_model_class():
+    """`ScenarioCLIPModel` of this checkout's `sclaro_jax/models/remote/modeling_scenarioclip.py`
+    (the file every export carries a copy of), executed from its place in the installed
+    package: no file of an export folder runs. Loaded by path, so that `sclaro_jax`'s package
+    (JAX) is not imported; once per process."""
+    global _OWN_MODEL_CLASS
+    if _OWN_MODEL_CLASS is None:
+        import importlib.util
+
+        package = importlib.util.find_spec("sclaro_jax")  # finds, does not import
+        path = os.path.join(package.submodule_search_locations[0], "models", "remote",
+                            REMOTE_CODE)
+        spec = importlib.util.spec_from_file_location("_sclaro_own_modeling_scenarioclip",
+                                                      path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _OWN_MODEL_CLASS = module.ScenarioCLIPModel
+    return _OWN_MODEL_CLASS
+
+
+_OWN_MODEL_CLASS = None
+
+
 class SclaroClip(torch.nn.Module):
     """One exported ScenarioCLIP level with clip_benchmark's interface: `encode_image(pixels
     [N, 3, S, S])` and `encode_text(ids [N, L])` -> the level's embeddings (head outputs, not
-    normalised; clip_benchmark normalises)."""
+    normalised; clip_benchmark normalises). The export's weights are read from its
+    model.safetensors into `own_model_class()`; with `trust_remote_code`, transformers builds
+    the model from the export's own Python instead (module docstring)."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, trust_remote_code: bool = False):
         super().__init__()
         import transformers
 
@@ -105,8 +139,19 @@ class SclaroClip(torch.nn.Module):
         if not os.path.isfile(code):
             raise ExportError(f"{code} not found: the export's model code is missing; export "
                               "the level again with `python -m sclaro_jax.train.export`")
+        weights = os.path.join(folder, WEIGHTS_FILE)
+        if not os.path.isfile(weights):
+            raise ExportError(f"{weights} not found: the export's weights are missing; export "
+                              "the level again with `python -m sclaro_jax.train.export`")
         self.folder = folder
-        self.model = transformers.AutoModel.from_pretrained(folder, trust_remote_code=True)
+        if trust_remote_code:
+            print(f"--trust-remote-code: running {code} and any Python it imports from "
+                  f"{folder}, the export's own code, with your permissions", file=sys.stderr)
+            self.model = transformers.AutoModel.from_pretrained(
+                folder, trust_remote_code=trust_remote_code, local_files_only=True)
+        else:
+            self.model = own_model_class().from_pretrained(folder, use_safetensors=True,
+                                                           local_files_only=True)
 
     def encode_image(self, pixel_values: torch.Tensor) -> torch.Tensor:
         return _features(self.model.get_image_features(pixel_values=pixel_values))
@@ -196,12 +241,12 @@ def context_length(folder: str) -> int:
 
 
 def load_sclaro(model_name: str = MODEL_TYPE, pretrained: str = "", cache_dir: str | None = None,
-                device="cpu"):
+                device="cpu", trust_remote_code: bool = False):
     """clip_benchmark's loader for `--model_type sclaro`: (model, transform, tokenizer) of the
-    export folder named by --pretrained (or --model)."""
+    export folder named by --pretrained (or --model); `trust_remote_code`: `SclaroClip`'s."""
     folder = export_folder(model_name, pretrained)
     size, mean, std = view_settings(folder)
-    model = SclaroClip(folder).to(device).eval()
+    model = SclaroClip(folder, trust_remote_code).to(device).eval()
     return model, EvalView(size, mean, std), Tokenizer(context_length(folder))
 
 
@@ -244,14 +289,16 @@ def _cap_workers(args) -> None:
         args.num_workers = shards
 
 
-def register() -> None:
+def register(trust_remote_code: bool = False) -> None:
     """Add `sclaro` to clip_benchmark's model types, in place (its parser reads MODEL_TYPES as
-    it is built, `load_clip` looks TYPE2FUNC up), and name default result files after the
-    export folder's name rather than its path."""
+    it is built, `load_clip` looks TYPE2FUNC up), loading exports with `trust_remote_code` as
+    given (`SclaroClip`), and name default result files after the export folder's name rather
+    than its path."""
     from clip_benchmark import cli as cb_cli
     from clip_benchmark import models
 
-    models.TYPE2FUNC[MODEL_TYPE] = load_sclaro
+    models.TYPE2FUNC[MODEL_TYPE] = functools.partial(load_sclaro,
+                                                     trust_remote_code=trust_remote_code)
     if MODEL_TYPE not in models.MODEL_TYPES:
         models.MODEL_TYPES.append(MODEL_TYPE)
     _fix_accuracy()
@@ -273,11 +320,14 @@ def register() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """clip_benchmark's command line with the `sclaro` model type (module docstring)."""
+    """clip_benchmark's command line with the `sclaro` model type and this command's own
+    `--trust-remote-code` (module docstring)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
+    trust = TRUST_FLAG in argv
+    argv = [a for a in argv if a != TRUST_FLAG]
+    if not argv or argv[0] in ("-h", "--help") or "-h" in argv or "--help" in argv:
         print(__doc__)
-    register()
+    register(trust)
     from clip_benchmark import cli as cb_cli
 
     old = sys.argv

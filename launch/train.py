@@ -5,7 +5,9 @@
     python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
     sclaro-train --config detection:demo --workdir DIR     # installed: any folder, by name
 
-`--config` takes a recipe's file or its name (`scenarioclip:demo`, from any folder). Rerunning
+`--config` takes a recipe's file or its name (`scenarioclip:demo`, from any folder). A config
+file is Python that runs when it is loaded, like a script: pass only files you trust (it is run
+from its path; no folder is added to the import path for it). Rerunning
 the same command resumes from the newest checkpoint in DIR. When the run is complete, the task
 evaluates it (ScenarioCLIP: the evaluators of `config.evals`; the detector: COCO AP) into
 DIR/results.json and DIR/results.md and prints the table; `--eval-only` evaluates DIR's newest
@@ -34,9 +36,11 @@ import ml_collections
 from ml_collections import config_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if not __package__:  # `python launch/train.py` in a checkout: the checkout that holds this file
+    sys.path.insert(0, ROOT)  # (imported as launch.train, sclaro-train: importable already)
 
-from sclaro_jax.config import check_override_keys, list_configs, load_config  # noqa: E402
+from sclaro_jax.config import (CODE_NOTE, check_override_keys, list_configs,  # noqa: E402
+                               load_config)
 
 
 def split_flag(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -202,7 +206,7 @@ def flags_help() -> str:
     for flag in sorted(own_flags(), key=lambda f: f.name):
         if flag.name == "config":
             lines.append("  --config NAME[:VARIANT] | FILE[:VARIANT]: the recipe (required); "
-                         "then --config.KEY=VALUE overrides (repeatable)")
+                         f"then --config.KEY=VALUE overrides (repeatable); {CODE_NOTE}")
             continue
         if flag.boolean:
             spell = f"--[no-]{flag.name.replace('_', '-')}"

@@ -4,6 +4,13 @@ package (`sclaro_jax.configs`: scenarioclip, scenarioclip_nokd, pyramidclip, det
 the same recipes). A config defines `get_config(variant=None) -> ml_collections.ConfigDict`.
 launch/train.py and the evaluation commands load their `--config` here; a task checks its keys
 when a run starts (`sclaro_jax.run.task`).
+
+Configs are Python, as big_vision's and ml_collections' are: loading a config file runs it, with
+the user's permissions, like running a script (`CODE_NOTE`, in every `--config` help). A file
+is executed from its path with nothing added to `sys.path`, so loading it never makes a module
+that merely sits near it (a `tqdm.py` in /tmp beside a config folder) importable in place of
+an installed one: a config imports the installed `sclaro_jax` (the recipes,
+`sclaro_jax.configs.NAME`) and installed packages, as the checkout's configs/*.py do.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import importlib
 import importlib.util
 import os
 import pkgutil
-import sys
 from pathlib import Path
 
 import ml_collections
 
 RECIPES = "sclaro_jax.configs"
+CODE_NOTE = ("a config file is Python that runs when it is loaded, like a script: pass only "
+             "files you trust")
 
 
 def recipes() -> list[str]:
@@ -30,9 +38,8 @@ def recipes() -> list[str]:
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
     """`NAME[:variant]` (a recipe of the package) or `path/to/config.py[:variant]` (a file) ->
-    its `get_config(variant)` ConfigDict (variant None when not given). A file's grandparent
-    folder (the repository root for configs/) goes on sys.path, so a user's config files can
-    import each other as `configs.x`."""
+    its `get_config(variant)` ConfigDict (variant None when not given). A file runs as
+    Python, from its path, with nothing added to sys.path (module docstring)."""
     path, _, variant = spec.partition(":")
     if path.endswith(".py") or os.sep in path or "/" in path:
         if not os.path.isfile(path):
@@ -51,9 +58,6 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
 
 
 def _load_module(path: str):
-    root = str(Path(path).resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
     module_spec = importlib.util.spec_from_file_location(f"_sclaro_config_{Path(path).stem}",
                                                          path)
     module = importlib.util.module_from_spec(module_spec)

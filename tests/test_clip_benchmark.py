@@ -212,6 +212,39 @@ def test_clip_benchmark_retrieval_gives_our_recall(model, folders, ours, tmp_pat
         assert metrics[f"text_retrieval_recall@{k}"] == pytest.approx(text_hits, abs=1e-6)
 
 
+def test_the_exports_python_runs_only_with_trust_remote_code(folders, tmp_path, capsys):
+    """By default the towers are this checkout's ScenarioCLIPModel with the export's
+    safetensors, and the export's modeling_scenarioclip.py never runs; --trust-remote-code
+    runs it, says so in one line, and gives the same embeddings, bit for bit."""
+    import shutil
+
+    from data_prep import clip_benchmark as cb
+
+    export = tmp_path / "export_with_code"
+    shutil.copytree(folders["export"], export)
+    marker = tmp_path / "ran"
+    code = export / cb.REMOTE_CODE
+    code.write_text(f"open({str(marker)!r}, 'w').write('ran')\n" + code.read_text())
+    own, _, tokenizer = cb.load_sclaro("sclaro", str(export))
+    assert not marker.exists()
+    assert type(own.model) is cb.own_model_class()
+    assert type(own.model).__module__ == "_sclaro_own_modeling_scenarioclip"
+    assert "trust" not in capsys.readouterr().err  # (transformers' progress bars aside)
+    remote, _, _ = cb.load_sclaro("sclaro", str(export), trust_remote_code=True)
+    assert marker.exists()
+    said = [line for line in capsys.readouterr().err.splitlines() if "trust" in line]
+    assert len(said) == 1 and said[0].startswith(f"--trust-remote-code: running {code} ")
+    assert type(remote.model) is not cb.own_model_class()
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    ids = tokenizer(["a dog riding a horse", "two people eating"])
+    with torch.no_grad():
+        assert torch.equal(own.encode_image(pixels), remote.encode_image(pixels))
+        assert torch.equal(own.encode_text(ids), remote.encode_text(ids))
+    (export / cb.WEIGHTS_FILE).unlink()
+    with pytest.raises(cb.ExportError, match=r"model\.safetensors not found"):
+        cb.load_sclaro("sclaro", str(export))
+
+
 def test_user_errors_name_the_file_and_the_fix(folders, demo_dir, tmp_path, capsys):
     from data_prep import clip_benchmark as cb
 

@@ -71,11 +71,10 @@ def curated(minilm, tmp_path_factory):
     """The list clustered at the defaults and curated: the curator labels each name with its
     hand group (splitting mixed clusters, pulling names out of noise), then saved."""
     encoder, emb, _ = minilm
-    clusterer = fit_clusterer(emb)
     folder = tmp_path_factory.mktemp("curation") / ce.STATE_DIR
-    ce.save_curation(folder, NAMES, emb, TRUTH, clusterer, encoder,
-                     {"min_cluster_size": 3, "min_samples": 1})
-    return folder, clusterer
+    saved = ce.save_curation(folder, NAMES, emb, TRUTH, encoder,
+                             {"min_cluster_size": 3, "min_samples": 1})
+    return folder, saved.clusterer
 
 
 def _ari(labels):
@@ -172,6 +171,72 @@ def test_leave_one_out_suggestions_behind_min_strength(minilm, tmp_path):
     assert min(outcome["right"]) >= ce.MIN_STRENGTH
 
 
+def test_saved_as_plain_data_and_refit_to_the_same_clusterer(minilm, curated):
+    """object_curation/ holds JSON and a plain .npy, no pickle; the clusterer `load_curation`
+    refits from them has the saved labels, condensed tree and core distances, and places new
+    names exactly as the clusterer fit when saving."""
+    encoder, _, new_emb = minilm
+    folder, saved = curated
+    assert sorted(p.name for p in folder.iterdir()) == ["curation.json", "embeddings.npy"]
+    assert np.load(folder / "embeddings.npy", allow_pickle=False).dtype == np.float32
+    planted = folder / "clusterer.pkl"
+    planted.mkdir()  # a file of that name beside a current curation is never opened
+    try:
+        cur = ce.load_curation(folder, encoder)
+    finally:
+        planted.rmdir()
+    assert cur.clusterer is not saved
+    np.testing.assert_array_equal(cur.clusterer.labels_, saved.labels_)
+    np.testing.assert_array_equal(cur.clusters, json.loads(
+        (folder / "curation.json").read_text())["clusters"])
+    np.testing.assert_array_equal(cur.clusterer.condensed_tree_.to_numpy(),
+                                  saved.condensed_tree_.to_numpy())
+    np.testing.assert_array_equal(cur.clusterer.prediction_data_.core_distances,
+                                  saved.prediction_data_.core_distances)
+    for got, want in zip(approximate_predict(cur.clusterer, new_emb),
+                         approximate_predict(saved, new_emb)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_old_pickled_or_crafted_curation_is_refused(minilm, curated, tmp_path):
+    """Format 1 (with clusterer.pkl) is refused naming the fix, and the pickle is never opened;
+    embeddings.npy must be a plain float32 array its file holds; every field is checked."""
+    encoder = minilm[0]
+    folder = tmp_path / "copy"
+    shutil.copytree(curated[0], folder)
+    meta = json.loads((folder / "curation.json").read_text())
+    (folder / "clusterer.pkl").mkdir()          # opening it would fail loudly
+    (folder / "curation.json").write_text(json.dumps({**meta, "format": 1}))
+    with pytest.raises(ce.CurationMismatch, match=r"format 1, from an earlier version, which "
+                                                  r"keeps its clusterer as a pickle \(.*"
+                                                  r"clusterer\.pkl\); pickles are never loaded"
+                                                  r".*with --overwrite.*then --extend it"):
+        ce.load_curation(folder, encoder)
+    (folder / "curation.json").write_text(json.dumps(meta))
+    good = (folder / "embeddings.npy").read_bytes()
+    np.save(folder / "embeddings.npy", np.array([{"a": 1}] * 101, dtype=object),
+            allow_pickle=True)
+    with pytest.raises(ValueError, match=r"embeddings\.npy: not a plain \.npy array"):
+        ce.load_curation(folder, encoder)
+    (folder / "embeddings.npy").write_bytes(good[:len(good) // 2])   # the header promises more
+    with pytest.raises(ValueError, match=r"embeddings\.npy: not a plain \.npy array \(mmap"):
+        ce.load_curation(folder, encoder)
+    nan = np.frombuffer(good[-101 * 384 * 4:], np.float32).reshape(101, 384).copy()
+    nan[3, 7] = np.nan
+    np.save(folder / "embeddings.npy", nan)
+    with pytest.raises(ValueError, match="not finite"):
+        ce.load_curation(folder, encoder)
+    (folder / "embeddings.npy").write_bytes(good)
+    for key, value, want in (("params", {"min_cluster_size": "3", "min_samples": 1}, "params"),
+                             ("params", {"min_cluster_size": 1, "min_samples": 1}, "params"),
+                             ("names", meta["names"][:-1] + [7], "names"),
+                             ("clusters", [0.5] * 101, "clusters"),
+                             ("encoder", "minilm", "encoder")):
+        (folder / "curation.json").write_text(json.dumps({**meta, key: value}))
+        with pytest.raises(ValueError, match=rf"curation\.json: the field '{want}' must be"):
+            ce.load_curation(folder, encoder)
+
+
 def test_exact_cosine_neighbours_match_scikit_learn():
     rng = np.random.default_rng(1)
     data, points = rng.normal(size=(300, 12)), rng.normal(size=(70, 12))
@@ -260,11 +325,20 @@ def test_refusals_name_the_reason(minilm, curated, other_encoders, tmp_path):
     meta = json.loads((folder / "curation.json").read_text())
     version = ce.hdbscan_version()
 
+    # another hdbscan version is refused only if its refit clusters the names differently
     (folder / "curation.json").write_text(json.dumps({**meta, "hdbscan": "0.8.1"}))
-    with pytest.raises(ce.CurationMismatch,
-                       match=rf"saved by hdbscan 0\.8\.1, this is hdbscan {version}.*"
-                             r"Install hdbscan==0\.8\.1"):
-        ce.load_curation(folder, encoder)
+    assert ce.load_curation(folder, encoder).clusters.tolist() == meta["clusters"]
+    moved = meta["clusters"][:]
+    moved[0], moved[-1] = moved[-1], moved[0]
+    assert moved != meta["clusters"]
+    for saved_by, fix in (("0.8.1", r"install hdbscan==0\.8\.1 to extend it, or curate"),
+                          (version, r"the folder was changed since it was saved; curate")):
+        (folder / "curation.json").write_text(json.dumps(
+            {**meta, "hdbscan": saved_by, "clusters": moved}))
+        with pytest.raises(ce.CurationMismatch,
+                           match=rf"hdbscan {version} refit on embeddings\.npy .* clusters 2 of "
+                                 rf"101 names differently .*hdbscan {saved_by} wrote: {fix}"):
+            ce.load_curation(folder, encoder)
 
     (folder / "curation.json").write_text(json.dumps(meta))
     same_width, narrow = (TextEncoder(str(p)) for p in other_encoders)
@@ -275,14 +349,15 @@ def test_refusals_name_the_reason(minilm, curated, other_encoders, tmp_path):
         ce.load_curation(folder, narrow)
 
     (folder / "curation.json").write_text(json.dumps({**meta, "format": 7}))
-    with pytest.raises(ce.CurationMismatch, match="format 7, this version reads format 1"):
+    with pytest.raises(ce.CurationMismatch, match="format 7, this version reads format 2"):
         ce.load_curation(folder, encoder)
     (folder / "curation.json").write_text("{")
     with pytest.raises(ValueError, match=r"curation\.json: not valid JSON"):
         ce.load_curation(folder, encoder)
     (folder / "curation.json").write_text(json.dumps(meta))
     np.save(folder / "embeddings.npy", np.zeros((3, 384), np.float32))
-    with pytest.raises(ValueError, match=r"embeddings\.npy: shape \(3, 384\).*101 names"):
+    with pytest.raises(ValueError, match=r"embeddings\.npy: float32 array of shape \(3, 384\)"
+                                         r".*101 names"):
         ce.load_curation(folder, encoder)
     with pytest.raises(FileNotFoundError, match="holds no saved curation"):
         ce.load_curation(tmp_path / "nowhere", encoder)
@@ -313,6 +388,14 @@ def test_cli_extend_end_to_end(demo_dir, other_encoders, tmp_path, capsys):
     curated = dict(zip(saved["names"], saved["labels"]))
     assert {curated[n] for n in doc["clusters"][0]["members"]} == {"my label"}
     assert saved["params"] == {"min_cluster_size": 3, "min_samples": 1}
+    # a format-1 curation (earlier versions: a pickled clusterer) is refused naming a fix that
+    # works: the same command again, with --overwrite
+    state = out1 / ce.STATE_DIR
+    (state / "curation.json").write_text(json.dumps({**saved, "format": 1}))
+    with pytest.raises(ce.CurationMismatch, match="again, with --overwrite"):
+        ce.read_saved(out1)
+    assert main(first_cmd + ["--overwrite"]) == 0
+    assert json.loads((state / "curation.json").read_text()) == saved
 
     demo, _ = read_samples(demo_dir, progress=False)
     rename = {"cup": "mug", "motorcycle": "motorbike", "eye": "eyes", "person": "woman",

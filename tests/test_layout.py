@@ -535,3 +535,153 @@ def test_reexport_checker_finds_planted_shims():
         "line 5: aliases a module in sys.modules"]
     real = "from sclaro_jax import ops\n\ndef f(x):\n    return ops.l2_normalize(x)\n"
     assert reexport_problems(real, is_package=False) == []
+
+
+# ---------------------------------------------------------------- no code from data files
+
+CODE_FROM_DATA_FOLDERS = ("sclaro_jax", "data_prep", "launch")
+# The one pickle reader allowed, with its reason: the restricted unpickler of torch zip archives,
+# whose find_class rebuilds containers, numbers and tensors and refuses every other class.
+UNPICKLER_ALLOWED = {"sclaro_jax/models/torch_files.py": "restricted torch-file unpickler"}
+PICKLE_MODULES = ("pickle", "_pickle", "cPickle")
+# calls that run code from the bytes they read, whatever their arguments
+CODE_LOADING_CALLS = {f"{m}.{f}" for m in PICKLE_MODULES for f in ("load", "loads")} | {
+    "joblib.load", "cloudpickle.load", "cloudpickle.loads", "marshal.load", "marshal.loads",
+    "pandas.read_pickle", "shelve.open", "yaml.unsafe_load", "yaml.unsafe_load_all",
+    "eval", "exec", "builtins.eval", "builtins.exec"}
+SAFE_YAML_LOADERS = {"yaml.SafeLoader", "yaml.CSafeLoader", "yaml.BaseLoader"}
+
+
+def _import_aliases(tree: ast.AST) -> dict[str, str]:
+    """Local name -> the dotted name it stands for (`import numpy as np`: np -> numpy;
+    `from pickle import loads as l`: l -> pickle.loads)."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else \
+                    a.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for a in node.names:
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+    return aliases
+
+
+def _dotted(node, aliases: dict[str, str]) -> str:
+    if isinstance(node, ast.Name):
+        return aliases.get(node.id, node.id)
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value, aliases)
+        return f"{base}.{node.attr}" if base else ""
+    return ""
+
+
+def _keyword_is(call: ast.Call, name: str, value) -> bool:
+    return any(k.arg == name and isinstance(k.value, ast.Constant) and k.value.value is value
+               for k in call.keywords)
+
+
+def _call_problem(call: ast.Call, name: str, aliases: dict[str, str]) -> str | None:
+    if name in CODE_LOADING_CALLS:
+        return f"{name}() runs code from what it reads"
+    if name == "torch.load" and not _keyword_is(call, "weights_only", True):
+        return "torch.load() without weights_only=True unpickles any class"
+    if name in ("yaml.load", "yaml.load_all"):
+        loader = next((k.value for k in call.keywords if k.arg == "Loader"),
+                      call.args[1] if len(call.args) > 1 else None)
+        if _dotted(loader, aliases) not in SAFE_YAML_LOADERS:
+            return f"{name}() without a safe Loader builds any Python object"
+    if any(k.arg == "allow_pickle" and not _keyword_is(call, "allow_pickle", False)
+           for k in call.keywords):
+        return f"{name or 'a call'}(allow_pickle=...) other than False unpickles"
+    if _keyword_is(call, "trust_remote_code", True):
+        return f"{name or 'a call'}(trust_remote_code=True) runs a model folder's Python"
+    return None
+
+
+def code_from_data(source: str, path: str = "") -> list[str]:
+    """Where `source` (the file `path`, relative to the repository) would run code that a data
+    file brings: pickle loads (and joblib's, cloudpickle's, marshal's, pandas' read_pickle,
+    shelve), a pickle.Unpickler outside UNPICKLER_ALLOWED, torch.load without
+    weights_only=True, allow_pickle other than False, yaml.load without a safe Loader,
+    eval / exec, dill, and trust_remote_code=True written as a literal (a flag's value is the
+    user's choice)."""
+    tree = ast.parse(source)
+    aliases = _import_aliases(tree)
+    found = []
+    for node in ast.walk(tree):
+        where = f"line {getattr(node, 'lineno', 0)}: "
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""]
+            if any(m.split(".")[0] == "dill" for m in modules):
+                found.append(where + "imports dill (pickles code)")
+        elif isinstance(node, ast.Call):
+            problem = _call_problem(node, _dotted(node.func, aliases), aliases)
+            if problem:
+                found.append(where + problem)
+        elif isinstance(node, ast.Dict):
+            if any(isinstance(k, ast.Constant) and k.value == "trust_remote_code"
+                   and isinstance(v, ast.Constant) and v.value is True
+                   for k, v in zip(node.keys, node.values)):
+                found.append(where + "{'trust_remote_code': True} runs a model folder's Python")
+        if (isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Load)
+                and _dotted(node, aliases) in {f"{m}.Unpickler" for m in PICKLE_MODULES}
+                and path not in UNPICKLER_ALLOWED):
+            found.append(where + "uses pickle.Unpickler outside the restricted torch reader")
+    return sorted(set(found), key=lambda f: (int(f.split(":")[0].split()[1]), f))
+
+
+def test_no_library_code_runs_code_from_data_files():
+    files = [p for folder in CODE_FROM_DATA_FOLDERS for p in sorted((ROOT / folder).rglob("*.py"))]
+    assert len(files) > 100
+    bad = {rel: found for p in files
+           if (found := code_from_data(p.read_text(encoding="utf-8"),
+                                       rel := p.relative_to(ROOT).as_posix()))}
+    assert not bad, bad
+    for rel in UNPICKLER_ALLOWED:  # the allow-list names a file that still needs it
+        assert code_from_data((ROOT / rel).read_text(encoding="utf-8"), "elsewhere.py"), rel
+
+
+def test_code_from_data_checker_finds_each_planted_kind():
+    planted = (
+        "import pickle, joblib, marshal, yaml, torch\n"                            # 1
+        "import numpy as np\n"                                                     # 2
+        "import cloudpickle as cp\n"                                               # 3
+        "from pickle import loads as undo\n"                                       # 4
+        "import dill\n"                                                            # 5
+        "from transformers import AutoModel\n"                                     # 6
+        "def f(path, text, flag):\n"                                               # 7
+        "    a = pickle.load(open(path, 'rb'))\n"                                  # 8
+        "    b = undo(text)\n"                                                     # 9
+        "    class Mine(pickle.Unpickler):\n"                                      # 10
+        "        pass\n"                                                           # 11
+        "    c = torch.load(path)\n"                                               # 12
+        "    d = torch.load(path, weights_only=False)\n"                           # 13
+        "    e = np.load(path, allow_pickle=True)\n"                               # 14
+        "    g = yaml.load(text)\n"                                                # 15
+        "    h = yaml.load(text, Loader=yaml.FullLoader)\n"                        # 16
+        "    i = eval(text) + exec(text)\n"                                        # 17
+        "    j = AutoModel.from_pretrained(path, trust_remote_code=True)\n"        # 18
+        "    k = AutoModel.from_pretrained(path, **{'trust_remote_code': True})\n" # 19
+        "    m = joblib.load(path), cp.loads(text), marshal.loads(text)\n"         # 20
+        "    return dill.loads(text)\n"                                            # 21
+        "def fine(path, text, flag, model):\n"                                     # 22
+        "    model.eval()\n"                                                       # 23
+        "    pickle.dumps(text)\n"                                                 # 24
+        "    torch.load(path, map_location='cpu', weights_only=True)\n"            # 25
+        "    np.load(path, allow_pickle=False)\n"                                  # 26
+        "    np.load(path)\n"                                                      # 27
+        "    yaml.safe_load(text)\n"                                               # 28
+        "    yaml.load(text, Loader=yaml.SafeLoader)\n"                            # 29
+        "    AutoModel.from_pretrained(path, trust_remote_code=flag)\n"            # 30
+        "    AutoModel.from_pretrained(path, trust_remote_code=False)\n")          # 31
+    found = code_from_data(planted, "sclaro_jax/planted.py")
+    lines = [int(f.split(":")[0].split()[1]) for f in found]
+    assert lines == [5, 8, 9, 10, 12, 13, 14, 15, 16, 17, 17, 18, 19, 20, 20, 20], found
+    assert sum("eval()" in f or "exec()" in f for f in found) == 2
+    # the restricted torch reader may subclass pickle.Unpickler, and only it
+    unpickler = "import pickle\nclass R(pickle.Unpickler):\n    pass\n"
+    assert code_from_data(unpickler, "sclaro_jax/models/torch_files.py") == []
+    assert code_from_data(unpickler, "sclaro_jax/models/other.py") == [
+        "line 2: uses pickle.Unpickler outside the restricted torch reader"]

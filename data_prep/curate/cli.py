@@ -10,8 +10,8 @@ it and rerun. A clusters file in which no cluster has a label is refused (status
 clusters that most need a look) unless --accept-suggested. Every run writes
 OUT.clusters.predicate_table.tsv beside the clusters file (each predicate, its count, the raw
 predicates merged into it, flagged where they differ by a spatial preposition) for the
-overrides. OUT/object_curation keeps the names, labels and fitted clusterer, so a later
---extend OUT maps a new source onto them.
+overrides. OUT/object_curation keeps the names, labels and embeddings (plain JSON and .npy,
+no pickle), so a later --extend OUT refits the clusterer and maps a new source onto them.
 """
 
 import argparse
@@ -44,7 +44,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="an earlier curate --out folder: its names keep their labels; this "
                           "dataset's new names are suggested into its curated clusters (with "
                           "a membership strength) or clustered among themselves. Needs the "
-                          "same --encoder and hdbscan version")
+                          "same --encoder")
     cur.add_argument("--min-strength", type=float, default=None,
                      help="with --extend: the hdbscan membership strength (0-1) a suggestion "
                           "needs; weaker names are clustered as new (default: "

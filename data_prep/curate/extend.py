@@ -1,12 +1,14 @@
-"""Curation that grows with the data: a curated object vocabulary saved with its fitted
-clusterer, and new names placed onto it (`python -m data_prep curate --extend PREVIOUS`).
+"""Curation that grows with the data: a curated object vocabulary saved as plain data, and
+new names placed onto it (`python -m data_prep curate --extend PREVIOUS`).
 
 A curated dataset folder keeps, in `object_curation/`:
   - `curation.json`: every curated name with its label and hdbscan cluster, the clustering
     settings, the text encoder (folder, pooling, width) and the hdbscan version;
-  - `embeddings.npy`: the names' unit embeddings (float32, in `curation.json`'s order);
-  - `clusterer.pkl`: the fitted `hdbscan.HDBSCAN` with its prediction data
-    (`curate_cluster.fit_clusterer`).
+  - `embeddings.npy`: the names' unit embeddings (float32, in `curation.json`'s order).
+No fitted object is stored (no pickle, nothing that runs code when read): the clusterer is
+fit on `embeddings.npy` when saving (`save_curation`) and refit from the same file with the
+same settings when extending (`load_curation`). The fit is deterministic, so the refit
+gives the saved clusters; `load_curation` checks that it does, label for label.
 
 Extending: names already curated keep their label (they never reach the clusters file).
 Each new name gets its nearest curated cluster from `hdbscan.approximate_predict` (the
@@ -17,12 +19,13 @@ into the clusters file under their curated label, with the strength, for the cur
 accept (leave them) or move; the other new names are clustered among themselves into new
 clusters to label, or noise.
 
-`clusterer.pkl` is a pickle: extend only curations you made or trust.
-
-A curation saved by another hdbscan version, or embedded by another text encoder, is refused:
-a pickled clusterer is only read by the version that wrote it, and new names embedded by
-another model do not live in the saved names' space. The encoder is checked by what it does:
-a sample of the saved names is embedded again and must match the saved vectors.
+A curation embedded by another text encoder is refused: new names embedded by another model
+do not live in the saved names' space. The encoder is checked by what it does: a sample of
+the saved names is embedded again and must match the saved vectors. The hdbscan version is
+recorded but not required to match: the refit is what is checked, so another hdbscan version
+is refused only when it clusters the saved names differently. A curation of format 1 (earlier
+versions, with a pickled `clusterer.pkl`) is refused, never unpickled: curating its source
+again writes this format.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import dataclasses
 import hashlib
 import importlib.metadata
 import json
-import pickle
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +41,8 @@ import numpy as np
 from data_prep.curate import cluster as cc
 from data_prep.durable_logs import write_replacing
 
-FORMAT = 1
+FORMAT = 2
+PICKLED_FORMAT = 1  # curation.json + embeddings.npy + clusterer.pkl: refused, never read
 STATE_DIR = "object_curation"
 MIN_STRENGTH = 0.3
 """Default `min_strength`. On the 101-name quality list with MiniLM (tests/
@@ -76,9 +79,11 @@ def encoder_info(encoder) -> dict:
 
 
 def save_curation(folder, names: list[str], emb: np.ndarray, labels: dict[str, str],
-                  clusterer, encoder, params: dict) -> Path:
-    """Write `folder` (see the module docstring). `clusterer` was fit on `emb` (None when
-    fewer than two names); `params` are its settings (min_cluster_size, min_samples)."""
+                  encoder, params: dict) -> Curation:
+    """Write `folder` (see the module docstring) and return it as `load_curation` reads it.
+    The clusterer is fit here, with `params` (min_cluster_size, min_samples), on the float32
+    unit rows written to embeddings.npy, so that a later refit starts from the same numbers
+    (fewer than two names: no clusterer, all noise)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     names = list(names)
@@ -88,20 +93,18 @@ def save_curation(folder, names: list[str], emb: np.ndarray, labels: dict[str, s
     if missing:
         raise ValueError(f"{folder}: no curated label for {len(missing)} names, e.g. "
                          f"{missing[:5]}")
-    clusters = (np.full(len(names), -1) if clusterer is None
-                else np.asarray(clusterer.labels_))
-    if len(clusters) != len(names) or len(unit) != len(names):
-        raise ValueError(f"{folder}: {len(names)} names, {len(unit)} embeddings and "
-                         f"{len(clusters)} clustered points")
-    # plain pickle keeps the arrays the clusterer shares shared (joblib's does not)
-    write_replacing(folder / "clusterer.pkl", lambda f: pickle.dump(clusterer, f, protocol=5))
-    write_replacing(folder / "embeddings.npy", lambda f: np.save(f, unit))
+    if len(unit) != len(names):
+        raise ValueError(f"{folder}: {len(names)} names and {len(unit)} embeddings")
+    params = {k: int(v) for k, v in params.items()}
+    clusterer, clusters = cc.fit_labels(unit, **params)
+    write_replacing(folder / "embeddings.npy", lambda f: np.save(f, unit, allow_pickle=False))
     meta = {"format": FORMAT, "hdbscan": hdbscan_version(), "encoder": encoder_info(encoder),
-            "params": {k: int(v) for k, v in params.items()},
-            "names": names, "labels": [labels[n] for n in names],
+            "params": params, "names": names, "labels": [labels[n] for n in names],
             "clusters": [int(k) for k in clusters]}
     cc.write_json(folder / "curation.json", meta)
-    return folder
+    digest = hashlib.sha256((folder / "curation.json").read_bytes()).hexdigest()
+    return Curation(folder, names, unit, dict(zip(names, meta["labels"])), clusters, clusterer,
+                    meta, digest)
 
 
 def state_folder(path) -> Path:
@@ -122,21 +125,77 @@ def _read_meta(folder: Path) -> dict:
     raw = path.read_bytes()
     try:
         meta = json.loads(raw.decode("utf-8"))
-    except json.JSONDecodeError as e:
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        found = meta.get("format") if isinstance(meta, dict) else None
+    found = meta.get("format") if isinstance(meta, dict) else None
+    if found == PICKLED_FORMAT:
+        raise CurationMismatch(
+            f"{path}: a curation of format {PICKLED_FORMAT}, from an earlier version, which "
+            f"keeps its clusterer as a pickle ({folder / 'clusterer.pkl'}); pickles are never "
+            f"loaded (unpickling a file runs code). Run the `python -m data_prep curate` that "
+            f"wrote it again, with --overwrite (its labelled clusters file is reused), to save "
+            f"it as format {FORMAT}, then --extend it")
+    if found != FORMAT:
         raise CurationMismatch(f"{path}: saved curation format {found!r}, this version reads "
                                f"format {FORMAT}")
+    _check_meta(path, meta)
+    meta["sha256"] = hashlib.sha256(raw).hexdigest()
+    return meta
+
+
+def _check_meta(path: Path, meta: dict) -> None:
+    """ValueError naming the first field of curation.json that is missing or of the wrong
+    kind (a folder from elsewhere is data: nothing in it is trusted)."""
+    def wrong(key, what):
+        return ValueError(f"{path}: the field {key!r} must be {what}")
+
     for key in ("hdbscan", "encoder", "params", "names", "labels", "clusters"):
         if key not in meta:
             raise ValueError(f"{path}: the field {key!r} is missing")
+    for key in ("names", "labels"):
+        if not isinstance(meta[key], list) or not all(
+                isinstance(x, str) and x.strip() for x in meta[key]):
+            raise wrong(key, "a list of non-empty strings")
+    clusters = meta["clusters"]
+    if not isinstance(clusters, list) or not all(type(k) is int for k in clusters):
+        raise wrong("clusters", "a list of integers")
+    params = meta["params"]
+    if (not isinstance(params, dict) or set(params) != {"min_cluster_size", "min_samples"}
+            or not all(type(v) is int for v in params.values())
+            or params["min_cluster_size"] < 2 or params["min_samples"] < 1):
+        raise wrong("params", "{\"min_cluster_size\": an integer >= 2, \"min_samples\": an "
+                              "integer >= 1}")
+    encoder = meta["encoder"]
+    if not isinstance(encoder, dict) or not {"path", "pooling", "dim"} <= set(encoder):
+        raise wrong("encoder", "an object with the encoder's path, pooling and dim")
+    if not isinstance(meta["hdbscan"], str):
+        raise wrong("hdbscan", "a version string")
     n = len(meta["names"])
-    if len(meta["labels"]) != n or len(meta["clusters"]) != n:
+    if len(meta["labels"]) != n or len(clusters) != n:
         raise ValueError(f"{path}: {n} names, {len(meta['labels'])} labels and "
-                         f"{len(meta['clusters'])} clusters")
-    meta["sha256"] = hashlib.sha256(raw).hexdigest()
-    return meta
+                         f"{len(clusters)} clusters")
+    cc._check_unique(meta["names"], str(path))
+
+
+def _read_embeddings(folder: Path, n: int) -> np.ndarray:
+    """embeddings.npy as float32 [n, D]: a plain .npy array, never a pickle (`allow_pickle`
+    stays off), mapped first so that a header promising more than the file holds is refused
+    before anything is allocated."""
+    path = folder / "embeddings.npy"
+    fix = "curate the data again without --extend"
+    try:
+        emb = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a plain .npy array ({str(e).split('. ')[0]}); "
+                         f"{fix}") from None
+    if emb.dtype != np.float32 or emb.ndim != 2 or len(emb) != n or emb.shape[1] < 1:
+        raise ValueError(f"{path}: {emb.dtype} array of shape {emb.shape}, but "
+                         f"{folder / 'curation.json'} lists {n} names (float32 [{n}, D] "
+                         f"expected); {fix}")
+    emb = np.array(emb)
+    if not np.isfinite(emb).all():
+        raise ValueError(f"{path}: holds values that are not finite; {fix}")
+    return emb
 
 
 def check_encoder(folder: Path, meta: dict, emb: np.ndarray, encoder) -> None:
@@ -163,30 +222,32 @@ def check_encoder(folder: Path, meta: dict, emb: np.ndarray, encoder) -> None:
             f"needs the same encoder (--encoder {saved['path']})")
 
 
-def load_curation(path, encoder) -> Curation:
-    """Read and check a saved curation (`state_folder(path)`) for extension with `encoder`:
-    the hdbscan version must be the one that saved it and `encoder` must embed its names as
-    they were (`check_encoder`); otherwise `CurationMismatch` says which and why."""
+def read_saved(path) -> tuple[Path, dict, np.ndarray]:
+    """(folder, curation.json's fields, embeddings) of the saved curation `state_folder(path)`,
+    checked as data (format, fields, array): what is refused before any model is loaded."""
     folder = state_folder(path)
     meta = _read_meta(folder)
-    if meta["hdbscan"] != hdbscan_version():
-        raise CurationMismatch(
-            f"{folder} was saved by hdbscan {meta['hdbscan']}, this is hdbscan "
-            f"{hdbscan_version()}: a clusterer pickled by one hdbscan version is not read by "
-            f"another. Install hdbscan=={meta['hdbscan']} to extend it, or curate the data "
-            f"again without --extend")
-    emb_path = folder / "embeddings.npy"
-    emb = np.load(emb_path)
-    if emb.ndim != 2 or len(emb) != len(meta["names"]):
-        raise ValueError(f"{emb_path}: shape {emb.shape}, but {folder / 'curation.json'} "
-                         f"lists {len(meta['names'])} names")
+    return folder, meta, _read_embeddings(folder, len(meta["names"]))
+
+
+def load_curation(path, encoder, saved: tuple | None = None) -> Curation:
+    """Read and check a saved curation (`read_saved(path)`, or `saved`, what it returned) for
+    extension with `encoder`: `encoder` must embed its names as they were (`check_encoder`),
+    and the clusterer refit on embeddings.npy with the saved settings must give the saved
+    clusters; otherwise `CurationMismatch` says which and why."""
+    folder, meta, emb = saved or read_saved(path)
     check_encoder(folder, meta, emb, encoder)
-    with open(folder / "clusterer.pkl", "rb") as f:
-        clusterer = pickle.load(f)
-    clusters = np.asarray(meta["clusters"], np.int64)
-    if clusterer is not None and not np.array_equal(clusterer.labels_, clusters):
-        raise ValueError(f"{folder}: clusterer.pkl does not belong to curation.json "
-                         f"(other cluster labels)")
+    clusterer, clusters = cc.fit_labels(emb, **meta["params"])
+    saved = np.asarray(meta["clusters"], np.int64)
+    if not np.array_equal(clusters, saved):
+        version, here = meta["hdbscan"], hdbscan_version()
+        raise CurationMismatch(
+            f"{folder}: hdbscan {here} refit on embeddings.npy with the saved settings "
+            f"({meta['params']}) clusters {int(np.sum(clusters != saved))} of {len(saved)} "
+            f"names differently from curation.json, which hdbscan {version} wrote: "
+            + (f"install hdbscan=={version} to extend it, or " if version != here else
+               "the folder was changed since it was saved; ")
+            + "curate the data again without --extend")
     return Curation(folder, list(meta["names"]), emb,
                     dict(zip(meta["names"], meta["labels"])), clusters, clusterer, meta,
                     meta["sha256"])

@@ -19,14 +19,15 @@ are shared by all sources.
 
 Two passes: the first run writes `clusters.json` (with a table `clusters.md`, hdbscan's
 condensed tree `clusters.tree.png`, and `action_candidates.tsv`) and stops so the clusters can
-be labelled; the second applies them and keeps `OUT/object_curation/` (names, labels, the
-fitted clusterer). `--extend` an earlier output maps a new source onto its vocabulary: curated
-names keep their labels, new names are suggested into curated clusters or clustered anew
-(`data_prep.curate.extend`). Every decision (raw -> standardised ->
-label, predicate maps, actions) goes to `OUT/curation_log.json`, and per-source statistics in
-the form of appendix Table A3 to `OUT/statistics.json`. Only labels change: the output has the
-input's schema version, view size, originals policy and creation time (so the same inputs write
-the same bytes), and every record's images and views pass through unchanged.
+be labelled; the second applies them and keeps `OUT/object_curation/` (names, labels, their
+embeddings: plain data, from which `--extend` refits the clusterer). `--extend` an earlier
+output maps a new source onto its vocabulary: curated names keep their labels, new names are
+suggested into curated clusters or clustered anew (`data_prep.curate.extend`). Every decision
+(raw -> standardised -> label, predicate maps, actions) goes to `OUT/curation_log.json`, and
+per-source statistics in the form of appendix Table A3 to `OUT/statistics.json`. Only labels
+change: the output has the input's schema version, view size, originals policy and creation
+time (so the same inputs write the same bytes), and every record's images and views pass
+through unchanged.
 """
 
 from __future__ import annotations
@@ -283,8 +284,9 @@ def _previous_curation(extend: str, encoder, min_cluster_size, min_samples):
     from data_prep.curate import cluster as curate_cluster, extend as curate_extend
     text_encoder, prev = None, None
     if extend:
+        saved = curate_extend.read_saved(extend)  # a bad folder: refused before the model loads
         text_encoder = curate_cluster.TextEncoder(encoder or curate_cluster.default_model_path())
-        prev = curate_extend.load_curation(extend, text_encoder)
+        prev = curate_extend.load_curation(extend, text_encoder, saved)
         params = prev.meta["params"]
     else:
         params = {"min_cluster_size": curate_cluster.MIN_CLUSTER_SIZE,
@@ -401,17 +403,17 @@ def save_object_curation(out_dir: str, prev, std_names: list[str], new_names: li
                          labels: dict[str, str], encoder, params: dict,
                          progress: bool = True) -> None:
     """OUT/object_curation: this curation's names (and an extended one's earlier names), their
-    labels and a clusterer fit on all of them, for the next `--extend`."""
-    from data_prep.curate import cluster as curate_cluster, extend as curate_extend
+    labels and their embeddings (the clusterer is fit on all of them when saved and refit
+    from them by the next `--extend`)."""
+    from data_prep.curate import extend as curate_extend
     if prev is None:
         names, emb = list(std_names), encoder.encode(std_names, progress=progress)
     else:
         names = prev.names + new_names
         emb = np.concatenate([prev.emb, encoder.encode(new_names, progress=progress)]
                              if new_names else [prev.emb])
-    clusterer = curate_cluster.fit_labels(emb, **params)[0]
     curate_extend.save_curation(os.path.join(out_dir, curate_extend.STATE_DIR), names, emb,
-                                {n: labels[n] for n in names}, clusterer, encoder, params)
+                                {n: labels[n] for n in names}, encoder, params)
 
 
 def action_candidate_rows(actions: collections.Counter, lemmatize, encoder,

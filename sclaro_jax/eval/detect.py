@@ -26,6 +26,8 @@ PROG = "python -m sclaro_jax.eval.detect"
 
 
 def _parser():
+    from sclaro_jax.config import CODE_NOTE
+
     p = cli.parser(PROG,
                    "COCO-style AP of a detector run's newest checkpoint (appendix protocol). "
                    "Recipe overrides: --config.KEY=VALUE (repeatable), as launch/train.py.")
@@ -34,7 +36,7 @@ def _parser():
                         "--workdir DIR)")
     p.add_argument("--config", default=None,
                    help="the recipe, a file or a name, FILE_OR_NAME[:VARIANT] (default: the "
-                        "run's config.json)")
+                        f"run's config.json); {CODE_NOTE}")
     p.add_argument("--step", type=int, default=None,
                    help="checkpoint step to evaluate (default: the newest)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

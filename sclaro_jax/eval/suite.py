@@ -45,7 +45,7 @@ from typing import Sequence
 import numpy as np
 
 from sclaro_jax import cli
-from sclaro_jax.config import load_config
+from sclaro_jax.config import CODE_NOTE, load_config
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", action="append", required=True, metavar="[NAME=]DIR",
                    help="training workdir to evaluate (repeatable; NAME labels its column)")
     p.add_argument("--config", help="config file[:variant] that built the runs (default: each "
-                                    "workdir's config.json)")
+                                    f"workdir's config.json); {CODE_NOTE}")
     p.add_argument("--data", help="dataset folder (default: the run's config.data.dir)")
     p.add_argument("--split", default="test", help="split to evaluate")
     p.add_argument("--train-split", default="train", help="split for the probe / SGCls vocab")
