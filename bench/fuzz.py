@@ -570,7 +570,7 @@ def replay_signature(name: str, path: Path, args) -> str:
     (and an address-space limit of --rss-mb more than the target's own, so that an input that
     blew the memory limit raises MemoryError where it allocates)."""
     try:
-        proc = subprocess.run([sys.executable, "-X", "faulthandler", __file__, "--target", name,
+        proc = subprocess.run([sys.executable, __file__, "--target", name,
                                "--timeout", str(args.timeout), "--rss-mb", str(args.rss_mb),
                                "--replay", str(path)],
                               capture_output=True, text=True, timeout=args.timeout + 120)
@@ -684,6 +684,7 @@ def report(result: dict) -> None:
 def replay(args) -> int:
     """Each --replay file through the target once: ok, refused, or CRASH with its traceback."""
     import faulthandler
+    faulthandler.enable()  # a fatal signal prints the Python stack it came in
     runner(args.target)  # imports first: the timeout and memory limit are the input's
     limit_memory(args.rss_mb)
     faulthandler.dump_traceback_later(args.timeout, exit=True)
