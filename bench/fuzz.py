@@ -415,16 +415,21 @@ ALL = tuple(n for n in TARGETS if n != "selftest")
 _LOADED: dict[str, tuple] = {}
 
 
-def runner(name: str):
-    """(run, refusals) of target `name`, made once per process (its scratch folder made here
-    and removed at exit)."""
+def scratch_folder(name: str) -> Path:
+    """A new folder for target `name` to write its inputs into (in memory where it can)."""
+    return Path(tempfile.mkdtemp(prefix=f"fuzz-{name}-", dir="/dev/shm" if os.access(
+        "/dev/shm", os.W_OK) else None))
+
+
+def runner(name: str, scratch: str | None = None):
+    """(run, refusals) of target `name`, made once per process, writing its inputs into
+    `scratch` (default: a folder made here and removed at a normal exit)."""
     if name not in _LOADED:
-        import atexit
-        scratch = Path(tempfile.mkdtemp(prefix=f"fuzz-{name}-",
-                                        dir="/dev/shm" if os.access("/dev/shm", os.W_OK)
-                                        else None))
-        atexit.register(shutil.rmtree, scratch, True)
-        _LOADED[name] = TARGETS[name].make(scratch)
+        if scratch is None:
+            import atexit
+            scratch = scratch_folder(name)
+            atexit.register(shutil.rmtree, scratch, True)
+        _LOADED[name] = TARGETS[name].make(Path(scratch))
     return _LOADED[name]
 
 
@@ -512,7 +517,7 @@ def child(args) -> None:
     """One target under libFuzzer: Python crashes recorded in --stats and saved, fuzzing on."""
     import atheris
     with atheris.instrument_imports(include=list(TARGETS[args.child].modules)):
-        runner(args.child)
+        runner(args.child, args.scratch)
     limit_memory(args.rss_mb)  # a huge allocation: a MemoryError here, not a restart
     for hook in ("RegEx", "str"):
         atheris.enabled_hooks.add(hook)
@@ -569,13 +574,16 @@ def replay_signature(name: str, path: Path, args) -> str:
     """The Python frame a fatal input dies in, replayed in a fresh process with faulthandler
     (and an address-space limit of --rss-mb more than the target's own, so that an input that
     blew the memory limit raises MemoryError where it allocates)."""
+    scratch = scratch_folder(name)
     try:
         proc = subprocess.run([sys.executable, __file__, "--target", name,
                                "--timeout", str(args.timeout), "--rss-mb", str(args.rss_mb),
-                               "--replay", str(path)],
+                               "--scratch", str(scratch), "--replay", str(path)],
                               capture_output=True, text=True, timeout=args.timeout + 120)
     except subprocess.TimeoutExpired:
         return "hang (replay did not end)"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     frames = re.findall(r'File "([^"]+)", line (\d+)', proc.stderr)
     ours = [f for f in frames if f[0].startswith(str(ROOT)) and "bench/fuzz.py" not in f[0]]
     kind = next((k for k in ("Segmentation fault", "Aborted", "Bus error", "Timeout",
@@ -630,14 +638,18 @@ def fuzz_target(name: str, args) -> dict:
         stats = crashes / ".stats.json"
         before = _artifacts(crashes)
         offset = log.tell()
+        scratch = scratch_folder(name)  # removed here: libFuzzer ends the child without atexit
         cmd = [sys.executable, __file__, "--child", name, "--stats", str(stats), "--crashes",
-               str(crashes), "--rss-mb", str(args.rss_mb), "--", *flags, f"-max_total_time={max(1, int(left))}", str(corpus)]
+               str(crashes), "--rss-mb", str(args.rss_mb), "--scratch", str(scratch), "--",
+               *flags, f"-max_total_time={max(1, int(left))}", str(corpus)]
         try:
             proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT,
                                   timeout=left + 120 + args.timeout)
             code = proc.returncode
         except subprocess.TimeoutExpired:
             code = "killed"
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
         log.flush()
         got = json.loads(stats.read_text()) if stats.exists() else {"executions": 0,
                                                                     "crashes": {}}
@@ -673,7 +685,7 @@ def fuzz_target(name: str, args) -> dict:
 
 def report(result: dict) -> None:
     rate = result["executions"] / max(result["seconds"], 1e-9)
-    print(f"{result['target']}: {result['executions']:,} executions in {result['seconds']:.0f} s"
+    print(f"{result['target']}: {result['executions']:,} executions in {result['seconds']:.1f} s"
           f" ({rate:,.0f}/s), {result['inputs']} crashing inputs, "
           f"{len(result['signatures'])} distinct crashes", flush=True)
     for sig, entry in result["signatures"].items():
@@ -685,7 +697,7 @@ def replay(args) -> int:
     """Each --replay file through the target once: ok, refused, or CRASH with its traceback."""
     import faulthandler
     faulthandler.enable()  # a fatal signal prints the Python stack it came in
-    runner(args.target)  # imports first: the timeout and memory limit are the input's
+    runner(args.target, args.scratch)  # imports first: the limits are the input's
     limit_memory(args.rss_mb)
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     crashed = 0
@@ -722,7 +734,7 @@ def quick(args) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python bench/fuzz.py", description=__doc__.split("\n\n")[0],
+        prog="python bench/fuzz.py", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", choices=["all", *TARGETS], default="all",
                         help="the parser to fuzz (default: all, one after another)")
@@ -745,6 +757,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hypothesis", type=int, metavar="N",
                         help="instead of atheris: a derandomized hypothesis pass of N inputs "
                              "per target, in this process (no restart after a fatal crash)")
+    parser.add_argument("--scratch", help="the folder the file targets write each input into "
+                                          "(default: a new one, removed at exit)")
     parser.add_argument("--child", choices=list(TARGETS), help=argparse.SUPPRESS)
     parser.add_argument("--stats", help=argparse.SUPPRESS)
     parser.add_argument("libfuzzer", nargs="*", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +31,13 @@ EXAMPLES = 60  # per target in the hypothesis pass
 
 
 def _replay(target: str, *paths, timeout: int = 20) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--target", target,
-                           "--timeout", str(timeout), "--replay", *map(str, paths)],
-                          capture_output=True, text=True, timeout=timeout + 120)
+    """bench/fuzz.py --replay in a process of its own, its scratch folder removed here (a fatal
+    input ends the process before it could)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        return subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--target",
+                               target, "--timeout", str(timeout), "--scratch", scratch,
+                               "--replay", *map(str, paths)],
+                              capture_output=True, text=True, timeout=timeout + 120)
 
 
 def _corpus():
