@@ -1,7 +1,8 @@
-"""The parsers bench/fuzz.py fuzzes, on the inputs that crashed them (tests/data/fuzz/<target>/,
-as the fuzzer saved them), on the reply parser's worst cases found by hand (nesting, digits,
-quadratic runs), in a short derandomized hypothesis pass over every target; and the harness
-itself: a segmentation fault, a hang and an exception each reported with the input saved.
+"""The parsers bench/fuzz.py fuzzes, on the inputs that crashed them (tests/data/fuzz/<target>/, as
+the fuzzer saved them; those named `*-by-hand` written by hand), on the reply parser's worst
+cases found by hand (nesting, digits, quadratic runs), in a short derandomized hypothesis pass
+over every target; and the harness itself: a segmentation fault, a hang and an exception each
+reported with the input saved.
 
 A crash is what bench/fuzz.py calls one: an exception other than the target's refusal types
 (`fuzz.crash_of`). Inputs under a target that another branch fixes are expected failures here.
@@ -9,6 +10,7 @@ A crash is what bench/fuzz.py calls one: an exception other than the target's re
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
@@ -20,9 +22,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import fuzz  # noqa: E402
+# bench/fuzz.py by its path: bench/ on sys.path would shadow other tests' modules.
+_spec = importlib.util.spec_from_file_location("bench_fuzz", ROOT / "bench" / "fuzz.py")
+fuzz = sys.modules["bench_fuzz"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fuzz)
 
 CORPUS = ROOT / "tests" / "data" / "fuzz"
 FIXED_HERE = ("vlm_reply", "loose_json")
