@@ -1,6 +1,10 @@
 """A tolerant JSON reader for VLM replies: `json` first, then a parser of its own (no `eval`)
 that reads what VLMs write instead of JSON. Every repair it makes is recorded as a short code in
 a `Notes` list (the codes are listed in `data_prep.vlm_reply.RECOVERY_NOTES`).
+
+Any text is read without an exception, in time linear in its length: containers nested deeper
+than `MAX_DEPTH` are cut there like a syntax error (no recursion past it), and an integer
+longer than Python's int conversion limit reads as a float (inf beyond float's range).
 """
 
 from __future__ import annotations
@@ -23,20 +27,47 @@ class _Ellipsis:
 
 
 ELLIPSIS = _Ellipsis()
+MAX_DEPTH = 64  # containers nested deeper are cut (a reply needs 3: object, relations, triplet)
 
 
 def parse_at(text: str, start: int, notes: Notes) -> tuple[Any, int | None]:
     """Parse the value at `start`: json first, then the tolerant parser. Returns (value, end);
-    end is None when the text was cut (truncated or a syntax error)."""
+    end is None when the text was cut (truncated or a syntax error; value is then None when
+    not even a container had begun). Never raises for any `text`."""
     try:
         value, end = json.JSONDecoder(
-            object_pairs_hook=lambda pairs: _pairs_to_dict(pairs, notes)).raw_decode(text, start)
-        return value, end
-    except json.JSONDecodeError:
-        notes.clear()
+            object_pairs_hook=lambda pairs: _pairs_to_dict(pairs, notes),
+            parse_int=_int).raw_decode(text, start)
+        if not _deeper_than(value, MAX_DEPTH):
+            return value, end
+    except (json.JSONDecodeError, RecursionError):  # json's C scanner recurses per level
+        pass
+    notes.clear()
     parser = LooseParser(text, start, notes)
-    value = parser.value()
+    try:
+        value = parser.value()
+    except _Cut:  # a scalar cut short, or no value at all
+        return None, None
     return value, None if parser.stopped else parser.pos
+
+
+def _int(digits: str) -> int | float:
+    """A JSON integer; a float when it has more digits than Python converts to int."""
+    try:
+        return int(digits)
+    except ValueError:
+        return float(digits)
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether `value` holds lists / dicts nested more than `limit` deep (without recursing)."""
+    level = [value]
+    for _ in range(limit):
+        level = [v for item in level if isinstance(item, (list, dict))
+                 for v in (item.values() if isinstance(item, dict) else item)]
+        if not level:
+            return False
+    return any(isinstance(v, (list, dict)) for v in level)
 
 
 def keep_first_non_empty(out: dict, key: Any, value: Any, notes: Notes) -> None:
@@ -72,7 +103,8 @@ ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "b": "\b", "f": "\f", "/": "/", "\\"
            '"': '"', "'": "'"}
 NUMBER = re.compile(r"-?\d+(\.\d+)?([eE][+-]?\d+)?")
 WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_ \-]*(?=\s*:)")
+BARE_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_ \-]*")  # a key when `COLON` follows
+COLON = re.compile(r"\s*:")
 CONSTANTS = {"true": True, "false": False, "null": None}
 PY_CONSTANTS = {"True": True, "False": False, "None": None}
 
@@ -80,12 +112,13 @@ PY_CONSTANTS = {"True": True, "False": False, "None": None}
 class LooseParser:
     """JSON plus what VLMs write instead: missing or extra commas, single / curly quotes,
     Python literals and tuples, bare keys, comments, `...`, unescaped inner quotes. At the end
-    of the text or at a syntax error it stops and closes every open container, dropping the
-    scalar it was reading."""
+    of the text or at a syntax error (a container opened `MAX_DEPTH` deep is one) it stops and
+    closes every open container, dropping the scalar it was reading."""
 
     def __init__(self, text: str, pos: int, notes: Notes):
         self.text, self.pos, self.notes = text, pos, notes
         self.stopped = False
+        self.depth = 0  # containers open
 
     def stop(self, code: str) -> None:
         self.stopped = True
@@ -111,12 +144,8 @@ class LooseParser:
             self.stop("truncated")
             raise _Cut
         char = self.text[self.pos]
-        if char == "{":
-            return self.object()
-        if char in "[(":
-            if char == "(":
-                self.notes.add("python_literals")
-            return self.array("]" if char == "[" else ")")
+        if char in "{[(":
+            return self.container(char)
         if char in OPEN_QUOTES:
             return self.string()
         if self.text.startswith("...", self.pos) or char == "\u2026":
@@ -126,7 +155,8 @@ class LooseParser:
         match = NUMBER.match(self.text, self.pos)
         if match:
             self.pos = match.end()
-            return json.loads(match.group())
+            return _int(match.group()) if match.group(1) is match.group(2) is None \
+                else float(match.group())
         match = WORD.match(self.text, self.pos)
         if match and match.group() in CONSTANTS | PY_CONSTANTS:
             self.pos = match.end()
@@ -135,6 +165,18 @@ class LooseParser:
             return (CONSTANTS | PY_CONSTANTS)[match.group()]
         self.stop("cut_at_syntax_error")
         raise _Cut
+
+    def container(self, char: str) -> list | dict:
+        if self.depth >= MAX_DEPTH:
+            self.stop("cut_at_syntax_error")
+            raise _Cut
+        if char == "(":
+            self.notes.add("python_literals")
+        self.depth += 1
+        try:
+            return self.object() if char == "{" else self.array("]" if char == "[" else ")")
+        finally:
+            self.depth -= 1
 
     def separator(self, closer: str, started: bool, after_comma: bool) -> str:
         """Consume commas before the next member; returns "close", "member" or "end"."""
@@ -198,7 +240,7 @@ class LooseParser:
                     return _pairs_to_dict(pairs, self.notes)
             else:
                 match = BARE_KEY.match(self.text, self.pos)
-                if not match:
+                if not match or not COLON.match(self.text, match.end()):
                     self.stop("cut_at_syntax_error")
                     return _pairs_to_dict(pairs, self.notes)
                 key = match.group().strip()

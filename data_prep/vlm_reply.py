@@ -214,6 +214,7 @@ def _objects(value: Any, notes: Notes) -> list[str]:
         notes.add("invalid_value:objects")
         return []
     objects: list[str] = []
+    seen: set[str] = set()  # lowercased: `_find` over a long list would be quadratic
     for item in _flatten(value, notes):
         if isinstance(item, dict):
             names = [item[k] for k in OBJECT_NAME_KEYS if isinstance(item.get(k), str)]
@@ -228,9 +229,10 @@ def _objects(value: Any, notes: Notes) -> list[str]:
         name = _unwrap(item, notes)
         if not name:
             notes.add("empty_string")
-        elif _find(objects, name) is not None:
+        elif name.lower() in seen:
             notes.add("duplicate_object")
         else:
+            seen.add(name.lower())
             objects.append(name)
     if len(objects) > MAX_OBJECTS:
         notes.add("objects_truncated")
