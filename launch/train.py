@@ -160,11 +160,12 @@ def main(argv):
 
 # Errors that are the user's to fix: one `error:` line (and the traceback with --verbose).
 def user_errors() -> tuple[type, ...]:
+    from sclaro_jax.cli import MissingExtra
     from sclaro_jax.data.dataset import DatasetError
     from sclaro_jax.data.schema import SchemaVersionError
     from sclaro_jax.run.folder import RunError
     return (DatasetError, SchemaVersionError, RunError, FileNotFoundError, PermissionError,
-            NotADirectoryError, KeyError, ValueError, flags.Error)
+            NotADirectoryError, KeyError, ValueError, flags.Error, MissingExtra)
 
 
 def fail(message: str, verbose: bool) -> None:

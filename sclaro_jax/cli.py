@@ -12,24 +12,57 @@
   spelling ("did you mean --source?");
 - an output folder flag (`type=writable`) is checked at parse time: one that cannot be written
   is a usage error naming the folder and why;
+- a number flag declares its range (`number_in`): `--top 0`, `--alpha nan` are usage errors
+  naming the flag and the range;
 - any other user error (a missing file, a folder that is not a dataset, a folder that cannot be
-  written; `USER_ERRORS`) prints one `error:` line (`message`) and exits 2; a traceback (exit
-  1) is a bug.
+  written, an optional package that is not installed; `USER_ERRORS`) prints one `error:` line
+  (`message`) and exits 2; a traceback (exit 1) is a bug. A missing optional package
+  (`MissingExtra`, from `need`) names the extra that brings it and the pip command.
 """
 
 from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
+import math
+import numbers
 import os
 import re
 import sys
 import tempfile
 
+
+class MissingExtra(ImportError):
+    """An optional package that is not installed: the message names what needs it, the extra
+    that brings it and the pip command (`need`). A user error (`USER_ERRORS`)."""
+
+
+def install_command(extra: str) -> str:
+    """The pip command that installs `extra`."""
+    return f'pip install -e ".[{extra}]" from the sclaro-jax checkout'
+
+
+def need(module: str, extra: str, purpose: str, package: str | None = None,
+         otherwise: str = ""):
+    """`importlib.import_module(module)`, or `MissingExtra`: "PURPOSE needs the PACKAGE package
+    (CAUSE): install the `EXTRA` extra, pip install ...[, or OTHERWISE]" (PACKAGE: `module`'s
+    top name; OTHERWISE: how to do without, e.g. "pass --no-figures")."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        package = package or module.partition(".")[0]
+        cause = (str(e).strip().splitlines() or ["it did not import"])[0]
+        raise MissingExtra(f"{purpose} needs the {package} package ({cause}): install the "
+                           f"`{extra}` extra, {install_command(extra)}"
+                           + (f", or {otherwise}" if otherwise else ""), name=package) from None
+
+
 # Errors a command reports as one `error:` line (exit 2): missing or unwritable files and
 # folders (OSError), bad values and folders that are not what they should be (ValueError, the
-# base of the library's own errors: DatasetError, RangeError, ...), unknown keys.
-USER_ERRORS = (OSError, ValueError, KeyError)
+# base of the library's own errors: DatasetError, RangeError, ...), unknown keys, optional
+# packages that are not installed (MissingExtra).
+USER_ERRORS = (OSError, ValueError, KeyError, MissingExtra)
 
 
 def message(e: BaseException) -> str:
@@ -91,6 +124,45 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
     return value
+
+
+INT_MAX = 2**31 - 1  # the largest count a flag takes (a C int: faiss's nprobe, int32 row ids)
+
+
+def _range_text(lo, hi) -> str:
+    if isinstance(lo, numbers.Integral):
+        return f"a whole number from {lo} to {hi}"
+    return f"a number from {lo:g} to {hi:g}"
+
+
+def in_range(value, lo, hi, name: str):
+    """`value` when it is a number in [lo, hi] (a whole one where `lo` is an int; nan, inf and
+    bools never are); else a ValueError naming `name` and the range."""
+    whole = isinstance(lo, numbers.Integral)
+    ok = (isinstance(value, numbers.Integral if whole else numbers.Real)
+          and not isinstance(value, bool) and (whole or math.isfinite(value))
+          and lo <= value <= hi)
+    if not ok:
+        raise ValueError(f"{name} must be {_range_text(lo, hi)}, not {value!r}")
+    return int(value) if whole else float(value)
+
+
+def number_in(lo, hi):
+    """argparse `type=` of a number in [lo, hi] (`in_range`: whole where `lo` is an int):
+    `--top 0` is the usage error "argument --top: '0' is not a whole number from 1 to
+    2147483647"."""
+    whole = isinstance(lo, numbers.Integral)
+
+    def parse(text: str):
+        try:
+            return in_range(int(text) if whole else float(text), lo, hi, "value")
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not {_range_text(lo, hi)}") from None
+
+    parse.__name__ = f"number in [{lo}, {hi}]"
+    parse.range = (lo, hi)
+    return parse
 
 
 def other_spelling(option: str) -> str | None:

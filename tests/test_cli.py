@@ -33,6 +33,8 @@ def _value(action) -> list[str]:
         return [str(next(iter(action.choices)))]
     if action.dest == "stage_cpus":  # "auto" or a number
         return ["0.5"]
+    if hasattr(action.type, "range"):  # cli.number_in
+        return [str(action.type.range[0])]
     return [{int: "3", cli.positive_int: "3", float: "0.5"}.get(action.type, "v")]
 
 
@@ -144,7 +146,8 @@ def test_usage_errors_are_one_line_naming_the_typo_first(tmp_path, capsys):
         "error: a command is required: one of demo, demo-models, annotate, import, curate, "
         "reshard, rocs (see python -m data_prep --help)")
     assert _usage_error(capsys, rocs.main, ["--model", "m", "--split", "s", "--k", "x"]) == (
-        "error: argument --k: invalid int value: 'x' (see python -m sclaro_jax.eval.rocs --help)")
+        "error: argument --k: 'x' is not a whole number from 1 to 2147483647 (see python -m "
+        "sclaro_jax.eval.rocs --help)")
     assert _usage_error(capsys, rocs.main, ["--modl", "m", "--sply", "s"]) == (
         "error: unrecognized arguments: --modl (did you mean --model?), --sply (did you mean "
         "--split?) (see python -m sclaro_jax.eval.rocs --help)")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -275,6 +276,51 @@ def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp
         index.build(index.Gallery.from_arrays(data["images"], data["crops"], encoder="enc-a",
                                               crop_rule="rule-a"),
                     data["bank"], path, factory="Flat", chunk=512, alpha=0.5, progress=False)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("top", 0), ("shortlist", -5), ("nprobe", 0), ("nprobe_global", 2**31), ("batch", 0),
+    ("top", 2.5), ("nprobe", True)])
+def test_search_arguments_outside_their_range_are_value_errors_naming_them(data, flat, name,
+                                                                           value):
+    """The Python API holds the command's ranges (`index_files.RANGES`)."""
+    with pytest.raises(ValueError, match=f"^{name} must be a whole number from 1 to "
+                                         f"2147483647, not {value!r}$"):
+        index.search(data["queries"], [flat["crops"]], **{name: value})
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("alpha", float("nan"), "a number from 0 to 1"), ("alpha", 1.5, "a number from 0 to 1"),
+    ("k", 0, "a whole number from 1"), ("chunk", -5, "a whole number from 1"),
+    ("pool", "min", "'max' or 'mean'"), ("factory", "Bogus", "FAISS cannot make 'Bogus'")])
+def test_build_arguments_outside_their_range_are_refused_before_any_write(data, name, value,
+                                                                          words, tmp_path):
+    gallery = index.Gallery.from_arrays(data["images"][:64], data["crops"][:64])
+    with pytest.raises(ValueError, match=re.escape(words)) as refused:
+        index.build(gallery, data["bank"], tmp_path / "idx", progress=False, **{name: value})
+    assert name in str(refused.value) and not (tmp_path / "idx").exists()
+
+
+def test_a_build_refused_while_training_reruns_with_another_factory(data, tmp_path):
+    """Too few vectors for PQ's 256 centres: one ValueError naming the factory; the stored
+    chunks are kept and a rerun with another factory (not yet trained) reuses them."""
+    gallery = index.Gallery.from_arrays(data["images"][:64], data["crops"][:64])
+    with pytest.raises(ValueError, match=r"factory 'IVF\{nlist\},PQ3': FAISS cannot train "
+                                         r"'IVF1,PQ3' on 64 global vectors \(.*at least as"):
+        index.build(gallery, data["bank"], tmp_path / "idx", factory="IVF{nlist},PQ3", chunk=16,
+                    progress=False)
+    calls = []
+    index._after_chunk = lambda s, c: calls.append((s, c))
+    try:
+        index.build(gallery, data["bank"], tmp_path / "idx", factory="Flat", chunk=16,
+                    progress=False)
+    finally:
+        index._after_chunk = None
+    assert calls == [("added", c) for c in range(4)]  # the 4 stored chunks are reused
+    whole = index.build(gallery, data["bank"], tmp_path / "whole", factory="Flat", chunk=16,
+                        progress=False)
+    for name in ("views.npy", "r_i.npy", "global.faiss", "crops.faiss", "meta.json"):
+        assert (tmp_path / "idx" / name).read_bytes() == (whole / name).read_bytes(), name
 
 
 def _one_error_line(capsys, code):

@@ -163,14 +163,17 @@ class CaptionReplies:
         return self.replies.get(reply_key(image_id, instance_id, retry))
 
 
+def need_datasets():
+    """The `datasets` package, or `MissingExtra` naming the `eval` extra (checked before any
+    work by the `rocs` command)."""
+    from sclaro_jax import cli
+    return cli.need("datasets", "eval", "writing a ROCS split")
+
+
 def write_rocs(out: str | Path, rows: Sequence[dict]) -> Path:
     """Rows {image: path or encoded bytes, caption, image_id, object, box} -> a `save_to_disk`
     folder in the ROCS layout (see the module docstring). Needs `datasets` (extra `eval`)."""
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError("writing a ROCS split needs the `datasets` package: "
-                          "pip install -e \".[eval]\" from the sclaro-jax checkout") from None
+    datasets = need_datasets()
     if not rows:
         raise ValueError("no caption survived the selection: nothing to write (see the "
                          "reasons in summary.json)")

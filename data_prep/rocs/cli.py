@@ -53,11 +53,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run(args) -> int:
     from data_prep.rocs import selection as rocs_select
-    from data_prep.rocs.caption import CaptionReplies
+    from data_prep.rocs.caption import CaptionReplies, need_datasets
     from data_prep.rocs.pipeline import build_rocs, class_list
     from sclaro_jax.data.schema import file_sha256
 
     check_flags(args)
+    need_datasets()  # the split's writer, before any model loads
     classes = class_list(args.classes) if args.detector else []
     words = _word_range(args.caption_words)
     import torch

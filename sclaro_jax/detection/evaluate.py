@@ -28,20 +28,19 @@ COLUMNS = ("AP", "AP50", "AP75", "APr", "APc", "APf")
 GROUPS = {"APr": "r", "APc": "c", "APf": "f"}
 
 
-INSTALL = 'pip install -e ".[eval]" from the sclaro-jax checkout (or pip install pycocotools)'
-
-
 def _coco_classes():
-    try:
-        from pycocotools.coco import COCO
-        from pycocotools.cocoeval import COCOeval
-    except ImportError:
-        raise ImportError(f"COCO AP needs the pycocotools package: {INSTALL}") from None
-    return COCO, COCOeval
+    """pycocotools' COCO and COCOeval; without them `cli.MissingExtra` naming the `eval`
+    extra."""
+    from sclaro_jax import cli
+
+    coco = cli.need("pycocotools.coco", "eval", "COCO AP")
+    cocoeval = cli.need("pycocotools.cocoeval", "eval", "COCO AP")
+    return coco.COCO, cocoeval.COCOeval
 
 
 def require_pycocotools() -> None:
-    """ImportError naming the extra unless pycocotools imports (checked before any work)."""
+    """`cli.MissingExtra` (one line naming the `eval` extra and the pip command) unless
+    pycocotools imports: checked before any work."""
     _coco_classes()
 
 

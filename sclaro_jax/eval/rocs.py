@@ -89,9 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                         "0.6 w x 0.6 h, 36%% of the image); square: their earlier squares of "
                         "side ratio x the short side, for comparison")
     m.add_argument("--crop-seed", type=int, default=0, help="seed of the random crops")
-    m.add_argument("--alpha", type=float, default=0.4, help="weight of the crop score")
+    m.add_argument("--alpha", type=ix.ranged("alpha"), default=0.4, help="weight of the crop score")
     m.add_argument("--pool", choices=("max", "mean"), default="max", help="pooling over crops")
-    m.add_argument("--k", type=int, default=10, help="CSLS neighbourhood size (and hubness k)")
+    m.add_argument("--k", type=ix.ranged("k"), default=10, help="CSLS neighbourhood and hubness k")
     m.add_argument("--rescore", choices=RESCORES, default="csls", help="rescoring method")
     m.add_argument("--bank", metavar="SPLIT_OR_TXT",
                    help="query bank for csls-bank / qbnorm: a split spec (its captions) or a "
@@ -111,11 +111,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--index", action="append", metavar="DIR",
                    help="also rank through this ANN index of the split's gallery (python -m "
                         "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
-    m.add_argument("--index-shortlist", type=int, default=ix.DEFAULT_SHORTLIST,
+    m.add_argument("--index-shortlist", type=ix.ranged("shortlist"), default=ix.DEFAULT_SHORTLIST,
                    help="--index: candidates per ANN index and shard")
-    m.add_argument("--nprobe", type=int, default=ix.DEFAULT_NPROBE,
+    m.add_argument("--nprobe", type=ix.ranged("nprobe"), default=ix.DEFAULT_NPROBE,
                    help="--index: IVF lists visited in the crop index")
-    m.add_argument("--nprobe-global", type=int, default=ix.DEFAULT_NPROBE_GLOBAL,
+    m.add_argument("--nprobe-global", type=ix.ranged("nprobe_global"),
+                   default=ix.DEFAULT_NPROBE_GLOBAL,
                    help="--index: IVF lists visited in the global index")
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,

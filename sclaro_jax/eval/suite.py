@@ -127,13 +127,26 @@ def suite_evals(settings: "Settings", cache_dir: str, fingerprint: str) -> dict:
     return {task: entries[task] for task in settings.tasks}
 
 
+def _figures(settings: Settings):
+    """The figures' module where `settings.figures`, else None; without its packages (the
+    `demo` extra's matplotlib, scikit-learn) a `cli.MissingExtra` naming them."""
+    if not settings.figures:
+        return None
+    cli.need("matplotlib", "demo", "drawing the figures", otherwise="pass --no-figures")
+    cli.need("sklearn.manifold", "demo", "the t-SNE figure", package="scikit-learn",
+             otherwise="pass --no-figures")
+    from sclaro_jax.eval.protocols import figures
+    return figures
+
+
 def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = Settings(), *,
                       data: str | None = None, config: str | None = None) -> dict:
     """Evaluate each named workdir; write OUT/eval.json, OUT/eval.md, OUT/figures/*.png and
     return the JSON record."""
     from sclaro_jax.checkpoint import load_checkpoint
-    from sclaro_jax.eval.protocols import (cost, embedding, figures, metrics, registry, report,
-                                           scenario)
+    from sclaro_jax.eval.protocols import cost, embedding, metrics, registry, report, scenario
+
+    figures = _figures(settings)  # their packages, before any work
 
     unknown = [t for t in settings.tasks if t not in TASKS]
     if unknown:

@@ -61,15 +61,23 @@ most n / 39, at least 1), `{m}` becomes ceil(d / 8) (8 dimensions per sub-quanti
 measurement (bench/README.md, "MINER ANN index on CPU"). HNSW is not supported: it has no
 `merge_from` and no IVF lists.
 
+Every number a build or a search takes has a declared range (`RANGES`: `--alpha` in [0, 1], the
+counts from 1 to 2^31 - 1), checked before anything is read or written; a build refused for
+any argument leaves nothing behind, and one refused while training (a factory FAISS cannot
+train on so few vectors) reruns with another factory.
+
+Ctrl-C (SIGINT) in `index build` is one line saying what is kept and that the same command
+resumes (exit 130, as `data_prep import`); the rerun says what it reuses.
+
 This module builds and runs the command; `index_files` holds the settings, the gallery reader and
-the index files, `index_search` the search (their names are importable from here).
+the index files, `index_faiss` the FAISS indexes a build makes, `index_search` the search (their
+names are importable from here).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 from pathlib import Path
@@ -77,130 +85,34 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sclaro_jax.miner.index_files import (  # noqa: F401  (the index's names, in one place)
+from sclaro_jax.miner.index_faiss import (  # noqa: F401  (the index's names, in one place)
+    _add, _faiss_refusal, _mergeable, _trained, add_routed, build_form, final_index, new_index,
+    route_vectors, routed, train_routed)
+from sclaro_jax.miner.index_files import (  # noqa: F401
     DEFAULT_FACTORY, DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL, DEFAULT_SHORTLIST, FLAT_BELOW,
-    LARGE_FACTORY, SETTINGS, VERSION, FaissMissing, Gallery, IndexFileError, IndexMismatchError,
-    Shard, _compare, _is_ivf, _load, _nlist_of, _pad, _read_index, _read_json,
-    _write_index, _write_json, _write_npy, bank_hash, crop_vectors, faiss, global_vectors,
-    open_index, open_shards, parse_shard, per_image, resolve_factory, shard_rows)
+    LARGE_FACTORY, RANGES, SETTINGS, VERSION, FaissMissing, Gallery, IndexFileError,
+    IndexMismatchError, Shard, _compare, _is_ivf, _load, _nlist_of, _pad, _read_index,
+    _read_json, _write_index, _write_json, _write_npy, bank_hash, check_ranges, crop_vectors,
+    faiss, global_vectors, kept, open_index, open_shards, parse_shard, per_image, ranged,
+    resolve_factory, shard_rows)
 from sclaro_jax.miner.index_search import candidates, gt_ranks, search  # noqa: F401
 
 
-# Building: fast-scan twins, crop-routed IVF lists
+# Building
 # --------------------------------------------------------------------------------------------
-
-_FAST_SCAN = re.compile(r"((?:IVF\d+,)?PQ\d+x4)fs(r?)")
-
-
-def build_form(factory: str) -> str:
-    """The factory a build trains, adds and merges with. Fast-scan PQ ("[IVF{n},]PQ{m}x4fs[r]")
-    indexes cannot be merged (`merge_from` corrupts memory in faiss-cpu 1.15.1), so they are
-    built as their plain 4-bit twin ("...PQ{m}x4", same codes) and made fast-scan when the build
-    ends (`final_index`); any other factory is built as it is."""
-    m = _FAST_SCAN.fullmatch(factory)
-    return m.group(1) if m else factory
-
-
-def new_index(factory: str, d: int):
-    """An untrained index of `factory`'s build form (`build_form`), inner-product metric."""
-    f = faiss()
-    form = build_form(factory)
-    index = f.index_factory(d, form, f.METRIC_INNER_PRODUCT)
-    if form != factory and _is_ivf(factory):
-        index.by_residual = factory.endswith("r")  # as faiss makes "x4fs" / "x4fsr"
-    return index
-
-
-def final_index(index, factory: str):
-    """The index as `factory` makes it: a twin built by `build_form` made fast-scan."""
-    if build_form(factory) == factory:
-        return index
-    f = faiss()
-    return f.IndexIVFPQFastScan(index) if _is_ivf(factory) else f.IndexPQFastScan(index)
-
-
-def _mergeable(factory: str) -> bool:
-    """Whether chunk indexes of this factory's build form can be merged (`build_form`)."""
-    return "fs" not in build_form(factory)
-
-
-def routed(index) -> bool:
-    """Whether the crop index's lists are chosen by the crops (`route_vectors`): an IVF index
-    with nothing before it (no OPQ / PCA transform)."""
-    return isinstance(index, faiss().IndexIVF)
-
-
-def route_vectors(views: np.ndarray, d: int, pool: str) -> np.ndarray:
-    """The vectors that choose each crop-index vector's IVF list, float32 [n * P, d] in
-    `crop_vectors`' order: the crop itself, [c_ir, 0...] (max), or [mean_r c_ir, 0...] (mean).
-    The fused vector mixes the image's global view into every crop, so lists made from fused
-    vectors group images, not what their crops show, and a query about one crop (far from any
-    fused vector: cos ~0.3 for a caption) probes the wrong lists. Lists made from the crops
-    group what the crops show; the fused vector is still what each list stores and scores.
-    (Measured in bench/README.md, "MINER ANN index on CPU".)"""
-    c = views[:, 1:].astype(np.float32)
-    if pool == "mean":
-        c = c.mean(axis=1, keepdims=True)
-    return _pad(c.reshape(-1, c.shape[2]), d)
-
-
-def _assign(index, routes: np.ndarray) -> np.ndarray:
-    _, lists = index.quantizer.search(routes, 1)
-    return np.ascontiguousarray(lists[:, 0], np.int64)
-
-
-def train_routed(index, x: np.ndarray, routes: np.ndarray) -> None:
-    """Train an IVF index whose lists are chosen by `routes` (k-means on them, faiss's own
-    `train_q1`) and whose codes encode `x` (the residual from the route's list centre where
-    the index encodes residuals)."""
-    f = faiss()
-    routes = np.ascontiguousarray(routes, np.float32)
-    index.train_q1(len(routes), f.swig_ptr(routes), False, index.metric_type)
-    lists = _assign(index, routes)
-    x = np.ascontiguousarray(x, np.float32)
-    if index.by_residual:
-        x = np.ascontiguousarray(x - index.quantizer.reconstruct_n(0, index.nlist)[lists])
-    index.train_encoder(len(x), f.swig_ptr(x), f.swig_ptr(lists))  # x, lists alive here
-    index.is_trained = True
-
-
-def add_routed(index, x: np.ndarray, routes: np.ndarray) -> None:
-    """Add `x` to the lists that `routes` choose (ids continue from `index.ntotal`)."""
-    f = faiss()
-    x = np.ascontiguousarray(x, np.float32)
-    lists = _assign(index, np.ascontiguousarray(routes, np.float32))
-    index.add_core(len(x), f.swig_ptr(x), None, f.swig_ptr(lists))
-
-
-def _add(index, kind: str, views: np.ndarray, r_i: np.ndarray, d: int, alpha: float,
-         pool: str) -> None:
-    """Add one chunk's vectors of index `kind` (crop vectors into the lists their crops choose
-    where the index is `routed`)."""
-    if kind == "global":
-        index.add(global_vectors(views, r_i, d))
-    elif routed(index):
-        add_routed(index, crop_vectors(views, r_i, d, alpha, pool), route_vectors(views, d, pool))
-    else:
-        index.add(crop_vectors(views, r_i, d, alpha, pool))
-
-
 # A hook run after each chunk of a build step is recorded: (step, chunk) -> None. Tests replace
 # it to kill a build at a known point.
 _after_chunk = None
 
-def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int = 10,
-          pool: str = "max", factory: str = DEFAULT_FACTORY, chunk: int = 32768,
-          shard: tuple[int, int] = (0, 1), train_size: Optional[int] = None,
-          progress: bool = True) -> Path:
-    """Build (or resume building) the index of one shard of `gallery` in folder `out`; returns
-    `out`. `bank` [Qb, D] L2-normalised float32 query bank for r_i. See the module docstring."""
-    from tqdm.auto import tqdm
 
-    from sclaro_jax.miner import stream
-
-    faiss()  # fail before any work without it
-    out = Path(out)
-    bank = np.ascontiguousarray(bank, np.float32)
+def _plan(gallery: Gallery, bank: np.ndarray, *, alpha, k, pool, factory, chunk,
+          shard) -> tuple[dict, list]:
+    """(meta.json of the build, [(kind, factory, dim)] of its indexes), every argument checked
+    first (`RANGES`, the bank's shape, the shard, each factory made once), so that a refused
+    build writes nothing."""
+    check_ranges(alpha=alpha, k=k, chunk=chunk)
+    if pool not in ("max", "mean"):
+        raise ValueError(f"pool must be 'max' or 'mean', not {pool!r}")
     if bank.ndim != 2 or bank.shape[1] != gallery.dim:
         raise ValueError(f"the bank must be [Qb, {gallery.dim}] (the gallery's dim), not "
                          f"shape {bank.shape}")
@@ -209,8 +121,13 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     if n < 1:
         raise ValueError(f"shard {shard[0]}/{shard[1]} of {gallery.n} images is empty")
     d_glob_f, d_glob = resolve_factory(factory, n, gallery.dim + 1)
-    p_img = per_image(r, pool)
-    d_crop_f, d_crop = resolve_factory(factory, max(1, n * p_img), gallery.dim + 1)
+    d_crop_f, d_crop = resolve_factory(factory, max(1, n * per_image(r, pool)), gallery.dim + 1)
+    kinds = [("global", d_glob_f, d_glob)] + ([("crops", d_crop_f, d_crop)] if r else [])
+    for _, fac, d in kinds:
+        try:
+            new_index(fac, d)
+        except RuntimeError as e:
+            raise _faiss_refusal(factory, f"make {fac!r}", e) from None
     meta = {"version": VERSION, "encoder": gallery.encoder, "crop_rule": gallery.crop_rule,
             "crops": gallery.crop_spec, "n_crops": r, "dim": gallery.dim, "alpha": float(alpha),
             "k": int(k), "pool": pool, "bank_hash": bank_hash(bank), "bank_rows": len(bank),
@@ -218,20 +135,64 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
             "factory_crops": d_crop_f if r else None, "dim_crops": d_crop if r else None,
             "shard": list(shard), "offset": lo, "images": n, "total": gallery.n,
             "chunk": int(chunk)}
-    out.mkdir(parents=True, exist_ok=True)
+    return meta, kinds
+
+
+def _resume(out: Path, meta: dict) -> dict:
+    """The manifest of the build in `out` (a new one where none began), its meta.json written
+    or checked: a build with other settings is refused naming both values. The factory counts
+    once the indexes are trained (a build refused in training reruns with another one). A
+    resumed build says what it reuses."""
     meta_path, man_path = out / "meta.json", out / "manifest.json"
+    man = _read_json(man_path) if man_path.exists() else {
+        "stored": [], "trained": False, "added": [], "complete": False}
     if meta_path.exists():
         old = _read_json(meta_path)
-        _compare({f: meta[f] for f in SETTINGS}, old, str(meta_path), SETTINGS)
+        fields = [f for f in SETTINGS if man["trained"] or f != "factory"]
+        _compare({f: meta[f] for f in fields}, old, str(meta_path), fields)
         _compare({f: meta[f] for f in ("version", "n_crops", "images")}, old, str(meta_path),
                  ("version", "n_crops", "images"))
         if "files" in old:
             meta["files"] = old["files"]
+        if old["factory"] != meta["factory"]:
+            _write_json(meta_path, meta)
     else:
         _write_json(meta_path, meta)
-    man = _read_json(man_path) if man_path.exists() else {
-        "stored": [], "trained": False, "added": [], "complete": False}
+    if man["stored"] and not man["complete"]:
+        print(f"index {out}: resuming the build, reusing what it kept ({kept(meta, man)}"
+              f"{', trained' if man['trained'] else ''})", file=sys.stderr)
+    return man
+
+
+def _tidy(out: Path, kinds) -> None:
+    """Remove a finished build's working files (its parts, the trained indexes)."""
+    shutil.rmtree(out / "parts", ignore_errors=True)
+    for kind, _, _ in kinds:
+        (out / f"trained-{kind}.faiss").unlink(missing_ok=True)
+
+def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int = 10,
+          pool: str = "max", factory: str = DEFAULT_FACTORY, chunk: int = 32768,
+          shard: tuple[int, int] = (0, 1), train_size: Optional[int] = None,
+          progress: bool = True) -> Path:
+    """Build (or resume building) the index of one shard of `gallery` in folder `out`; returns
+    `out`. `bank` [Qb, D] L2-normalised float32 query bank for r_i. See the module docstring.
+    Every argument is checked before anything is written (a ValueError naming it: `RANGES`)."""
+    from tqdm.auto import tqdm
+
+    from sclaro_jax.miner import stream
+
+    faiss()  # fail before any work without it
+    out = Path(out)
+    bank = np.ascontiguousarray(bank, np.float32)
+    meta, kinds = _plan(gallery, bank, alpha=alpha, k=k, pool=pool, factory=factory,
+                        chunk=chunk, shard=shard)
+    lo, n, r = meta["offset"], meta["images"], meta["n_crops"]
+    p_img = per_image(r, pool)
+    out.mkdir(parents=True, exist_ok=True)
+    man_path = out / "manifest.json"
+    man = _resume(out, meta)
     if man["complete"]:
+        _tidy(out, kinds)  # what an interrupt right after the last record left
         return out
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     parts = out / "parts"
@@ -263,7 +224,7 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         views[a:b] = v
         views.flush()
         res = stream.search(bank[:1], v[:, 0], v[:, 1:] if r else None, alpha=alpha, pool=pool,
-                            k=k, rescore="csls", bank=bank, top=1, chunk=chunk)
+                            k=k, rescore="csls", bank=bank, top=1, chunk=min(chunk, n))
         _write_npy(parts / f"ri-{c:05d}.npy", res.r_i.astype(np.float32))
         record("stored", c)
 
@@ -276,23 +237,11 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         return out_
 
     # 2. train on a strided sample of the stored vectors
-    kinds = [("global", d_glob_f, d_glob)] + ([("crops", d_crop_f, d_crop)] if r else [])
     if not man["trained"]:
         for kind, fac, d in kinds:
-            total = n if kind == "global" else n * p_img
-            size = min(total, train_size or max(40 * _nlist_of(fac), 10_000))
-            rows = np.unique(np.linspace(0, total - 1, size).astype(np.int64))
-            if kind == "global":
-                x = global_vectors(np.asarray(views[rows]), r_i_rows(rows), d)
-            else:
-                img = np.unique(rows // p_img)
-                sample = np.asarray(views[img])
-                x = crop_vectors(sample, r_i_rows(img), d, alpha, pool)
-            index = new_index(fac, d)
-            if kind == "crops" and routed(index):
-                train_routed(index, x, route_vectors(sample, d, pool))
-            elif not index.is_trained:
-                index.train(x)
+            total = n * (p_img if kind == "crops" else 1)
+            index = _trained(kind, fac, d, views, r_i_rows, total, p_img, alpha, pool,
+                             train_size, factory)
             _write_index(out / f"trained-{kind}.faiss", index)
         man["trained"] = True
         _write_json(man_path, man)
@@ -330,17 +279,18 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     del views
     names = ["views.npy", "r_i.npy"] + [f"{kind}.faiss" for kind, _, _ in kinds]
     meta["files"] = {f: (out / f).stat().st_size for f in names}
-    _write_json(meta_path, meta)
+    _write_json(out / "meta.json", meta)
     man["complete"] = True
     _write_json(man_path, man)
-    shutil.rmtree(parts)
-    for kind, _, _ in kinds:
-        (out / f"trained-{kind}.faiss").unlink()
+    _tidy(out, kinds)
     return out
 
 
 # The command
 # --------------------------------------------------------------------------------------------
+
+INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (128 + SIGINT)
+
 
 def _parser() -> argparse.ArgumentParser:
     from sclaro_jax import cli
@@ -350,8 +300,9 @@ def _parser() -> argparse.ArgumentParser:
                    "fused score and CSLS on a shortlist (docs/miner.md).")
     sub = p.add_subparsers(dest="command", required=True, metavar="{build,search}")
     b = sub.add_parser("build", help="build (or resume building) an index",
-                       description="Build, or resume after a kill, the index of a gallery (or "
-                                   "of one shard of it).", formatter_class=cli.DefaultsOnce)
+                       description="Build, or resume after a kill or Ctrl-C, the index of a "
+                                   "gallery (or of one shard of it).",
+                       formatter_class=cli.DefaultsOnce)
     src = b.add_argument_group("gallery (one of --cache, --images)")
     src.add_argument("--cache", help="an eval.rocs embedding cache folder (OUT/cache/KEY): its "
                                      "encoder, crop rule and gallery")
@@ -365,10 +316,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--factory", default=DEFAULT_FACTORY,
                    help="FAISS index factory string ({nlist}, {m}: see docs/miner.md); auto "
                         "(default): Flat below 20,000 vectors, else IVF{nlist},PQ{m/2}x4fs")
-    b.add_argument("--alpha", type=float, default=0.4, help="weight of the crop score")
-    b.add_argument("--k", type=int, default=10, help="CSLS neighbourhood size")
+    b.add_argument("--alpha", type=ranged("alpha"), default=0.4,
+                   help="weight of the crop score, 0 to 1")
+    b.add_argument("--k", type=ranged("k"), default=10, help="CSLS neighbourhood size")
     b.add_argument("--pool", choices=("max", "mean"), default="max", help="pooling over crops")
-    b.add_argument("--chunk", type=int, default=32768, help="images per build chunk")
+    b.add_argument("--chunk", type=ranged("chunk"), default=32768,
+                   help="images per build chunk")
     b.add_argument("--shard", default="0/1", help="build shard i of N (i/N)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     s = sub.add_parser("search", help="search an index",
@@ -378,18 +331,80 @@ def _parser() -> argparse.ArgumentParser:
                    help="index folder (repeat for each shard of a sharded index)")
     s.add_argument("--queries", required=True, help="query embeddings [Q, D] .npy")
     s.add_argument("--gt", help="ground-truth gallery row per query [Q] .npy: prints R@1/5/10")
-    s.add_argument("--top", type=int, default=10, help="results per query")
-    s.add_argument("--shortlist", type=int, default=DEFAULT_SHORTLIST,
+    s.add_argument("--top", type=ranged("top"), default=10, help="results per query")
+    s.add_argument("--shortlist", type=ranged("shortlist"), default=DEFAULT_SHORTLIST,
                    help="candidates per index (global, crops) and shard")
-    s.add_argument("--nprobe", type=int, default=DEFAULT_NPROBE,
+    s.add_argument("--nprobe", type=ranged("nprobe"), default=DEFAULT_NPROBE,
                    help="IVF lists visited in the crop index")
-    s.add_argument("--nprobe-global", type=int, default=DEFAULT_NPROBE_GLOBAL,
-                   help="IVF lists visited in the global index")
-    s.add_argument("--batch", type=int, default=64, help="queries per re-rank batch")
+    s.add_argument("--nprobe-global", type=ranged("nprobe_global"),
+                   default=DEFAULT_NPROBE_GLOBAL, help="IVF lists visited in the global index")
+    s.add_argument("--batch", type=ranged("batch"), default=64, help="queries per re-rank batch")
     s.add_argument("--out", required=True, type=cli.writable,
                    help="folder for hits.npz (scores, indices, r_q)")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def interrupted(out) -> str:
+    """The line a build stopped by Ctrl-C prints: what `out` keeps, and how to resume."""
+    out = Path(out)
+    try:
+        meta = _read_json(out / "meta.json")
+        man = _read_json(out / "manifest.json") if (out / "manifest.json").is_file() else {}
+    except IndexFileError:
+        return (f"index build: interrupted before anything was kept in {out}: rerun the same "
+                f"command to start it")
+    trained = ", trained" if man.get("trained") else ""
+    return (f"index build: interrupted; {kept(meta, man)}{trained} are kept in {out}: rerun "
+            f"the same command to resume")
+
+
+def _build(args) -> int:
+    if bool(args.cache) == bool(args.images):
+        raise ValueError("give one of --cache (an eval.rocs cache folder) or --images")
+    if args.cache:
+        gallery = Gallery.from_cache(args.cache)
+        bank_path = args.bank or gallery.queries
+        if bank_path is None:
+            raise FileNotFoundError(2, "No such file or directory (no --bank given)",
+                                    str(Path(args.cache) / "queries.npy"))
+    else:
+        gallery = Gallery.from_npy(args.images, args.crops, encoder=args.encoder,
+                                   crop_rule=args.crop_rule)
+        if not args.bank:
+            raise ValueError("--images needs --bank (a [Qb, D] .npy query bank)")
+        bank_path = args.bank
+    bank = np.asarray(_load(str(bank_path)), np.float32)
+    out = build(gallery, bank, args.out, alpha=args.alpha, k=args.k, pool=args.pool,
+                factory=args.factory, chunk=args.chunk, shard=parse_shard(args.shard),
+                progress=not args.no_progress)
+    meta = _read_json(out / "meta.json")
+    size = sum(meta["files"].values())
+    print(f"index {out}: {meta['images']} images x {1 + meta['n_crops']} views, "
+          f"{meta['factory_global']} / {meta['factory_crops']}, {size / 1e6:.1f} MB")
+    return 0
+
+
+def _search(args) -> int:
+    from sclaro_jax.files import write_replacing
+
+    queries = np.asarray(_load(args.queries), np.float32)
+    gt = None if args.gt is None else np.asarray(_load(args.gt))
+    shards = open_shards(args.index)
+    res = search(queries, shards, top=args.top, shortlist=args.shortlist,
+                 nprobe=args.nprobe, nprobe_global=args.nprobe_global, batch=args.batch,
+                 progress=not args.no_progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_replacing(out / "hits.npz", lambda f: np.savez(f, scores=res.scores,
+                                                         indices=res.indices, r_q=res.r_q))
+    line = f"{len(queries)} queries -> {out / 'hits.npz'}"
+    if gt is not None:
+        ranks = gt_ranks(res.indices, gt)
+        line += "; " + ", ".join(f"R@{k} {100 * np.mean(ranks < k):.2f}"
+                                 for k in (1, 5, 10) if k <= res.indices.shape[1])
+    print(line)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -397,48 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     try:
-        if args.command == "build":
-            if bool(args.cache) == bool(args.images):
-                raise ValueError("give one of --cache (an eval.rocs cache folder) or --images")
-            if args.cache:
-                gallery = Gallery.from_cache(args.cache)
-                bank_path = args.bank or gallery.queries
-                if bank_path is None:
-                    raise FileNotFoundError(2, "No such file or directory (no --bank given)",
-                                            str(Path(args.cache) / "queries.npy"))
-            else:
-                gallery = Gallery.from_npy(args.images, args.crops, encoder=args.encoder,
-                                           crop_rule=args.crop_rule)
-                if not args.bank:
-                    raise ValueError("--images needs --bank (a [Qb, D] .npy query bank)")
-                bank_path = args.bank
-            bank = np.asarray(_load(str(bank_path)), np.float32)
-            out = build(gallery, bank, args.out, alpha=args.alpha, k=args.k, pool=args.pool,
-                        factory=args.factory, chunk=args.chunk, shard=parse_shard(args.shard),
-                        progress=not args.no_progress)
-            meta = _read_json(out / "meta.json")
-            size = sum(meta["files"].values())
-            print(f"index {out}: {meta['images']} images x {1 + meta['n_crops']} views, "
-                  f"{meta['factory_global']} / {meta['factory_crops']}, {size / 1e6:.1f} MB")
-            return 0
-        queries = np.asarray(_load(args.queries), np.float32)
-        gt = None if args.gt is None else np.asarray(_load(args.gt))
-        shards = open_shards(args.index)
-        res = search(queries, shards, top=args.top, shortlist=args.shortlist,
-                     nprobe=args.nprobe, nprobe_global=args.nprobe_global, batch=args.batch,
-                     progress=not args.no_progress)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        np.savez(out / "hits.npz", scores=res.scores, indices=res.indices, r_q=res.r_q)
-        line = f"{len(queries)} queries -> {out / 'hits.npz'}"
-        if gt is not None:
-            ranks = gt_ranks(res.indices, gt)
-            line += "; " + ", ".join(f"R@{k} {100 * np.mean(ranks < k):.2f}"
-                                     for k in (1, 5, 10) if k <= res.indices.shape[1])
-        print(line)
-        return 0
-    except (*cli.USER_ERRORS, FaissMissing) as e:
+        return _build(args) if args.command == "build" else _search(args)
+    except cli.USER_ERRORS as e:
         return cli.fail(e)
+    except KeyboardInterrupt:
+        print(interrupted(args.out) if args.command == "build"
+              else "index search: interrupted; nothing was written", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from sclaro_jax import cli
+
 
 VERSION = 2  # 2: the crop index's IVF lists are chosen by the crops (`route_vectors`)
 # "auto": exact ("Flat") for an index of fewer than FLAT_BELOW vectors, where a scan is cheap and
@@ -30,7 +32,12 @@ FLAT_BELOW = 20_000
 DEFAULT_NPROBE = 256
 DEFAULT_NPROBE_GLOBAL = 32
 DEFAULT_SHORTLIST = 100
-INSTALL = 'pip install "sclaro-jax[ann]"'
+INSTALL = cli.install_command("ann")
+# The range of every number a build or a search takes: the flags' `type=` (`cli.number_in`) and
+# the Python API (`check_ranges`). Counts are C ints (faiss's nprobe; the re-rank's int32 rows).
+RANGES = {"alpha": (0.0, 1.0), "k": (1, cli.INT_MAX), "chunk": (1, cli.INT_MAX),
+          "top": (1, cli.INT_MAX), "shortlist": (1, cli.INT_MAX), "nprobe": (1, cli.INT_MAX),
+          "nprobe_global": (1, cli.INT_MAX), "batch": (1, cli.INT_MAX)}
 
 
 class IndexFileError(ValueError):
@@ -41,17 +48,29 @@ class IndexMismatchError(ValueError):
     """An index built with other settings (encoder, crop rule, dim, ...) than asked for."""
 
 
-class FaissMissing(ImportError):
+class FaissMissing(cli.MissingExtra):
     pass
 
 
 def faiss():
     """The faiss module, imported on first use; a one-line error naming the extra without it."""
     try:
-        import faiss as f
-    except ImportError as e:
-        raise FaissMissing(f"the ANN index needs faiss ({e}); install it with {INSTALL}") from None
-    return f
+        return cli.need("faiss", "ann", "the ANN index")
+    except cli.MissingExtra as e:
+        raise FaissMissing(str(e), name="faiss") from None
+
+
+def ranged(name: str):
+    """argparse `type=` of the flag of `RANGES[name]` (`cli.number_in`)."""
+    return cli.number_in(*RANGES[name])
+
+
+def check_ranges(**values) -> None:
+    """A ValueError naming the first argument outside its `RANGES` (None: the default)."""
+    for name, value in values.items():
+        if value is not None:
+            lo, hi = RANGES[name]
+            cli.in_range(value, lo, hi, name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -368,6 +387,14 @@ def prefetch(views: np.ndarray, rows: np.ndarray) -> None:
         os.close(fd)
 
 
+def kept(meta: dict, man: dict) -> str:
+    """What an unfinished build has done, from its meta.json and manifest.json: "3 of 8 chunks
+    stored, 0 added"."""
+    chunks = -(-meta.get("images", 0) // max(1, meta.get("chunk", 1)))
+    return (f"{len(man.get('stored', []))} of {chunks} chunks stored, "
+            f"{len(man.get('added', []))} added")
+
+
 def open_index(path) -> Shard:
     """Open one finished index folder; an unfinished build, a missing or truncated file is an
     `IndexFileError` naming the file."""
@@ -375,10 +402,8 @@ def open_index(path) -> Shard:
     meta = _read_json(path / "meta.json")
     man = _read_json(path / "manifest.json")
     if not man.get("complete") or "files" not in meta:
-        chunks = -(-meta.get("images", 0) // max(1, meta.get("chunk", 1)))
-        raise IndexFileError(f"{path}: the build is not finished ({len(man.get('stored', []))} "
-                             f"of {chunks} chunks stored, {len(man.get('added', []))} added); "
-                             f"run the same build command again to resume it")
+        raise IndexFileError(f"{path}: the build is not finished ({kept(meta, man)}); run the "
+                             f"same build command again to resume it")
     if meta.get("version") != VERSION:
         raise IndexFileError(f"{path / 'meta.json'}: index version {meta.get('version')}, this "
                              f"code reads {VERSION}; rebuild the index")

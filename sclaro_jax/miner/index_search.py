@@ -13,8 +13,8 @@ import numpy as np
 
 from sclaro_jax.miner.index_files import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
                                           DEFAULT_SHORTLIST, IndexMismatchError, Shard,
-                                          _is_ivf, faiss, open_shards, per_image,
-                                          prefetch)
+                                          _is_ivf, check_ranges, faiss, open_shards,
+                                          per_image, prefetch)
 
 @functools.partial(jax.jit, static_argnames=("alpha", "pool", "k", "top"))
 def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: int):
@@ -122,11 +122,13 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: int = DEFAU
     shortlist (module docstring). queries [Q, D] L2-normalised; shards: from `open_shards` (or
     folders). Returns `stream.SearchResult` (scores [Q, top] 2S - r_q - r_i, indices [Q, top]
     global gallery rows, -1 past the candidates; r_q [Q] over the shortlist; r_i [G] the
-    bank's)."""
+    bank's). Each number outside its `index_files.RANGES` is a ValueError naming it."""
     from tqdm.auto import tqdm
 
     from sclaro_jax.miner.stream import SearchResult
 
+    check_ranges(top=top, shortlist=shortlist, nprobe=nprobe, nprobe_global=nprobe_global,
+                 batch=batch)
     if not shards or isinstance(shards, (str, os.PathLike)) or not isinstance(shards[0], Shard):
         shards = open_shards(shards)
     meta = shards[0].meta
