@@ -13,12 +13,19 @@ import urllib.parse
 
 from PIL import Image
 
+from sclaro_jax.paths import inside_root
+
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 KEPT_FORMATS = ("JPEG", "MPO", "PNG")  # MPO: a JPEG with extra frames; readers see the first
 
 
 class SourceError(ValueError):
     """A source layout or image that cannot be used; the message names the file or item."""
+
+
+class OutsideRoot(SourceError):
+    """An image whose path, named by a data file (or a link in a listed folder), resolves
+    outside its root: never opened; counted as `OUTSIDE_ROOT`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +43,8 @@ class SourceItem:
     split: str | None = None
     column: str | None = None
     row: int | None = None
+    # a path that resolves outside its root (`under_root`): that root; `read_bytes` refuses it
+    outside_root: str | None = None
 
     @property
     def where(self) -> str:
@@ -48,16 +57,29 @@ class SourceItem:
         return self.path
 
     def locator(self) -> dict:
-        """The optional fields saying where inside `path` the image is (JSON-able)."""
+        """The optional fields saying where inside `path` the image is, or that `path` lies
+        outside its root (JSON-able)."""
         return {f: getattr(self, f) for f in LOCATOR_FIELDS if getattr(self, f) is not None}
 
 
-LOCATOR_FIELDS = ("member", "offset", "size", "split", "column", "row")
+LOCATOR_FIELDS = ("member", "offset", "size", "split", "column", "row", "outside_root")
+
+
+def under_root(root: str, relative) -> tuple[str, str | None]:
+    """(path, outside_root) of an image that a data file (or a folder listing) names
+    `relative` to `root`: `root/relative`, and None while it resolves inside `root`
+    (`sclaro_jax.paths.inside_root`), else `root` (the item is then refused unread)."""
+    path = os.path.join(root, str(relative).replace("\0", "\\0"))  # NUL shown, not kept
+    return path, (None if inside_root(root, relative) is not None else root)
 
 
 def read_bytes(item: SourceItem) -> bytes:
     """The stored bytes of the item's image: the file, the tar member's byte range (read in
-    place, nothing unpacked), or the `datasets` row's raw image bytes."""
+    place, nothing unpacked), or the `datasets` row's raw image bytes. `OutsideRoot`, with
+    nothing opened, for an image whose path resolves outside its root."""
+    if item.outside_root is not None:
+        raise OutsideRoot(f"{item.path} lies outside {item.outside_root} (a path from the "
+                          f"data must stay inside its root); not opened")
     if item.offset is not None:
         with open(item.path, "rb") as f:
             f.seek(item.offset)
@@ -91,8 +113,12 @@ def _hf_row_bytes(item: SourceItem) -> bytes:
         raise OSError(f"expected an image ({{'bytes', 'path'}}), got {type(value).__name__}")
     if value.get("bytes") is not None:
         return value["bytes"]
-    if value.get("path"):
-        with open(value["path"], "rb") as f:
+    if value.get("path"):  # relative to the datasets folder, and inside it
+        path = inside_root(item.path, value["path"])
+        if path is None:
+            raise OutsideRoot(f"the row's path {value['path']!r} lies outside {item.path} "
+                              f"(a path from the data must stay inside its root); not opened")
+        with open(path, "rb") as f:
             return f.read()
     raise OSError("the row has neither image bytes nor a path")
 
@@ -112,6 +138,8 @@ def read_image(item: SourceItem) -> tuple[bytes, Image.Image]:
         img.load()
         fmt = img.format
         rgb = img if img.mode == "RGB" else img.convert("RGB")
+    except OutsideRoot as e:
+        raise OutsideRoot(f"{item.id}: {item.where}: {e}") from None
     except Exception as e:  # OSError, PIL.UnidentifiedImageError, DecompressionBombError, ...
         raise SourceError(f"{item.id}: cannot read image {item.where}: "
                           f"{type(e).__name__}: {e}") from None

@@ -14,7 +14,9 @@ Ids are "<source>/<path-like key>", unique across sources, without whitespace (c
 than letters, digits and ``/!$&'()*+,-.:;=@_~`` are percent-encoded, so distinct keys stay
 distinct). A missing annotation file or folder raises `SourceError` naming it and the layout
 expected; a missing or corrupt image raises `SourceError` from `read_image`, naming the item, so
-a caller can count it as failed and go on.
+a caller can count it as failed and go on. An image path that a data file names (or a listed
+file that links) outside the folder it is relative to is listed with `outside_root` set and
+never opened: `read_image` raises `OutsideRoot` (`sclaro_jax.paths.inside_root`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Callable, Iterable, Iterator
 from data_prep.source_items import (SourceError, SourceItem, id_key, is_image, is_index,
                                     load_json, middle_frames, natural_order,
                                     read_image,  # noqa: F401  (re-exported)
-                                    require_dir, require_file)
+                                    require_dir, require_file, under_root)
 
 log = logging.getLogger(__name__)
 
@@ -142,24 +144,36 @@ def mmit(root: str, *, splits: Iterable[str] = ("training", "validation"),
                     raise SourceError(f"{title}: {csv_path} line {line}: label {label!r} is "
                                       f"neither an index nor a name in {categories_path}")
                 stem = os.path.splitext(video)[0]
-                folder = os.path.join(frames_root, stem)
-                frames = (sorted((n for n in os.listdir(folder)
-                                  if is_image(n) and n.startswith(frame_prefix)), key=natural_order)
-                          if os.path.isdir(folder) else [])
-                if not frames:
+                items = _mmit_frames(frames_root, stem, action, frames_per_video, frame_prefix)
+                if not items:
                     if skip_missing:
                         missing += 1
                         continue
                     raise SourceError(f"{title}: no frames for video {video!r} "
-                                      f"({csv_path} line {line}) in {folder}; expected "
+                                      f"({csv_path} line {line}) in "
+                                      f"{os.path.join(frames_root, stem)}; expected "
                                       f"{MMIT_LAYOUT} (or pass skip_missing=True)")
-                for i in middle_frames(len(frames), frames_per_video):
-                    name = frames[i]
-                    yield SourceItem(id=f"mmit/{id_key(stem)}/{id_key(os.path.splitext(name)[0])}",
-                                     source="mmit", path=os.path.join(folder, name),
-                                     action=action)
+                yield from items
     if missing:
         log.warning("MMiT: skipped %d videos without frames under %s", missing, frames_root)
+
+
+def _mmit_frames(frames_root: str, stem: str, action: str, frames_per_video: int,
+                 frame_prefix: str) -> list[SourceItem]:
+    """The items of a video's chosen frames ([] without any); one item, refused unread, when
+    the video's folder lies outside the frames folder."""
+    folder, outside = under_root(frames_root, stem)
+    if outside:
+        return [SourceItem(id=f"mmit/{id_key(stem)}", source="mmit", path=folder, action=action,
+                           outside_root=outside)]
+    frames = (sorted((n for n in os.listdir(folder) if is_image(n) and n.startswith(frame_prefix)),
+                     key=natural_order) if os.path.isdir(folder) else [])
+    items = []
+    for i in middle_frames(len(frames), frames_per_video):
+        path, outside = under_root(frames_root, os.path.join(stem, frames[i]))
+        items.append(SourceItem(id=f"mmit/{id_key(stem)}/{id_key(os.path.splitext(frames[i])[0])}",
+                                source="mmit", path=path, action=action, outside_root=outside))
+    return items
 
 
 def _mmit_categories(path: str) -> dict[int, str]:
@@ -219,8 +233,9 @@ def cc3m(root: str, *, tsv: str | None = None,
             if not is_image(name):
                 continue
             key = os.path.splitext(name)[0]
+            path, outside = under_root(root, os.path.join(shard, name))
             yield SourceItem(id=f"cc3m/{id_key(shard)}/{id_key(key)}", source="cc3m",
-                             path=os.path.join(folder, name),
+                             path=path, outside_root=outside,
                              caption=_img2dataset_caption(os.path.join(folder, key)))
 
 
@@ -250,11 +265,9 @@ def _cc3m_tsv(root: str, tsv: str, images_dir: str) -> Iterator[SourceItem]:
             if line == 1 and (caption.lower(), filename.lower()) == ("caption", "filename"):
                 continue
             rel = os.path.normpath(filename)
-            if os.path.isabs(rel) or rel.split(os.sep)[0] == "..":
-                raise SourceError(f"{title}: {tsv_path} line {line}: filename {filename!r} "
-                                  f"must lie inside {images}")
+            path, outside = under_root(images, filename)  # outside: listed, never read
             yield SourceItem(id=f"cc3m/{id_key(os.path.splitext(rel)[0])}", source="cc3m",
-                             path=os.path.join(images, rel), caption=caption)
+                             path=path, caption=caption, outside_root=outside)
 
 
 OPENPSG_LAYOUT = ("<root>/psg.json (or <root>/psg/psg.json) whose 'data' entries name images "
@@ -293,8 +306,9 @@ def openpsg(root: str) -> Iterator[SourceItem]:
         if not isinstance(entry, dict) or not entry.get("file_name") or \
                 entry.get("image_id") in (None, ""):
             raise SourceError(f"{title}: {path} data[{i}] lacks 'file_name' or 'image_id'")
+        path, outside = under_root(coco, entry["file_name"])
         yield SourceItem(id=f"openpsg/{id_key(str(entry['image_id']))}", source="openpsg",
-                         path=os.path.join(coco, entry["file_name"]))
+                         path=path, outside_root=outside)
 
 
 PVSG_LAYOUT = ("<root>/pvsg.json and frames in <root>/<vidor|epic_kitchen|ego4d>/frames/"
@@ -341,9 +355,11 @@ def pvsg(root: str, *, stride: int = 25, skip_missing: bool = False) -> Iterator
             raise SourceError(f"{title}: no frames folder for video {video!r}: none of "
                               f"{', '.join(folders)} exists; expected {PVSG_LAYOUT} "
                               f"(or pass skip_missing=True)")
+        subset = os.path.dirname(os.path.dirname(found[0]))  # <root>/<subset>
         for frame in range(0, num_frames, stride):
+            path, outside = under_root(subset, os.path.join("frames", video, f"{frame:04d}.png"))
             yield SourceItem(id=f"pvsg/{id_key(video)}/{frame:04d}", source="pvsg",
-                             path=os.path.join(found[0], f"{frame:04d}.png"))
+                             path=path, outside_root=outside)
     if missing:
         log.warning("PVSG: skipped %d videos without a frames folder under %s", missing, root)
 
@@ -373,8 +389,9 @@ def kitti2015(root: str, *, subsets: Iterable[str] = ("training", "testing"),
             for name in os.listdir(folder):
                 m = _KITTI_NAME.match(name)
                 if m and m.group(2) in frames:
+                    path, outside = under_root(folder, name)  # a link out of the folder
                     yield SourceItem(id=f"kitti2015/{subset}/{camera}/{name[:-4]}",
-                                     source="kitti2015", path=os.path.join(folder, name))
+                                     source="kitti2015", path=path, outside_root=outside)
 
 
 FOLDER_LAYOUT = "image files (.jpg .jpeg .png .bmp .webp) anywhere under <root>"
@@ -383,15 +400,17 @@ FOLDER_LAYOUT = "image files (.jpg .jpeg .png .bmp .webp) anywhere under <root>"
 @_adapter("folder", "folder", FOLDER_LAYOUT)
 def image_folder(root: str) -> Iterator[SourceItem]:
     """Every image file (.jpg .jpeg .png .bmp .webp, any case) under `root`, recursively;
-    hidden files and folders (names starting with '.') are skipped. Ids
-    "folder/<path relative to root, extension included>"."""
+    hidden files and folders (names starting with '.') are skipped; links to folders are not
+    followed, and a file that links out of `root` is listed but never read (`outside_root`).
+    Ids "folder/<path relative to root, extension included>"."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
             if is_image(name):
-                path = os.path.join(dirpath, name)
-                yield SourceItem(id=f"folder/{id_key(os.path.relpath(path, root))}",
-                                 source="folder", path=path)
+                rel = os.path.relpath(os.path.join(dirpath, name), root)
+                path, outside = under_root(root, rel)
+                yield SourceItem(id=f"folder/{id_key(rel)}", source="folder", path=path,
+                                 outside_root=outside)
 
 
 # The streaming sources: shards and dataset folders read in place (data_prep.stream_sources).

@@ -109,6 +109,40 @@ def test_missing_image_file_is_named(tmp_path):
         split.load_image(0)
 
 
+def test_images_outside_their_folder_are_left_out_unread(tmp_path):
+    """A COCO captions file, a Karpathy file and a datasets folder naming images outside the
+    folder they are relative to (absolute, ../): each such image is left out of the gallery,
+    with its captions, and counted; the others load as before."""
+    import datasets
+
+    arrays = _pngs(tmp_path / "imgs", 2)
+    _pngs(tmp_path / "users_files", 1)
+    private = tmp_path / "users_files" / "im0.png"
+    coco = {"images": [{"id": 1, "file_name": "im1.png"}, {"id": 2, "file_name": str(private)},
+                       {"id": 3, "file_name": "../users_files/im0.png"}],
+            "annotations": [{"image_id": i, "caption": f"caption {i}"} for i in (1, 2, 3)]}
+    (tmp_path / "caps.json").write_text(json.dumps(coco))
+    split = data_lib.load_split(str(tmp_path / "caps.json"), image_root=str(tmp_path / "imgs"))
+    assert split.image_ids == ["im1.png"] and split.queries == ["caption 1"]
+    assert split.skipped == {"outside_root": 2} and split.subset(1).skipped == split.skipped
+    np.testing.assert_array_equal(split.load_image(0), arrays[1])
+    karpathy = {"images": [{"filepath": fp, "filename": fn, "split": "test",
+                            "sentences": [{"raw": f"of {fn}"}]}
+                           for fp, fn in (("", "im0.png"), ("../users_files", "im0.png"))]}
+    (tmp_path / "dataset_coco.json").write_text(json.dumps(karpathy))
+    split = data_lib.load_split(str(tmp_path / "dataset_coco.json"),
+                                image_root=str(tmp_path / "imgs"))
+    assert split.num_images == 1 and split.skipped == {"outside_root": 1}
+    np.testing.assert_array_equal(split.load_image(0), arrays[0])
+    folder = tmp_path / "rows"  # a path column: paths relative to the folder, inside it
+    datasets.Dataset.from_dict({"image": ["im.png", str(private)], "caption": ["in", "out"]}
+                               ).save_to_disk(str(folder))
+    Image.fromarray(arrays[0]).save(folder / "im.png")
+    split = data_lib.load_split(str(folder))
+    assert split.queries == ["in"] and split.skipped == {"outside_root": 1}
+    np.testing.assert_array_equal(split.load_image(0), arrays[0])
+
+
 # ------------------------------------------------------------------------------------------
 # Gallery embeddings and their cache
 # ------------------------------------------------------------------------------------------

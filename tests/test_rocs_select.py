@@ -361,6 +361,39 @@ def test_build_rocs_with_the_tiny_sam(tmp_path, images):
     assert split.num_images == 4 and len(split.queries) == 6
 
 
+def test_build_rocs_drops_images_outside_the_images_folder_unread(tmp_path, images):
+    """An instances file_name that climbs out of the images folder, and an image there that
+    is a link out of it: both dropped as outside_root before the selection, never read (their
+    bytes are in no file written), the others go through as usual."""
+    import dataclasses
+    import os
+
+    from data_prep.rocs import build_rocs
+
+    _synthetic_images(tmp_path / "img")
+    private = tmp_path / "users_files"
+    private.mkdir()
+    for image_id in (100, 101):
+        os.replace(tmp_path / "img" / "synthetic" / f"{image_id}.png", private / f"{image_id}.png")
+    (tmp_path / "img" / "synthetic" / "101.png").symlink_to(private / "101.png")
+    images = [dataclasses.replace(im, file_name="../users_files/100.png") if im.id == 100
+              else im for im in images]
+
+    def ask(image, prompt, system):
+        name = prompt.split("clearly includes the ")[1].split(".")[0]
+        return f"A cluttered scene with many things and a {name} in it."
+    summary = build_rocs(images, tmp_path / "img",
+                         lambda pixels, boxes: np.stack([_mask(0.001) for _ in boxes]), ask,
+                         tmp_path / "out", progress=False)
+    assert summary["dropped"]["outside_root"] == [
+        {"image_id": 100, "file_name": "../users_files/100.png"},
+        {"image_id": 101, "file_name": "synthetic/101.png"}]
+    assert summary["kept_captions"] > 0
+    written = b"".join(p.read_bytes() for p in (tmp_path / "out").rglob("*") if p.is_file())
+    for image_id in (100, 101):
+        assert (private / f"{image_id}.png").read_bytes() not in written
+
+
 # ------------------------------------------------------------------ the command, SIGKILL
 KILL_AT_CAPTIONS = r'''
 import os, signal, sys

@@ -328,3 +328,69 @@ def test_read_image_names_item_on_corrupt_or_missing_file(tmp_path):
                                               rf".*{path.name}"):
             read_image(item)
     assert issubclass(SourceError, ValueError)
+
+
+# --------------------------------------------------------------------------- outside the root
+
+@pytest.mark.parametrize("relative", ["a/b.jpg", "a/../b.jpg", "x:y.jpg"])
+def test_inside_root_resolves_relative_paths_below_the_root(tmp_path, relative):
+    from sclaro_jax.paths import inside_root
+    (tmp_path / "root").mkdir()
+    assert inside_root(tmp_path / "root", relative) == (tmp_path / "root" / relative).resolve()
+    # the root itself may be a link (coco -> /datasets/coco)
+    (tmp_path / "link").symlink_to(tmp_path / "root")
+    assert inside_root(tmp_path / "link", relative) == (tmp_path / "root" / relative).resolve()
+
+
+@pytest.mark.parametrize("relative", ["/etc/passwd", "../x.jpg", "a/../../x.jpg", "out/x.jpg",
+                                      "a\0.jpg", "~/x.jpg", "C:\\x.jpg", "C:/x.jpg",
+                                      "\\\\server\\x.jpg", "", None, 7])
+def test_inside_root_refuses_every_path_that_leaves_it(tmp_path, relative):
+    from sclaro_jax.paths import inside_root
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "out").symlink_to(tmp_path)  # a link inside the root, pointing out
+    assert inside_root(tmp_path / "root", relative) is None
+
+
+def test_paths_that_leave_their_root_are_listed_but_never_read(tmp_path):
+    """Every adapter that takes a path from a data file, or lists a folder, marks an image
+    outside its root (absolute, ../, a link out) `outside_root`; read_image refuses it with
+    OutsideRoot (a SourceError) without opening it."""
+    from data_prep.source_items import OutsideRoot
+    private = save(tmp_path / "users_files" / "private.jpg", photo(3))
+    psg = make_openpsg(tmp_path / "psg")
+    doc = json.loads(open(os.path.join(psg, "psg.json")).read())
+    doc["data"][0]["file_name"] = private  # absolute
+    doc["data"][1]["file_name"] = "../../users_files/private.jpg"
+    write(os.path.join(psg, "psg.json"), json.dumps(doc))
+    gcc = tmp_path / "gcc"
+    save(os.path.join(gcc, "images", "0000.jpg"), photo(0))
+    write(os.path.join(gcc, "train.tsv"), "a photo\t0000.jpg\nescaping\t../../users_files/"
+                                          "private.jpg\nabsolute\t" + private + "\n")
+    folder = make_folder(tmp_path / "folder")
+    os.symlink(private, os.path.join(folder, "linked.jpg"))  # a file linking out: refused
+    os.symlink(os.path.dirname(private), os.path.join(folder, "linked_dir"))  # not followed
+    mmit = make_mmit(tmp_path / "mmit")
+    write(os.path.join(mmit, "trainingSet.csv"), "../../users_files/v.mp4,1\n")
+    os.makedirs(tmp_path / "users_files" / "v")
+    os.symlink(private, tmp_path / "users_files" / "v" / "1.jpg")
+    pvsg = make_pvsg(tmp_path / "pvsg")
+    doc = json.loads(open(os.path.join(pvsg, "pvsg.json")).read())
+    doc["data"][0]["video_id"] = "../../../users_files/v"
+    write(os.path.join(pvsg, "pvsg.json"), json.dumps(doc))
+    outside = {}
+    for kind, root, options in (("openpsg", psg, {}), ("cc3m", str(gcc), {"tsv": "train.tsv"}),
+                                ("folder", folder, {}),
+                                ("mmit", mmit, {"splits": ("training",)}),
+                                ("pvsg", pvsg, {})):
+        for item in iter_source(kind, root, **options):
+            if item.outside_root is not None:
+                with pytest.raises(OutsideRoot, match=r"lies outside .*; not opened"):
+                    read_image(item)
+                outside.setdefault(kind, []).append(item.id)
+            else:
+                read_image(item)
+    assert outside == {"openpsg": ["openpsg/139", "openpsg/9"],
+                       "cc3m": ["cc3m/../../users_files/private", "cc3m/" + private[:-4]],
+                       "folder": ["folder/linked.jpg"], "mmit": ["mmit/../../users_files/v"],
+                       "pvsg": [f"pvsg/../../../users_files/v/{k:04d}" for k in (0, 25, 50)]}

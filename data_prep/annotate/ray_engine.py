@@ -34,6 +34,7 @@ import time
 import numpy as np
 
 from data_prep.annotate import stages
+from data_prep.annotate.ray_start import start_ray
 from data_prep.source_items import SourceItem
 
 log = logging.getLogger("data_prep.annotate")
@@ -383,20 +384,6 @@ def auto_stage_cpus(have_cpus: float, n_actors: int, setting="auto") -> float | 
         return float(setting)
     share = min(1.0, int((have_cpus - SINK_CPUS) / max(1, n_actors) * 100) / 100)
     return share if share >= MIN_AUTO_CPUS else None
-
-
-def start_ray(address: str = "", **kwargs) -> None:
-    """`ray.init` as `--engine ray` does it: connect to the cluster at `address`, or start Ray on
-    this machine (`kwargs` such as num_cpus go to ray.init). A Ray it starts keeps idle task
-    workers alive (`RAY_num_workers_soft_limit`, unless set): by default a node reaps the idle
-    workers above its CPU count within a second, and the stage actors alone exceed that on a
-    small machine, so every block write would start a new Python process (about 2 CPU
-    seconds of imports, which the stages then lack)."""
-    import ray
-    if not address:
-        os.environ.setdefault("RAY_num_workers_soft_limit", "64")
-    ray.init(address=address or None, include_dashboard=False, log_to_driver=True,
-             logging_level=logging.WARNING, **kwargs)
 
 
 def run(run_state) -> dict:

@@ -32,7 +32,9 @@ from PIL import Image
 
 from data_prep.annotate.keys import sha256_file
 from data_prep.durable_logs import write_replacing
+from data_prep.source_items import OutsideRoot
 from sclaro_jax.data import schema
+from sclaro_jax.paths import OUTSIDE_ROOT
 
 log = logging.getLogger("data_prep.annotate")
 
@@ -119,8 +121,9 @@ def triage(chunk: list, images: dict, vlm_results: dict) -> tuple[dict, dict]:
     here, parsed {id: reply fields} of those that go on to detection)."""
     status, parsed = {}, {}
     for it in chunk:
-        if isinstance(images[it.id], Exception):
-            status[it.id] = ["failed", "unreadable_image"]
+        if isinstance(images[it.id], Exception):  # a path outside its root was never opened
+            status[it.id] = ["failed", OUTSIDE_ROOT if isinstance(images[it.id], OutsideRoot)
+                             else "unreadable_image"]
             continue
         res = vlm_results.get(it.id)
         if res is None or "error" in res:

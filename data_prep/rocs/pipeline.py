@@ -35,6 +35,7 @@ from PIL import Image
 from data_prep.rocs import caption as rocs_caption, selection as rocs_select
 from data_prep.durable_logs import write_replacing
 from data_prep.rocs.selection import AnnotatedImage
+from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
 # prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper
@@ -228,6 +229,15 @@ def mask_step(segment: Callable, pixels: Callable[[], np.ndarray], image: Annota
     return kept, dropped
 
 
+def _inside(images: list[AnnotatedImage], image_dir: Path) -> tuple[list, list[dict]]:
+    """(the images whose file_name resolves inside `image_dir`, the others as drops): an image
+    outside it (absolute, `..`, a link out) is dropped unread, as `outside_root`."""
+    inside = [im for im in images if inside_root(image_dir, im.file_name) is not None]
+    kept = {im.id for im in inside}
+    return inside, [{"image_id": im.id, "file_name": im.file_name} for im in images
+                    if im.id not in kept]
+
+
 def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Callable,
                ask: Callable, out: str | Path, *, top_fraction: float = rocs_select.TOP_FRACTION,
                max_mask_area: float = rocs_select.MAX_MASK_AREA, ask_with_ids: bool = False,
@@ -248,9 +258,10 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
     out.mkdir(parents=True, exist_ok=True)
     mask_cache = StageCache(None if work is None else Path(work), "masks", segment_key)
     caption_cache = StageCache(None if work is None else Path(work), "captions", ask_key)
-    clutter = rocs_select.high_clutter(images, top_fraction)
-    dropped: dict[str, list] = {"no_rare_object": [], "mask_too_large": [],
-                                **{kind: [] for kind in rocs_caption.REASONS}}
+    inside, outside = _inside(images, image_dir)
+    clutter = rocs_select.high_clutter(inside, top_fraction)
+    dropped: dict[str, list] = {OUTSIDE_ROOT: outside, "no_rare_object": [],
+                                "mask_too_large": [], **{kind: [] for kind in rocs_caption.REASONS}}
     caption_words = tuple(caption_words)
     prompts = [rocs_caption.SYSTEM_PROMPT, rocs_caption.USER_PROMPT, list(caption_words)]
     rows, kept_pairs, rare_pairs, candidates = [], [], [], []

@@ -19,6 +19,8 @@ class Graph:
     captions: tuple[str, ...] = ()  # in the dataset's order
     panoptic: str | None = None  # PSG: the panoptic PNG; None: box masks
     segments: tuple[int, ...] = ()  # PSG: each object's segment id in the PNG
+    skip: str = ""  # a reason the reader found to skip the image unread: "outside_root" (a
+    # path the dataset names resolves outside its root, `sclaro_jax.paths.inside_root`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,8 @@ from the dataset's masks (PSG's panoptic segments) or from the boxes (Visual Gen
 a `ShardWriter` writes them as annotate's do.
 
 What cannot be used is skipped and counted, never fatal. An image is skipped (`skipped`) for:
+    outside_root         a path the dataset names (photograph, panoptic PNG) resolves outside
+                         its root: absolute, `..`, a link out of it; neither file is opened
     missing_image        the photograph is missing or does not decode
     bad_panoptic_png     PSG: the panoptic PNG is missing, unreadable or of another size
     no_caption           no caption (COCO caption, VG region description) names the image
@@ -185,6 +187,9 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
                 region_quality: int = REGION_QUALITY) -> schema.Sample | None:
     """The record of one graph, or None with the reason counted. `rule`: (tagger, lemmatize)
     of the action rule, None for no action words."""
+    if graph.skip:  # the reader's reason, e.g. outside_root: nothing of it is opened
+        counts.skipped[graph.skip] += 1
+        return None
     try:
         image, img = read_image(SourceItem(id=graph.id, source=data.source, path=graph.image))
     except SourceError:

@@ -19,7 +19,9 @@ pixels of the panoptic PNG whose id R + 256 G + 256^2 B equals `segments_info[k]
 [subject, object, predicate] indices (a predicate index past predicate_classes is kept as None: the
 import counts the relation as out of range). Captions are matched by the image's file name through
 the captions file's "images" (else by image id) and ordered by caption id. The split is PSG's:
-"test" for `test_image_ids`, "train" otherwise.
+"test" for `test_image_ids`, "train" otherwise. A `file_name` or `pan_seg_file_name` that
+resolves outside <root>/coco (absolute, `..`, a link out of it) makes the image a skip
+(`outside_root`): neither file is opened.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import os
 from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean
 from data_prep.source_items import SourceError, id_key, load_json
 from data_prep.sources import openpsg_files
+from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 
 TITLE = "OpenPSG"
 LAYOUT = ("<root>/psg.json (or <root>/psg/psg.json), images and panoptic PNGs under "
@@ -87,6 +90,17 @@ def _predicate(predicates: list[str], p) -> str | None:
     return clean(predicates[p]) if 0 <= p < len(predicates) else None
 
 
+def _coco_paths(coco: str, entry: dict) -> tuple[str, str, str]:
+    """(image, panoptic PNG, skip reason) of an entry: the paths under `coco`, and
+    "outside_root" when either resolves outside it."""
+    names = [entry["file_name"], entry["pan_seg_file_name"]]
+    if not all(isinstance(n, str) for n in names):
+        raise TypeError(f"file_name and pan_seg_file_name must be strings, got {names!r}")
+    inside = [inside_root(coco, n) for n in names]
+    paths = [os.path.join(coco, n.replace("\0", "\\0")) for n in names]
+    return paths[0], paths[1], "" if None not in inside else OUTSIDE_ROOT
+
+
 def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
     """Every image of psg.json as a `Graph`, in the file's order."""
     root = os.path.abspath(root)
@@ -113,15 +127,16 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
         try:
             image_id = str(entry["image_id"])
             coco_id = names.get(os.path.basename(entry["file_name"]), image_id)
+            image, panoptic, skip = _coco_paths(coco, entry)
             graphs.append(Graph(
                 id=f"openpsg/{id_key(image_id)}",
                 split="test" if image_id in test_ids else "train",
-                image=os.path.join(coco, entry["file_name"]),
+                image=image,
                 objects=tuple(_objects(entry, classes)),
                 relations=tuple((int(s), _predicate(predicates, p), int(o))
                                 for s, o, p in entry["relations"]),
                 captions=tuple(by_id.get(coco_id, ())),
-                panoptic=os.path.join(coco, entry["pan_seg_file_name"]),
+                panoptic=panoptic, skip=skip,
                 segments=tuple(int(seg["id"]) for seg in entry["segments_info"])))
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise SourceError(f"{TITLE}: {path} data[{i}] is malformed ({type(e).__name__}: "

@@ -14,7 +14,9 @@ Objects are those of objects.json in order, then the subjects and objects of rel
 objects.json does not list (by object_id), with their own boxes; names are the first of
 "names", lowercased with whitespace collapsed, as are predicates. Boxes are
 (x, y, x + w, y + h). The captions are the region descriptions in file order. The photograph is
-<root>/<folder>/<file> of its url's last two parts, else VG_100K/ or VG_100K_2/<image_id>.jpg.
+<root>/<folder>/<file> of its url's last two parts, else VG_100K/ or VG_100K_2/<image_id>.jpg;
+an entry whose url or image id names a path outside <root> (`..`, a link out of it) is a skip
+(`outside_root`), its photograph never opened.
 
 The split (Visual Genome has none of its own): an image is "test" when the first 8 hex digits
 of sha256("vg:<image_id>") read as an integer are below `TEST_FRACTION` * 2^32, else "train"
@@ -23,11 +25,13 @@ of sha256("vg:<image_id>") read as an integer are below `TEST_FRACTION` * 2^32, 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
 from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean
 from data_prep.source_items import SourceError, id_key, load_json, require_file
+from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 
 TITLE = "Visual Genome"
 FILES = ("image_data", "objects", "relationships", "region_descriptions")
@@ -75,9 +79,16 @@ def _box(obj: dict):
     return (x, y, x + w, y + h)
 
 
-def image_path(root: str, image_id: str, url) -> str:
-    candidates = [os.path.join(root, *str(url).split("/")[-2:])] if url else []
-    candidates += [os.path.join(root, d, f"{image_id}.jpg") for d in ("VG_100K", "VG_100K_2")]
+def image_path(root: str, image_id: str, url) -> str | None:
+    """The photograph's path: the first of <root>/<url's last two parts>, VG_100K/ and
+    VG_100K_2/<image_id>.jpg that is a file (else the first); None when any of them resolves
+    outside `root` (`outside_root`), before any is looked at."""
+    names = [os.path.join(*str(url).split("/")[-2:])] if url else []
+    names = [name for name in names if name]  # a url ending in "//" names no file
+    names += [os.path.join(d, f"{image_id}.jpg") for d in ("VG_100K", "VG_100K_2")]
+    if any(inside_root(root, name) is None for name in names):
+        return None
+    candidates = [os.path.join(root, name) for name in names]
     return next((p for p in candidates if os.path.isfile(p)), candidates[0])
 
 
@@ -122,10 +133,10 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
     for i, entry in enumerate(images if isinstance(images, list) else [None]):
         try:
             image_id = _image_key(entry)
-            graphs.append(graph_of(image_id, image_path(root, image_id, entry.get("url")),
-                                   objects.get(image_id, []),
-                                   relationships.get(image_id, []),
-                                   regions.get(image_id, [])))
+            path = image_path(root, image_id, entry.get("url"))
+            graph = graph_of(image_id, path or "", objects.get(image_id, []),
+                             relationships.get(image_id, []), regions.get(image_id, []))
+            graphs.append(graph if path else dataclasses.replace(graph, skip=OUTSIDE_ROOT))
         except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
             raise SourceError(f"{TITLE}: entry {i} of {paths['image_data']} or its objects / "
                               f"relationships is malformed ({type(e).__name__}: {e}); "

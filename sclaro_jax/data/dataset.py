@@ -16,6 +16,7 @@ import logging
 import os
 
 from sclaro_jax.data import schema
+from sclaro_jax.paths import inside_root
 
 log = logging.getLogger(__name__)
 
@@ -282,9 +283,15 @@ def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
         if not os.path.exists(vpath):
             raise DatasetError(f"{vpath} not found (vocabulary listed in {path})")
         labels[key] = tuple(schema.read_vocab(vpath))
-    missing = [p for split in manifest["splits"] for p in
-               (os.path.join(root, s["file"]) for s in manifest["splits"][split]["shards"])
-               if not os.path.exists(p)]
+    named = [s["file"] for split in manifest["splits"]
+             for s in manifest["splits"][split]["shards"]]
+    vocab = [v["file"] for v in (manifest.get("vocab") or {}).values()
+             if isinstance(v, dict) and "file" in v]
+    outside = [f for f in named + vocab if inside_root(root, f) is None]
+    if outside:  # never opened: a dataset's files lie in its folder
+        raise DatasetError(f"{path} names the file {outside[0]!r}, which resolves outside "
+                           f"{root}; a dataset's shards and vocabularies must lie in its folder")
+    missing = [p for p in (os.path.join(root, f) for f in named) if not os.path.exists(p)]
     if missing:
         raise DatasetError(f"shards listed in {path} are missing: {missing[:3]}")
     ds = ShardedDataset(root, manifest, Vocab(**labels))

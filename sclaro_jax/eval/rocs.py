@@ -205,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      ("id_column", args.id_column)) if v}
         splits = [data_lib.load_split(s, image_root=args.image_root, **columns)
                   for s in args.split]
+        for split in splits:  # images a JSON or dataset row names outside their folder
+            for reason, n in split.skipped.items():
+                print(f"{split.name}: {n} images left out of the gallery unread ({reason}: "
+                      f"their paths resolve outside their folder)", file=sys.stderr)
         if args.max_images:
             splits = [s.subset(args.max_images) for s in splits]
         if args.index and len(splits) != 1:
@@ -240,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             except (*cli.USER_ERRORS, ImportError) as e:
                 return cli.fail(e)
         info[split.name] = {"images": split.num_images, "queries": len(split.queries),
-                            "source": split.source, "embed_s": round(t1 - t0, 3),
+                            "source": split.source, "skipped": split.skipped,
+                            "embed_s": round(t1 - t0, 3),
                             "score_s": round(time.perf_counter() - t1, 3)}
     record = {"model": encoder.name, "settings": dataclasses.asdict(settings),
               "crops": dataclasses.asdict(crops), "splits": info, "results": results}

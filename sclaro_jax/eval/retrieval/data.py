@@ -7,16 +7,22 @@ one query with one ground-truth image).
 Layouts read:
 - **ROCS / any Hugging Face dataset saved with `save_to_disk`** (`load_hf_folder`): a folder with
   `state.json` (one split) or `dataset_dict.json` (several; pick one with `split`). One image
-  column (a `datasets.Image` feature, or a path string), one caption column (a string, or a list
-  of strings: one query each), optionally an image-id column; rows that share an image id (or,
-  without one, identical image bytes) are one gallery image. Columns are found by name
-  (`image`/`img`; `caption`/`captions`/`text`/`sentences`/`query`; `image_id`/`filename`/
-  `file_name`/`img_id`/`id`) unless named explicitly. Needs the `datasets` package (extra `eval`).
+  column (a `datasets.Image` feature, or a path string relative to the folder), one caption
+  column (a string, or a list of strings: one query each), optionally an image-id column; rows
+  that share an image id (or, without one, identical image bytes) are one gallery image.
+  Columns are found by name (`image`/`img`; `caption`/`captions`/`text`/`sentences`/`query`;
+  `image_id`/`filename`/`file_name`/`img_id`/`id`) unless named explicitly. Needs the
+  `datasets` package (extra `eval`).
 - **COCO captions JSON** (`load_coco_captions`): `{"images": [{"id", "file_name"}],
   "annotations": [{"image_id", "caption"}]}` with images under `image_dir`.
 - **Karpathy splits** (`load_karpathy`): `dataset_coco.json` / `dataset_flickr30k.json`,
   `{"images": [{"filename", "filepath"?, "split", "sentences": [{"raw"}]}]}`; the standard test
   splits are `split="test"` (COCO 5K, Flickr30K 1K).
+
+An image whose path (a file name in a JSON, a dataset row's path) resolves outside the folder it
+is relative to (the image folder, the dataset folder) is left out of the gallery unread, with
+its captions, and counted in `RetrievalSplit.skipped["outside_root"]`
+(`sclaro_jax.paths.inside_root`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 from PIL import Image
+
+from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 
 IMAGE_COLUMNS = ("image", "img", "jpg", "png")
 CAPTION_COLUMNS = ("caption", "captions", "text", "sentences", "query", "queries")
@@ -51,6 +59,7 @@ class RetrievalSplit:
     gt: np.ndarray  # int64 [Q]: index into image_ids
     load_image: Callable[[int], np.ndarray]  # i -> RGB uint8 [H, W, 3]
     source: str = ""
+    skipped: dict = dataclasses.field(default_factory=dict)  # reason -> images left out
 
     def __post_init__(self):
         self.gt = np.asarray(self.gt, np.int64)
@@ -80,7 +89,7 @@ class RetrievalSplit:
         keep = self.gt < max_images
         return RetrievalSplit(f"{self.name}[:{max_images}]", self.image_ids[:max_images],
                               [q for q, k in zip(self.queries, keep) if k], self.gt[keep],
-                              self.load_image, self.source)
+                              self.load_image, self.source, self.skipped)
 
 
 def read_rgb(path: str | os.PathLike) -> np.ndarray:
@@ -95,9 +104,10 @@ def read_rgb(path: str | os.PathLike) -> np.ndarray:
 
 
 def _group(ids: Sequence[str], captions: Sequence[Sequence[str]], name: str, source: str,
-           load: Callable[[int], np.ndarray]) -> RetrievalSplit:
+           load: Callable[[int], np.ndarray], outside: int = 0) -> RetrievalSplit:
     """Rows (image id, its captions) -> a split. Rows sharing an id are one gallery image (loaded
-    from its first row); gallery order is first appearance."""
+    from its first row); gallery order is first appearance. `outside`: the images left out as
+    outside their root."""
     index: dict[str, int] = {}
     first_row: list[int] = []
     queries, gt = [], []
@@ -111,7 +121,8 @@ def _group(ids: Sequence[str], captions: Sequence[Sequence[str]], name: str, sou
                 queries.append(cap)
                 gt.append(index[image_id])
     return RetrievalSplit(name, list(index), queries, np.array(gt, np.int64),
-                          lambda i: load(first_row[i]), source)
+                          lambda i: load(first_row[i]), source,
+                          {OUTSIDE_ROOT: outside} if outside else {})
 
 
 def _captions(value, where: str) -> list[str]:
@@ -150,10 +161,12 @@ def load_coco_captions(json_path: str | os.PathLike, image_dir: str | os.PathLik
                              f"{ann.get('image_id')!r}, which is not in 'images'")
         caps.setdefault(ann["image_id"], []).extend(_captions(ann.get("caption"),
                                                                f"{json_path}: annotations[{i}]"))
-    ids = list(files)  # every listed image is in the gallery, captioned or not
+    # every listed image inside image_dir is in the gallery, captioned or not
+    ids = [k for k in files if inside_root(image_dir, files[k]) is not None]
     paths = [image_dir / files[k] for k in ids]
     return _group([str(files[k]) for k in ids], [caps.get(k, []) for k in ids],
-                  name or json_path.stem, str(json_path), lambda r: read_rgb(paths[r]))
+                  name or json_path.stem, str(json_path), lambda r: read_rgb(paths[r]),
+                  outside=len(files) - len(ids))
 
 
 def load_karpathy(json_path: str | os.PathLike, image_root: str | os.PathLike,
@@ -175,11 +188,13 @@ def load_karpathy(json_path: str | os.PathLike, image_root: str | os.PathLike,
         if "filename" not in im or "sentences" not in im:
             raise SplitError(f"{json_path}: image {i} of split {split!r} lacks 'filename' or "
                              "'sentences'")
+        if inside_root(image_root, os.path.join(im.get("filepath", ""), im["filename"])) is None:
+            continue  # left out unread: counted as outside_root
         ids.append(os.path.join(im.get("filepath", ""), im["filename"]))
         caps.append(_captions(im["sentences"], f"{json_path}: {im['filename']}"))
         paths.append(image_root / im.get("filepath", "") / im["filename"])
     return _group(ids, caps, name or f"{json_path.stem}:{split}", str(json_path),
-                  lambda r: read_rgb(paths[r]))
+                  lambda r: read_rgb(paths[r]), outside=len(chosen) - len(ids))
 
 
 def load_hf_folder(path: str | os.PathLike, split: str | None = None, *,
@@ -226,35 +241,64 @@ def load_hf_folder(path: str | os.PathLike, split: str | None = None, *,
     if is_image:
         ds = ds.cast_column(img_col, datasets.Image(decode=False))
     where = f"{path}" + (f":{split}" if split else "")
-    captions = [_captions(c, f"{where} row {r}") for r, c in enumerate(ds[cap_col])]
+    outside = _outside_rows(ds, img_col, is_image, path)
+    rows = [r for r in range(len(ds)) if r not in outside]  # gallery rows: outside ones left out
+    captions = [_captions(c, f"{where} row {r}") for r, c in enumerate(ds[cap_col])
+                if r not in outside]
     raw_images = ds[img_col] if (id_col is None) else None
     if id_col is not None:
-        ids = [str(v) for v in ds[id_col]]
+        ids = [str(v) for r, v in enumerate(ds[id_col]) if r not in outside]
     elif is_image:
-        ids = [hashlib.sha256(_image_bytes(v, where, r)).hexdigest()[:20]
-               for r, v in enumerate(raw_images)]
+        ids = [hashlib.sha256(_image_bytes(raw_images[r], where, r, path)).hexdigest()[:20]
+               for r in rows]
     else:
-        ids = [str(v) for v in raw_images]
+        ids = [str(raw_images[r]) for r in rows]
 
-    def load(row: int) -> np.ndarray:
+    def load(k: int) -> np.ndarray:
+        row = rows[k]
         value = ds[row][img_col]
         if is_image:
             try:
-                with Image.open(io.BytesIO(_image_bytes(value, where, row))) as img:
+                with Image.open(io.BytesIO(_image_bytes(value, where, row, path))) as img:
                     return np.asarray(img.convert("RGB"))
             except OSError as e:
                 raise SplitError(f"{where} row {row}: cannot decode the image: {e}") from None
-        return read_rgb(Path(path) / value if not os.path.isabs(value) else value)
+        full = inside_root(path, value) if isinstance(value, str) else None
+        if full is None:
+            raise SplitError(f"{where} row {row}: image {value!r} is not a path inside {path}")
+        return read_rgb(full)
 
-    return _group(ids, captions, name or (split or path.name), where, load)
+    return _group(ids, captions, name or (split or path.name), where, load,
+                  outside=len(outside))
 
 
-def _image_bytes(value, where: str, row: int) -> bytes:
+def _outside_rows(ds, column: str, is_image: bool, root: Path) -> set[int]:
+    """The rows whose image is a path (a path column's string, or an Image row without bytes)
+    that resolves outside the dataset folder `root`: left out of the gallery unread. Read
+    from the arrow column (no image bytes are copied)."""
+    import pyarrow.compute as pc
+
+    values = ds.with_format("arrow")[column]
+    if is_image:
+        stored = pc.fill_null(pc.greater(pc.binary_length(pc.struct_field(values, "bytes")),
+                                         0), False).to_pylist()
+        paths = pc.struct_field(values, "path").to_pylist()
+        paths = [None if has_bytes else p for has_bytes, p in zip(stored, paths)]
+    else:
+        paths = values.to_pylist()
+    return {r for r, p in enumerate(paths) if isinstance(p, str) and p
+            and inside_root(root, p) is None}
+
+
+def _image_bytes(value, where: str, row: int, root: Path) -> bytes:
+    """A row's stored bytes, else the file at its path, relative to (and inside) `root`."""
     if value.get("bytes"):
         return value["bytes"]
-    if value.get("path") and os.path.exists(value["path"]):
-        return Path(value["path"]).read_bytes()
-    raise SplitError(f"{where} row {row}: the image has neither bytes nor a readable path")
+    path = inside_root(root, value["path"]) if value.get("path") else None
+    if path is not None and path.is_file():
+        return path.read_bytes()
+    raise SplitError(f"{where} row {row}: the image has neither bytes nor a readable path "
+                     f"inside {root}")
 
 
 def _read_json(path: Path) -> dict:
