@@ -14,7 +14,9 @@
   is a usage error naming the folder and why;
 - any other user error (a missing file, a folder that is not a dataset, a folder that cannot be
   written; `USER_ERRORS`) prints one `error:` line (`message`) and exits 2; a traceback (exit
-  1) is a bug.
+  1) is a bug. Control characters in the line (a file name or label from data holding ESC,
+  BEL, a newline or U+202E) are escaped (`bounds.printable`): it stays one line and cannot
+  drive the terminal.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import os
 import re
 import sys
 import tempfile
+
+from sclaro_jax.bounds import printable
 
 # Errors a command reports as one `error:` line (exit 2): missing or unwritable files and
 # folders (OSError), bad values and folders that are not what they should be (ValueError, the
@@ -49,7 +53,7 @@ def fail(e: BaseException, verbose: bool = False) -> int:
     if verbose:
         import traceback
         traceback.print_exc()
-    print(f"error: {message(e)}", file=sys.stderr)
+    print(f"error: {printable(message(e))}", file=sys.stderr)
     return 2
 
 
@@ -193,7 +197,7 @@ class ArgumentParser(argparse.ArgumentParser):
             near = closest(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
             if near:
                 message = f"{message} (did you mean {near}?)"
-        self.exit(2, f"error: {message} (see {parser.prog} --help)\n")
+        self.exit(2, f"error: {printable(message)} (see {parser.prog} --help)\n")
 
 
 class DefaultsOnce(argparse.HelpFormatter):
