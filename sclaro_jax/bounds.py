@@ -112,7 +112,8 @@ def parse_json(text: str | bytes, where: str):
         return json.loads(text)
     except RecursionError:
         raise BoundsError(f"{where}: JSON nested too deep to read (deeper than Python's "
-                          "recursion limit): not a file this project reads") from None
+                          "parser goes); no file or value this project reads nests so deep"
+                          ) from None
 
 
 def read_json(path: str | os.PathLike, *, limit: int | None = None):
