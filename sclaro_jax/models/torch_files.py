@@ -158,7 +158,7 @@ class _TorchUnpickler(pickle.Unpickler):
         if module == "collections" and name == "OrderedDict":
             return OrderedDict
         if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_tensor
+            return self._rebuild_tensor
         if module == "torch._utils" and name in ("_rebuild_parameter",
                                                  "_rebuild_parameter_with_state"):
             return lambda data, requires_grad, hooks, *rest: data
@@ -195,11 +195,11 @@ class _TorchUnpickler(pickle.Unpickler):
                 self._records[key][1], lambda key=key: self._read_record(key))
         return self._storages[key]
 
-
-def _rebuild_tensor(storage, offset, size, stride, *_):
-    if not isinstance(storage, _Storage):
-        raise CheckpointError(f"a tensor's storage is a {type(storage).__name__}, not a storage")
-    return _Tensor(storage, offset, size, stride)
+    def _rebuild_tensor(self, storage, offset, size, stride, *_):
+        if not isinstance(storage, _Storage):
+            raise CheckpointError(f"{self._where}: a tensor's storage is a "
+                                  f"{type(storage).__name__}, not a storage record")
+        return _Tensor(storage, offset, size, stride)
 
 
 def read_torch_file(path: str | os.PathLike, *, shapes_only: bool = False) -> Any:
