@@ -129,10 +129,12 @@ def read_json(path: str | os.PathLike, *, limit: int | None = None):
                 f"{where}: {size:,} bytes, over the {limit:,} byte limit of a json file "
                 f"this project reads (raise it with the environment variable "
                 f"{JSON_LIMIT_VARIABLE}=BYTES)")
-        data = f.read(limit + 1)
-    if len(data) > limit:  # grew while being read
-        raise BoundsError(f"{where}: over the {limit:,} byte limit of a json file "
-                          f"({JSON_LIMIT_VARIABLE})")
+        data = bytearray()
+        while chunk := f.read(min(1 << 24, limit + 1 - len(data))):
+            data += chunk  # in pieces: a special file's size says nothing, and it may grow
+            if len(data) > limit:
+                raise BoundsError(f"{where}: over the {limit:,} byte limit of a json file "
+                                  f"this project reads ({JSON_LIMIT_VARIABLE})")
     return parse_json(data.decode("utf-8"), where)
 
 
