@@ -150,8 +150,15 @@ class GroundingDetector:
                 f"files) could not be loaded: save the processor of "
                 f"IDEA-Research/grounding-dino-base there with save_pretrained ({e})") from e
         self.device = torch.device(device)
-        self.model = GroundingDinoForObjectDetection.from_pretrained(
-            model_path, local_files_only=True).to(self.device).eval()
+        try:  # safetensors only: a pickled pytorch_model.bin can run code when it is loaded
+            model = GroundingDinoForObjectDetection.from_pretrained(
+                model_path, local_files_only=True, use_safetensors=True)
+        except OSError as e:
+            raise FileNotFoundError(
+                f"{model_path}: no GroundingDINO weights in safetensors form (model.safetensors;"
+                f" a pickled pytorch_model.bin is never loaded: it can run code): save the "
+                f"model there with save_pretrained, whose default is safetensors ({e})") from e
+        self.model = model.to(self.device).eval()
         self.box_threshold = box_threshold
         self.text_threshold = text_threshold
         self.nms_iou = nms_iou

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 
+from sclaro_jax import bounds
 from sclaro_jax.files import write_replacing  # noqa: F401  (data_prep's name for it)
 
 log = logging.getLogger(__name__)
@@ -44,8 +45,8 @@ class JsonLog:
                 if not line.endswith(b"\n"):
                     break
                 try:
-                    self.entries.append(json.loads(line))
-                except json.JSONDecodeError:
+                    self.entries.append(bounds.parse_json(line, path))
+                except ValueError:  # not JSON (torn), or nested too deep: not ours
                     break
                 good += len(line)
             _cut_torn_tail(path, good, len(data))

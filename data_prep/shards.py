@@ -44,6 +44,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 from tqdm import tqdm
 
 from data_prep import views
+from sclaro_jax import bounds
 from sclaro_jax.data import schema
 
 log = logging.getLogger("data_prep.shards")
@@ -72,8 +73,7 @@ def _writer_alive(folder: str) -> bool:
         return True
     pid, owner = int(m.group(1)), {}
     try:
-        with open(os.path.join(folder, OWNER), encoding="utf-8") as f:
-            owner = json.load(f)
+        owner = bounds.read_json(os.path.join(folder, OWNER))
     except (OSError, ValueError):
         pass  # killed before it wrote owner.json: the pid in the name decides
     if owner.get("host", socket.gethostname()) != socket.gethostname():

@@ -14,6 +14,7 @@ import urllib.parse
 from PIL import Image
 
 from sclaro_jax.paths import inside_root
+from sclaro_jax import bounds
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 KEPT_FORMATS = ("JPEG", "MPO", "PNG")  # MPO: a JPEG with extra frames; readers see the first
@@ -182,9 +183,12 @@ def require_dir(title: str, path: str, layout: str) -> str:
 
 
 def load_json(title: str, path: str):
+    """A source's json file (`bounds.read_json`: over the size limit, or nested too deep, it is
+    refused naming the limit); SourceError naming `title` and the file otherwise."""
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return bounds.read_json(path)
+    except bounds.BoundsError as e:
+        raise SourceError(f"{title}: {e}") from None
     except (OSError, ValueError) as e:
         raise SourceError(f"{title}: cannot read {path}: {type(e).__name__}: {e}") from None
 

@@ -6,13 +6,13 @@ just those bytes when the item's block runs."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tarfile
 from typing import Iterator
 
 from data_prep.source_items import SourceError, SourceItem, id_key
+from sclaro_jax import bounds
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _wds_caption(tar: tarfile.TarFile, tar_path: str, members: dict) -> str | No
         return text(members["txt"]).strip()
     if "json" in members:
         try:
-            meta = json.loads(text(members["json"]))
+            meta = bounds.parse_json(text(members["json"]), members["json"].name)
         except ValueError as e:
             raise SourceError(f"webdataset: {tar_path} member {members['json'].name}: "
                               f"not JSON ({e})") from None

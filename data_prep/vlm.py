@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from data_prep.vlm_reply import (FIELDS, MAX_OBJECTS, RECOVERY_NOTES, ParseError,  # noqa: F401
                                  parse_response)
+from sclaro_jax import bounds
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -84,8 +85,7 @@ def load_replies(path, layout: str) -> dict[str, str]:
     """A `--vlm-replies` JSON file: an object of reply texts (`layout` describes its keys in
     the error when it is not one)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            replies = json.load(f)
+        replies = bounds.read_json(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"--vlm-replies {path}: no such file") from None
     except json.JSONDecodeError as e:
@@ -133,8 +133,10 @@ class TransformersVLM:
         self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
         # Batched generation continues every row from its last token: pad on the left.
         self.processor.tokenizer.padding_side = "left"
+        # safetensors only: a pickled pytorch_model.bin can run code when it is loaded
         self.model = AutoModelForImageTextToText.from_pretrained(
-            path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code)
+            path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
+            use_safetensors=True)
         self.model.to(device).eval()
         self.device = device
         self.max_new_tokens = max_new_tokens

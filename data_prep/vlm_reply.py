@@ -13,6 +13,7 @@ import re
 from typing import Any
 
 from data_prep.loose_json import Notes, keep_first_non_empty, parse_at
+from sclaro_jax import bounds
 
 MAX_OBJECTS = 10
 FIELDS = ("action", "objects", "relations", "caption")
@@ -65,7 +66,8 @@ class ParseError(ValueError):
 def parse_response(text: str) -> dict:
     """Parse one Stage-1 reply into {action, objects, relations, caption, notes}.
 
-    Raises ParseError (reason "empty", "no_json", "not_an_object" or "no_usable_fields") when
+    Raises ParseError (reason "empty", "no_json", "not_an_object", "too_deep" (nested past
+    Python's parser) or "no_usable_fields") when
     the text holds no JSON-like object with any of the keys action / objects / relations.
     """
     if not isinstance(text, str):
@@ -104,7 +106,11 @@ def _find_object(text: str, notes: Notes) -> dict:
     starts = [m.start() for m in re.finditer(r"\{", text)][:MAX_CANDIDATES]
     for start in starts:
         local = Notes()
-        data, end = parse_at(text, start, local)
+        try:
+            data, end = parse_at(text, start, local)
+        except RecursionError:
+            raise ParseError("too_deep", "the reply's JSON is nested deeper than Python's "
+                                         "parser goes") from None
         if not isinstance(data, dict) or (not data and "cut_at_syntax_error" in local):
             continue  # not an object, or a brace in prose such as "{objects}"
         usable = _has_usable_key(data)
@@ -185,12 +191,17 @@ def _text_field(value: Any, field: str, notes: Notes) -> str:
         parts = [v for v in _flatten(value, notes) if isinstance(v, str) and v.strip()]
         notes.add(f"value_from_list:{field}")
         # An action is one word: take the first; a caption in pieces is joined.
-        value = (parts[:1] if field == "action" else parts)
-        return _clean(" ".join(_unwrap(v, notes) for v in value))
-    if not isinstance(value, str):
+        value = _clean(" ".join(_unwrap(v, notes) for v in (parts[:1] if field == "action"
+                                                                 else parts)))
+    elif not isinstance(value, str):
         notes.add(f"invalid_value:{field}")
         return ""
-    return _unwrap(value, notes)
+    else:
+        value = _unwrap(value, notes)
+    if field == "action" and bounds.label_problem(value):
+        notes.add("invalid_value:action")
+        return ""
+    return value
 
 
 def _flatten(items: list, notes: Notes) -> list:
@@ -229,6 +240,8 @@ def _objects(value: Any, notes: Notes) -> list[str]:
         name = _unwrap(item, notes)
         if not name:
             notes.add("empty_string")
+        elif bounds.label_problem(name):  # past the label limit, or control characters
+            notes.add(f"object_dropped:{bounds.label_problem(name)}")
         elif name.lower() in seen:
             notes.add("duplicate_object")
         else:
@@ -325,6 +338,10 @@ def _triplet(item: Any, objects: list[str], notes: Notes) -> tuple[str, str, str
     parts = [_unwrap(p, notes) for p in item]
     if not all(parts):
         notes.add("relation_dropped:empty")
+        return None
+    problem = next(filter(None, map(bounds.label_problem, parts)), None)
+    if problem:
+        notes.add(f"relation_dropped:{problem}")
         return None
     return tuple(parts)
 

@@ -25,7 +25,6 @@ one `error: ... (see --help)` line and exit 2, and any other user error one `err
 exit 2 (the traceback too with --verbose).
 """
 
-import json
 import logging
 import os
 import sys
@@ -115,9 +114,9 @@ def prepare_demo(config, workdir: str, task) -> None:
                                              data)
         build_demo(data, **({"image_size": size} if size else {}), progress=False)
     elif size:
-        with open(manifest, encoding="utf-8") as f:
-            if json.load(f).get("view_size") != size:  # written for another image size
-                build_demo(data, image_size=size, overwrite=True, progress=False)
+        from sclaro_jax.bounds import read_json
+        if read_json(manifest).get("view_size") != size:  # written for another image size
+            build_demo(data, image_size=size, overwrite=True, progress=False)
     with config.unlocked():
         config.data.dir = data
 
@@ -172,7 +171,8 @@ def fail(message: str, verbose: bool) -> None:
     if verbose:
         import traceback
         traceback.print_exc()
-    print(f"error: {message}", file=sys.stderr)
+    from sclaro_jax.bounds import printable
+    print(f"error: {printable(message)}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -17,7 +17,9 @@
 - any other user error (a missing file, a folder that is not a dataset, a folder that cannot be
   written, an optional package that is not installed; `USER_ERRORS`) prints one `error:` line
   (`message`) and exits 2; a traceback (exit 1) is a bug. A missing optional package
-  (`MissingExtra`, from `need`) names the extra that brings it and the pip command.
+  (`MissingExtra`, from `need`) names the extra that brings it and the pip command. Control
+  characters in the line (a file name or label from data holding ESC, BEL, a newline or
+  U+202E) are escaped (`bounds.printable`): it stays one line and cannot drive the terminal.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ import os
 import re
 import sys
 import tempfile
+
+from sclaro_jax.bounds import printable
 
 
 class MissingExtra(ImportError):
@@ -82,7 +86,7 @@ def fail(e: BaseException, verbose: bool = False) -> int:
     if verbose:
         import traceback
         traceback.print_exc()
-    print(f"error: {message(e)}", file=sys.stderr)
+    print(f"error: {printable(message(e))}", file=sys.stderr)
     return 2
 
 
@@ -265,7 +269,7 @@ class ArgumentParser(argparse.ArgumentParser):
             near = closest(m.group(1), re.findall(r"'([^']*)'", m.group(2)))
             if near:
                 message = f"{message} (did you mean {near}?)"
-        self.exit(2, f"error: {message} (see {parser.prog} --help)\n")
+        self.exit(2, f"error: {printable(message)} (see {parser.prog} --help)\n")
 
 
 class DefaultsOnce(argparse.HelpFormatter):

@@ -115,7 +115,7 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
     in place: the value is read as JSON and converted to the key's current type (a string key
     takes the text as it is). KeyError naming an unknown key and the closest known ones
     (`check_key`); ValueError for a value of the wrong kind, naming the key's type and value."""
-    import json
+    from sclaro_jax.bounds import BoundsError, parse_json
 
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -132,12 +132,14 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
             continue
         if old is None:  # no type to keep: JSON, or the text as it is
             try:
-                parent[parts[-1]] = json.loads(value)
+                parent[parts[-1]] = parse_json(value, f"--config.{key}")
+            except BoundsError:
+                raise
             except ValueError:
                 parent[parts[-1]] = value
             continue
         try:
-            parsed = json.loads(value)
+            parsed = parse_json(value, f"--config.{key}")
             if isinstance(old, bool) and not isinstance(parsed, bool):
                 raise TypeError
             if isinstance(old, (int, float)) and not isinstance(old, bool) and (
@@ -145,6 +147,8 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
                     or (isinstance(old, int) and parsed != int(parsed))):
                 raise TypeError
             parent[parts[-1]] = type(old)(parsed)
+        except BoundsError:
+            raise
         except (ValueError, TypeError):
             raise ValueError(f"--config.{item}: config.{key} takes {type(old).__name__} values "
                              f"(the recipe's is {old!r}), not {value!r}") from None

@@ -13,6 +13,7 @@ import argparse
 import json
 
 from data_prep.cli import command, view_flags, writable, write_flags
+from sclaro_jax import bounds
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -128,7 +129,7 @@ def run(args) -> int:
         if not sep or not key:
             raise ValueError(f"--source-option {item!r} is not KEY=VALUE")
         try:
-            options.append((key, json.loads(value)))
+            options.append((key, bounds.parse_json(value, f"--source-option {key}")))
         except json.JSONDecodeError:
             options.append((key, value))
     cfg = AnnotateConfig(

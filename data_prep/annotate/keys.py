@@ -32,6 +32,7 @@ import logging
 import os
 
 from data_prep.durable_logs import write_replacing
+from sclaro_jax import bounds
 
 log = logging.getLogger("data_prep.annotate")
 
@@ -54,8 +55,7 @@ def check_run_key(work: str, key: dict, has_work: bool) -> None:
     """Write `WORK/run.json`, or refuse a work folder whose finished work used other settings."""
     path = os.path.join(work, "run.json")
     if os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
+        old = bounds.read_json(path)
         if old == key:
             return
         changed = ", ".join(sorted(k for k in set(old) | set(key) if old.get(k) != key.get(k)))
@@ -107,8 +107,7 @@ class HashMemo:
         self.memo: dict = {}
         self.dirty = False
         try:
-            with open(path, encoding="utf-8") as f:
-                self.memo = json.load(f)
+            self.memo = bounds.read_json(path)
         except (OSError, ValueError):
             self.memo = {}
 

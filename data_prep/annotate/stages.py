@@ -33,6 +33,7 @@ from PIL import Image
 from data_prep.annotate.keys import sha256_file
 from data_prep.durable_logs import write_replacing
 from data_prep.source_items import OutsideRoot
+from sclaro_jax import bounds
 from sclaro_jax.data import schema
 from sclaro_jax.paths import OUTSIDE_ROOT
 
@@ -302,8 +303,7 @@ def finished_blocks(work: str, chunks: list, memo) -> tuple[list[dict], list[str
         if not os.path.exists(marker_path):
             continue
         try:
-            with open(marker_path, encoding="utf-8") as f:
-                marker = json.load(f)
+            marker = bounds.read_json(marker_path)
         except (OSError, ValueError) as e:
             notes.append(f"block {k}: its marker {marker_path} is unreadable ({e}); redone")
             continue

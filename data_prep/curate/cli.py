@@ -18,6 +18,7 @@ import argparse
 import sys
 
 from data_prep.cli import command, writable, write_flags
+from sclaro_jax.bounds import printable
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -122,7 +123,7 @@ def _run(args) -> int:
         print(e)
         return 3
     except (MissingNLTKData, CurationMismatch, UnlabelledClusters) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + "\n".join(map(printable, str(e).split("\n"))), file=sys.stderr)
         return 2
     vocab = result["vocabulary"]
     print(f"curated {result['records']} records into {args.out}: {vocab['actions']} actions, "

@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from data_prep.curate import rules
 from data_prep.durable_logs import write_replacing
+from sclaro_jax import bounds
 from sclaro_jax.data import schema
 
 # Cosine similarity at which two actions are suggested for merging. With all-MiniLM-L6-v2,
@@ -316,7 +317,7 @@ def _read_labels(clusters: str, prev, new_names: list[str], std_names: list[str]
     from data_prep.curate.report import check_labelled
     if prev is None:
         labels = curate_cluster.read_curated(clusters)
-        if "extends" in json.loads(open(clusters, encoding="utf-8").read()):
+        if "extends" in bounds.read_json(clusters):
             raise ValueError(f"{clusters} was written by `--extend`; pass the same --extend "
                              f"folder, or delete it to cluster this dataset on its own")
     else:

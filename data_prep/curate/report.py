@@ -13,13 +13,13 @@ the clusters to read first (`needing_a_look`), unless the curator accepts every 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
 from data_prep.durable_logs import write_replacing
+from sclaro_jax import bounds
 
 EXAMPLES = 6  # names shown per cluster in the table
 LOOK, LOOK_NAMES = 5, 8  # clusters, and names of each, listed when an unlabelled file is refused
@@ -163,7 +163,7 @@ def check_labelled(path, *, accept_suggested: bool = False) -> None:
     """UnlabelledClusters, listing the clusters that most need a look, unless a new cluster
     of the clusters file at `path` (already read by `cluster.read_curated`) has a "label",
     there is none, or `accept_suggested`."""
-    doc = json.loads(Path(path).read_text(encoding="utf-8"))
+    doc = bounds.read_json(path)
     fresh = _fresh(doc)
     if accept_suggested or not fresh or any((c.get("label") or "").strip() for c in fresh):
         return

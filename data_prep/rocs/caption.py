@@ -23,7 +23,6 @@ name) and `box` (x0, y0, x1, y1 in pixels).
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from data_prep.rocs.selection import caption_names
 from data_prep.vlm import load_replies
+from sclaro_jax import bounds
 
 NO_REPLY = "vlm_no_reply"
 MISSING_OBJECT = "caption_missing_object"
@@ -104,8 +104,8 @@ def clean_caption(reply: str) -> str:
     text = reply.strip()
     if text.startswith("{"):
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
+            data = bounds.parse_json(text, "the reply")
+        except ValueError:  # not JSON, or nested too deep
             data = None
         if isinstance(data, dict):
             for key in ("caption", "description", "text"):

@@ -36,6 +36,7 @@ from data_prep.rocs import caption as rocs_caption, selection as rocs_select
 from data_prep.durable_logs import write_replacing
 from data_prep.rocs.selection import AnnotatedImage
 from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
+from sclaro_jax import bounds
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
 # prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper
@@ -85,7 +86,7 @@ def _lazy_pixels(image: AnnotatedImage, path: Path) -> Callable[[], np.ndarray]:
 
     def pixels() -> np.ndarray:
         if not loaded:
-            with Image.open(path) as img:
+            with bounds.open_image(path, f"image {image.id}: {path}") as img:
                 array = np.asarray(img.convert("RGB"))
             if array.shape[:2] != (image.height, image.width):
                 raise ValueError(f"image {image.id}: {path} is {array.shape[1]}x{array.shape[0]},"
@@ -111,9 +112,9 @@ class StageCache:
         path = None if self.folder is None else self.folder / f"{name}.json"
         if path is not None and path.exists():
             try:
-                cached = json.loads(path.read_text(encoding="utf-8"))
-            except json.JSONDecodeError:
-                cached = None  # torn by a crash: redo it
+                cached = bounds.read_json(path)
+            except ValueError:
+                cached = None  # torn by a crash (or not ours): redo it
             if isinstance(cached, dict) and cached.get("key") == key:
                 return cached["value"]
         value = make()
@@ -129,7 +130,7 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".webp")
 
 
 def _image_size(path: Path) -> list[int]:
-    with Image.open(path) as img:
+    with bounds.open_image(path, str(path)) as img:
         return list(img.size)
 
 
@@ -184,7 +185,7 @@ def detect_instances(image_dir: str | Path, classes: list[str], detector: Callab
             if not found:
                 opened = []
                 for p in chunk:
-                    with Image.open(p) as img:
+                    with bounds.open_image(p, str(p)) as img:
                         opened.append(img.convert("RGB"))
                 dets: dict[Path, list] = {path: [] for path in chunk}
                 for group in groups:

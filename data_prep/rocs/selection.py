@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sclaro_jax import bounds
+
 TOP_FRACTION = 0.1
 MAX_MASK_AREA = 0.05
 SMALL_BOX_AREA = 0.01  # Figure 3's "share of rare objects under 1% of the image"
@@ -85,7 +87,7 @@ def read_instances(path: str | Path) -> list[AnnotatedImage]:
     Raises InstancesError naming the file and the field at fault."""
     path = Path(path)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
+        raw = bounds.read_json(path)
     except FileNotFoundError:
         raise InstancesError(f"{path}: no such instances file") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

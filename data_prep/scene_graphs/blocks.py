@@ -19,6 +19,7 @@ import json
 import os
 import uuid
 
+from sclaro_jax import bounds
 from sclaro_jax.data.schema import file_sha256
 from sclaro_jax.files import write_replacing
 
@@ -80,8 +81,7 @@ def finished(work: str, blocks: list[list[str]], key: str) -> tuple[dict, int]:
     for k, ids in enumerate(blocks):
         shard, marker_path = paths(work, k)
         try:
-            with open(marker_path, encoding="utf-8") as f:
-                marker = json.load(f)
+            marker = bounds.read_json(marker_path)
         except (OSError, ValueError):
             continue
         if marker.get("version") != MARKER_VERSION or marker.get("ids") != ids:

@@ -45,7 +45,6 @@ import sys
 from concurrent import futures
 
 import numpy as np
-from PIL import Image
 from tqdm import tqdm
 
 from data_prep import focus
@@ -55,6 +54,7 @@ from data_prep.scene_graphs import blocks, psg, vg
 from data_prep.scene_graphs.graph import Graph, SceneGraphs
 from data_prep.shards import ShardWriter, convert_sample, iter_records, refuse_a_dataset_in
 from data_prep.source_items import SourceError, SourceItem, read_image
+from sclaro_jax import bounds
 from sclaro_jax.data import schema
 
 READERS = {"psg": psg.read, "vg": vg.read}
@@ -62,13 +62,14 @@ REGION_QUALITY = 95  # JPEG quality of the focused regions, as annotate's
 
 
 def panoptic_ids(path: str, size: tuple[int, int]) -> np.ndarray:
-    """The segment id of every pixel of a COCO panoptic PNG: R + 256 G + 256^2 B."""
+    """The segment id of every pixel of a COCO panoptic PNG: R + 256 G + 256^2 B. Its header's
+    size is checked (against the photograph's, and the pixel limit) before it is decoded."""
     with open(path, "rb") as f:
-        png = Image.open(io.BytesIO(f.read()))
-        png.load()
+        png = bounds.open_image(io.BytesIO(f.read()), path)
     if png.size != size:
         raise ValueError(f"{path} is {png.size[0]}x{png.size[1]}, the photograph "
                          f"{size[0]}x{size[1]}")
+    png.load()
     rgb = np.asarray(png.convert("RGB"), np.uint32)
     return rgb[..., 0] + 256 * rgb[..., 1] + 65536 * rgb[..., 2]
 
@@ -82,26 +83,29 @@ def mask_box(mask: np.ndarray):
 
 
 class Counts:
-    """The import's tallies: images kept and skipped, relations and objects dropped, actions."""
+    """The import's tallies: images kept and skipped, relations, objects and action words
+    dropped (labels past `bounds.label_problem`: long_label, control_characters), actions."""
+
+    DROPS = ("skipped", "relations_dropped", "objects_dropped", "actions_dropped", "splits")
 
     def __init__(self):
         self.images = self.kept = self.with_action = 0
-        self.skipped, self.relations_dropped, self.objects_dropped = (
-            collections.Counter(), collections.Counter(), collections.Counter())
-        self.splits = collections.Counter()
+        for name in self.DROPS:
+            setattr(self, name, collections.Counter())
 
     def as_dict(self) -> dict:
         return {"images": self.images, "kept": self.kept, "with_action": self.with_action,
                 "skipped": dict(self.skipped), "relations_dropped": dict(self.relations_dropped),
-                "objects_dropped": dict(self.objects_dropped), "splits": dict(self.splits)}
+                "objects_dropped": dict(self.objects_dropped),
+                "actions_dropped": dict(self.actions_dropped), "splits": dict(self.splits)}
 
     def add(self, d: dict) -> None:
         """Add the tallies of another `as_dict` (a block's)."""
         self.images += d["images"]
         self.kept += d["kept"]
         self.with_action += d["with_action"]
-        for name in ("skipped", "relations_dropped", "objects_dropped", "splits"):
-            getattr(self, name).update(d[name])
+        for name in self.DROPS:
+            getattr(self, name).update(d.get(name, {}))
 
     def summary(self, data: SceneGraphs, with_actions: bool) -> dict:
         return {
@@ -110,6 +114,7 @@ class Counts:
             "skipped": dict(sorted(self.skipped.items())),
             "relations_dropped": dict(sorted(self.relations_dropped.items())),
             "objects_dropped": dict(sorted(self.objects_dropped.items())),
+            "actions_dropped": dict(sorted(self.actions_dropped.items())),
             "actions": {"rule": "main verb of the first caption with one, WordNet lemma "
                                 "(data_prep.scene_graphs.actions)" if with_actions else "none",
                         "with_action": self.with_action,
@@ -144,6 +149,9 @@ def _objects(graph: Graph, masks: Masks, counts: Counts) -> tuple[list, dict]:
         if not name:
             counts.objects_dropped["no_name"] += 1
             continue
+        if bounds.label_problem(name):  # over the label limit, or control characters
+            counts.objects_dropped[bounds.label_problem(name)] += 1
+            continue
         if box is None:
             counts.objects_dropped["bad_box"] += 1
             continue
@@ -169,6 +177,8 @@ def _relations(graph: Graph, rgb: np.ndarray, objects: list, index: dict, masks:
             reason = "object_dropped"
         elif not predicate:
             reason = "no_predicate"
+        elif bounds.label_problem(predicate):
+            reason = bounds.label_problem(predicate)
         elif not (masks[s].any() and masks[o].any()):
             reason = "empty_mask"
         else:
@@ -214,6 +224,9 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
         return None
     action, caption = (action_rule.action_and_caption(graph.captions, *rule) if rule
                        else ("", graph.captions[0]))
+    if action and bounds.label_problem(action):  # the caption's verb: kept without an action
+        counts.actions_dropped[bounds.label_problem(action)] += 1
+        action = ""
     counts.kept += 1
     counts.with_action += bool(action)
     counts.splits[graph.split] += 1
@@ -392,8 +405,9 @@ def format_summary(summary: dict) -> str:
              + ", ".join(f"{k} {v}" for k, v in summary["splits"].items()) + "), "
              f"{sum(summary['skipped'].values())} skipped"]
     for title, key in (("skipped", "skipped"), ("relations dropped", "relations_dropped"),
-                       ("objects dropped", "objects_dropped")):
-        if summary[key]:
+                       ("objects dropped", "objects_dropped"),
+                       ("action words dropped", "actions_dropped")):
+        if summary.get(key):
             lines.append(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in summary[key].items()))
     acts = summary["actions"]
     lines.append(f"  action words: {acts['with_action']} of {summary['kept']} images "

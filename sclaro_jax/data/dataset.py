@@ -15,6 +15,7 @@ import json
 import logging
 import os
 
+from sclaro_jax import bounds
 from sclaro_jax.data import schema
 from sclaro_jax.paths import inside_root
 
@@ -264,8 +265,7 @@ def open_dataset(root: str, *, verify: bool = False) -> ShardedDataset:
             f"`reshard` wrote from one), or the bundled demo, `python -m data_prep demo --out "
             f"DIR`")
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = bounds.read_json(path)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}: not valid JSON ({e})") from None
     if manifest.get("format") != schema.MANIFEST_FORMAT:

@@ -10,7 +10,9 @@ give the figures), to the same pixels (`tests/test_pipeline.py` holds them withi
 PyTurboJPEG was not measured: it needs the system libturbojpeg, which the machine this was
 written on lacks.
 
-Errors are `schema.RecordError` naming `what` (the sample and field), like `schema.decode_image`.
+Errors are `schema.RecordError` naming `what` (the sample and field), like `schema.decode_image`;
+an image whose header says more pixels than `bounds.max_pixels()` (Pillow's decompression-bomb
+limit, which simplejpeg does not apply) is one, before the decoder allocates.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
+from sclaro_jax import bounds
 from sclaro_jax.data import schema
 
 try:
@@ -51,6 +54,10 @@ def _turbo_header(data, what: str, size):
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None  # PIL decides: decodes it, or raises the RecordError naming `what`
+    try:
+        bounds.check_pixels(width, height, what)
+    except bounds.BoundsError as e:
+        raise schema.RecordError(str(e)) from None
     if colorspace not in _TURBO_COLORSPACES:
         return None
     if size is not None and (width, height) != tuple(size):

@@ -58,6 +58,8 @@ import msgpack
 import numpy as np
 from PIL import Image
 
+from sclaro_jax import bounds
+
 MAGIC = b"SCLARO"
 SCHEMA_VERSION = 2  # what the writer writes
 READABLE_VERSIONS = (1, 2)
@@ -268,7 +270,7 @@ def decode_image(data: bytes, what: str = "image", *, size: tuple[int, int] | No
     whose shorter side stays >= min_side; for views that are downscaled to that size anyway.
     """
     try:
-        img = Image.open(io.BytesIO(data))
+        img = bounds.open_image(io.BytesIO(data), what)
         if size is not None and img.size != tuple(size):
             raise RecordError(f"{what} decodes to {img.size[0]}x{img.size[1]}, record says "
                               f"{size[0]}x{size[1]}")
@@ -278,9 +280,25 @@ def decode_image(data: bytes, what: str = "image", *, size: tuple[int, int] | No
         img.load()
     except RecordError:
         raise
+    except bounds.BoundsError as e:
+        raise RecordError(str(e)) from None
     except Exception as e:
         raise RecordError(f"{what} does not decode: {type(e).__name__}: {e}") from None
     return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def _check_labels(sample: Sample, fail) -> None:
+    """`fail` naming the first label (action, object name, predicate) that cannot enter a
+    vocabulary (`bounds.label_problem`: too long, or holding control characters)."""
+    labels = [("action", sample.action)] + [(f"object {i} name", o.name)
+                                            for i, o in enumerate(sample.objects)]
+    for what, label in labels + [(f"relation {j} predicate", r.predicate)
+                                 for j, r in enumerate(sample.relations)]:
+        problem = isinstance(label, str) and bounds.label_problem(label)
+        if problem:
+            fail(f"{what} '{bounds.printable(label[:80])}': {problem.replace('_', ' ')} "
+                 f"(labels are at most {bounds.label_limit()} characters, no control "
+                 "characters)")
 
 
 def validate(sample: Sample, *, decode_images: bool = True) -> None:
@@ -304,6 +322,7 @@ def validate(sample: Sample, *, decode_images: bool = True) -> None:
         fail(f"action {sample.action!r} has surrounding whitespace (write '' for no action)")
     if not isinstance(sample.caption, str):
         fail("caption must be a string")
+    _check_labels(sample, fail)
     w, h = int(sample.width), int(sample.height)
     if w <= 0 or h <= 0:
         fail(f"image size {w}x{h} is empty")
@@ -395,5 +414,14 @@ def file_sha256(path) -> str:
 
 
 def read_vocab(path) -> list[str]:
+    """The labels of a vocabulary file, one a line; a line holding a control character is
+    refused naming the file and line (no writer here writes one)."""
     with open(path, encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f if line.rstrip("\n")]
+        labels = [line.rstrip("\n") for line in f]
+    for n, label in enumerate(labels, 1):
+        if bounds.has_control(label):
+            raise bounds.BoundsError(
+                f"{path} line {n}: label '{bounds.printable(label[:80])}' holds control "
+                "characters; a vocabulary file holds one plain label a line (rewrite the "
+                "dataset with `python -m data_prep`)")
+    return [label for label in labels if label]

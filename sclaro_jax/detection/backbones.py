@@ -3,7 +3,6 @@ a Hugging Face CLIPModel folder), or, for the demo, a randomly initialised tiny 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -12,6 +11,7 @@ def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool, dtype
     model name for the table); the towers compute in `dtype` (default: float32)."""
     import jax.numpy as jnp
 
+    from sclaro_jax import bounds
     from sclaro_jax.models import clip
 
     dtype = jnp.dtype(dtype or jnp.float32)
@@ -33,7 +33,7 @@ def backbones(workdir: str, level_rpn: str, level_roi: str, teacher: bool, dtype
             return rpn.vision_model, None, patch, f"{kind} ({level_rpn}, step {step})"
         return (rpn.vision_model, roi.vision_model, patch,
                 f"{kind} ({level_rpn} -> RPN, {level_roi} -> RoI, step {step})")
-    if cfg_path.exists() and json.loads(cfg_path.read_text()).get("model_type") == "clip":
+    if cfg_path.exists() and bounds.read_json(cfg_path).get("model_type") == "clip":
         model = clip.from_hf(folder, dtype=dtype, towers_only=True)  # the vision tower alone
         return model.vision_model, None, model.config.vision.patch_size, f"CLIP ({folder.name})"
     raise FileNotFoundError(f"--workdir {workdir} is neither a training workdir (config.json + "

@@ -43,7 +43,7 @@ import numpy as np
 from flax import nnx
 from PIL import Image
 
-from sclaro_jax import ops
+from sclaro_jax import bounds, ops
 from sclaro_jax.data import augment
 
 
@@ -306,7 +306,7 @@ def register_encoder(name: str) -> Callable:
 def model_type(folder: Path) -> str:
     config = folder / "config.json"
     try:
-        return json.loads(config.read_text()).get("model_type", "")
+        return bounds.read_json(config).get("model_type", "")
     except (OSError, json.JSONDecodeError) as e:
         raise EncoderError(f"cannot read {config}: {e}") from None
 

@@ -229,7 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     results, info = {}, {}
     for split in splits:
         t0 = time.perf_counter()
-        emb = embed_split(encoder, split, crops, cache_dir=cache, progress=not args.no_progress)
+        try:  # the gallery's images are read here: one that cannot be is a user error
+            emb = embed_split(encoder, split, crops, cache_dir=cache,
+                              progress=not args.no_progress)
+        except cli.USER_ERRORS as e:
+            return cli.fail(e)
         t1 = time.perf_counter()
         big = len(split.queries) * split.num_images > args.stream_above
         if args.stream == "on" or (args.stream == "auto" and big):

@@ -94,8 +94,7 @@ def _run_config(workdir: str, config_spec: str | None):
 def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
     """The first `count` full-size photographs of a split (the attention overlays);
     `schema.MissingOriginalsError` naming the dataset when its records do not keep them."""
-    from PIL import Image
-
+    from sclaro_jax import bounds
     from sclaro_jax.data import schema
     from sclaro_jax.eval.protocols.embedding import read_samples
 
@@ -107,7 +106,7 @@ def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
             raise schema.MissingOriginalsError(
                 f"{data_dir}: the attention-overlay figures need the full-size photographs "
                 f"(or pass --no-figures): {e}") from None
-        with Image.open(io.BytesIO(data)) as img:
+        with bounds.open_image(io.BytesIO(data), f"{data_dir}: sample {sample.id!r}") as img:
             out.append(np.asarray(img.convert("RGB")))
     return out
 
@@ -319,7 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not sep or os.path.exists(spec):
             name, path = Path(spec).name, spec
         if not os.path.isdir(path):
-            print(f"error: workdir not found: {path}", file=sys.stderr)
+            print(f"error: workdir not found: {cli.printable(path)}", file=sys.stderr)
             return 2
         workdirs[name] = path
     settings = Settings(

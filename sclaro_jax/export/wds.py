@@ -47,7 +47,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
-from sclaro_jax import cli
+from sclaro_jax import bounds, cli
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.export.photo_size import tag_photo_size
@@ -84,9 +84,7 @@ def _image_bytes(sample: schema.Sample, where: str, originals: bool) -> tuple[by
                            "--originals)") from None
         ext = image_extension(data)
         if ext is None:  # a format CLIP_benchmark does not decode: PNG, losslessly
-            from PIL import Image
-
-            with Image.open(io.BytesIO(data)) as img:
+            with bounds.open_image(io.BytesIO(data), where) as img:
                 buf = io.BytesIO()
                 img.convert("RGB").save(buf, format="PNG")
             data, ext = buf.getvalue(), "png"

@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from sclaro_jax import cli
+from sclaro_jax import bounds, cli
 
 
 VERSION = 2  # 2: the crop index's IVF lists are chosen by the crops (`route_vectors`)
@@ -143,7 +143,9 @@ class Gallery:
             raise FileNotFoundError(2, "No such file or directory (not an eval.rocs embedding "
                                        "cache folder)", str(meta_path))
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = bounds.read_json(meta_path)
+        except bounds.BoundsError:
+            raise
         except ValueError as e:
             raise ValueError(f"{meta_path} is not JSON ({e})") from None
         files = sorted(folder.glob("gallery-*-of-*.npy"))
@@ -273,13 +275,28 @@ def _write_index(path: Path, index) -> None:
 
 
 def _read_index(path: Path):
+    """A FAISS index file, deserialised with faiss's byte and loop limits set to the file's own
+    size (faiss's defaults allow a 1 TiB vector): no vector or loop it declares can be larger
+    than the bytes that hold it, so a crafted header is refused before it is allocated. (The
+    IVF-PQ precomputed table, computed rather than read, is skipped: inner-product indexes,
+    all of ours, never use it.)"""
     if not path.is_file():
         raise IndexFileError(f"{path}: missing")
+    f, data = faiss(), np.fromfile(path, dtype=np.uint8)
+    limits = [(getattr(f, f"get_deserialization_{k}_limit", None),
+               getattr(f, f"set_deserialization_{k}_limit", None)) for k in ("vector_byte", "loop")]
+    saved = [(get(), set_) for get, set_ in limits if get and set_]
     try:
-        return faiss().deserialize_index(np.fromfile(path, dtype=np.uint8))
-    except RuntimeError as e:
-        raise IndexFileError(f"{path}: unreadable FAISS index "
-                             f"({str(e).strip().splitlines()[-1][:200]})") from None
+        for _, set_ in saved:
+            set_(max(1, data.size))
+        return f.deserialize_index(data, getattr(f, "IO_FLAG_SKIP_PRECOMPUTE_TABLE", 0))
+    except (RuntimeError, MemoryError) as e:
+        raise IndexFileError(f"{path}: unreadable FAISS index, or one declaring more than its "
+                             f"{data.size} bytes hold ({str(e).strip().splitlines()[-1][:200]})"
+                             ) from None
+    finally:
+        for value, set_ in saved:
+            set_(value)
 
 
 def shard_rows(n: int, shard: tuple[int, int]) -> tuple[int, int]:
@@ -319,7 +336,9 @@ def _read_json(path: Path) -> dict:
         raise IndexFileError(f"{path}: missing (not a MINER index folder, or its build never "
                              f"started)")
     try:
-        return json.loads(path.read_text())
+        return bounds.read_json(path)
+    except bounds.BoundsError:
+        raise
     except ValueError as e:
         raise IndexFileError(f"{path}: not JSON ({e}); the file is damaged") from None
 

@@ -10,7 +10,6 @@ layouts need live in `to_hf_layout` / `from_hf_layout`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -18,6 +17,8 @@ from typing import Any, Callable, Mapping
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from sclaro_jax import bounds
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -95,7 +96,7 @@ def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
         files = [single]
     elif index.exists():
         try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            shards = sorted(set(bounds.read_json(index)["weight_map"].values()))
         except (ValueError, KeyError) as err:
             raise CheckpointError(f"{index} is not a safetensors index ({err})") from None
         missing = [s for s in shards if not (folder / s).exists()]
@@ -140,8 +141,8 @@ def load_hf_state(model: nnx.Module, tensors: Mapping[str, np.ndarray], where: s
             if items:
                 shown = ", ".join(items[:12]) + (f", ... ({len(items)} in all)"
                                                  if len(items) > 12 else "")
-                lines.append(f"  {title}: {shown}")
-        raise CheckpointError("\n".join(lines))
+                lines.append(f"{title}: {shown}")
+        raise CheckpointError(" ".join(lines[:1]) + " " + "; ".join(lines[1:]))
     for key, (path, var) in expected.items():
         value = from_hf_layout(path, np.asarray(tensors[key], dtype=np.float32))
         var.set_value(jnp.asarray(value, dtype=var.dtype))
@@ -155,7 +156,7 @@ def read_config_json(path: str | os.PathLike) -> tuple[dict, Path]:
     if not config_file.is_file():
         raise CheckpointError(f"{folder} has no config.json: not a Hugging Face model folder")
     try:
-        return json.loads(config_file.read_text()), config_file
+        return bounds.read_json(config_file), config_file
     except ValueError as err:
         raise CheckpointError(f"{config_file} is not valid JSON ({err})") from None
 

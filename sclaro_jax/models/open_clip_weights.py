@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sclaro_jax import bounds
 from sclaro_jax.models import clip, cpu_gradients, hf_weights
 from sclaro_jax.models.hf_weights import CheckpointError
 from sclaro_jax.models.open_clip_config import (config_from_open_clip, config_from_state,
@@ -115,7 +116,7 @@ def _resolve(spec) -> tuple[Path, Path | None, str | None]:
 # --------------------------------------------------------------------------------------------
 def _read_json(file: Path) -> dict:
     try:
-        raw = json.loads(file.read_text())
+        raw = bounds.read_json(file)
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{file} is not readable JSON ({err})") from None
     if not isinstance(raw, dict) or "model_cfg" not in raw:

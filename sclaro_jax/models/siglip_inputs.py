@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from sclaro_jax import bounds
 from sclaro_jax.models.hf_weights import CheckpointError
 
 # --------------------------------------------------------------------------------------------
@@ -50,7 +51,7 @@ def image_config(path: str | os.PathLike, size: int | None = None) -> ImageConfi
     file = Path(path) / "preprocessor_config.json"
     if not file.is_file():
         raise CheckpointError(f"{Path(path)} has no preprocessor_config.json")
-    raw = json.loads(file.read_text())
+    raw = bounds.read_json(file)
     if size is not None:
         hw = (int(size), int(size))
     elif "max_num_patches" in raw:
@@ -125,7 +126,7 @@ def _token_str(value) -> str | None:
 def _text_max_length(folder: Path, max_length: int | None) -> int:
     """`max_length`, or 64 capped by the text tower's `max_position_embeddings`."""
     if max_length is None and (folder / "config.json").is_file():
-        raw = json.loads((folder / "config.json").read_text())
+        raw = bounds.read_json(folder / "config.json")
         positions = (raw.get("text_config") or {}).get("max_position_embeddings")
         if positions:
             max_length = min(64, int(positions))
@@ -150,7 +151,7 @@ def _sentencepiece_tokenizer(folder: Path, max_length: int | None
             "sclaro-jax checkout") from None
     sp = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spiece.model"))
     tcfg_file = folder / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
+    tcfg = bounds.read_json(tcfg_file) if tcfg_file.is_file() else {}
     names = {key: _token_str(tcfg.get(key)) or default for key, default in
              (("eos_token", "</s>"), ("unk_token", "<unk>"), ("pad_token", "</s>"))}
     special = {}
@@ -218,10 +219,10 @@ def load_tokenizer(path: str | os.PathLike, max_length: int | None = None
             "files into the folder")
     tok = Tokenizer.from_file(str(file))
     tcfg_file = folder / "tokenizer_config.json"
-    tcfg = json.loads(tcfg_file.read_text()) if tcfg_file.is_file() else {}
+    tcfg = bounds.read_json(tcfg_file) if tcfg_file.is_file() else {}
     model_type = None
     if (folder / "config.json").is_file():
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+        model_type = bounds.read_json(folder / "config.json").get("model_type")
     max_length = _text_max_length(folder, max_length)
 
     cls = tcfg.get("tokenizer_class")

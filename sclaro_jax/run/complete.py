@@ -16,6 +16,7 @@ import os
 import re
 import sys
 
+from sclaro_jax import bounds
 from sclaro_jax.run.folder import TMP_SUFFIX, RunError
 
 
@@ -38,10 +39,11 @@ def steps(folder: str) -> list[int]:
 
 def _json_problem(path: str, rel: str) -> str | None:
     try:
-        with open(path, encoding="utf-8") as f:
-            json.load(f)
+        bounds.read_json(path)
     except FileNotFoundError:
         return f"{rel}: missing"
+    except bounds.BoundsError as e:
+        return f"{rel}: {str(e).partition(': ')[2]}"
     except (OSError, ValueError) as e:
         size = os.path.getsize(path) if os.path.exists(path) else 0
         return f"{rel}: {'empty' if not size else 'unreadable'} ({type(e).__name__})"

@@ -29,6 +29,7 @@ import struct
 import sys
 import threading
 
+from sclaro_jax import bounds
 from sclaro_jax.config import flatten
 from sclaro_jax.files import write_replacing
 
@@ -126,8 +127,8 @@ def _keep_lines(path: str, step: int) -> int:
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = bounds.parse_json(line, path)
+            except ValueError:  # not JSON, or nested too deep: a torn or foreign row
                 dropped += 1
                 continue
             if isinstance(row, dict) and row.get("step", 0) <= step:
@@ -218,8 +219,7 @@ def config_changes(workdir: str, config) -> tuple[dict, dict]:
     path = os.path.join(workdir, "config.json")
     if not os.path.exists(path):
         return {}, {}
-    with open(path, encoding="utf-8") as f:
-        saved = flatten(json.load(f))
+    saved = flatten(bounds.read_json(path))
     now = flatten(plain(config))
     missing = object()
     diff = {k: (saved.get(k, missing), now.get(k, missing)) for k in sorted(saved.keys() | now.keys())
@@ -277,9 +277,7 @@ def saved_data_state(step_dir: str) -> dict | None:
         return None
     import jax
     mine = f"process_{jax.process_index()}-of-{jax.process_count()}.json"
-    with open(os.path.join(folder, mine if mine in names else names[0]),
-              encoding="utf-8") as f:
-        return json.load(f)
+    return bounds.read_json(os.path.join(folder, mine if mine in names else names[0]))
 
 
 def check_data_state(workdir: str, step: int, state: dict | None, dataset, workers: int) -> None:
@@ -314,8 +312,7 @@ def read_run_info(workdir: str) -> dict:
     path = os.path.join(workdir, "run.json")
     if not os.path.exists(path):
         return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return bounds.read_json(path)
 
 
 def write_run_info(workdir: str, dataset) -> None:
@@ -366,7 +363,7 @@ class PortableIterator:
         return self.iterator.get_state()
 
     def set_state(self, state: bytes) -> None:
-        data = json.loads(state)
+        data = bounds.parse_json(state, "the data iterator's saved state")
         if str(data.get("data_source", "")).startswith(LEGACY_SOURCE):
             data["data_source"] = self.source_repr
             state = json.dumps(data, indent=4).encode()

@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from sclaro_jax import ops  # noqa: E402
+from sclaro_jax import bounds, ops  # noqa: E402
 from sclaro_jax.data import augment  # noqa: E402
 from sclaro_jax.eval.protocols.localise import patch_grid, vision_tower  # noqa: E402
 
@@ -196,7 +196,7 @@ def read_metrics(metrics_jsonl: str) -> list[dict]:
             if not line:
                 continue
             try:
-                row = json.loads(line)
+                row = bounds.parse_json(line, f"{metrics_jsonl} line {i}")
             except json.JSONDecodeError as e:
                 raise FigureError(f"{metrics_jsonl} line {i}: not JSON ({e})") from None
             if isinstance(row, dict) and "step" in row:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from sclaro_jax.bounds import printable
 from sclaro_jax.eval.protocols import metrics
 
 
@@ -12,11 +13,12 @@ def _fmt(v) -> str:
 def markdown_tables(result: dict) -> str:
     """The result of `evaluate_scenario` as Markdown tables: zero-shot (strict / lenient),
     zero-shot top-1 by source dataset (appendix Table A2 layout), linear probe, PredCls and
-    SGCls."""
+    SGCls. Names from the data (the model, split and source names) are shown with their
+    control characters escaped (`bounds.printable`)."""
     ks = result.get("settings", {}).get("ks", list(metrics.DEFAULT_KS))
     top = [f"top{k}" for k in ks]
-    parts = [f"Evaluation of {result.get('settings', {}).get('model', 'model')} on "
-             f"{result.get('split')} ({result.get('num_images')} images, "
+    parts = [f"Evaluation of {printable(result.get('settings', {}).get('model', 'model'))} on "
+             f"{printable(result.get('split'))} ({result.get('num_images')} images, "
              f"{result.get('num_objects')} objects, {result.get('num_relations')} relations)"]
     zs = result.get("zero_shot")
     if zs:
@@ -37,7 +39,7 @@ def markdown_tables(result: dict) -> str:
                              for k in ks]
         lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
         for s in sources:
-            row = [s]
+            row = [printable(s)]
             for t in ("action", "object", "relation"):
                 for form in (("strict",) if t == "action" else ("strict", "lenient")):
                     g = zs[t][form]["by_source"].get(s, {})

@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-from PIL import Image
+
+from sclaro_jax import bounds
 
 from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 
@@ -93,14 +94,17 @@ class RetrievalSplit:
 
 
 def read_rgb(path: str | os.PathLike) -> np.ndarray:
-    """An image file as RGB uint8 [H, W, 3]; a clear error naming the file otherwise."""
+    """An image file as RGB uint8 [H, W, 3]; a clear error naming the file otherwise (an image
+    over the pixel limit, `bounds.check_pixels`, is refused before it is decoded)."""
     try:
-        with Image.open(path) as img:
+        with bounds.open_image(path, f"image {bounds.printable(path)}") as img:
             return np.asarray(img.convert("RGB"))
     except FileNotFoundError:
-        raise SplitError(f"image file not found: {path}") from None
+        raise SplitError(f"image file not found: {bounds.printable(path)}") from None
+    except bounds.BoundsError as e:
+        raise SplitError(str(e)) from None
     except OSError as e:
-        raise SplitError(f"cannot decode image {path}: {e}") from None
+        raise SplitError(f"cannot decode image {bounds.printable(path)}: {e}") from None
 
 
 def _group(ids: Sequence[str], captions: Sequence[Sequence[str]], name: str, source: str,
@@ -259,8 +263,11 @@ def load_hf_folder(path: str | os.PathLike, split: str | None = None, *,
         value = ds[row][img_col]
         if is_image:
             try:
-                with Image.open(io.BytesIO(_image_bytes(value, where, row, path))) as img:
+                with bounds.open_image(io.BytesIO(_image_bytes(value, where, row, path)),
+                                       f"{where} row {row}") as img:
                     return np.asarray(img.convert("RGB"))
+            except bounds.BoundsError as e:
+                raise SplitError(str(e)) from None
             except OSError as e:
                 raise SplitError(f"{where} row {row}: cannot decode the image: {e}") from None
         full = inside_root(path, value) if isinstance(value, str) else None
@@ -303,8 +310,7 @@ def _image_bytes(value, where: str, row: int, root: Path) -> bytes:
 
 def _read_json(path: Path) -> dict:
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        data = bounds.read_json(path)
     except FileNotFoundError:
         raise SplitError(f"split file not found: {path}") from None
     except json.JSONDecodeError as e:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from sclaro_jax import miner
+from sclaro_jax import bounds, miner
 from sclaro_jax.eval.encoders import Encoder
 from sclaro_jax.eval.retrieval.data import RetrievalSplit
 from sclaro_jax.files import write_replacing
@@ -93,7 +93,7 @@ def _check_cache(folder: Path, meta: dict) -> None:
                                      f"saying how they were made; delete the folder")
         return
     try:
-        old = json.loads(path.read_text())
+        old = bounds.read_json(path)
     except ValueError as err:
         raise CacheMismatchError(f"{path} is not JSON ({err}); delete {folder}") from None
     for field in ("crops", "crop_rule"):

@@ -148,20 +148,25 @@ def evaluate_streaming(emb: GalleryEmbeddings, gt: np.ndarray, settings: Setting
 # --------------------------------------------------------------------------------------------
 
 def markdown(results: dict[str, dict[str, dict]], title: str = "") -> str:
-    """The paper's layout: one row per method, R@1/5/10 per split; then hubness per split."""
+    """The paper's layout: one row per method, R@1/5/10 per split; then hubness per split.
+    Split names (file or folder names) are shown with control characters escaped."""
+    from sclaro_jax.bounds import printable
+
     splits = list(results)
     methods = list(dict.fromkeys(m for s in splits for m in results[s]))
     ks = sorted({int(key[2:]) for s in splits for m in results[s].values() for key in m
                  if key.startswith("R@")})
-    lines = [f"### {title}", ""] if title else []
-    head = "| method | " + " | ".join(f"{s} R@{k}" for s in splits for k in ks) + " |"
+    lines = [f"### {printable(title)}", ""] if title else []
+    head = "| method | " + " | ".join(f"{printable(s)} R@{k}" for s in splits for k in ks) \
+        + " |"
     lines += [head, "|---|" + "---:|" * (len(splits) * len(ks))]
     for m in methods:
         cells = [f"{results[s][m][f'R@{k}']:.2f}" if m in results[s] else "-"
                  for s in splits for k in ks]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    names = [printable(s) for s in splits]
     lines += ["", "| method | " + " | ".join(
-        f"{s} skewness | {s} never retrieved % | {s} worst hub (count)" for s in splits) + " |",
+        f"{s} skewness | {s} never retrieved % | {s} worst hub (count)" for s in names) + " |",
         "|---|" + "---:|" * (3 * len(splits))]
     for m in methods:
         cells = []
