@@ -70,19 +70,19 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+from sclaro_jax.files import own_folder, remove_own_folder, replacing, write_replacing
 from sclaro_jax.miner.index_files import (  # noqa: F401  (the index's names, in one place)
     DEFAULT_FACTORY, DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL, DEFAULT_SHORTLIST, FLAT_BELOW,
     LARGE_FACTORY, SETTINGS, VERSION, FaissMissing, Gallery, IndexFileError, IndexMismatchError,
-    Shard, _compare, _is_ivf, _load, _nlist_of, _pad, _read_index, _read_json,
-    _write_index, _write_json, _write_npy, bank_hash, crop_vectors, faiss, global_vectors,
-    open_index, open_shards, parse_shard, per_image, resolve_factory, shard_rows)
+    Shard, _compare, _index_folder, _is_ivf, _load, _nlist_of, _pad, _read_index, _read_json,
+    _views_to_write, _write_index, _write_json, _write_npy, bank_hash, crop_vectors, faiss,
+    global_vectors, open_index, open_shards, parse_shard, per_image, resolve_factory, shard_rows)
 from sclaro_jax.miner.index_search import candidates, gt_ranks, search  # noqa: F401
 
 
@@ -218,8 +218,8 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
             "factory_crops": d_crop_f if r else None, "dim_crops": d_crop if r else None,
             "shard": list(shard), "offset": lo, "images": n, "total": gallery.n,
             "chunk": int(chunk)}
-    out.mkdir(parents=True, exist_ok=True)
     meta_path, man_path = out / "meta.json", out / "manifest.json"
+    _index_folder(out)
     if meta_path.exists():
         old = _read_json(meta_path)
         _compare({f: meta[f] for f in SETTINGS}, old, str(meta_path), SETTINGS)
@@ -235,19 +235,15 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         return out
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     parts = out / "parts"
-    parts.mkdir(exist_ok=True)
+    own_folder(parts, flag="the index's parts folder")
     views_path = out / "views.npy"
     shape = (n, 1 + r, gallery.dim)
-    if views_path.exists():
-        views = np.load(views_path, mmap_mode="r+")
-        if views.shape != shape:
-            raise IndexFileError(f"{views_path}: shape {views.shape}, expected {shape}")
-    else:
-        tmp = out / "views.npy.tmp"
-        views = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
-        views.flush()
-        os.replace(tmp, views_path)
-        views = np.load(views_path, mmap_mode="r+")
+    if not os.path.lexists(views_path):
+        with replacing(views_path) as tmp:
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape).flush()
+    views = _views_to_write(views_path)
+    if views.shape != shape:
+        raise IndexFileError(f"{views_path}: shape {views.shape}, expected {shape}")
 
     def record(step: str, c: int) -> None:
         man[step] = sorted(set(man[step]) | {c})
@@ -333,9 +329,9 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
     _write_json(meta_path, meta)
     man["complete"] = True
     _write_json(man_path, man)
-    shutil.rmtree(parts)
+    remove_own_folder(parts)
     for kind, _, _ in kinds:
-        (out / f"trained-{kind}.faiss").unlink()
+        (out / f"trained-{kind}.faiss").unlink()  # a link goes, never its target
     return out
 
 
@@ -429,7 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                      progress=not args.no_progress)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        np.savez(out / "hits.npz", scores=res.scores, indices=res.indices, r_q=res.r_q)
+        write_replacing(out / "hits.npz", lambda f: np.savez(
+            f, scores=res.scores, indices=res.indices, r_q=res.r_q))
         line = f"{len(queries)} queries -> {out / 'hits.npz'}"
         if gt is not None:
             ranks = gt_ranks(res.indices, gt)
