@@ -259,6 +259,18 @@ def test_a_workdir_of_another_user_is_refused(planted_run, tmp_path, sentinel):
     assert_refused(_train(workdir, *planted_run[3:]), str(workdir), "belongs to another user")
 
 
+def test_an_output_folder_every_user_may_write_is_refused(tmp_path, sentinel):
+    """Why 2: an --out writable by every user without the sticky bit (or the folder it would
+    be made in) is a usage error naming it, before anything is written there."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    for out in (shared, shared / "new"):
+        proc = cli("-m", "data_prep", "demo", "--out", str(out), "--no-progress")
+        assert_refused(proc, f"cannot write {out}: {shared} is writable by every user")
+    assert not os.listdir(shared)
+
+
 def _user_folder(folder: Path, *names: str) -> dict:
     """A folder of the user's holding `names` (files; a name ending in / is a folder with a
     file in it); its tree_hashes."""
