@@ -171,9 +171,10 @@ def own_folder(folder, *, flag: str) -> bool:
             not os.path.islink(os.path.join(folder, MADE)):
         return True
     elif os.listdir(folder):
-        raise UnsafePathError(
-            f"{flag} {folder} holds files this command did not make (it never writes among "
-            f"or deletes them): pass a new or empty folder to {flag}")
+        fix = f"pass a new or empty folder to {flag}" if flag.startswith("--") else \
+            f"move {folder} away and rerun"
+        raise UnsafePathError(f"{flag} {folder} holds files this command did not make (it "
+                              f"never writes among or deletes them): {fix}")
     write_replacing(os.path.join(folder, MADE), lambda f: json.dump({"made": made}, f),
                     text=True)
     return False

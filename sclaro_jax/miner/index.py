@@ -235,7 +235,7 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         return out
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     parts = out / "parts"
-    own_folder(parts, flag="the index's parts folder")
+    own_folder(parts, flag="the index build's parts folder")
     views_path = out / "views.npy"
     shape = (n, 1 + r, gallery.dim)
     if not os.path.lexists(views_path):
