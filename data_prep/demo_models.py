@@ -23,9 +23,11 @@ import json
 import os
 import shlex
 import shutil
+from pathlib import Path
 
 from data_prep.demo import image_path, load_annotations
 from data_prep.testing import scripted_reply
+from sclaro_jax.files import own_folder, write_replacing
 
 DETECTOR = "grounding-dino"
 SAM = "sam_tiny.pth"
@@ -49,19 +51,22 @@ def write_demo_models(out_dir: str, *, photos: int = 6, overwrite: bool = False,
                       progress: bool = True) -> dict:
     """Write the tiny models, `photos` demo photographs and their replies into `out_dir` (see
     the module docstring); returns {"detector", "sam", "photos", "replies", "dataset": path,
-    "count": photographs}. Refuses (FileExistsError) when `out_dir` already holds one of the
-    four unless `overwrite`, which replaces those four and leaves anything else there.
+    "count": photographs}. `out_dir` is new or empty, or one demo-models made (marked:
+    `sclaro_jax.files.own_folder`; any other folder with files is refused). Refuses
+    (FileExistsError) when `out_dir` already holds one of the four unless `overwrite`, which
+    replaces those four (links among them removed, never followed) and leaves anything else.
     `progress=False` hides transformers' progress bar while the detector is saved."""
     entries = load_annotations()
     if not 1 <= photos <= len(entries):
         raise ValueError(f"--photos {photos}: the demo has 1 to {len(entries)} photographs")
     paths = layout(out_dir)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a folder")
+    own_folder(out_dir, flag="--out")  # the four below are replaced only in a folder it made
     present = [os.path.basename(p) for p in paths.values() if os.path.lexists(p)]
     if present and not overwrite:
         raise FileExistsError(f"{out_dir} already holds {', '.join(present)} (pass --overwrite "
                               f"to replace them)")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"{out_dir} exists and is not a folder")
     sources = {e["id"] + os.path.splitext(e["path"])[1]: (e, image_path(e))
                for e in entries[:photos]}  # before anything is removed: each package is there
     for path in paths.values():
@@ -72,7 +77,8 @@ def write_demo_models(out_dir: str, *, photos: int = 6, overwrite: bool = False,
     os.makedirs(paths["photos"])
     replies = {}
     for name, (entry, source) in sources.items():
-        shutil.copyfile(source, os.path.join(paths["photos"], name))
+        data = Path(source).read_bytes()
+        write_replacing(os.path.join(paths["photos"], name), lambda f, data=data: f.write(data))
         replies[f"folder/{name}"] = demo_reply(entry)
 
     from transformers.utils import logging as hf_logging
@@ -87,9 +93,8 @@ def write_demo_models(out_dir: str, *, photos: int = 6, overwrite: bool = False,
         if shown:
             hf_logging.enable_progress_bar()
     segment.save_tiny_sam(paths["sam"])
-    with open(paths["replies"], "w", encoding="utf-8") as f:
-        json.dump(replies, f, indent=1, ensure_ascii=False)
-        f.write("\n")
+    write_replacing(paths["replies"], lambda f: f.write(
+        json.dumps(replies, indent=1, ensure_ascii=False) + "\n"), text=True)
     return {**paths, "dataset": os.path.join(out_dir, DATASET), "count": len(sources)}
 
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
+from sclaro_jax.files import write_replacing
+
 BOX_THRESHOLD = 0.25
 TEXT_THRESHOLD = 0.25
 NMS_IOU = 0.4
@@ -283,8 +285,7 @@ def save_tiny_model(path: str, seed: int = 0) -> str:
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + _TINY_SYMBOLS + sorted(
         set(_TINY_WORDS) | set(_TINY_LETTERS))
     vocab_file = os.path.join(path, "vocab.txt")
-    with open(vocab_file, "w", encoding="utf-8") as f:
-        f.write("\n".join(vocab) + "\n")
+    write_replacing(vocab_file, lambda f: f.write("\n".join(vocab) + "\n"), text=True)
     tokenizer = BertTokenizer(vocab=vocab_file, do_lower_case=True)
     image_processor = GroundingDinoImageProcessor(
         size={"shortest_edge": 256, "longest_edge": 384})

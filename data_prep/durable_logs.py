@@ -12,16 +12,15 @@ import logging
 import os
 
 from sclaro_jax import bounds
-from sclaro_jax.files import write_replacing  # noqa: F401  (data_prep's name for it)
+from sclaro_jax.files import open_new, write_replacing  # noqa: F401  (data_prep's name for it)
 
 log = logging.getLogger(__name__)
 
-def _cut_torn_tail(path: str, good: int, size: int) -> None:
+def _cut_torn_tail(f, path: str, good: int, size: int) -> None:
     if good < size:
         log.warning("%s: cutting off a torn tail of %d bytes (an interrupted write)", path,
                     size - good)
-        with open(path, "r+b") as f:
-            f.truncate(good)
+        f.truncate(good)
 
 
 def _append_durably(f, blob: bytes) -> None:
@@ -37,20 +36,19 @@ class JsonLog:
     def __init__(self, path: str):
         self.path = path
         self.entries: list[dict] = []
-        if os.path.exists(path):
-            with open(path, "rb") as f:
-                data = f.read()
-            good = 0
-            for line in data.splitlines(keepends=True):
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    self.entries.append(bounds.parse_json(line, path))
-                except ValueError:  # not JSON (torn), or nested too deep: not ours
-                    break
-                good += len(line)
-            _cut_torn_tail(path, good, len(data))
-        self._f = open(path, "ab")
+        self._f = open_new(path, append=True)  # never through a link, nor a hard link
+        with open(path, "rb") as f:
+            data = f.read()
+        good = 0
+        for line in data.splitlines(keepends=True):
+            if not line.endswith(b"\n"):
+                break
+            try:
+                self.entries.append(bounds.parse_json(line, path))
+            except ValueError:  # not JSON (torn), or nested too deep: not ours
+                break
+            good += len(line)
+        _cut_torn_tail(self._f, path, good, len(data))
 
     def append(self, entry: dict) -> None:
         _append_durably(self._f, (json.dumps(entry, sort_keys=True) + "\n").encode("utf-8"))

@@ -28,6 +28,7 @@ from segment_anything.modeling import (ImageEncoderViT, MaskDecoder, PromptEncod
                                        TwoWayTransformer)
 
 from data_prep import focus
+from sclaro_jax.files import write_replacing
 
 SAM_RELEASE_FILE = "sam_vit_h_4b8939.pth"
 # SAM's patch and prompt sizes (segment_anything.build_sam._build_sam). The tiny model's input is
@@ -77,7 +78,7 @@ def save_tiny_sam(path: str, seed: int = 0) -> Sam:
     """Write `build_tiny_sam(seed)`'s state dict (tensors only) to `path`, for
     `load_sam(path, model_type="tiny")`. Returns the model."""
     sam = build_tiny_sam(seed)
-    torch.save(sam.state_dict(), path)
+    write_replacing(path, lambda f: torch.save(sam.state_dict(), f))
     return sam
 
 

@@ -46,6 +46,7 @@ from tqdm import tqdm
 from data_prep import views
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.files import write_replacing
 
 log = logging.getLogger("data_prep.shards")
 
@@ -96,7 +97,8 @@ def remove_stale_writers(out_dir: str) -> list[str]:
     removed = []
     for name in sorted(os.listdir(out_dir)):
         path = os.path.join(out_dir, name)
-        if name.startswith(TMP_PREFIX) and os.path.isdir(path) and not _writer_alive(path):
+        if name.startswith(TMP_PREFIX) and os.path.isdir(path) and not os.path.islink(path) \
+                and not _writer_alive(path):  # a link of that name is never followed
             shutil.rmtree(path, ignore_errors=True)
             log.warning("removed %s, left by an interrupted writer", path)
             removed.append(path)
@@ -104,10 +106,7 @@ def remove_stale_writers(out_dir: str) -> list[str]:
 
 
 def _fsync_write(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+    write_replacing(path, lambda f: f.write(text), text=True, fsync=True)
 
 
 def refuse_a_dataset_in(out_dir: str, overwrite: bool) -> None:
@@ -329,8 +328,9 @@ class ShardWriter:
             }
         for key, filename in schema.VOCAB_FILES.items():
             labels = sorted(self._vocab[key])
-            with open(os.path.join(self._tmp, filename), "w", encoding="utf-8") as f:
-                f.writelines(label + "\n" for label in labels)
+            write_replacing(os.path.join(self._tmp, filename),
+                            lambda f, labels=labels: f.writelines(f"{x}\n" for x in labels),
+                            text=True)
             manifest["vocab"][key] = {
                 "file": filename, "size": len(labels),
                 "sha256": schema.file_sha256(os.path.join(self._tmp, filename))}

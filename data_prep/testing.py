@@ -10,6 +10,8 @@ import os
 
 import numpy as np
 
+from sclaro_jax.files import write_replacing
+
 SCENES = {  # skimage.data name -> (action, objects, relations)
     "astronaut": ("posing", ["woman", "flag", "helmet"],
                   [("woman", "holding", "helmet"), ("flag", "behind", "woman")]),
@@ -113,8 +115,7 @@ def write_long_tail_dataset(out_dir: str, records: int = 200, *, seed: int = 0,
 def write_json(path, doc) -> None:
     """`doc` as a json file at `path`, its folder made."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f)
+    write_replacing(path, lambda f: json.dump(doc, f), text=True)
 
 
 def rgb_encode(ids):

@@ -10,7 +10,8 @@
   `error: MESSAGE (see PROG --help)`, exit 2, without argparse's usage block; an unknown flag
   (or sub-command, or choice) is named before any missing required one, with the closest known
   spelling ("did you mean --source?");
-- an output folder flag (`type=writable`) is checked at parse time: one that cannot be written
+- an output folder flag (`type=writable`) is checked at parse time: one that cannot be written,
+  or that others may write (writable by every user without the sticky bit, or another user's),
   is a usage error naming the folder and why;
 - a number flag declares its range (`number_in`): `--top 0`, `--alpha nan` are usage errors
   naming the flag and the range;
@@ -35,6 +36,7 @@ import sys
 import tempfile
 
 from sclaro_jax.bounds import printable
+from sclaro_jax.files import UnsafePathError, refuse_shared_folder
 
 
 class MissingExtra(ImportError):
@@ -100,7 +102,7 @@ def writable(path: str) -> str:
     """argparse `type=` of an output folder: `path` unchanged when it, or the folder it would be
     made in, can be written (a probe file is made and removed there); else a usage error naming
     the folder and why (`--out /proc/x`: "cannot write /proc/x: /proc refuses new files (No
-    such file or directory)")."""
+    such file or directory)"); so is a folder others may write (`files.refuse_shared_folder`)."""
     full = os.path.abspath(os.path.expanduser(path))
     if os.path.exists(full) and not os.path.isdir(full):
         raise argparse.ArgumentTypeError(f"{path} is a file, not a folder")
@@ -116,6 +118,10 @@ def writable(path: str) -> str:
     except OSError as e:
         raise argparse.ArgumentTypeError(
             f"cannot write {path}: {probe} refuses new files ({e.strerror})") from None
+    try:  # a folder others may write in (it, or the one it would be made in) is refused
+        refuse_shared_folder(probe)
+    except UnsafePathError as e:
+        raise argparse.ArgumentTypeError(f"cannot write {path}: {e}") from None
     return path
 
 

@@ -3,6 +3,7 @@ torch-free; no library module grows past 450 lines. (That every command line ans
 tests/test_docs.py, over the commands README.md and docs/ show.)"""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -210,6 +211,176 @@ def test_sclaro_jax_never_imports_torch():
             "assert not bad, bad\n")
     result = _run("-c", code)
     assert result.returncode == 0, result.stderr
+
+# Writes that bypass sclaro_jax.files (the one place that writes files without following links:
+# `write_replacing` / `replacing` for whole files, `open_new` for streams). LIBRARY_DIRS are
+# walked; files.py itself is the helper. Each allowed site: (module path, enclosing function,
+# call) -> its reason.
+LIBRARY_DIRS = ("sclaro_jax", "data_prep", "launch")
+WRITE_HELPER = "sclaro_jax/files.py"
+ALLOWED_WRITES = {
+    ("data_prep/shards.py", "_open_shard", "ArrayRecordWriter"):
+        "a shard in the writer's own `tempfile.mkdtemp` folder (0700, made by this process)",
+    ("data_prep/rocs/caption.py", "write_rocs", "save_to_disk"):
+        "the datasets library writes rocs.partial, removed first, in the command's own --out",
+}
+_MODE = re.compile(r"[rwaxbt+]{1,4}(:\w*)?")
+_PATH_NAME = re.compile(r"path|file$|dir|out|dest|target|name", re.IGNORECASE)
+_OPEN_FLAGS = {"O_CREAT", "O_WRONLY", "O_RDWR", "O_APPEND", "O_TRUNC"}
+_MODULES = {"", "io", "os", "gzip", "bz2", "lzma", "tarfile", "codecs", "np", "numpy"}
+# (owner, call) -> the argument that is the file written to (position, keyword): never a path
+_TO_FILE = {("np", "save"): (0, "file"), ("numpy", "save"): (0, "file"),
+            ("np", "savez"): (0, "file"), ("np", "savez_compressed"): (0, "file"),
+            ("json", "dump"): (1, "fp"), ("pickle", "dump"): (1, "file"),
+            ("torch", "save"): (1, "f"), ("*", "savefig"): (0, "fname"),
+            ("*", "tofile"): (0, "fid")}
+# writers that open the path they are given themselves: only the name `replacing` yields
+_BY_PATH = {("*", "ArrayRecordWriter"), ("*", "save_file"), ("*", "save_to_disk"),
+            ("shutil", "copyfile"), ("shutil", "copy"), ("shutil", "copy2"),
+            ("shutil", "copytree"), ("shutil", "move")}
+
+
+def _call_name(func) -> tuple[str, str]:
+    """(owner, name) of a call's function: ('np', 'save') for np.save and np.lib.format.save,
+    ('', 'open') for open, ('?', 'open') for Path(p).open."""
+    if isinstance(func, ast.Attribute):
+        owner = func.value
+        while isinstance(owner, ast.Attribute):
+            owner = owner.value
+        return (owner.id if isinstance(owner, ast.Name) else "?"), func.attr
+    return "", getattr(func, "id", "")
+
+
+def _arg(call: ast.Call, position: int, keyword: str):
+    for kw in call.keywords:
+        if kw.arg == keyword:
+            return kw.value
+    return call.args[position] if len(call.args) > position else None
+
+
+def _is_path(node) -> bool:
+    """Whether `node` reads as a path (not a file object): a string, an f-string, a `/` or `+`
+    expression, a call (os.path.join, Path(...)), or a name like path / out_dir / target."""
+    if isinstance(node, (ast.JoinedStr, ast.BinOp, ast.Call)):
+        return True
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+    return bool(_PATH_NAME.search(name))
+
+
+def _writes(call: ast.Call, owner: str) -> bool:
+    """Whether an open-like call opens for writing: a mode with w, a, x or + (for open(),
+    os.fdopen(), tarfile.open(), open_memmap(): any mode that is not a constant counts);
+    tarfile over a file opened elsewhere (`fileobj=`, from files.open_new) does not."""
+    if any(kw.arg == "fileobj" for kw in call.keywords):
+        return False
+    module = owner in _MODULES  # open(file, mode, ...); else Path(p).open(mode, ...)
+    mode = _arg(call, 1 if module else 0, "mode")
+    if mode is None:
+        return False
+    texts = [n.value for n in ast.walk(mode) if isinstance(n, ast.Constant)
+             and isinstance(n.value, str)]
+    if not texts:
+        return module
+    return any(_MODE.fullmatch(t) and set(t.split(":")[0]) & set("wax+") for t in texts)
+
+
+def _unsafe_call(call: ast.Call, replaced: set[str]) -> str:
+    owner, name = _call_name(call.func)
+    if (owner, name) == ("os", "open"):
+        flags = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "")
+                 for n in ast.walk(_arg(call, 1, "flags") or ast.Constant(0))}
+        return "os.open() that creates or writes" if flags & _OPEN_FLAGS else ""
+    if name in ("open", "fdopen", "open_memmap"):
+        target = call.args[0] if call.args else None
+        if isinstance(target, ast.Name) and target.id in replaced:
+            return ""
+        return f"{name}() for writing" if _writes(call, owner) else ""
+    if name in ("write_text", "write_bytes") and owner:
+        return f"Path.{name}()"
+    where = _TO_FILE.get((owner, name)) or _TO_FILE.get(("*", name))
+    if where and (target := _arg(call, *where)) is not None and _is_path(target):
+        return f"{name}() to a path"
+    if (owner, name) in _BY_PATH or ("*", name) in _BY_PATH:
+        target = call.args[0] if call.args else None
+        if not (isinstance(target, ast.Name) and target.id in replaced):
+            return f"{name}() writes a path itself (give it the name `replacing` yields)"
+    return ""
+
+
+def unsafe_writes(source: str, path: str = "<planted>") -> list[str]:
+    """'line N in FUNCTION: WHAT' for each write in `source` that bypasses sclaro_jax.files
+    (ALLOWED_WRITES aside): see `_unsafe_call`."""
+    found = []
+
+    def visit(node, function: str, replaced: set[str]):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            function = node.name
+        if isinstance(node, ast.With):
+            replaced = replaced | {
+                item.optional_vars.id for item in node.items
+                if isinstance(item.context_expr, ast.Call)
+                and _call_name(item.context_expr.func)[1] == "replacing"
+                and isinstance(item.optional_vars, ast.Name)}
+        if isinstance(node, ast.Call):
+            what = _unsafe_call(node, replaced)
+            if what and (path, function, _call_name(node.func)[1]) not in ALLOWED_WRITES:
+                found.append(f"line {node.lineno} in {function}: {what}")
+        for child in ast.iter_child_nodes(node):
+            visit(child, function, replaced)
+
+    visit(ast.parse(source), "<module>", set())
+    return found
+
+
+def test_library_writes_go_through_the_files_helper():
+    bad = {}
+    for folder in LIBRARY_DIRS:
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            rel = p.relative_to(ROOT).as_posix()
+            if rel != WRITE_HELPER and p.parent.relative_to(ROOT).as_posix() not in DATA_FOLDERS:
+                if found := unsafe_writes(p.read_text(encoding="utf-8"), rel):
+                    bad[rel] = found
+    assert not bad, f"writes that bypass sclaro_jax.files: {bad}"
+    for path, function, call in ALLOWED_WRITES:  # no reason kept for a site that is gone
+        source = (ROOT / path).read_text(encoding="utf-8")
+        assert f"def {function}(" in source and f"{call}(" in source, (path, function, call)
+
+
+def test_write_checker_finds_planted_writes():
+    planted = ('import json, os, shutil, tarfile\n'
+               'import numpy as np\n'
+               'from sclaro_jax.files import replacing, write_replacing\n'
+               'def bad(out, path, arr, text):\n'
+               '    open(path, "w").write(text)\n'
+               '    with open(os.path.join(out, "log"), mode="a") as f:\n'
+               '        json.dump({}, f)\n'
+               '    (out / "x.txt").write_text(text)\n'
+               '    np.save(out / "a.npy", arr)\n'
+               '    json.dump({}, open(path, "w" if text else "wb"))\n'
+               '    fd = os.open(path, os.O_WRONLY | os.O_CREAT)\n'
+               '    tarfile.open(path, "w")\n'
+               '    shutil.copyfile(path, out)\n'
+               '    np.lib.format.open_memmap(path, mode="w+", shape=(2,))\n'
+               '    Path(path).open("a")\n'
+               'def good(out, path, arr, fd):\n'
+               '    with open(path, encoding="utf-8") as f, open(path, "rb") as g:\n'
+               '        json.dump(json.load(f), fd)\n'
+               '    write_replacing(path, lambda f: np.save(f, arr))\n'
+               '    with replacing(path) as tmp:\n'
+               '        np.lib.format.open_memmap(tmp, mode="w+", shape=(2,))\n'
+               '    tarfile.open(fileobj=fd, mode="w")\n'
+               '    os.open(path, os.O_RDONLY)\n')
+    assert unsafe_writes(planted) == [
+        "line 5 in bad: open() for writing", "line 6 in bad: open() for writing",
+        "line 8 in bad: Path.write_text()", "line 9 in bad: save() to a path",
+        "line 10 in bad: dump() to a path", "line 10 in bad: open() for writing",
+        "line 11 in bad: os.open() that creates or writes",
+        "line 12 in bad: open() for writing",
+        "line 13 in bad: copyfile() writes a path itself (give it the name `replacing` yields)",
+        "line 14 in bad: open_memmap() for writing",
+        "line 15 in bad: open() for writing"]
 
 
 def test_train_cli_missing_data_message(tmp_path):

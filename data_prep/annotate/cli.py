@@ -35,7 +35,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                           "(ids cc3m/<shard>/<key>, as the cc3m files layout); hf: split=train, "
                           "image_column=, id_column=, caption_column=, name=; repeatable")
     ann.add_argument("--out", required=True, type=writable, help="dataset folder to write")
-    ann.add_argument("--work", default="", help="cache folder (default: OUT.work)")
+    ann.add_argument("--work", default="", help="cache folder (default: OUT.work): new or "
+                     "empty, or an earlier run's")
     ann.add_argument("--vlm", default="", help="local folder of an image-text-to-text model "
                                                "(transformers layout), e.g. Ovis-Gemma 9B")
     ann.add_argument("--vlm-trust-remote-code", action="store_true",

@@ -47,8 +47,9 @@ from data_prep.annotate.stages import (load_detector, load_segmenter, load_vlm,
                                        pick_device)
 from data_prep.annotate.keys import (HashMemo, StageInputs, check_run_key, config_key,
                                      replies_for)
-from data_prep.durable_logs import JsonLog
+from data_prep.durable_logs import JsonLog, write_replacing
 from sclaro_jax.data import schema
+from sclaro_jax.files import own_folder
 
 log = logging.getLogger("data_prep.annotate")
 
@@ -187,7 +188,7 @@ class Run:
             raise ValueError(f"source yields duplicate image ids, e.g. {dup[:3]}")
         replies = replies_for(cfg, stage1, ids)
         work = cfg.work_dir
-        os.makedirs(work, exist_ok=True)
+        own_folder(work, flag="--work")  # made and marked, or an earlier run's
         self.run_id = uuid.uuid4().hex
         self.vlm_log = JsonLog(os.path.join(work, "vlm.jsonl"))
         self.detect_log = JsonLog(os.path.join(work, "detect.jsonl"))
@@ -280,8 +281,8 @@ class Run:
                 reader.close()
         out = summary.as_dict()
         out["records"] = manifest["records"] if manifest else 0
-        with open(os.path.join(cfg.work_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(out, f, indent=1, sort_keys=True)
+        write_replacing(os.path.join(cfg.work_dir, "summary.json"),
+                        lambda f: json.dump(out, f, indent=1, sort_keys=True), text=True)
         return out
 
 
@@ -384,6 +385,7 @@ def annotate(cfg: AnnotateConfig, models: Models | None = None, items: list | No
         items = items[:cfg.limit]
     if not items:
         raise ValueError(f"{cfg.source} source at {cfg.root} holds no images")
+    own_folder(cfg.work_dir, flag="--work")  # before any model loads (`Run` resumes in it)
     if cfg.engine == "ray":
         run = Run(cfg, items)
         try:

@@ -36,6 +36,7 @@ import numpy as np
 from data_prep.annotate import stages
 from data_prep.annotate.ray_start import start_ray
 from data_prep.source_items import SourceItem
+from sclaro_jax.files import open_new
 
 log = logging.getLogger("data_prep.annotate")
 
@@ -153,11 +154,9 @@ def maybe_fault(cfg, stage: str, k: int) -> None:
         folder = os.path.join(cfg.work_dir, "faults")
         os.makedirs(folder, exist_ok=True)
         try:
-            fd = os.open(os.path.join(folder, f"{stage}-{k}-{kind}"),
-                         os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            open_new(os.path.join(folder, f"{stage}-{k}-{kind}")).close()
         except FileExistsError:
             continue
-        os.close(fd)
         log.warning("injecting a fault (%s) into stage %s, block %d", kind, stage, k)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)

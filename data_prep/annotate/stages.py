@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import time
-import uuid
 
 import numpy as np
 from PIL import Image
@@ -34,6 +33,7 @@ from data_prep.annotate.keys import sha256_file
 from data_prep.durable_logs import write_replacing
 from data_prep.source_items import OutsideRoot
 from sclaro_jax import bounds
+from sclaro_jax.files import replacing
 from sclaro_jax.data import schema
 from sclaro_jax.paths import OUTSIDE_ROOT
 
@@ -253,15 +253,12 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
     folder = os.path.join(work, BLOCKS)
     os.makedirs(folder, exist_ok=True)
     shard, marker_path = block_paths(work, k)
-    tmp = f"{shard}.tmp-{uuid.uuid4().hex[:8]}"
-    writer = ArrayRecordWriter(tmp, "group_size:1")
-    for rec in records:
-        writer.write(rec)
-    writer.close()
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    digest, size = sha256_file(tmp), os.path.getsize(tmp)
-    os.replace(tmp, shard)
+    with replacing(shard, fsync=True) as tmp:
+        writer = ArrayRecordWriter(tmp, "group_size:1")
+        for rec in records:
+            writer.write(rec)
+        writer.close()
+        digest, size = sha256_file(tmp), os.path.getsize(tmp)
     marker = {"version": MARKER_VERSION, "chunk": k, "ids": list(ids), "status": status,
               "inputs": inputs, "records": len(records), "bytes": size, "sha256": digest,
               "parse_notes": dict(sorted(notes.items())),
@@ -270,7 +267,7 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
               "stage_images": dict(stage_images), "run": run, "engine": engine,
               "started": round(started, 3), "landed": round(time.time(), 3)}
     write_replacing(marker_path, lambda f: json.dump(marker, f, sort_keys=True), text=True,
-                    fsync=True, unique=True)
+                    fsync=True)
     _fsync_dir(folder)
     return marker
 

@@ -300,12 +300,10 @@ def _previous_curation(extend: str, encoder, min_cluster_size, min_samples):
 def _write_action_candidates(clusters: str, rows, action_lemmatizer: str,
                              action_similarity: float) -> None:
     cand_path = os.path.splitext(clusters)[0] + ".action_candidates.tsv"
-    with open(cand_path, "w", encoding="utf-8") as f:
-        f.write(f"# surface form\tsuggested class\treason (review; copy the lines you accept "
-                f"into your action map). lemmatiser {action_lemmatizer}, similarity "
-                f"threshold {action_similarity}\n")
-        for row in rows:
-            f.write("\t".join(row) + "\n")
+    text = (f"# surface form\tsuggested class\treason (review; copy the lines you accept "
+            f"into your action map). lemmatiser {action_lemmatizer}, similarity "
+            f"threshold {action_similarity}\n") + "".join("\t".join(row) + "\n" for row in rows)
+    write_replacing(cand_path, lambda f: f.write(text), text=True)
 
 
 def _read_labels(clusters: str, prev, new_names: list[str], std_names: list[str],

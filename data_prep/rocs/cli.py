@@ -15,6 +15,7 @@ import os
 import re
 
 from data_prep.cli import command, writable, write_flags
+from sclaro_jax.files import own_folder
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -28,8 +29,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     rocs.add_argument("--classes", default="", help="class names to prompt --detector with: "
                       "coco80 (the 80 COCO class names, the MINER paper's SAM 3 prompts), "
                       "'cat,dog,...' or @FILE (one per line)")
-    rocs.add_argument("--out", required=True, type=writable, help="output folder")
-    rocs.add_argument("--work", default="", help="cache folder (default: OUT/work)")
+    rocs.add_argument("--out", required=True, type=writable,
+                      help="output folder: new or empty, or an earlier run's")
+    rocs.add_argument("--work", default="", help="cache folder (default: OUT/work): new or "
+                      "empty, or an earlier run's")
     rocs.add_argument("--top-fraction", type=float, default=0.1,
                       help="share of images kept as high-clutter (default 0.1)")
     rocs.add_argument("--max-mask-area", type=float, default=0.05,
@@ -59,6 +62,7 @@ def run(args) -> int:
 
     check_flags(args)
     need_datasets()  # the split's writer, before any model loads
+    own_folder(args.out, flag="--out")  # before the work folder in it: a folder it made
     classes = class_list(args.classes) if args.detector else []
     words = _word_range(args.caption_words)
     import torch

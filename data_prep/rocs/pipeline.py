@@ -37,6 +37,7 @@ from data_prep.durable_logs import write_replacing
 from data_prep.rocs.selection import AnnotatedImage
 from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 from sclaro_jax import bounds
+from sclaro_jax.files import own_folder
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
 # prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper
@@ -102,6 +103,8 @@ class StageCache:
     `computed` counts the units worked out in this run."""
 
     def __init__(self, work: Path | None, stage: str, model_key: str):
+        if work is not None:  # made and marked, or an earlier run's; never a user's folder
+            own_folder(work, flag="--work")
         self.folder = None if work is None else Path(work) / stage
         self.model_key = model_key
         self.computed = 0
@@ -256,7 +259,7 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
     from tqdm.auto import tqdm
 
     out, image_dir = Path(out), Path(image_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    own_folder(out, flag="--out")  # rocs/ and rocs.partial are replaced only in a folder it made
     mask_cache = StageCache(None if work is None else Path(work), "masks", segment_key)
     caption_cache = StageCache(None if work is None else Path(work), "captions", ask_key)
     inside, outside = _inside(images, image_dir)
@@ -310,7 +313,7 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
              "rocs": rocs_select.figure_stats([im for im in clutter if im.id in kept_images],
                                               kept_pairs)}
     if not rows:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        _write_json(out / "summary.json", summary)
         raise ValueError(f"no caption survived the selection: nothing to write (the reasons "
                          f"are in {out / 'summary.json'})")
     _write_outputs(out, rows, stats, summary)
@@ -320,14 +323,27 @@ def build_rocs(images: list[AnnotatedImage], image_dir: str | Path, segment: Cal
 
 def _write_outputs(out: Path, rows: list[dict], stats: dict, summary: dict) -> None:
     """The dataset first (into a fresh folder, then moved in place), the reports last."""
-    staging = out / "rocs.partial"
-    shutil.rmtree(staging, ignore_errors=True)
+    staging = out / "rocs.partial"  # `out` is this command's (`own_folder`)
+    _remove(staging)
     rocs_caption.write_rocs(staging, rows)
-    shutil.rmtree(out / "rocs", ignore_errors=True)
+    _remove(out / "rocs")
     os.replace(staging, out / "rocs")
     stats_figure(stats, out / "stats.png")
     for name, value in (("stats.json", stats), ("summary.json", summary)):
-        (out / name).write_text(json.dumps(value, indent=2, default=str) + "\n")
+        _write_json(out / name, value)
+
+
+def _remove(path: Path) -> None:
+    """Remove an earlier run's folder or file at `path` (a link goes, never its target)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.is_symlink() or path.exists():
+        path.unlink()
+
+
+def _write_json(path: Path, value) -> None:
+    write_replacing(path, lambda f: f.write(json.dumps(value, indent=2, default=str) + "\n"),
+                    text=True)
 
 
 def stats_figure(stats: dict, path: str | Path) -> Path:
@@ -354,7 +370,8 @@ def stats_figure(stats: dict, path: str | Path) -> Path:
     axes[2].set_title("rare objects")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: same bytes
+    write_replacing(path, lambda f: fig.savefig(f, format="png", dpi=100,
+                                                metadata={"Software": None}))  # same bytes
     plt.close(fig)
     return Path(path)
 

@@ -17,11 +17,10 @@ import glob
 import hashlib
 import json
 import os
-import uuid
 
 from sclaro_jax import bounds
 from sclaro_jax.data.schema import file_sha256
-from sclaro_jax.files import write_replacing
+from sclaro_jax.files import replacing, write_replacing
 
 BLOCKS = "blocks"
 MARKER_VERSION = 1
@@ -49,19 +48,16 @@ def write(work: str, k: int, ids: list[str], records: list[bytes], counts: dict,
     from array_record.python.array_record_module import ArrayRecordWriter
     shard, marker_path = paths(work, k)
     os.makedirs(os.path.dirname(shard), exist_ok=True)
-    tmp = f"{shard}.tmp-{uuid.uuid4().hex[:8]}"
-    writer = ArrayRecordWriter(tmp, "group_size:1")
-    for record in records:
-        writer.write(record)
-    writer.close()
-    digest, size = file_sha256(tmp), os.path.getsize(tmp)
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, shard)
+    with replacing(shard, fsync=True) as tmp:
+        writer = ArrayRecordWriter(tmp, "group_size:1")
+        for record in records:
+            writer.write(record)
+        writer.close()
+        digest, size = file_sha256(tmp), os.path.getsize(tmp)
     marker = {"version": MARKER_VERSION, "block": k, "ids": list(ids), "key": key,
               "records": len(records), "bytes": size, "sha256": digest, "counts": counts}
     write_replacing(marker_path, lambda f: json.dump(marker, f, sort_keys=True), text=True,
-                    fsync=True, unique=True)
+                    fsync=True)
     return marker
 
 

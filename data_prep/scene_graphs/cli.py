@@ -45,8 +45,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
                      help="images per block: the unit a worker does, keeps and resumes "
                           "(default 256)")
     imp.add_argument("--work", default="", type=writable, metavar="DIR",
-                     help="work folder of the finished blocks (default: OUT.work; removed "
-                          "once the dataset is written)")
+                     help="work folder of the finished blocks (default: OUT.work): new or "
+                          "empty, or an earlier import's; removed once the dataset is written")
     view_flags(imp, keep_default=False)
     write_flags(imp)
     return imp

@@ -27,7 +27,8 @@ finished block is written to the work folder (OUT.work: `blocks`), so a killed i
 what it finished and the rerun of the same command does only the rest. When every block is
 done the records are published in the dataset's order through a `ShardWriter` (atomic: a kill
 there leaves no dataset, and the rerun publishes again from the blocks) and the work folder is
-removed. The records are the same for any number of workers, block size or kills (the
+removed. The import makes and marks its work folder (`sclaro_jax.files.own_folder`): it removes
+only a folder it marked, and refuses a non-empty --work it did not make. The records are the same for any number of workers, block size or kills (the
 manifest's creation time aside). The summary (counts above, action coverage, the rule and files
 read) goes into the manifest's "import" entry.
 """
@@ -39,7 +40,6 @@ import errno
 import io
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
 from concurrent import futures
@@ -56,6 +56,7 @@ from data_prep.shards import ShardWriter, convert_sample, iter_records, refuse_a
 from data_prep.source_items import SourceError, SourceItem, read_image
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.files import own_folder, remove_own_folder
 
 READERS = {"psg": psg.read, "vg": vg.read}
 REGION_QUALITY = 95  # JPEG quality of the focused regions, as annotate's
@@ -284,8 +285,9 @@ def _run_blocks(todo: list[int], workers: int):
 
 
 def _earlier_blocks(work: str, chunks: list, key: str) -> dict:
-    """{k: marker} of the blocks an earlier run finished in `work` with this key, said so."""
-    os.makedirs(work, exist_ok=True)
+    """{k: marker} of the blocks an earlier run finished in `work` with this key, said so.
+    `work` is made (and marked) here; a non-empty folder an import did not make is refused."""
+    own_folder(work, flag="--work")
     blocks.clear_partial(work)
     markers, other = blocks.finished(work, [[g.id for g in c] for c in chunks], key)
     if markers:
@@ -360,14 +362,14 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
         counts.add(markers[k]["counts"])
     summary = counts.summary(data, with_actions)
     if not counts.kept:
-        shutil.rmtree(work, ignore_errors=True)
+        remove_own_folder(work)
         raise ValueError(f"no image of {root} could be imported: "
                          + format_summary(summary).replace("\n", ";"))
     manifest = _publish(out, work, len(chunks), summary, data.split_rule,
                         records_per_shard=records_per_shard, overwrite=overwrite,
                         image_size=image_size, keep_originals=keep_originals,
                         progress=progress)
-    shutil.rmtree(work, ignore_errors=True)
+    remove_own_folder(work)  # only ever a folder this command made (`own_folder`)
     return manifest
 
 

@@ -21,6 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
+from sclaro_jax.files import write_replacing
+
 BOS, EOS = "<|startoftext|>", "<|endoftext|>"
 DEFAULT_LENGTH = 77
 _MERGES_FILE = "bpe_simple_vocab_16e6.txt.gz"
@@ -138,7 +140,7 @@ class ClipTokenizer:
             "special_tokens_map.json": json.dumps(specials, indent=2),
         }
         for name, text in files.items():
-            (folder / name).write_text(text, "utf-8")
+            write_replacing(folder / name, lambda f, text=text: f.write(text), text=True)
         return folder
 
     def decode(self, ids: Sequence[int]) -> str:

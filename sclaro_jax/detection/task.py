@@ -20,6 +20,7 @@ import os
 
 from sclaro_jax.detection import backbones, data, evaluate, train
 from sclaro_jax.detection.model import Detector
+from sclaro_jax.files import write_replacing
 from sclaro_jax.run.task import Evaluated, Fitted
 
 
@@ -115,11 +116,10 @@ class Detection:
                    "data": os.path.abspath(config.data.dir), "config": config.to_dict(),
                    "class_groups": {g: int((groups == g).sum()) for g in "rcf"}}
         table = evaluate.markdown_table({prepared.name: metrics})
-        with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
-            f.write(json.dumps(results, indent=2, default=str) + "\n")
+        write_replacing(os.path.join(workdir, "results.json"), lambda f: f.write(
+            json.dumps(results, indent=2, default=str) + "\n"), text=True)
         path = os.path.join(workdir, "results.md")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(table + "\n")
+        write_replacing(path, lambda f: f.write(table + "\n"), text=True)
         return Evaluated(results, table, path)
 
 

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 
 from sclaro_jax import cli
 from sclaro_jax.eval import encoders as enc_lib
+from sclaro_jax.files import write_replacing
 from sclaro_jax.eval.retrieval import data as data_lib
 from sclaro_jax.eval.retrieval.gallery import CropSpec, embed_split
 from sclaro_jax.eval.retrieval.scoring import (RESCORES, Settings, evaluate, evaluate_streaming,
@@ -253,9 +254,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "score_s": round(time.perf_counter() - t1, 3)}
     record = {"model": encoder.name, "settings": dataclasses.asdict(settings),
               "crops": dataclasses.asdict(crops), "splits": info, "results": results}
-    (out / "results.json").write_text(json.dumps(record, indent=1))
+    write_replacing(out / "results.json", lambda f: json.dump(record, f, indent=1), text=True)
     table = markdown(results, f"{encoder.name}: text-to-image retrieval")
-    (out / "results.md").write_text(table)
+    write_replacing(out / "results.md", lambda f: f.write(table), text=True)
     print(table)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
     return 0

@@ -46,6 +46,7 @@ import numpy as np
 
 from sclaro_jax import cli
 from sclaro_jax.config import CODE_NOTE, load_config
+from sclaro_jax.files import write_text_file
 
 log = logging.getLogger(__name__)
 
@@ -215,8 +216,8 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
     if record["figures"]:
         tables.append("## Figures\n\n" + "\n".join(
             f"- {k}: `{os.path.relpath(v, out_dir)}`" for k, v in record["figures"].items()))
-    (out_dir / "eval.json").write_text(json.dumps(record, indent=1, default=_jsonable))
-    (out_dir / "eval.md").write_text("\n\n".join(tables) + "\n")
+    write_text_file(out_dir / "eval.json", json.dumps(record, indent=1, default=_jsonable))
+    write_text_file(out_dir / "eval.md", "\n\n".join(tables) + "\n")
     return record
 
 

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from sclaro_jax import ops
 from sclaro_jax.data.tokenizer import ClipTokenizer
+from sclaro_jax.files import write_replacing
 from sclaro_jax.models import clip, hf_weights, open_clip_weights
 from sclaro_jax.models.scenarioclip import LEVELS, export_heads
 
@@ -96,16 +96,19 @@ def export_level(model, level: str, out: str) -> str:
     tensors["logit_scale"] = np.asarray(model.logit_scale(level), np.float32).reshape(())
     hf_weights.save_safetensors(tensors, folder / hf_weights.WEIGHTS_NAME,
                                 metadata={"format": "pt"})
-    shutil.copyfile(REMOTE_CODE, folder / REMOTE_CODE.name)
+    code = REMOTE_CODE.read_bytes()
+    write_replacing(folder / REMOTE_CODE.name, lambda f: f.write(code))
     module = REMOTE_CODE.stem
-    (folder / "config.json").write_text(json.dumps(clip.hf_config(config) | {
+    hf_config = clip.hf_config(config) | {
         "architectures": ["ScenarioCLIPModel"],
         "model_type": clip.EXPORT_MODEL_TYPE,
         "auto_map": {"AutoConfig": f"{module}.ScenarioCLIPConfig",
                      "AutoModel": f"{module}.ScenarioCLIPModel",
                      "AutoModelForZeroShotImageClassification": f"{module}.ScenarioCLIPModel"},
         "scenarioclip_level": level,
-    }, indent=2))
+    }
+    write_replacing(folder / "config.json", lambda f: json.dump(hf_config, f, indent=2),
+                    text=True)
     write_processor_files(out, config)
     return out
 
@@ -114,8 +117,9 @@ def write_processor_files(out: str | os.PathLike, config: clip.CLIPConfig) -> No
     """The CLIP tokenizer's files (at the text tower's context length) and
     `preprocessor_config.json` (our image views at its image size) in the folder `out`."""
     ClipTokenizer().save_pretrained(out, length=config.text.max_position_embeddings)
-    with open(Path(out) / PREPROCESSOR_FILE, "w", encoding="utf-8") as f:
-        json.dump(image_processor_config(config.vision.image_size), f, indent=2)
+    processor = image_processor_config(config.vision.image_size)
+    write_replacing(Path(out) / PREPROCESSOR_FILE, lambda f: json.dump(processor, f, indent=2),
+                    text=True)
 
 
 def open_clip_preprocess_cfg(size: int) -> dict:

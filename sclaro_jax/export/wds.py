@@ -40,7 +40,6 @@ import argparse
 import io
 import json
 import os
-import shutil
 import sys
 import tarfile
 from typing import Sequence
@@ -51,6 +50,7 @@ from sclaro_jax import bounds, cli
 from sclaro_jax.data import schema
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.export.photo_size import tag_photo_size
+from sclaro_jax.files import MADE, open_new, own_folder, remove_own_folder, write_replacing
 
 TASKS = ("zeroshot_classification", "zeroshot_retrieval")
 MAX_SHARD = 1000  # images a shard at most, by default
@@ -113,6 +113,14 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
+def _close(tar: tarfile.TarFile) -> None:
+    """Close a tar and the file it was opened on (`files.open_new`)."""
+    try:
+        tar.close()
+    finally:
+        tar.fileobj.close()
+
+
 def _check_out(out: str) -> None:
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise WdsError(f"--out {out} is {'not empty' if os.path.isdir(out) else 'a file'}: "
@@ -140,17 +148,14 @@ def write_wds(data_dir: str, split: str, out: str, *,
     actions_file = os.path.join(ds.root, schema.VOCAB_FILES["actions"])
     if task == "zeroshot_classification" and not classes:
         raise WdsError(f"{actions_file} lists no action: zero-shot classification needs classes")
-    created = not os.path.exists(out)
+    own_folder(out, flag="--out")  # new or empty (checked): made or taken, and marked
     try:
-        return _write(ds, split, out, task, shard_size, originals, progress, classes)
-    except BaseException:  # leave no half-written dataset: `out` was new or empty
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
-        else:
-            for name in os.listdir(out):
-                path = os.path.join(out, name)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        summary = _write(ds, split, out, task, shard_size, originals, progress, classes)
+    except BaseException:  # leave no half-written dataset: only what this command made goes
+        remove_own_folder(out)
         raise
+    os.remove(os.path.join(out, MADE))  # a finished webdataset, no longer this command's
+    return summary
 
 
 def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool,
@@ -182,9 +187,9 @@ def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool
             data, ext = _image_bytes(sample, f"{where} (sample {sample.id!r})", originals)
             if tar is None or written % shard_size == 0:
                 if tar is not None:
-                    tar.close()
-                tar = tarfile.open(os.path.join(split_dir, f"{shards}.tar"), "w",
-                                   format=tarfile.USTAR_FORMAT)
+                    _close(tar)
+                tar = tarfile.open(fileobj=open_new(os.path.join(split_dir, f"{shards}.tar")),
+                                   mode="w", format=tarfile.USTAR_FORMAT)
                 shards += 1
             key = f"{n:08d}"
             _add(tar, f"{key}.{ext}", data)
@@ -198,14 +203,13 @@ def _write(ds, split: str, out: str, task: str, shard_size: int, originals: bool
     finally:
         bar.close()
         if tar is not None:
-            tar.close()
+            _close(tar)
     if not written:
         what = "an action" if task == "zeroshot_classification" else "a caption"
         raise WdsError(f"{ds.root}: no image of split {split!r} has {what}; nothing to write")
 
     def text(name: str, value: str) -> None:
-        with open(os.path.join(out, name), "w", encoding="utf-8") as f:
-            f.write(value)
+        write_replacing(os.path.join(out, name), lambda f: f.write(value), text=True)
 
     text(os.path.join(split, "nshards.txt"), f"{shards}\n")
     if task == "zeroshot_classification":

@@ -78,23 +78,23 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
 
+from sclaro_jax.files import own_folder, remove_own_folder, replacing, write_replacing
 from sclaro_jax.miner.index_faiss import (  # noqa: F401  (the index's names, in one place)
     _add, _faiss_refusal, _mergeable, _trained, add_routed, build_form, final_index, new_index,
     route_vectors, routed, train_routed)
 from sclaro_jax.miner.index_files import (  # noqa: F401
     DEFAULT_FACTORY, DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL, DEFAULT_SHORTLIST, FLAT_BELOW,
     LARGE_FACTORY, RANGES, SETTINGS, VERSION, FaissMissing, Gallery, IndexFileError,
-    IndexMismatchError, Shard, _compare, _is_ivf, _load, _nlist_of, _pad, _read_index,
-    _read_json, _write_index, _write_json, _write_npy, bank_hash, check_ranges, crop_vectors,
-    faiss, global_vectors, kept, open_index, open_shards, parse_shard, per_image, ranged,
-    resolve_factory, shard_rows)
+    IndexMismatchError, Shard, _compare, _index_folder, _is_ivf, _load, _nlist_of, _pad,
+    _read_index, _read_json, _views_to_write, _write_index, _write_json, _write_npy, bank_hash,
+    check_ranges, crop_vectors, faiss, global_vectors, kept, open_index, open_shards,
+    parse_shard, per_image, ranged, resolve_factory, shard_rows)
 from sclaro_jax.miner.index_search import candidates, gt_ranks, search  # noqa: F401
 
 
@@ -165,8 +165,9 @@ def _resume(out: Path, meta: dict) -> dict:
 
 
 def _tidy(out: Path, kinds) -> None:
-    """Remove a finished build's working files (its parts, the trained indexes)."""
-    shutil.rmtree(out / "parts", ignore_errors=True)
+    """Remove a finished build's working files (its parts folder, which it made and marked; the
+    trained indexes: a link goes, never its target)."""
+    remove_own_folder(out / "parts")
     for kind, _, _ in kinds:
         (out / f"trained-{kind}.faiss").unlink(missing_ok=True)
 
@@ -188,7 +189,7 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
                         chunk=chunk, shard=shard)
     lo, n, r = meta["offset"], meta["images"], meta["n_crops"]
     p_img = per_image(r, pool)
-    out.mkdir(parents=True, exist_ok=True)
+    _index_folder(out)
     man_path = out / "manifest.json"
     man = _resume(out, meta)
     if man["complete"]:
@@ -196,19 +197,15 @@ def build(gallery: Gallery, bank: np.ndarray, out, *, alpha: float = 0.4, k: int
         return out
     chunks = [(a, min(a + chunk, n)) for a in range(0, n, chunk)]
     parts = out / "parts"
-    parts.mkdir(exist_ok=True)
+    own_folder(parts, flag="the index build's parts folder")
     views_path = out / "views.npy"
     shape = (n, 1 + r, gallery.dim)
-    if views_path.exists():
-        views = np.load(views_path, mmap_mode="r+")
-        if views.shape != shape:
-            raise IndexFileError(f"{views_path}: shape {views.shape}, expected {shape}")
-    else:
-        tmp = out / "views.npy.tmp"
-        views = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape)
-        views.flush()
-        os.replace(tmp, views_path)
-        views = np.load(views_path, mmap_mode="r+")
+    if not os.path.lexists(views_path):
+        with replacing(views_path) as tmp:
+            np.lib.format.open_memmap(tmp, mode="w+", dtype=np.float16, shape=shape).flush()
+    views = _views_to_write(views_path)
+    if views.shape != shape:
+        raise IndexFileError(f"{views_path}: shape {views.shape}, expected {shape}")
 
     def record(step: str, c: int) -> None:
         man[step] = sorted(set(man[step]) | {c})
@@ -386,8 +383,6 @@ def _build(args) -> int:
 
 
 def _search(args) -> int:
-    from sclaro_jax.files import write_replacing
-
     queries = np.asarray(_load(args.queries), np.float32)
     gt = None if args.gt is None else np.asarray(_load(args.gt))
     shards = open_shards(args.index)

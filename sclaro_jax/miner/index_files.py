@@ -257,6 +257,25 @@ SETTINGS = ("encoder", "crop_rule", "crops", "dim", "alpha", "k", "pool", "bank_
             "factory", "shard", "total", "chunk")
 
 
+def _index_folder(out: Path) -> None:
+    """Make the index folder `out`, or take an empty one or an index build's (meta.json);
+    refuse a folder of other files (the build writes and removes files there)."""
+    from sclaro_jax.files import refuse_shared_folder
+    refuse_shared_folder(out)
+    if out.is_dir() and not (out / "meta.json").is_file() and any(out.iterdir()):
+        raise IndexFileError(f"--out {out} holds files but no index (meta.json): pass a new or "
+                             "empty folder, or an index folder to resume its build")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _views_to_write(path: Path) -> np.memmap:
+    """The build's views.npy mapped for writing: never a link's target."""
+    if path.is_symlink():
+        raise IndexFileError(f"{path} is a symbolic link: an index build writes its own "
+                             "views.npy; remove it, or pass another --out")
+    return np.load(path, mmap_mode="r+")
+
+
 def _write_json(path: Path, obj) -> None:
     from sclaro_jax.files import write_replacing
     write_replacing(path, lambda f: f.write(json.dumps(obj, indent=1, sort_keys=True)),

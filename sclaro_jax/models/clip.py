@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sclaro_jax.files import write_replacing
 from sclaro_jax.models import cpu_gradients, hf_weights
 from sclaro_jax.models.hf_weights import (  # noqa: F401  (re-exported: clip.CheckpointError, ...)
     WEIGHTS_INDEX_NAME, WEIGHTS_NAME, CheckpointError, hf_state_dict, load_hf_state)
@@ -407,7 +408,8 @@ def to_hf(model: CLIPModel, path: str | os.PathLike) -> Path:
     with the umask's permissions)."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(hf_config(model.config), indent=2))
+    text = json.dumps(hf_config(model.config), indent=2)
+    write_replacing(folder / "config.json", lambda f: f.write(text), text=True)
     hf_weights.save_safetensors(hf_state_dict(model), folder / WEIGHTS_NAME,
                                 metadata={"format": "pt"})
     return folder

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from sclaro_jax import bounds
+from sclaro_jax.files import write_replacing
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -31,33 +32,16 @@ class CheckpointError(ValueError):
     """A folder that does not hold a Hugging Face checkpoint this model can load."""
 
 
-def _umask() -> int:
-    """The process's umask (read from /proc where it can be, without changing it)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)  # elsewhere: set and restore (not atomic across threads)
-    os.umask(mask)
-    return mask
-
-
 def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,
                      metadata: dict[str, str] | None = None) -> Path:
-    """Write `tensors` to the safetensors file `path`, atomically (a `.tmp` file moved into
-    place) and with the permissions an ordinary new file gets (0666 less the umask: 0644 under
-    umask 022; safetensors itself creates its file 0600)."""
-    from safetensors.numpy import save_file
+    """Write `tensors` to the safetensors file `path`, atomically and never through a link
+    (`files.write_replacing`: a temporary file of its own moved into place), with the
+    permissions an ordinary new file gets (0666 less the umask: 0644 under umask 022;
+    safetensors' own `save_file` makes its file 0600 under a name of its choosing)."""
+    from safetensors.numpy import save
 
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(dict(tensors), str(tmp), metadata=metadata)
-    os.chmod(tmp, 0o666 & ~_umask())
-    os.replace(tmp, path)
-    return path
+    data = save(dict(tensors), metadata=metadata)
+    return write_replacing(path, lambda f: f.write(data))
 
 
 def hf_key(path: tuple) -> str:

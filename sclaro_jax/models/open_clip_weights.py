@@ -41,6 +41,7 @@ import numpy as np
 from flax import nnx
 
 from sclaro_jax import bounds
+from sclaro_jax.files import write_replacing
 from sclaro_jax.models import clip, cpu_gradients, hf_weights
 from sclaro_jax.models.hf_weights import CheckpointError
 from sclaro_jax.models.open_clip_config import (config_from_open_clip, config_from_state,
@@ -296,5 +297,5 @@ def save(model: clip.CLIPModel, out: str | os.PathLike, *,
     state = from_hf_state(hf_weights.hf_state_dict(model), model.config)
     folder.mkdir(parents=True, exist_ok=True)
     hf_weights.save_safetensors(state, folder / WEIGHTS_NAME, metadata={"format": "pt"})
-    (folder / CONFIG_NAME).write_text(json.dumps(cfg, indent=2))
+    write_replacing(folder / CONFIG_NAME, lambda f: json.dump(cfg, f, indent=2), text=True)
     return folder

@@ -27,11 +27,12 @@ import shutil
 import signal
 import struct
 import sys
+import tempfile
 import threading
 
 from sclaro_jax import bounds
 from sclaro_jax.config import flatten
-from sclaro_jax.files import write_replacing
+from sclaro_jax.files import UnsafePathError, open_new, refuse_shared_folder, write_replacing
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +113,13 @@ def unfinished_checkpoints(directory: str, *, remove: bool = True) -> list[str]:
     if not os.path.isdir(directory):
         return []
     names = sorted(n for n in os.listdir(directory) if TMP_SUFFIX in n)
-    if remove:
+    if remove:  # orbax's own folders: a link of that name is removed, never followed
         for name in names:
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+            path = os.path.join(directory, name)
+            if os.path.islink(path) or not os.path.isdir(path):
+                os.remove(path)
+            else:
+                shutil.rmtree(path, ignore_errors=True)
     return names
 
 
@@ -261,7 +266,8 @@ def write_config(workdir: str, config, *, step: int, unsafe: dict) -> None:
     path = os.path.join(workdir, "config.json")
     if unsafe and os.path.exists(path):
         os.replace(path, os.path.join(workdir, f"config.until-step-{step}.json"))
-        with open(os.path.join(workdir, "config_changes.jsonl"), "a", encoding="utf-8") as f:
+        with open_new(os.path.join(workdir, "config_changes.jsonl"), append=True,
+                      text=True) as f:
             f.write(json.dumps({"step": step, "changes": {
                 k: {"before": a, "after": b} for k, (a, b) in unsafe.items()}}) + "\n")
     write_replacing(path, lambda f: f.write(config.to_json_best_effort(indent=2)), text=True)
@@ -376,13 +382,17 @@ class PortableIterator:
 
 
 def check_workdir(workdir: str) -> None:
-    """RunError naming WORKDIR unless it is (or can be made) a folder this process can write."""
+    """RunError naming WORKDIR unless it is (or can be made) a folder this process can write
+    and others cannot (`files.refuse_shared_folder`)."""
     try:
         os.makedirs(workdir, exist_ok=True)
-        probe = os.path.join(workdir, f".write-test-{os.getpid()}")
-        with open(probe, "w", encoding="utf-8"):
-            pass
+        fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write-test-")
+        os.close(fd)
         os.remove(probe)
     except OSError as e:
         raise RunError(f"cannot write to the workdir {workdir} ({e.strerror or e}); pass a "
                        "--workdir in a folder you can write") from None
+    try:
+        refuse_shared_folder(workdir)
+    except UnsafePathError as e:
+        raise RunError(f"the workdir {e}") from None

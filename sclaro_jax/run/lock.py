@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import os
 
+from sclaro_jax.files import UnsafePathError, open_new
 from sclaro_jax.run.folder import RunError, check_workdir
 
 LOCK_NAME = ".run.lock"
-_held: dict[str, list[int]] = {}  # real path of a workdir -> [its open lock file, holds]
+_held: dict[str, list] = {}  # real path of a workdir -> [its open lock file, holds]
 
 
 class WorkdirInUseError(RunError):
@@ -66,18 +67,22 @@ def hold_workdir(workdir: str, *, chief: bool | None = None) -> None:
     elif chief:
         check_workdir(workdir)  # a folder this process can write (RunError naming it)
         path = os.path.join(workdir, LOCK_NAME)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # never through a link, nor onto a file of another name (its target untouched)
+            f = open_new(path, append=True)
+        except UnsafePathError as e:
+            raise RunError(f"{e} (the run lock)") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
-            os.close(fd)
+            f.close()
             message = _in_use(workdir, _holder(path))
         else:
             info = {"host": socket.gethostname(), "pid": os.getpid(), "processes": processes,
                     "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-            _held[key] = [fd, 1]
+            os.ftruncate(f.fileno(), 0)  # appends land at 0 after this
+            f.write((json.dumps(info) + "\n").encode())
+            f.flush()
+            _held[key] = [f, 1]
     if processes > 1:
         import numpy as np
         from jax.experimental import multihost_utils
@@ -95,10 +100,13 @@ def probe_workdir(workdir: str) -> None:
     import fcntl
 
     path = os.path.join(workdir, LOCK_NAME)
+    if os.path.islink(path):
+        raise RunError(f"{path} is a symbolic link: the library never writes through one; "
+                       "remove it, or use another folder (the run lock)")
     if os.path.realpath(workdir) in _held or not os.path.isfile(path):
         return
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return
     try:
@@ -118,4 +126,4 @@ def release_workdir(workdir: str) -> None:
     if key in _held:
         _held[key][1] -= 1
         if not _held[key][1]:
-            os.close(_held.pop(key)[0])
+            _held.pop(key)[0].close()

@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from sclaro_jax.files import open_new
 from sclaro_jax.run.ahead import CompiledSteps, seconds_since_start
 from sclaro_jax.run.checkpoints import Checkpoints, CheckpointWriteError
 from sclaro_jax.run.folder import GracefulStop, import_tensorboardx
@@ -132,8 +133,8 @@ class _Log:
 
     def __init__(self, spec: LoopSpec, hooks: Hooks, chief: bool):
         self.spec, self.hooks, self.chief = spec, hooks, chief
-        self.file = open(os.path.join(spec.workdir, "metrics.jsonl"), "a",
-                         encoding="utf-8") if chief else None
+        self.file = open_new(os.path.join(spec.workdir, "metrics.jsonl"), append=True,
+                             text=True) if chief else None
         self.writer = tensorboard(spec.workdir) if chief else None
         self.bar = None
         self._above = None

@@ -15,6 +15,7 @@ import jax
 
 from sclaro_jax.config import flatten
 from sclaro_jax.data.dataset import open_dataset
+from sclaro_jax.files import write_replacing
 from sclaro_jax.run.task import Evaluated, Fitted
 from sclaro_jax.train import trainer
 
@@ -75,10 +76,10 @@ class ScenarioCLIP:
             tables.append(f"{ev.name} ({ev.split}):\n\n{summary_table(found)}")
         table = "\n\n".join(tables) or "(config.evals names no evaluator)"
         path = os.path.join(workdir, "results.md")
-        with open(os.path.join(workdir, "results.json"), "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2, default=str)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(f"ScenarioCLIP run {workdir}, step {step}\n\n{table}\n")
+        write_replacing(os.path.join(workdir, "results.json"),
+                        lambda f: json.dump(results, f, indent=2, default=str), text=True)
+        write_replacing(path, lambda f: f.write(
+            f"ScenarioCLIP run {workdir}, step {step}\n\n{table}\n"), text=True)
         w = shlex.quote(workdir)
         next_steps = (f"next: every protocol: python -m sclaro_jax.eval.suite --workdir {w}   "
                       f"(tables in {os.path.join(workdir, 'eval', 'eval.md')})\n"

@@ -42,6 +42,7 @@ from sclaro_jax.data import packing
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
 from sclaro_jax.eval.protocols import registry
+from sclaro_jax.files import open_new
 from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run import Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
@@ -388,7 +389,7 @@ def _periodic_eval(evals, graphdef, state, step: int, workdir: str, chief: bool 
     if not chief:  # process 0 evaluates on the gathered copy and writes
         return
     model = nnx.merge(graphdef, params)
-    with open(os.path.join(workdir, "eval.jsonl"), "a", encoding="utf-8") as f:
+    with open_new(os.path.join(workdir, "eval.jsonl"), append=True, text=True) as f:
         for ev in due:
             results = dict(ev.run(model))
             f.write(json.dumps({"step": step, "evaluator": ev.name, "split": ev.split,

@@ -164,7 +164,7 @@ class SplitEmbeddings:
         """Write an npz (atomically: a temporary file, then rename)."""
         arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        write_replacing(path, lambda f: np.savez(f, **arrays), unique=True)
+        write_replacing(path, lambda f: np.savez(f, **arrays))
 
     @classmethod
     def load(cls, path: str) -> "SplitEmbeddings":

@@ -39,6 +39,7 @@ from PIL import Image  # noqa: E402
 from sclaro_jax import bounds, ops  # noqa: E402
 from sclaro_jax.data import augment  # noqa: E402
 from sclaro_jax.eval.protocols.localise import patch_grid, vision_tower  # noqa: E402
+from sclaro_jax.files import write_replacing  # noqa: E402
 
 CURVE_FIELDS = ("loss", "loss_ca", "loss_kd", "lr", "kd_temperature")
 
@@ -140,7 +141,7 @@ def attention_overlays(models: Mapping[str, object], images: Sequence[np.ndarray
 def _save(fig, out_png: str, dpi: int) -> None:
     folder = os.path.dirname(os.path.abspath(out_png))
     os.makedirs(folder, exist_ok=True)
-    fig.savefig(out_png, dpi=dpi, format="png")
+    write_replacing(out_png, lambda f: fig.savefig(f, dpi=dpi, format="png"))
     plt.close(fig)
 
 

@@ -125,7 +125,7 @@ def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None 
                 "crops": None if crops is None else dataclasses.asdict(crops),
                 "crop_rule": None if crops is None else crops.rule}
         _check_cache(folder, meta)
-        (folder / "meta.json").write_text(json.dumps(meta, indent=1))
+        write_replacing(folder / "meta.json", lambda f: json.dump(meta, f, indent=1), text=True)
     num_parts = -(-split.num_images // part_size)
     parts = []
     pool = concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1)

@@ -37,6 +37,7 @@ from PIL import Image
 
 from sclaro_jax import cli
 from sclaro_jax.eval.encoders import Encoder, l2_with_norm, register_encoder
+from sclaro_jax.files import write_replacing
 from sclaro_jax.miner import crop_boxes
 
 CLUTTER = {"grey": (128, 128, 128), "olive": (128, 128, 0), "navy": (0, 0, 128),
@@ -142,13 +143,13 @@ def make_planted_split(out: str | os.PathLike, *, num_images: int = 56, width: i
                                 "caption": f"a cluttered scene with a small {what[0]} and "
                                            f"{what[1]} flag"})
         name = f"images/planted_{i:04d}.png"
-        Image.fromarray(img).save(folder / name)
+        write_replacing(folder / name, lambda f, img=img: Image.fromarray(img).save(f, "PNG"))
         images.append({"id": i, "file_name": name, "width": width, "height": height,
                        kind: list(what) if kind == "flag" else what})
     path = folder / "captions.json"
-    path.write_text(json.dumps({"info": {"description": "sclaro-jax planted-colours benchmark",
-                                         "seed": seed},
-                                "images": images, "annotations": annotations}, indent=1))
+    doc = {"info": {"description": "sclaro-jax planted-colours benchmark", "seed": seed},
+           "images": images, "annotations": annotations}
+    write_replacing(path, lambda f: json.dump(doc, f, indent=1), text=True)
     return path
 
 
