@@ -85,13 +85,14 @@ from typing import Optional, Sequence
 import numpy as np
 
 from sclaro_jax.files import own_folder, remove_own_folder, replacing, write_replacing
+from sclaro_jax.miner.gallery import Gallery, _load  # noqa: F401
 from sclaro_jax.miner.index_faiss import (  # noqa: F401  (the index's names, in one place)
     _add, _faiss_refusal, _mergeable, _trained, add_routed, build_form, final_index, new_index,
     route_vectors, routed, train_routed)
 from sclaro_jax.miner.index_files import (  # noqa: F401
     DEFAULT_FACTORY, DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL, DEFAULT_SHORTLIST, FLAT_BELOW,
-    LARGE_FACTORY, RANGES, SETTINGS, VERSION, FaissMissing, Gallery, IndexFileError,
-    IndexMismatchError, Shard, _compare, _index_folder, _is_ivf, _load, _nlist_of, _pad,
+    LARGE_FACTORY, RANGES, SETTINGS, VERSION, FaissMissing, IndexFileError,
+    IndexMismatchError, Shard, _compare, _index_folder, _is_ivf, _nlist_of, _pad,
     _read_index, _read_json, _views_to_write, _write_index, _write_json, _write_npy, bank_hash,
     check_ranges, crop_vectors, faiss, global_vectors, kept, open_index, open_shards,
     parse_shard, per_image, ranged, resolve_factory, shard_rows)
