@@ -66,9 +66,9 @@ class ParseError(ValueError):
 def parse_response(text: str) -> dict:
     """Parse one Stage-1 reply into {action, objects, relations, caption, notes}.
 
-    Raises ParseError (reason "empty", "no_json", "not_an_object", "too_deep" (nested past
-    Python's parser) or "no_usable_fields") when
-    the text holds no JSON-like object with any of the keys action / objects / relations.
+    Raises ParseError (reason "empty", "no_json", "not_an_object" or "no_usable_fields") when
+    the text holds no JSON-like object with any of the keys action / objects / relations;
+    nothing else for any text (nesting past `loose_json.MAX_DEPTH` is cut like a syntax error).
     """
     if not isinstance(text, str):
         raise TypeError(f"parse_response expects a str reply, got {type(text).__name__}")
@@ -106,11 +106,7 @@ def _find_object(text: str, notes: Notes) -> dict:
     starts = [m.start() for m in re.finditer(r"\{", text)][:MAX_CANDIDATES]
     for start in starts:
         local = Notes()
-        try:
-            data, end = parse_at(text, start, local)
-        except RecursionError:
-            raise ParseError("too_deep", "the reply's JSON is nested deeper than Python's "
-                                         "parser goes") from None
+        data, end = parse_at(text, start, local)  # never raises; nesting past 64 is cut
         if not isinstance(data, dict) or (not data and "cut_at_syntax_error" in local):
             continue  # not an object, or a brace in prose such as "{objects}"
         usable = _has_usable_key(data)

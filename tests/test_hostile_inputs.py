@@ -1057,11 +1057,15 @@ def test_checkpoint_metadata_nested_deep_is_one_error_line(tmp_path, sentinel):
     assert_refused(proc, "_CHECKPOINT_METADATA", "nested too deep")
 
 
-def test_a_vlm_reply_nested_too_deep_is_a_parse_error():
-    from data_prep.vlm_reply import ParseError, parse_response
+def test_a_vlm_reply_nested_too_deep_is_cut_never_recursed_into():
+    """On the original code: RecursionError. Now the nesting past the parser's limit is cut like
+    a syntax error: what came before it is kept, nothing of the deep part is read."""
+    from data_prep.vlm_reply import parse_response
 
-    with pytest.raises(ParseError, match="too_deep"):
-        parse_response('{"objects": ' + "[" * 100_000 + '"dog"' + "]" * 100_000 + "}")
+    reply = parse_response('{"action": "walking", "objects": ' + "[" * 100_000 + '"dog"'
+                           + "]" * 100_000 + "}")
+    assert reply["action"] == "walking" and reply["objects"] == []
+    assert "cut_at_syntax_error" in reply["notes"]
 
 
 # (end of bounds)
