@@ -46,7 +46,7 @@ from tqdm import tqdm
 from data_prep import views
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
-from sclaro_jax.files import write_replacing
+from sclaro_jax.files import replacing, write_replacing
 
 log = logging.getLogger("data_prep.shards")
 
@@ -116,6 +116,18 @@ def refuse_a_dataset_in(out_dir: str, overwrite: bool) -> None:
     if os.path.exists(manifest) and not overwrite:
         raise FileExistsError(f"{manifest} exists: {os.path.abspath(out_dir)} already holds a "
                               f"dataset (pass overwrite=True / --overwrite to replace it)")
+
+
+def write_records(path: str, records: Iterable[bytes]) -> tuple[str, int]:
+    """`records` as one ArrayRecord file at `path`, written whole or not at all (`replacing`,
+    fsynced: an annotate or import block); its sha256 and size in bytes."""
+    with replacing(path, fsync=True) as tmp:
+        writer = ArrayRecordWriter(tmp, "group_size:1")
+        for record in records:
+            writer.write(record)
+        writer.close()
+        digest, size = schema.file_sha256(tmp), os.path.getsize(tmp)
+    return digest, size
 
 
 def iter_records(path: str, chunk: int = 32) -> Iterator[tuple[int, bytes]]:

@@ -29,11 +29,9 @@ import time
 import numpy as np
 from PIL import Image
 
-from data_prep.annotate.keys import sha256_file
 from data_prep.durable_logs import write_replacing
 from data_prep.source_items import OutsideRoot
 from sclaro_jax import bounds
-from sclaro_jax.files import replacing
 from sclaro_jax.data import schema
 from sclaro_jax.paths import OUTSIDE_ROOT
 
@@ -249,16 +247,11 @@ def write_block(work: str, k: int, ids: list, records: list[bytes], status: dict
     """Write block `k`'s shard, then its marker, each atomically; returns the marker.
     `started`: when the block's first stage began (epoch seconds; with "landed", the time of
     writing, it shows how blocks move through a run)."""
-    from array_record.python.array_record_module import ArrayRecordWriter
+    from data_prep.shards import write_records
     folder = os.path.join(work, BLOCKS)
     os.makedirs(folder, exist_ok=True)
     shard, marker_path = block_paths(work, k)
-    with replacing(shard, fsync=True) as tmp:
-        writer = ArrayRecordWriter(tmp, "group_size:1")
-        for rec in records:
-            writer.write(rec)
-        writer.close()
-        digest, size = sha256_file(tmp), os.path.getsize(tmp)
+    digest, size = write_records(shard, records)
     marker = {"version": MARKER_VERSION, "chunk": k, "ids": list(ids), "status": status,
               "inputs": inputs, "records": len(records), "bytes": size, "sha256": digest,
               "parse_notes": dict(sorted(notes.items())),

@@ -20,7 +20,7 @@ import os
 
 from sclaro_jax import bounds
 from sclaro_jax.data.schema import file_sha256
-from sclaro_jax.files import replacing, write_replacing
+from sclaro_jax.files import write_replacing
 
 BLOCKS = "blocks"
 MARKER_VERSION = 1
@@ -45,15 +45,10 @@ def write(work: str, k: int, ids: list[str], records: list[bytes], counts: dict,
           key: str) -> dict:
     """Block `k`'s shard, then its marker, each written to a temporary name and moved into
     place; returns the marker."""
-    from array_record.python.array_record_module import ArrayRecordWriter
+    from data_prep.shards import write_records
     shard, marker_path = paths(work, k)
     os.makedirs(os.path.dirname(shard), exist_ok=True)
-    with replacing(shard, fsync=True) as tmp:
-        writer = ArrayRecordWriter(tmp, "group_size:1")
-        for record in records:
-            writer.write(record)
-        writer.close()
-        digest, size = file_sha256(tmp), os.path.getsize(tmp)
+    digest, size = write_records(shard, records)
     marker = {"version": MARKER_VERSION, "block": k, "ids": list(ids), "key": key,
               "records": len(records), "bytes": size, "sha256": digest, "counts": counts}
     write_replacing(marker_path, lambda f: json.dump(marker, f, sort_keys=True), text=True,
