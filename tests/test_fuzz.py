@@ -5,7 +5,7 @@ over every target; and the harness itself: a segmentation fault, a hang and an e
 reported with the input saved.
 
 A crash is what bench/fuzz.py calls one: an exception other than the target's refusal types
-(`fuzz.crash_of`). Inputs under a target that another branch fixes are expected failures here.
+(`fuzz.crash_of`). Every saved input is kept: each crash it found is fixed in its reader.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ fuzz = sys.modules["bench_fuzz"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 
 CORPUS = ROOT / "tests" / "data" / "fuzz"
-FIXED_HERE = ("vlm_reply", "loose_json")
-ELSEWHERE = pytest.mark.xfail(strict=False, reason="fixed on another branch")
+REPLY_PARSERS = ("vlm_reply", "loose_json")
 EXAMPLES = 60  # per target in the hypothesis pass
 
 
@@ -46,8 +45,7 @@ def _replay(target: str, *paths, timeout: int = 20) -> subprocess.CompletedProce
 def _corpus():
     for folder in sorted(p for p in CORPUS.iterdir() if p.is_dir()):
         for path in sorted(folder.iterdir()):
-            yield pytest.param(folder.name, path, id=f"{folder.name}/{path.name}",
-                               marks=() if folder.name in FIXED_HERE else ELSEWHERE)
+            yield pytest.param(folder.name, path, id=f"{folder.name}/{path.name}")
 
 
 @pytest.mark.parametrize("target,path", list(_corpus()))
@@ -74,7 +72,7 @@ HAND = {
 }
 
 
-@pytest.mark.parametrize("target", FIXED_HERE)
+@pytest.mark.parametrize("target", REPLY_PARSERS)
 @pytest.mark.parametrize("name", HAND)
 def test_nesting_and_long_numbers_are_read(target, name):
     crash = fuzz.crash_of(target, HAND[name])
@@ -135,7 +133,6 @@ def test_a_short_hypothesis_pass_finds_no_crash(target):
     assert not found, [(sig, data[:200]) for sig, data in found]
 
 
-@ELSEWHERE
 def test_a_short_hypothesis_pass_finds_no_crash_in_torch_files(tmp_path):
     """In a process of its own: a tensor reaching past its storage can end the process."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--target",
