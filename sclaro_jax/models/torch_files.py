@@ -13,7 +13,10 @@ The pickle itself is bounded before it is unpickled: data.pkl over `MAX_PICKLE_B
 refused unread, and its opcode stream is walked first (`pickletools.genops`: every opcode known,
 every argument whole) with each memo index at most the number of opcodes before it and each
 FRAME inside the file, so that no opcode makes the unpickler allocate what the file does not
-hold (Python's unpickler sizes its memo by the index it is given). Any error of a malformed
+hold (Python's unpickler sizes its memo by the index it is given). What it builds is bounded
+too: walking it visits at most one value per byte of data.pkl (containers that share their
+contents over and over are refused, not walked 2^60 times), and the tensors made (copies) hold
+at most `MAX_COPIES` times the bytes of the storages they view. Any error of a malformed
 pickle, zip or record is a `CheckpointError` naming the file.
 
 `read_state_dict` reads a `.safetensors` or torch file into a flat {key: array} dict, unwrapping
@@ -95,6 +98,7 @@ MAX_RANK = 32  # a tensor of more dimensions is refused (numpy's own limit is 64
 MAX_DEPTH = 64  # containers nested deeper than this are refused (a state dict nests 1-3)
 MAX_PICKLE_BYTES = 64 << 20  # data.pkl of a state dict: kilobytes to a few MiB
 MAX_MEMBER_BYTES = 64  # the archive's byteorder member ("little")
+MAX_COPIES = 4  # the tensors made may hold this many times the bytes of the storages they view
 _INT64 = 1 << 63  # offsets, sizes, strides and element counts are torch's int64s
 _MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
 
@@ -316,6 +320,12 @@ def _read_archive(archive: zipfile.ZipFile, where: str, shapes_only: bool) -> An
         if problem:
             raise CheckpointError(f"{where}: tensor {key}: {problem}; the file is damaged "
                                   "or crafted, and is not read")
+    copies = sum(int(np.prod(t.size, dtype=object)) * t.storage.dtype.itemsize for _, t in found)
+    held = sum({id(t.storage): t.storage.nbytes for _, t in found}.values())
+    if not shapes_only and copies > MAX_COPIES * held:
+        raise CheckpointError(f"{where}: its tensors view their {held:,} bytes of storage as "
+                              f"{copies:,} bytes, over {MAX_COPIES} times as many: the file is "
+                              "damaged or crafted, and is not read")
     return _made(obj, shapes_only)
 
 
