@@ -103,6 +103,15 @@ _INT64 = 1 << 63  # offsets, sizes, strides and element counts are torch's int64
 _MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
 
 
+def _shown(value) -> str:
+    """A short repr of a value from a file (reprlib's; an int past Python's digit limit for
+    printing, in it or inside it, by its type)."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} too long to show"
+
+
 def _ints(value) -> bool:
     return isinstance(value, tuple) and all(type(v) is int for v in value)
 
@@ -153,7 +162,7 @@ def _tensors(obj, path: str, found: list, budget: list[int], depth: int = 0) -> 
     items = (obj.items() if isinstance(obj, dict) else enumerate(obj)
              if isinstance(obj, (list, tuple)) else ())
     for k, v in items:
-        name = k if isinstance(k, (str, int)) else reprlib.repr(k)
+        name = k if isinstance(k, str) else _shown(k)
         key = (f"{path}.{name}" if path else str(name)) if isinstance(obj, dict) \
             else f"{path}[{k}]"
         problem = _tensors(v, key, found, budget, depth + 1)
@@ -216,18 +225,18 @@ class _TorchUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise CheckpointError(f"{self._where}: unknown persistent id {reprlib.repr(pid)} "
+            raise CheckpointError(f"{self._where}: unknown persistent id {_shown(pid)} "
                                   "in data.pkl")
         _, kind, key, _location, numel = pid[:5]
         if not isinstance(kind, str) or kind not in _STORAGE_DTYPES:
-            raise CheckpointError(f"{self._where}: storage type {reprlib.repr(kind)} is not "
+            raise CheckpointError(f"{self._where}: storage type {_shown(kind)} is not "
                                   "supported")
         if not isinstance(key, str) or key not in self._records:
-            raise CheckpointError(f"{self._where}: data.pkl names storage {reprlib.repr(key)},"
+            raise CheckpointError(f"{self._where}: data.pkl names storage {_shown(key)},"
                                   " which the archive does not hold (or holds compressed)")
         if type(numel) is not int or not 0 <= numel < _INT64:
-            raise CheckpointError(f"{self._where}: storage {reprlib.repr(key)} declares "
-                                  f"{reprlib.repr(numel)} elements")
+            raise CheckpointError(f"{self._where}: storage {_shown(key)} declares "
+                                  f"{_shown(numel)} elements")
         if key not in self._storages:
             self._storages[key] = _Storage(
                 _np_dtype(_STORAGE_DTYPES[kind]), numel, self._records[key][0],
@@ -372,21 +381,21 @@ _SAFETENSORS_DTYPES = {
     "F32": np.float32, "U64": np.uint64, "I64": np.int64, "F64": np.float64}
 
 
-def _safetensors_entry(key: str, info, data_bytes: int) -> str | None:
+def _safetensors_entry(info, data_bytes: int) -> str | None:
     """What is wrong with one tensor's header entry (None: its dtype is one read here, its shape
     whole numbers and its data_offsets the bytes of that shape inside the data)."""
     if not isinstance(info, dict):
         return "is not an object"
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
-        return f"dtype {reprlib.repr(dtype)} is not one of {sorted(_SAFETENSORS_DTYPES)}"
+        return f"dtype {_shown(dtype)} is not one of {sorted(_SAFETENSORS_DTYPES)}"
     if not (isinstance(shape, list) and len(shape) <= MAX_RANK
             and all(type(n) is int and 0 <= n < _INT64 for n in shape)):
-        return f"shape {reprlib.repr(shape)} is not a list of whole numbers"
+        return f"shape {_shown(shape)} is not a list of whole numbers"
     if not (isinstance(offsets, list) and len(offsets) == 2
             and all(type(n) is int for n in offsets) and 0 <= offsets[0] <= offsets[1]
             <= data_bytes):
-        return f"data_offsets {reprlib.repr(offsets)} are not two offsets into the data"
+        return f"data_offsets {_shown(offsets)} are not two offsets into the data"
     need = int(np.prod(shape, dtype=object)) * _np_dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
     if offsets[1] - offsets[0] != need:
         return (f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, its shape "
@@ -409,7 +418,7 @@ def _safetensors_bf16(path: Path) -> dict:
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        problem = _safetensors_entry(key, info, len(raw) - 8 - n)
+        problem = _safetensors_entry(info, len(raw) - 8 - n)
         if problem:
             raise CheckpointError(f"{path}: tensor {key}: {problem}")
         start, stop = info["data_offsets"]
@@ -433,7 +442,7 @@ def read_state_dict(path: str | os.PathLike, *, shapes_only: bool = False) -> di
                               "checkpoint with a 'state_dict' entry)")
     odd = next((k for k in state if not isinstance(k, str)), None)
     if odd is not None:
-        raise CheckpointError(f"{path}: state dict key {reprlib.repr(odd)} is not a string")
+        raise CheckpointError(f"{path}: state dict key {_shown(odd)} is not a string")
     if all(k.startswith("module.") for k in state):
         state = {k[len("module."):]: v for k, v in state.items()}
     return dict(state)
