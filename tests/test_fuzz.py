@@ -125,6 +125,34 @@ def test_long_replies_take_linear_time(name):
     assert time.perf_counter() - start < 1.0
 
 
+def test_a_box_thinner_than_a_pixel_is_viewed_as_the_pixel_it_lies_in():
+    """The record input `exception-box-narrower-than-a-pixel` as the writer and the pipeline
+    see it: a box whose corners are in order but round to one column (PIL crops nothing) makes
+    a one-pixel-wide view when the views are written and when a version-1 record is read."""
+    import dataclasses
+
+    from PIL import Image
+
+    from data_prep import views
+    from sclaro_jax.data import augment, pipeline, schema
+    path = CORPUS / "record" / "exception-box-narrower-than-a-pixel"
+    sample = schema.decode(path.read_bytes())
+    box = sample.objects[1].box
+    assert box[0] < box[2] and round(box[0]) == round(box[2])
+    photo = schema.decode_image(sample.image)
+    assert photo.crop(box).size[0] == 0 and augment.box_crop(photo, box).size == (1, 22)
+    assert augment.box_crop(photo, (5.5, 5.5, 6.5, 6.5)).size == (1, 1)  # round half to even
+    assert augment.box_crop(photo, (47.6, 0, 47.9, 5)).size == (1, 5)  # at the right edge
+    wide = Image.new("RGB", (9, 9))
+    assert augment.box_crop(wide, (1.2, 2.6, 7.4, 8.2)).size == wide.crop(
+        (1.2, 2.6, 7.4, 8.2)).size == (6, 5)  # as PIL crops it, where PIL's crop is not empty
+    _, _, got = pipeline.sample_views(sample, pipeline.PipelineConfig(image_size=16,
+                                                                      train=False))
+    assert got["objects"].shape == (2, 16, 16, 3)
+    written = views.with_views(dataclasses.replace(sample, relations=()), 16)
+    assert written.objects[1].view is not None
+
+
 # ----------------------------------------------------------------------- hypothesis pass
 
 @pytest.mark.parametrize("target", [t for t in fuzz.ALL if t != "torch_file"])
