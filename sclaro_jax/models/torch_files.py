@@ -346,11 +346,11 @@ def read_torch_file(path: str | os.PathLike, *, shapes_only: bool = False) -> An
     pickle's opcodes before it is unpickled: `CheckpointError` naming the file (and the
     tensor's key) otherwise."""
     where = os.fspath(path)
-    if not zipfile.is_zipfile(where):
-        raise CheckpointError(
-            f"{where} is not a zip archive: a legacy (pre-1.6) torch file or not a torch file at "
-            "all. Re-save it with torch.save (or as .safetensors) and pass that file")
     try:
+        if not zipfile.is_zipfile(where):  # which raises for some damaged end records
+            raise CheckpointError(
+                f"{where} is not a zip archive: a legacy (pre-1.6) torch file or not a torch "
+                "file at all. Re-save it with torch.save (or as .safetensors) and pass that file")
         with zipfile.ZipFile(where) as archive:
             return _read_archive(archive, where, shapes_only)
     except _ZIP_ERRORS as err:
