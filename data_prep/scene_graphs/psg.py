@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import reprlib
 
 from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean, ident, numbers, text, whole
 from data_prep.source_items import SourceError, id_key, load_json
@@ -142,8 +143,9 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
     try:
         classes = list(doc["thing_classes"]) + list(doc["stuff_classes"])
         predicates = list(doc["predicate_classes"])
-        for name in classes + predicates:
-            text(name, "class name")
+        odd = [n for n in classes + predicates if not isinstance(n, str)]
+        if odd:
+            raise TypeError(f"class or predicate name {reprlib.repr(odd[0])} is not a string")
         test_ids = {ident(i, "test_image_ids entry") for i in doc.get("test_image_ids", [])}
         data = list(doc["data"])
     except (KeyError, TypeError, ValueError) as e:
