@@ -7,17 +7,15 @@ code. Bounds before bytes: every tensor's offset, sizes and strides are checked 
 storage (non-negative, as many strides as sizes, the furthest element inside the storage, the
 storage's element count times its dtype's size equal to its record's bytes) before any tensor
 is made, so a crafted file cannot make the reader view memory past a record; a refusal is a
-`CheckpointError` naming the file and the tensor's key.
-
-The pickle itself is bounded before it is unpickled: data.pkl over `MAX_PICKLE_BYTES` is
-refused unread, and its opcode stream is walked first (`pickletools.genops`: every opcode known,
-every argument whole) with each memo index at most the number of opcodes before it and each
-FRAME inside the file, so that no opcode makes the unpickler allocate what the file does not
-hold (Python's unpickler sizes its memo by the index it is given). What it builds is bounded
-too: walking it visits at most one value per byte of data.pkl (containers that share their
-contents over and over are refused, not walked 2^60 times), and the tensors made (copies) hold
-at most `MAX_COPIES` times the bytes of the storages they view. Any error of a malformed
-pickle, zip or record is a `CheckpointError` naming the file.
+`CheckpointError` naming the file and the tensor's key. The pickle is bounded before it is
+unpickled: data.pkl over `MAX_PICKLE_BYTES` is refused unread, and its opcodes are walked first
+(`pickletools.genops`: every opcode known and whole), each memo index at most the number of
+opcodes before it and each FRAME inside the file, so no opcode makes the unpickler allocate what
+the file does not hold (Python's unpickler sizes its memo by the index it is given). What it
+builds is bounded too: a walk visits at most one value per byte of data.pkl (containers sharing
+their contents over and over are refused, not walked 2^60 times), and the tensors made (copies)
+hold at most `MAX_COPIES` times the bytes of their storages. Any error of a malformed pickle,
+zip or record is a `CheckpointError` naming the file.
 
 `read_state_dict` reads a `.safetensors` or torch file into a flat {key: array} dict, unwrapping
 training checkpoints (`{"state_dict": {"module.<key>": ...}}`).
@@ -324,13 +322,16 @@ def _read_archive(archive: zipfile.ZipFile, where: str, shapes_only: bool) -> An
     problem = _tensors(obj, "", found, [len(data)])
     if problem:
         raise CheckpointError(f"{where}: {problem}: not a state dict this reader reads")
-    for key, tensor in found:
+    distinct = {id(t): (k, t) for k, t in found}  # a tensor listed twice is checked once
+    for key, tensor in distinct.values():
         problem = _tensor_problem(tensor)
         if problem:
             raise CheckpointError(f"{where}: tensor {key}: {problem}; the file is damaged "
                                   "or crafted, and is not read")
-    copies = sum(int(np.prod(t.size, dtype=object)) * t.storage.dtype.itemsize for _, t in found)
-    held = sum({id(t.storage): t.storage.nbytes for _, t in found}.values())
+    made = {i: int(np.prod(t.size, dtype=object)) * t.storage.dtype.itemsize
+            for i, (_, t) in distinct.items()}
+    copies = sum(made[id(t)] for _, t in found)  # each listing is a copy
+    held = sum({id(t.storage): t.storage.nbytes for _, t in distinct.values()}.values())
     if not shapes_only and copies > MAX_COPIES * held:
         raise CheckpointError(f"{where}: its tensors view their {held:,} bytes of storage as "
                               f"{copies:,} bytes, over {MAX_COPIES} times as many: the file is "
