@@ -67,8 +67,8 @@ def with_views(sample: schema.Sample, view_size: int = schema.DEFAULT_VIEW_SIZE,
     photo = schema.decode_image(sample.image, f"{where}: image",
                                 size=(sample.width, sample.height))
     objects = tuple(dataclasses.replace(
-        o, view=encode_view(augment.resize_centre_crop(photo.crop(o.box), view_size), view_size,
-                            quality))
+        o, view=encode_view(augment.resize_centre_crop(augment.box_crop(photo, o.box),
+                                                       view_size), view_size, quality))
         for o in sample.objects)
     relations = []
     for k, r in enumerate(sample.relations):

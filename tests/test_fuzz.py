@@ -5,7 +5,7 @@ over every target; and the harness itself: a segmentation fault, a hang and an e
 reported with the input saved.
 
 A crash is what bench/fuzz.py calls one: an exception other than the target's refusal types
-(`fuzz.crash_of`). Inputs under a target that another branch fixes are expected failures here.
+(`fuzz.crash_of`). Every saved input is kept: each crash it found is fixed in its reader.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ fuzz = sys.modules["bench_fuzz"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz)
 
 CORPUS = ROOT / "tests" / "data" / "fuzz"
-FIXED_HERE = ("vlm_reply", "loose_json")
-ELSEWHERE = pytest.mark.xfail(strict=False, reason="fixed on another branch")
+REPLY_PARSERS = ("vlm_reply", "loose_json")
 EXAMPLES = 60  # per target in the hypothesis pass
 
 
@@ -46,8 +45,7 @@ def _replay(target: str, *paths, timeout: int = 20) -> subprocess.CompletedProce
 def _corpus():
     for folder in sorted(p for p in CORPUS.iterdir() if p.is_dir()):
         for path in sorted(folder.iterdir()):
-            yield pytest.param(folder.name, path, id=f"{folder.name}/{path.name}",
-                               marks=() if folder.name in FIXED_HERE else ELSEWHERE)
+            yield pytest.param(folder.name, path, id=f"{folder.name}/{path.name}")
 
 
 @pytest.mark.parametrize("target,path", list(_corpus()))
@@ -74,7 +72,7 @@ HAND = {
 }
 
 
-@pytest.mark.parametrize("target", FIXED_HERE)
+@pytest.mark.parametrize("target", REPLY_PARSERS)
 @pytest.mark.parametrize("name", HAND)
 def test_nesting_and_long_numbers_are_read(target, name):
     crash = fuzz.crash_of(target, HAND[name])
@@ -127,6 +125,34 @@ def test_long_replies_take_linear_time(name):
     assert time.perf_counter() - start < 1.0
 
 
+def test_a_box_thinner_than_a_pixel_is_viewed_as_the_pixel_it_lies_in():
+    """The record input `exception-box-narrower-than-a-pixel` as the writer and the pipeline
+    see it: a box whose corners are in order but round to one column (PIL crops nothing) makes
+    a one-pixel-wide view when the views are written and when a version-1 record is read."""
+    import dataclasses
+
+    from PIL import Image
+
+    from data_prep import views
+    from sclaro_jax.data import augment, pipeline, schema
+    path = CORPUS / "record" / "exception-box-narrower-than-a-pixel"
+    sample = schema.decode(path.read_bytes())
+    box = sample.objects[1].box
+    assert box[0] < box[2] and round(box[0]) == round(box[2])
+    photo = schema.decode_image(sample.image)
+    assert photo.crop(box).size[0] == 0 and augment.box_crop(photo, box).size == (1, 22)
+    assert augment.box_crop(photo, (5.5, 5.5, 6.5, 6.5)).size == (1, 1)  # round half to even
+    assert augment.box_crop(photo, (47.6, 0, 47.9, 5)).size == (1, 5)  # at the right edge
+    wide = Image.new("RGB", (9, 9))
+    assert augment.box_crop(wide, (1.2, 2.6, 7.4, 8.2)).size == wide.crop(
+        (1.2, 2.6, 7.4, 8.2)).size == (6, 5)  # as PIL crops it, where PIL's crop is not empty
+    _, _, got = pipeline.sample_views(sample, pipeline.PipelineConfig(image_size=16,
+                                                                      train=False))
+    assert got["objects"].shape == (2, 16, 16, 3)
+    written = views.with_views(dataclasses.replace(sample, relations=()), 16)
+    assert written.objects[1].view is not None
+
+
 # ----------------------------------------------------------------------- hypothesis pass
 
 @pytest.mark.parametrize("target", [t for t in fuzz.ALL if t != "torch_file"])
@@ -135,7 +161,6 @@ def test_a_short_hypothesis_pass_finds_no_crash(target):
     assert not found, [(sig, data[:200]) for sig, data in found]
 
 
-@ELSEWHERE
 def test_a_short_hypothesis_pass_finds_no_crash_in_torch_files(tmp_path):
     """In a process of its own: a tensor reaching past its storage can end the process."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--target",

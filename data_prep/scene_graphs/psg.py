@@ -19,7 +19,9 @@ pixels of the panoptic PNG whose id R + 256 G + 256^2 B equals `segments_info[k]
 [subject, object, predicate] indices (a predicate index past predicate_classes is kept as None: the
 import counts the relation as out of range). Captions are matched by the image's file name through
 the captions file's "images" (else by image id) and ordered by caption id. The split is PSG's:
-"test" for `test_image_ids`, "train" otherwise. A `file_name` or `pan_seg_file_name` that
+"test" for `test_image_ids`, "train" otherwise. Ids and indices are whole numbers (image ids
+may be strings), boxes finite numbers, class names strings: an entry with another type is an
+error naming the file and `data[i]`. A `file_name` or `pan_seg_file_name` that
 resolves outside <root>/coco (absolute, `..`, a link out of it) makes the image a skip
 (`outside_root`): neither file is opened.
 """
@@ -29,8 +31,9 @@ from __future__ import annotations
 import collections
 import glob
 import os
+import reprlib
 
-from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean
+from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean, ident, numbers, text, whole
 from data_prep.source_items import SourceError, id_key, load_json
 from data_prep.sources import openpsg_files
 from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
@@ -53,41 +56,64 @@ def class_words(name: str) -> str:
 
 def read_captions(paths: list[str]) -> tuple[dict, dict]:
     """COCO captions files -> ({image file name: image id}, {image id: captions by caption
-    id}); ids as strings."""
+    id}); ids as strings. Ids are strings or whole numbers (caption ids whole numbers) and
+    captions strings: SourceError naming the file and the entry otherwise."""
     names, by_id = {}, collections.defaultdict(list)
     for path in paths:
         doc = load_json("COCO captions", path)
+        where = "the top level"
         try:
-            for image in doc.get("images", []):
-                names[os.path.basename(image["file_name"])] = str(image["id"])
-            for ann in doc["annotations"]:
-                by_id[str(ann["image_id"])].append((ann.get("id", 0), clean(ann["caption"])))
-        except (AttributeError, KeyError, TypeError) as e:
+            for i, image in enumerate(doc.get("images", [])):
+                where = f"images[{i}]"
+                names[os.path.basename(image["file_name"])] = ident(image["id"], "id")
+            for i, ann in enumerate(doc["annotations"]):
+                where = f"annotations[{i}]"
+                by_id[ident(ann["image_id"], "image_id")].append(
+                    (whole(ann.get("id", 0), "id"), text(ann["caption"], "caption")))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise SourceError(f"COCO captions: {path} is not a COCO captions file (images, "
-                              f"annotations with image_id and caption): {e!r}") from None
+                              f"annotations with image_id and caption): {where}: "
+                              f"{type(e).__name__}: {e}") from None
     return names, {k: [c for _, c in sorted(v) if c] for k, v in by_id.items()}
+
+
+def _segments(entry: dict) -> list[dict]:
+    segments = entry["segments_info"]
+    if not isinstance(segments, list) or not all(isinstance(s, dict) for s in segments):
+        raise TypeError("segments_info is not a list of objects")
+    return segments
 
 
 def _objects(entry: dict, classes: list[str]) -> list:
     anns = entry.get("annotations") or []
-    objects = []
-    for k, seg in enumerate(entry["segments_info"]):
-        if len(anns) == len(entry["segments_info"]):
-            box = tuple(float(v) for v in anns[k]["bbox"])
+    objects, segments = [], _segments(entry)
+    for k, seg in enumerate(segments):
+        if len(anns) == len(segments):
+            box = numbers(anns[k]["bbox"], 4, f"annotations[{k}].bbox")
         elif seg.get("bbox"):
-            x, y, w, h = (float(v) for v in seg["bbox"])
-            box = (x, y, x + w, y + h)
+            x, y, w, h = numbers(seg["bbox"], 4, f"segments_info[{k}].bbox")
+            box = numbers((x, y, x + w, y + h), 4, f"segments_info[{k}].bbox")
         else:
             box = None
-        objects.append((class_words(classes[seg["category_id"]]), box))
+        c = whole(seg["category_id"], f"segments_info[{k}].category_id")
+        if not 0 <= c < len(classes):
+            raise IndexError(f"segments_info[{k}].category_id {c} is past the "
+                             f"{len(classes)} classes")
+        objects.append((class_words(classes[c]), box))
     return objects
 
 
 def _predicate(predicates: list[str], p) -> str | None:
     """Predicate class p as words; None past the list (the import counts the relation as
     index_out_of_range)."""
-    p = int(p)
+    p = whole(p, "relation predicate")
     return clean(predicates[p]) if 0 <= p < len(predicates) else None
+
+
+def _relations(entry: dict, predicates: list[str]) -> tuple:
+    """(subject, predicate, object) of each [subject, object, predicate] of the entry."""
+    return tuple((whole(s, "relation subject"), _predicate(predicates, p),
+                  whole(o, "relation object")) for s, o, p in entry["relations"])
 
 
 def _coco_paths(coco: str, entry: dict) -> tuple[str, str, str]:
@@ -117,15 +143,19 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
     try:
         classes = list(doc["thing_classes"]) + list(doc["stuff_classes"])
         predicates = list(doc["predicate_classes"])
-        test_ids = {str(i) for i in doc.get("test_image_ids", [])}
+        odd = [n for n in classes + predicates if not isinstance(n, str)]
+        if odd:
+            raise TypeError(f"class or predicate name {reprlib.repr(odd[0])} is not a string")
+        test_ids = {ident(i, "test_image_ids entry") for i in doc.get("test_image_ids", [])}
         data = list(doc["data"])
-    except (KeyError, TypeError) as e:
-        raise SourceError(f"{TITLE}: {path} lacks {e} (data, thing_classes, stuff_classes, "
+    except (KeyError, TypeError, ValueError) as e:
+        what = f"lacks {e}" if isinstance(e, KeyError) else f"is malformed ({e})"
+        raise SourceError(f"{TITLE}: {path} {what} (data, thing_classes, stuff_classes, "
                           f"predicate_classes); expected {LAYOUT}") from None
     graphs = []
     for i, entry in enumerate(data):
         try:
-            image_id = str(entry["image_id"])
+            image_id = ident(entry["image_id"], "image_id")
             coco_id = names.get(os.path.basename(entry["file_name"]), image_id)
             image, panoptic, skip = _coco_paths(coco, entry)
             graphs.append(Graph(
@@ -133,12 +163,11 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
                 split="test" if image_id in test_ids else "train",
                 image=image,
                 objects=tuple(_objects(entry, classes)),
-                relations=tuple((int(s), _predicate(predicates, p), int(o))
-                                for s, o, p in entry["relations"]),
+                relations=_relations(entry, predicates),
                 captions=tuple(by_id.get(coco_id, ())),
                 panoptic=panoptic, skip=skip,
-                segments=tuple(int(seg["id"]) for seg in entry["segments_info"])))
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+                segments=tuple(whole(seg["id"], "segment id") for seg in _segments(entry))))
+        except (AttributeError, KeyError, TypeError, ValueError, IndexError) as e:
             raise SourceError(f"{TITLE}: {path} data[{i}] is malformed ({type(e).__name__}: "
                               f"{e}); expected {LAYOUT}") from None
     return SceneGraphs(

@@ -13,7 +13,9 @@ Each json may carry its version's suffix instead (objects_v1_4.json, objects_v1_
 Objects are those of objects.json in order, then the subjects and objects of relations that
 objects.json does not list (by object_id), with their own boxes; names are the first of
 "names", lowercased with whitespace collapsed, as are predicates. Boxes are
-(x, y, x + w, y + h). The captions are the region descriptions in file order. The photograph is
+(x, y, x + w, y + h) of finite numbers; ids are strings or whole numbers, names, predicates,
+phrases and urls strings: an entry with another type is an error naming the file and entry.
+The captions are the region descriptions in file order. The photograph is
 <root>/<folder>/<file> of its url's last two parts, else VG_100K/ or VG_100K_2/<image_id>.jpg;
 an entry whose url or image id names a path outside <root> (`..`, a link out of it) is a skip
 (`outside_root`), its photograph never opened.
@@ -29,7 +31,7 @@ import dataclasses
 import hashlib
 import os
 
-from data_prep.scene_graphs.graph import Graph, SceneGraphs, clean
+from data_prep.scene_graphs.graph import Graph, SceneGraphs, ident, numbers, text
 from data_prep.source_items import SourceError, id_key, load_json, require_file
 from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 
@@ -54,29 +56,31 @@ def find_file(root: str, name: str) -> str:
     return require_file(TITLE, os.path.join(root, f"{name}.json"), LAYOUT)
 
 
-def _image_key(entry: dict):
+def _image_key(entry: dict) -> str:
     if "image_id" in entry:
-        return str(entry["image_id"])
-    return str(entry["id"])
+        return ident(entry["image_id"], "image_id")
+    return ident(entry["id"], "id")
 
 
 def _by_image(path: str, field: str) -> dict:
     doc = load_json(TITLE, path)
     try:
         return {_image_key(e): e.get(field) or [] for e in doc}
-    except (AttributeError, KeyError, TypeError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise SourceError(f"{TITLE}: {path} is not a list of per-image entries with "
                           f"{field!r}: {e!r}; expected {LAYOUT}") from None
 
 
 def _name(obj: dict) -> str:
     names = obj.get("names") or [obj.get("name", "")]
-    return clean(names[0]).lower()
+    if not isinstance(names, list):
+        raise TypeError(f"names is a {type(names).__name__}, not a list")
+    return text(names[0], "name").lower()
 
 
 def _box(obj: dict):
-    x, y, w, h = (float(obj[k]) for k in ("x", "y", "w", "h"))
-    return (x, y, x + w, y + h)
+    x, y, w, h = numbers([obj[k] for k in ("x", "y", "w", "h")], 4, "x, y, w, h")
+    return numbers((x, y, x + w, y + h), 4, "x, y, x + w, y + h")
 
 
 def image_path(root: str, image_id: str, url) -> str | None:
@@ -110,10 +114,11 @@ def graph_of(image_id: str, path: str, objects: list, relationships: list,
                 if key is not None:
                     index[key] = len(listed) - 1
             ends.append(index[key] if key is not None else len(listed) - 1)
-        relations.append((ends[0], clean(rel["predicate"]).lower(), ends[1]))
+        relations.append((ends[0], text(rel["predicate"], "predicate").lower(), ends[1]))
     return Graph(id=f"vg/{id_key(image_id)}", split=split_of(image_id), image=path,
                  objects=tuple(listed), relations=tuple(relations),
-                 captions=tuple(c for c in (clean(r.get("phrase")) for r in regions) if c))
+                 captions=tuple(c for c in (text(r.get("phrase"), "phrase") for r in regions)
+                                if c))
 
 
 def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
@@ -132,8 +137,10 @@ def read(root: str, captions: tuple[str, ...] = ()) -> SceneGraphs:
     graphs = []
     for i, entry in enumerate(images if isinstance(images, list) else [None]):
         try:
-            image_id = _image_key(entry)
-            path = image_path(root, image_id, entry.get("url"))
+            image_id, url = _image_key(entry), entry.get("url")
+            if url is not None and not isinstance(url, str):
+                raise TypeError(f"url is a {type(url).__name__}, not a string")
+            path = image_path(root, image_id, url)
             graph = graph_of(image_id, path or "", objects.get(image_id, []),
                              relationships.get(image_id, []), regions.get(image_id, []))
             graphs.append(graph if path else dataclasses.replace(graph, skip=OUTSIDE_ROOT))

@@ -250,10 +250,24 @@ def scale_box(box, sx: float, sy: float) -> tuple[float, float, float, float]:
     return (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
 
 
+def box_crop(img: Image.Image, box) -> Image.Image:
+    """`img.crop(box)`, the box rounded as PIL rounds it, at least one pixel wide and high: a
+    box thinner than a pixel (a record may hold one: its corners need only be in order) is the
+    pixel it lies in, not an empty image that no resize can scale."""
+    x0, y0, x1, y1 = (int(round(v)) for v in box)
+    if x1 <= x0:
+        x0 = max(0, min(x0, img.width - 1))
+        x1 = x0 + 1
+    if y1 <= y0:
+        y0 = max(0, min(y0, img.height - 1))
+        y1 = y0 + 1
+    return img.crop((x0, y0, x1, y1))
+
+
 def region_view(img: Image.Image, box, size: int) -> np.ndarray:
-    """Object crop / relation region: crop `box` (PIL rounds it; None = the whole image), then
+    """Object crop / relation region: crop `box` (`box_crop`; None = the whole image), then
     Resize(size) + CenterCrop(size)."""
-    return np.asarray(resize_centre_crop(img if box is None else img.crop(box), size))
+    return np.asarray(resize_centre_crop(img if box is None else box_crop(img, box), size))
 
 
 def canvas_view(img: Image.Image, box, size: int,

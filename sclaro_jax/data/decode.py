@@ -52,7 +52,7 @@ def _turbo_header(data, what: str, size):
     """simplejpeg's (height, width) of a JPEG it can decode to RGB, or None (PIL then)."""
     try:
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
-    except ValueError:
+    except (ValueError, KeyError):  # KeyError: a chroma subsampling simplejpeg has no name for
         return None  # PIL decides: decodes it, or raises the RecordError naming `what`
     try:
         bounds.check_pixels(width, height, what)

@@ -242,21 +242,44 @@ def decode(record: bytes) -> Sample:
             width=p["width"], height=p["height"], action=p["action"], caption=p["caption"],
             mask_kind=p["mask_kind"])
         if version == 1:
-            return Sample(
-                **common,
-                objects=tuple(Object(name, tuple(box)) for name, box in p["objects"]),
+            sample = Sample(
+                **common, objects=tuple(Object(name, tuple(box)) for name, box in p["objects"]),
                 relations=tuple(Relation(s, pred, o, text, region)
                                 for s, pred, o, text, region in p["relations"]))
-        return Sample(
-            **common, view_size=int(p["view_size"]), train_image=p["train_image"],
-            objects=tuple(Object(name, tuple(box), view) for name, box, view in p["objects"]),
-            relations=tuple(Relation(s, pred, o, text, region, view)
-                            for s, pred, o, text, region, view in p["relations"]))
-    except RecordError:
-        raise
+        else:
+            sample = Sample(
+                **common, view_size=p["view_size"], train_image=p["train_image"],
+                objects=tuple(Object(n, tuple(b), v) for n, b, v in p["objects"]),
+                relations=tuple(Relation(s, pred, o, text, region, view)
+                                for s, pred, o, text, region, view in p["relations"]))
     except Exception as e:  # msgpack errors, missing keys, wrong arity
         raise RecordError(f"corrupt SCLARO record payload (version {version}): "
                           f"{type(e).__name__}: {e}") from None
+    return _typed(sample, version)
+
+
+_BYTES = (bytes, type(None))
+_SAMPLE_TYPES = [(f, (str,)) for f in ("id", "source", "split", "action", "caption", "mask_kind")
+                 ] + [("width", (int,)), ("height", (int,)), ("image", _BYTES),
+                      ("view_size", (int, type(None))), ("train_image", _BYTES)]
+_RELATION_TYPES = (("subject", (int,)), ("predicate", (str,)), ("object", (int,)),
+                   ("text", (str,)), ("region", _BYTES), ("view", _BYTES))
+
+
+def _typed(s: Sample, version: int) -> Sample:
+    """`s`, or RecordError naming its first field of another type than `encode` writes (a
+    number where a string is, a bool for a width, ...)."""
+    fields = [(f, getattr(s, f), t) for f, t in _SAMPLE_TYPES]
+    for i, o in enumerate(s.objects):
+        fields += [(f"object {i} name", o.name, (str,)), (f"object {i} view", o.view, _BYTES)]
+        fields += [(f"object {i} box", v, (int, float)) for v in o.box]
+    for j, r in enumerate(s.relations):
+        fields += [(f"relation {j} {f}", getattr(r, f), t) for f, t in _RELATION_TYPES]
+    for name, v, types in fields:
+        if type(v) not in types:
+            raise RecordError(f"corrupt SCLARO record payload (version {version}): {name} is "
+                              f"a {type(v).__name__}")
+    return s
 
 
 # --------------------------------------------------------------------------- validation

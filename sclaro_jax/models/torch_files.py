@@ -7,7 +7,15 @@ code. Bounds before bytes: every tensor's offset, sizes and strides are checked 
 storage (non-negative, as many strides as sizes, the furthest element inside the storage, the
 storage's element count times its dtype's size equal to its record's bytes) before any tensor
 is made, so a crafted file cannot make the reader view memory past a record; a refusal is a
-`CheckpointError` naming the file and the tensor's key.
+`CheckpointError` naming the file and the tensor's key. The pickle is bounded before it is
+unpickled: data.pkl over `MAX_PICKLE_BYTES` is refused unread, and its opcodes are walked first
+(`pickletools.genops`: every opcode known and whole), each memo index at most the number of
+opcodes before it and each FRAME inside the file, so no opcode makes the unpickler allocate what
+the file does not hold (Python's unpickler sizes its memo by the index it is given). What it
+builds is bounded too: a walk visits at most one value per byte of data.pkl (containers sharing
+their contents over and over are refused, not walked 2^60 times), and the tensors made (copies)
+hold at most `MAX_COPIES` times the bytes of their storages. Any error of a malformed pickle,
+zip or record is a `CheckpointError` naming the file.
 
 `read_state_dict` reads a `.safetensors` or torch file into a flat {key: array} dict, unwrapping
 training checkpoints (`{"state_dict": {"module.<key>": ...}}`).
@@ -15,9 +23,14 @@ training checkpoints (`{"state_dict": {"module.<key>": ...}}`).
 
 from __future__ import annotations
 
+import io
+import lzma
 import os
 import pickle
+import pickletools
+import reprlib
 import zipfile
+import zlib
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -42,7 +55,15 @@ def _np_dtype(name):
     return np.dtype(name)
 
 
-class _Storage:
+class _Sealed:
+    """A value the unpickler makes that data.pkl may not change: pickle's BUILD opcode on it
+    (which would set its attributes, an element count past its record say) is refused."""
+
+    def __setstate__(self, state):
+        raise pickle.UnpicklingError(f"data.pkl sets the state of a {type(self).__name__}")
+
+
+class _Storage(_Sealed):
     """One storage record of the archive: its dtype, element count (from data.pkl) and byte
     length (from the zip's directory), read only when a checked tensor needs its bytes."""
 
@@ -63,7 +84,7 @@ class _Shape:
         self.shape, self.dtype = tuple(shape), dtype
 
 
-class _Tensor:
+class _Tensor(_Sealed):
     """A tensor as data.pkl describes it (storage, offset, sizes, strides), not yet checked or
     made: `read_torch_file` checks every one against its storage before it makes any."""
 
@@ -73,6 +94,20 @@ class _Tensor:
 
 MAX_RANK = 32  # a tensor of more dimensions is refused (numpy's own limit is 64)
 MAX_DEPTH = 64  # containers nested deeper than this are refused (a state dict nests 1-3)
+MAX_PICKLE_BYTES = 64 << 20  # data.pkl of a state dict: kilobytes to a few MiB
+MAX_MEMBER_BYTES = 64  # the archive's byteorder member ("little")
+MAX_COPIES = 4  # the tensors made may hold this many times the bytes of the storages they view
+_INT64 = 1 << 63  # offsets, sizes, strides and element counts are torch's int64s
+_MEMO_PUTS = ("PUT", "BINPUT", "LONG_BINPUT")
+
+
+def _shown(value) -> str:
+    """A short repr of a value from a file (reprlib's; an int past Python's digit limit for
+    printing, in it or inside it, by its type)."""
+    try:
+        return reprlib.repr(value)
+    except ValueError:
+        return f"a {type(value).__name__} too long to show"
 
 
 def _ints(value) -> bool:
@@ -91,6 +126,8 @@ def _tensor_problem(t: _Tensor) -> str | None:
     if len(t.size) != len(t.stride) or len(t.size) > MAX_RANK:
         return (f"{len(t.size)} sizes and {len(t.stride)} strides (equal counts, at most "
                 f"{MAX_RANK}, are needed)")
+    if any(abs(v) >= _INT64 for v in (t.offset, *t.size, *t.stride)):
+        return "an offset, size or stride past 64 bits"
     if t.offset < 0 or min(t.size + t.stride, default=0) < 0:
         return f"a negative offset, size or stride ({t.offset}, {t.size}, {t.stride})"
     count = int(np.prod(t.size, dtype=object))
@@ -106,12 +143,16 @@ def _tensor_problem(t: _Tensor) -> str | None:
     return None
 
 
-def _tensors(obj, path: str, found: list, depth: int = 0) -> str | None:
+def _tensors(obj, path: str, found: list, budget: list[int], depth: int = 0) -> str | None:
     """Every `_Tensor` in `obj` (dicts, lists, tuples) appended to `found` with the key path
-    naming it; what is wrong (None: nothing) with containers nested too deep or a tensor in a
-    set."""
+    naming it; what is wrong (None: nothing) with containers nested too deep, more values than
+    `budget[0]` (data.pkl's bytes: containers that share their contents make a walk visit more
+    values than the pickle wrote) or a tensor in a set."""
     if depth > MAX_DEPTH:
         return f"containers nested more than {MAX_DEPTH} deep at {path}"
+    budget[0] -= 1
+    if budget[0] < 0:
+        return "containers that share their contents over and over (more values than bytes)"
     if isinstance(obj, _Tensor):
         found.append((path or "(the top)", obj))
     elif isinstance(obj, (set, frozenset)) and any(isinstance(v, _Tensor) for v in obj):
@@ -119,8 +160,10 @@ def _tensors(obj, path: str, found: list, depth: int = 0) -> str | None:
     items = (obj.items() if isinstance(obj, dict) else enumerate(obj)
              if isinstance(obj, (list, tuple)) else ())
     for k, v in items:
-        key = (f"{path}.{k}" if path else str(k)) if isinstance(obj, dict) else f"{path}[{k}]"
-        problem = _tensors(v, key, found, depth + 1)
+        name = k if isinstance(k, str) else _shown(k)
+        key = (f"{path}.{name}" if path else str(name)) if isinstance(obj, dict) \
+            else f"{path}[{k}]"
+        problem = _tensors(v, key, found, budget, depth + 1)
         if problem:
             return problem
     return None
@@ -180,15 +223,18 @@ class _TorchUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid):
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise CheckpointError(f"{self._where}: unknown persistent id {pid!r} in data.pkl")
+            raise CheckpointError(f"{self._where}: unknown persistent id {_shown(pid)} "
+                                  "in data.pkl")
         _, kind, key, _location, numel = pid[:5]
-        if kind not in _STORAGE_DTYPES:
-            raise CheckpointError(f"{self._where}: storage type {kind!r} is not supported")
+        if not isinstance(kind, str) or kind not in _STORAGE_DTYPES:
+            raise CheckpointError(f"{self._where}: storage type {_shown(kind)} is not "
+                                  "supported")
         if not isinstance(key, str) or key not in self._records:
-            raise CheckpointError(f"{self._where}: data.pkl names storage {key!r}, which the "
-                                  "archive does not hold (or holds compressed)")
-        if type(numel) is not int or numel < 0:
-            raise CheckpointError(f"{self._where}: storage {key} declares {numel!r} elements")
+            raise CheckpointError(f"{self._where}: data.pkl names storage {_shown(key)},"
+                                  " which the archive does not hold (or holds compressed)")
+        if type(numel) is not int or not 0 <= numel < _INT64:
+            raise CheckpointError(f"{self._where}: storage {_shown(key)} declares "
+                                  f"{_shown(numel)} elements")
         if key not in self._storages:
             self._storages[key] = _Storage(
                 _np_dtype(_STORAGE_DTYPES[kind]), numel, self._records[key][0],
@@ -202,82 +248,183 @@ class _TorchUnpickler(pickle.Unpickler):
         return _Tensor(storage, offset, size, stride)
 
 
+def _check_pickle(data: bytes) -> None:
+    """pickle.UnpicklingError (or ValueError) unless every opcode of `data` is known and whole,
+    each memo index is at most the number of opcodes before it and each FRAME lies inside
+    `data`: then unpickling allocates nothing the file does not hold."""
+    for count, (op, arg, pos) in enumerate(pickletools.genops(data)):
+        if op.name in _MEMO_PUTS and arg > count:
+            raise pickle.UnpicklingError(f"memo index {arg} at byte {pos}, after only {count} "
+                                         "opcodes")
+        if op.name == "FRAME" and arg > len(data) - pos:
+            raise pickle.UnpicklingError(f"a FRAME of {arg} bytes at byte {pos}, past the end")
+
+
+# what a malformed pickle raises in Python's unpickler (and pickletools): a wrong opcode, a
+# short read, an int too big, a REDUCE of something not callable, an attribute missing, ...
+_PICKLE_ERRORS = (pickle.UnpicklingError, EOFError, OverflowError, TypeError, AttributeError,
+                  ValueError, IndexError, KeyError, RecursionError)
+# what a damaged zip archive raises in zipfile (RuntimeError: encrypted; NotImplementedError,
+# a RuntimeError: an unknown compression method)
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, RuntimeError, zlib.error,
+               lzma.LZMAError)
+
+
+def _unpickle(data: bytes, records: dict, read_record, where: str):
+    """data.pkl's object (`_TorchUnpickler`), its opcodes checked first (`_check_pickle`)."""
+    try:
+        _check_pickle(data)
+        return _TorchUnpickler(io.BytesIO(data), records, read_record, where).load()
+    except CheckpointError:
+        raise
+    except _PICKLE_ERRORS as err:
+        raise CheckpointError(f"{where}: data.pkl is not a pickle this reader reads "
+                              f"({type(err).__name__}: {str(err)[:200]}); the file is damaged "
+                              "or crafted") from None
+
+
+def _member(archive: zipfile.ZipFile, name: str, limit: int, where: str) -> bytes:
+    """The bytes of archive member `name`, refused unread when it declares more than `limit`."""
+    size = archive.getinfo(name).file_size
+    if size > limit:
+        raise CheckpointError(f"{where}: {name} is {size:,} bytes, over the {limit:,} this "
+                              "reader reads: not a torch file it reads")
+    return archive.read(name)
+
+
+def _read_archive(archive: zipfile.ZipFile, where: str, shapes_only: bool) -> Any:
+    names = archive.namelist()
+    pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+    if not pkl:
+        raise CheckpointError(f"{where}: the zip archive has no data.pkl: not a torch file")
+    prefix = pkl[0][: -len("data.pkl")]
+    order = (_member(archive, prefix + "byteorder", MAX_MEMBER_BYTES, where).decode(
+        "ascii", "replace") if prefix + "byteorder" in names else "little")
+    if order.strip() != "little":
+        raise CheckpointError(f"{where}: big-endian torch files are not supported")
+    # storage key -> (record name, bytes): torch.save stores records uncompressed, so the
+    # bytes read are the bytes on disk
+    records = {info.filename[len(prefix) + 5:]: (info.filename[len(prefix):], info.file_size)
+               for info in archive.infolist()
+               if info.filename.startswith(prefix + "data/")
+               and info.compress_type == zipfile.ZIP_STORED}
+
+    def read_record(key: str) -> bytes:
+        data = archive.read(f"{prefix}data/{key}")
+        if len(data) != records[key][1]:
+            raise CheckpointError(f"{where}: record {records[key][0]} holds {len(data)} bytes, "
+                                  f"not the {records[key][1]} its directory entry says")
+        return data
+
+    data = _member(archive, pkl[0], MAX_PICKLE_BYTES, where)
+    obj = _unpickle(data, records, read_record, where)
+    found: list = []
+    problem = _tensors(obj, "", found, [len(data)])
+    if problem:
+        raise CheckpointError(f"{where}: {problem}: not a state dict this reader reads")
+    distinct = {id(t): (k, t) for k, t in found}  # a tensor listed twice is checked once
+    for key, tensor in distinct.values():
+        problem = _tensor_problem(tensor)
+        if problem:
+            raise CheckpointError(f"{where}: tensor {key}: {problem}; the file is damaged "
+                                  "or crafted, and is not read")
+    made = {i: int(np.prod(t.size, dtype=object)) * t.storage.dtype.itemsize
+            for i, (_, t) in distinct.items()}
+    copies = sum(made[id(t)] for _, t in found)  # each listing is a copy
+    held = sum({id(t.storage): t.storage.nbytes for _, t in distinct.values()}.values())
+    if not shapes_only and copies > MAX_COPIES * held:
+        raise CheckpointError(f"{where}: its tensors view their {held:,} bytes of storage as "
+                              f"{copies:,} bytes, over {MAX_COPIES} times as many: the file is "
+                              "damaged or crafted, and is not read")
+    return _made(obj, shapes_only)
+
+
 def read_torch_file(path: str | os.PathLike, *, shapes_only: bool = False) -> Any:
     """The object a `torch.save` zip archive holds, tensors as numpy arrays (or `_Shape`s with
     `shapes_only`), rebuilt without torch; anything but containers, numbers and tensors is
     refused. Every tensor's offset, sizes and strides are checked against its storage (and the
-    storage's element count against its record's bytes) before any tensor is made:
-    `CheckpointError` naming the file and the tensor's key otherwise."""
+    storage's element count against its record's bytes) before any tensor is made, and the
+    pickle's opcodes before it is unpickled: `CheckpointError` naming the file (and the
+    tensor's key) otherwise."""
     where = os.fspath(path)
-    if not zipfile.is_zipfile(where):
-        raise CheckpointError(
-            f"{where} is not a zip archive: a legacy (pre-1.6) torch file or not a torch file at "
-            "all. Re-save it with torch.save (or as .safetensors) and pass that file")
-    with zipfile.ZipFile(where) as archive:
-        names = archive.namelist()
-        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
-        if not pkl:
-            raise CheckpointError(f"{where}: the zip archive has no data.pkl: not a torch file")
-        prefix = pkl[0][: -len("data.pkl")]
-        order = archive.read(prefix + "byteorder").decode() if prefix + "byteorder" in names \
-            else "little"
-        if order.strip() != "little":
-            raise CheckpointError(f"{where}: big-endian torch files are not supported")
-        # storage key -> (record name, bytes): torch.save stores records uncompressed, so the
-        # bytes read are the bytes on disk
-        records = {info.filename[len(prefix) + 5:]: (info.filename[len(prefix):], info.file_size)
-                   for info in archive.infolist()
-                   if info.filename.startswith(prefix + "data/")
-                   and info.compress_type == zipfile.ZIP_STORED}
-
-        def read_record(key: str) -> bytes:
-            return archive.read(f"{prefix}data/{key}")
-
-        with archive.open(pkl[0]) as f:
-            obj = _TorchUnpickler(f, records, read_record, where).load()
-        found: list = []
-        problem = _tensors(obj, "", found)
-        if problem:
-            raise CheckpointError(f"{where}: {problem}: not a state dict this reader reads")
-        for key, tensor in found:
-            problem = _tensor_problem(tensor)
-            if problem:
-                raise CheckpointError(f"{where}: tensor {key}: {problem}; the file is damaged "
-                                      "or crafted, and is not read")
-        return _made(obj, shapes_only)
+    try:
+        if not zipfile.is_zipfile(where):  # which raises for some damaged end records
+            raise CheckpointError(
+                f"{where} is not a zip archive: a legacy (pre-1.6) torch file or not a torch "
+                "file at all. Re-save it with torch.save (or as .safetensors) and pass that file")
+        with zipfile.ZipFile(where) as archive:
+            return _read_archive(archive, where, shapes_only)
+    except _ZIP_ERRORS as err:
+        raise CheckpointError(f"{where}: a damaged zip archive ({type(err).__name__}: "
+                              f"{str(err)[:200]})") from None
 
 
 def _safetensors(path: Path, shapes_only: bool) -> dict:
+    """The tensors of a safetensors file, its header checked by the safetensors library; those
+    with bfloat16 tensors (which safetensors.numpy cannot hold) read by `_safetensors_bf16`."""
     from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="numpy") as f:
+            slices = {k: f.get_slice(k) for k in f.keys()}
             if shapes_only:
-                return {k: _Shape(f.get_slice(k).get_shape(), None) for k in f.keys()}
-            return {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as err:  # a truncated / corrupt file, or bf16 numpy cannot hold
-        if "bf16" in str(err).lower() or "bfloat16" in str(err).lower():
-            return _safetensors_bf16(path, shapes_only)
+                return {k: _Shape(v.get_shape(), None) for k, v in slices.items()}
+            if not any(v.get_dtype() == "BF16" for v in slices.values()):
+                return {k: f.get_tensor(k) for k in slices}
+    except Exception as err:  # a truncated / corrupt file (the library's own error types)
         raise CheckpointError(f"{path}: cannot read the safetensors weights ({err})") from err
+    return _safetensors_bf16(path)
 
 
-def _safetensors_bf16(path: Path, shapes_only: bool) -> dict:
-    """safetensors with bfloat16 tensors (safetensors.numpy cannot hold them): parsed here."""
+_SAFETENSORS_DTYPES = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+    "F16": np.float16, "BF16": "bfloat16", "U32": np.uint32, "I32": np.int32,
+    "F32": np.float32, "U64": np.uint64, "I64": np.int64, "F64": np.float64}
+
+
+def _safetensors_entry(info, data_bytes: int) -> str | None:
+    """What is wrong with one tensor's header entry (None: its dtype is one read here, its shape
+    whole numbers and its data_offsets the bytes of that shape inside the data)."""
+    if not isinstance(info, dict):
+        return "is not an object"
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:
+        return f"dtype {_shown(dtype)} is not one of {sorted(_SAFETENSORS_DTYPES)}"
+    if not (isinstance(shape, list) and len(shape) <= MAX_RANK
+            and all(type(n) is int and 0 <= n < _INT64 for n in shape)):
+        return f"shape {_shown(shape)} is not a list of whole numbers"
+    if not (isinstance(offsets, list) and len(offsets) == 2
+            and all(type(n) is int for n in offsets) and 0 <= offsets[0] <= offsets[1]
+            <= data_bytes):
+        return f"data_offsets {_shown(offsets)} are not two offsets into the data"
+    need = int(np.prod(shape, dtype=object)) * _np_dtype(_SAFETENSORS_DTYPES[dtype]).itemsize
+    if offsets[1] - offsets[0] != need:
+        return (f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, its shape "
+                f"{shape} of {dtype} {need}")
+    return None
+
+
+def _safetensors_bf16(path: Path) -> dict:
+    """safetensors with bfloat16 tensors (safetensors.numpy cannot hold them), read here from
+    the format's description: the header checked entry by entry before any tensor is made."""
     raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
+    if len(raw) < 8 or n > len(raw) - 8:
+        raise CheckpointError(f"{path}: a safetensors header of {n} bytes in a file of "
+                              f"{len(raw)}")
     header = bounds.parse_json(raw[8:8 + n], str(path))
-    dtypes = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I64": np.int64,
-              "I32": np.int32, "BF16": "bfloat16"}
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
     out = {}
     for key, info in header.items():
         if key == "__metadata__":
             continue
-        dtype = _np_dtype(dtypes[info["dtype"]])
-        if shapes_only:
-            out[key] = _Shape(info["shape"], dtype)
-            continue
+        problem = _safetensors_entry(info, len(raw) - 8 - n)
+        if problem:
+            raise CheckpointError(f"{path}: tensor {key}: {problem}")
         start, stop = info["data_offsets"]
-        out[key] = np.frombuffer(raw[8 + n + start:8 + n + stop], dtype).reshape(info["shape"])
+        out[key] = np.frombuffer(raw[8 + n + start:8 + n + stop], _np_dtype(
+            _SAFETENSORS_DTYPES[info["dtype"]])).reshape(info["shape"])
     return out
 
 
@@ -294,6 +441,9 @@ def read_state_dict(path: str | os.PathLike, *, shapes_only: bool = False) -> di
     if not isinstance(state, dict) or not state:
         raise CheckpointError(f"{path} holds no state dict (a dict of tensors, or a training "
                               "checkpoint with a 'state_dict' entry)")
-    if all(str(k).startswith("module.") for k in state):
+    odd = next((k for k in state if not isinstance(k, str)), None)
+    if odd is not None:
+        raise CheckpointError(f"{path}: state dict key {_shown(odd)} is not a string")
+    if all(k.startswith("module.") for k in state):
         state = {k[len("module."):]: v for k, v in state.items()}
     return dict(state)
