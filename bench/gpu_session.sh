@@ -23,6 +23,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/gpu_session}"
+# the interpreter every stage runs: $SCLARO_PYTHON (a test passes its own), else python3 on PATH
+py="${SCLARO_PYTHON:-python3}"
 tiny=0
 budget=540
 # usage MESSAGE: the one-line usage error of every command (sclaro_jax.cli), exit 2
@@ -35,7 +37,7 @@ while [[ $# -gt 0 ]]; do
         --budget=*) budget="${1#*=}"; shift ;;
         --tiny) tiny=1; shift ;;
         -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
-        *) near=$(python3 -c 'import difflib, sys
+        *) near=$("$py" -c 'import difflib, sys
 m = difflib.get_close_matches(sys.argv[1].split("=")[0], ["--out", "--tiny", "--budget"], 1, 0.6)
 print(f" (did you mean {m[0]}?)" if m else "")' "$1" 2>/dev/null)
             usage "unrecognized argument: $1$near" ;;
@@ -82,7 +84,7 @@ stage() {
         >> "$out/stages.jsonl"
 }
 
-python3 -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" \
+"$py" -c "import jax, flax, optax; print(jax.__version__, flax.__version__, optax.__version__, jax.devices())" \
     | tee "$out/session.log"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null | tee -a "$out/session.log"
 : > "$out/stages.jsonl"
@@ -90,20 +92,20 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>/dev/null 
 # profile and variants share one compilation cache (the default step compiles once); the run
 # starts from a cold one of its own, as a user's first run does
 export JAX_COMPILATION_CACHE_DIR="$out/jax_cache"
-stage profile python3 bench/gpu_profile.py "${recipe[@]}" --samples "$samples" --data "$data" \
+stage profile "$py" bench/gpu_profile.py "${recipe[@]}" --samples "$samples" --data "$data" \
     --warmup 2 --steps "$profile_steps" --workers "$workers" --out "$out/profile"
 
-stage variants python3 bench/bench_step_variants.py "${recipe[@]}" "${variants[@]}" \
+stage variants "$py" bench/bench_step_variants.py "${recipe[@]}" "${variants[@]}" \
     --data "$data" --profile "$out/profile/profile.json" --steps "$variant_steps" \
     --json "$out/variants.json"
 unset JAX_COMPILATION_CACHE_DIR
 
 # the trainer's command line takes the recipe's overrides as --config.KEY=VALUE
-train=(python3 launch/train.py "${recipe[0]}" "${recipe[1]}")
+train=("$py" launch/train.py "${recipe[0]}" "${recipe[1]}")
 for ((i = 2; i < ${#recipe[@]}; i += 2)); do train+=("--config.${recipe[i + 1]}"); done
-mapfile -t winners < <(python3 bench/bench_step_variants.py --overrides-of "$out/variants.json" \
+mapfile -t winners < <("$py" bench/bench_step_variants.py --overrides-of "$out/variants.json" \
     2>/dev/null)
-stage run python3 bench/bench_run_start.py --out "$out" --stop-after "$stop_after" -- \
+stage run "$py" bench/bench_run_start.py --out "$out" --stop-after "$stop_after" -- \
     "${train[@]}" --workdir "$out/run" --config.data.dir="$data" \
     --config.train.steps="$run_steps" --config.log_every="$log_every" \
     --config.checkpoint_every="$run_steps" --config.data.workers="$workers" \
@@ -115,7 +117,7 @@ if [[ $tiny == 0 ]]; then
     [[ -f $theirs/csls_gpu.py ]] && authors+=(--authors-gpu "$theirs/csls_gpu.py")
     [[ -f $theirs/csls.cu ]] && authors+=(--authors-cu "$theirs/csls.cu")
 fi
-stage miner python3 bench/bench_miner.py --skip-csls --skip-rocs --resident "${miner[@]}" \
+stage miner "$py" bench/bench_miner.py --skip-csls --skip-rocs --resident "${miner[@]}" \
     "${authors[@]}" --repeats 5 --json "$out/miner.json"
 
-python3 bench/gpu_session_table.py "$out" | tee "$out/summary.md"
+"$py" bench/gpu_session_table.py "$out" | tee "$out/summary.md"

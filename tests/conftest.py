@@ -1,5 +1,15 @@
-"""Shared fixtures. Parity tests run with float32 matmuls at the highest precision."""
+"""Shared fixtures. Parity tests run with float32 matmuls at the highest precision.
 
+One JAX persistent compilation cache serves the whole run of the suite: a folder made for the
+run (`pytest_configure` in the controller), handed to the xdist workers and every child process
+through the environment (`JAX_COMPILATION_CACHE_DIR`, every compile stored), removed at the
+end. A step that one test compiled is read from the folder by every other test and child that
+compiles the same computation (a cache hit is the same executable: results do not change). A
+test of the cache itself starts its children with `own_cache_env()`."""
+
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import jax
@@ -9,6 +19,38 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# JAX's settings of the run's cache, as environment variables (read by every child's JAX).
+CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None,  # the folder, set in pytest_configure
+             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+_MADE_CACHE = []  # the folder this process made (the controller's), removed at the end
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and "SCLARO_TEST_JAX_CACHE" not in os.environ:
+        folder = tempfile.mkdtemp(prefix="sclaro-test-jax-cache-")
+        _MADE_CACHE.append(folder)
+        os.environ["SCLARO_TEST_JAX_CACHE"] = folder  # workers and children inherit it
+    folder = os.environ["SCLARO_TEST_JAX_CACHE"]
+    os.environ.update({**CACHE_ENV, "JAX_COMPILATION_CACHE_DIR": folder})
+    # this process imported JAX before the variables were set: the same settings, directly
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    for folder in _MADE_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def own_cache_env(**extra) -> dict:
+    """The environment for a child whose compilation cache is what the test is about: the run's
+    shared cache settings removed (the child's config decides, as for a user)."""
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
+    env.pop("SCLARO_TEST_JAX_CACHE", None)
+    return {**env, **extra}
 
 TINY_HF = dict(
     text_config=dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import own_cache_env
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24
@@ -117,8 +118,9 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
     # Synchronous checkpoints and no progress bar, so the log line below means the step-8
     # checkpoint is complete; the run is killed the moment it says so.
     kill_cmd = cmd + ["--config.checkpoint_async=False", "--config.progress_bar=False"]
+    env = own_cache_env()  # the workdir's own cache (the default) is what this test reads
     proc = subprocess.Popen(kill_cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env=env)
     for line in proc.stderr:  # blocks on the pipe until the trainer reports the checkpoint
         if "checkpoint at step 8 written" in line:
             os.kill(proc.pid, signal.SIGKILL)
@@ -129,7 +131,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
     assert done and max(done) < STEPS  # killed mid-way
     cached = sorted(os.listdir(tmp_path / "jax_cache"))  # config.compilation_cache="workdir"
     assert any(name.startswith("jit_step-") for name in cached), cached
-    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr
     # the rerun took its step from the cache (nothing new written), and the parameters below
