@@ -85,6 +85,7 @@ def full_run(setup, tmp_path_factory):
     return dict(out=base / "out", work=base / "work", summary=summary, stdout=proc.stdout)
 
 
+@pytest.mark.slow
 def test_records_come_out_and_exclusions_are_counted(full_run):
     s = full_run["summary"]
     assert s["images"] == 9
@@ -141,6 +142,7 @@ def _logged_samples(work) -> dict:
     return samples
 
 
+@pytest.mark.slow
 def test_rerun_with_another_image_size_only_rewrites_the_shards(setup, full_run, tmp_path):
     out = tmp_path / "out64"
     vlm_lines = (full_run["work"] / "vlm.jsonl").read_text()
@@ -161,6 +163,7 @@ def test_rerun_with_another_image_size_only_rewrites_the_shards(setup, full_run,
             dataclasses.replace(logged[image_id], split=written.split), 64, keep_originals=True)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
     out, work = tmp_path / "out", tmp_path / "work"
     cmd = _cli(setup, out, work)
@@ -187,6 +190,7 @@ def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
     assert _records(out) == _records(full_run["out"])
 
 
+@pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused(setup, full_run):
     cmd = _cli(setup, full_run["out"], full_run["work"], "--nms-iou", "0.5")
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)

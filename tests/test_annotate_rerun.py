@@ -112,6 +112,7 @@ def test_unchanged_rerun_takes_every_image_from_cache(run, setup, tmp_path):
     assert _records(tmp_path / "out") == _records(tmp_path / "out0")
 
 
+@pytest.mark.slow
 def test_an_edited_reply_redoes_its_chunk(run, setup, tmp_path):
     replies, work, _ = _fresh(run, setup, tmp_path)
     texts = dict(setup["reply_texts"])
@@ -134,6 +135,7 @@ def test_an_edited_reply_redoes_its_chunk(run, setup, tmp_path):
     assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
 
 
+@pytest.mark.slow
 def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
     from data_prep import segment
     sam = tmp_path / "sam.pth"
@@ -158,6 +160,7 @@ def test_changed_sam_weights_redo_stage_3_only(run, setup, tmp_path):
     assert "2 images from cache" in proc.stdout and "recomputing" not in proc.log
 
 
+@pytest.mark.slow
 def test_a_missing_reply_is_an_exclusion(run, setup, tmp_path):
     texts = dict(setup["reply_texts"])
     del texts["folder/chelsea.jpg"]

@@ -72,6 +72,7 @@ def _assert_close(ours, ref, tol=TOL):
         assert diff <= bound, f"{name}: max abs diff {diff:.3g} > {bound:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_hf", "b32_hf"])
 def test_from_hf_matches_transformers(fixture, request, rng):
     folder, hf = request.getfixturevalue(fixture)
@@ -84,6 +85,7 @@ def test_from_hf_matches_transformers(fixture, request, rng):
     _assert_close(ours, _torch_features(hf, pixels, ids))
 
 
+@pytest.mark.slow
 def test_b32_config_and_parameter_count(b32_hf):
     folder, hf = b32_hf
     model = clip.from_hf(folder)
@@ -104,6 +106,7 @@ def test_legacy_eos_id_pools_at_argmax(tmp_path, rng):
                   _torch_features(hf, pixels, ids))
 
 
+@pytest.mark.slow
 def test_text_attention_mask_matches(tiny_hf, rng):
     folder, hf = tiny_hf
     model = clip.from_hf(folder)
@@ -114,6 +117,7 @@ def test_text_attention_mask_matches(tiny_hf, rng):
     assert np.abs(np.asarray(ours) - ref["text"]).max() <= TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_hf", "b32_hf"])
 def test_export_roundtrip(fixture, request, tmp_path, rng):
     folder, hf = request.getfixturevalue(fixture)
@@ -130,6 +134,7 @@ def test_export_roundtrip(fixture, request, tmp_path, rng):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_random_init_exports_and_loads(tmp_path, rng):
     model = clip.create("tiny", seed=3)
     clip.to_hf(model, tmp_path)
@@ -139,6 +144,7 @@ def test_random_init_exports_and_loads(tmp_path, rng):
                   _torch_features(hf, pixels, ids))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params(tiny_hf, rng):
     folder, _ = tiny_hf
     full, half = clip.from_hf(folder), clip.from_hf(folder, dtype=jnp.bfloat16)
@@ -220,6 +226,7 @@ def test_wrong_image_size_is_a_clear_error(tiny_hf):
         model.encode_image(jnp.zeros((1, 40, 40, 3)))
 
 
+@pytest.mark.slow
 def test_presets_build_abstractly():
     for name, cfg in clip.PRESETS.items():
         model = nnx.eval_shape(lambda cfg=cfg: clip.CLIPModel(cfg, rngs=nnx.Rngs(0)))
@@ -241,6 +248,7 @@ def test_sharded_checkpoint_loads(tmp_path, tiny_hf, rng):
                   _torch_features(hf, pixels, ids))
 
 
+@pytest.mark.slow
 def test_text_prefix_then_rest_equals_pooled(rng):
     """`pooled_from(*prefix(ids, k), ids, k)` is `pooled(ids)` for every split point; a prefix
     of every block, or a start past the last block, is refused."""
@@ -262,6 +270,7 @@ def test_text_prefix_then_rest_equals_pooled(rng):
         text.pooled_from(*text.prefix(ids, 1), ids, 2)
 
 
+@pytest.mark.slow
 def test_cpu_gradient_forms_change_no_gradient(rng):
     """gradient_forms="cpu" (a conditional with identical branches on each residual gradient;
     bias and LayerNorm parameter gradients as matmuls) is in the compiled backward pass of a

@@ -74,6 +74,7 @@ def _read_back(folder, split=SPLIT):
     return list(webdataset.WebDataset(urls, shardshuffle=False).decode("pil"))
 
 
+@pytest.mark.slow
 def test_wds_reads_back_with_webdataset(folders, ours):
     samples, vocab = ours["samples"], ours["vocab"]
     actions = folders["actions"]
@@ -157,6 +158,7 @@ def _run_cli(*argv, cwd):
     return proc, seen
 
 
+@pytest.mark.slow
 def test_clip_benchmark_cli_in_a_client_venv_reproduces_our_action_accuracy(folders, ours):
     base = folders["base"]
     result, seen = _run_cli("eval", "--model_type", "sclaro", "--model", "sclaro",

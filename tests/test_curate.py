@@ -20,6 +20,7 @@ def fake_tagger(tokens):
     return [(t, "JJ" if t in ADJECTIVES else "NN") for t in tokens]
 
 
+@pytest.mark.slow
 def test_two_passes_rewrite_the_records(demo_dir, tmp_path):
     # The demo with one image whose VLM reply named no action: curation keeps it as it is.
     demo, _ = read_samples(str(demo_dir), progress=False)

@@ -47,6 +47,7 @@ def _group_labels(labels):
 
 # --- encoder --------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_encoder_matches_plain_pytorch_mean_pooling(minilm):
     encoder, emb = minilm
     assert encoder.pooling == "mean" and emb.dtype == np.float32 and emb.shape == (64, 384)

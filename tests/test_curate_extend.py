@@ -363,6 +363,7 @@ def test_refusals_name_the_reason(minilm, curated, other_encoders, tmp_path):
         ce.load_curation(tmp_path / "nowhere", encoder)
 
 
+@pytest.mark.slow
 def test_cli_extend_end_to_end(demo_dir, other_encoders, tmp_path, capsys):
     """`curate` twice on the demo (cluster, label, apply), then a second source, the demo with
     renamed objects, `--extend`ed onto it: refused with another encoder; otherwise only its

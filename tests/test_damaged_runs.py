@@ -67,6 +67,7 @@ def _cmd(module, *args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_check_names_the_step_the_file_and_the_step_instead(runs):
     from sclaro_jax.checkpoint import DamagedRunError, check_run
 
@@ -84,6 +85,7 @@ def test_the_check_names_the_step_the_file_and_the_step_instead(runs):
         check_run(str(runs["good"]), 3)
 
 
+@pytest.mark.slow
 def test_export_refuses_a_damaged_run_and_takes_step(runs, tmp_path):
     args = ("--level", "object", "--out")
     _refused(_cmd("sclaro_jax.train.export", "--workdir", runs["truncated"], *args,
@@ -100,6 +102,7 @@ def test_export_refuses_a_damaged_run_and_takes_step(runs, tmp_path):
     assert (tmp_path / "ok" / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_evaluators_refuse_a_damaged_run(runs, tmp_path):
     from sclaro_jax.eval.retrieval import synthetic
 
@@ -117,6 +120,7 @@ def test_evaluators_refuse_a_damaged_run(runs, tmp_path):
              "pass --step 2")
 
 
+@pytest.mark.slow
 def test_resume_falls_back_to_the_newest_complete_checkpoint(runs):
     workdir = runs["truncated"]
     done = _train(workdir, runs["data"], runs["cache"])

@@ -170,6 +170,7 @@ def test_tiny_model_loads_offline_and_knows_the_demo_words(tiny_model, tiny_dete
     assert tiny_detector.model.config.num_queries == 30
 
 
+@pytest.mark.slow
 def test_detector_end_to_end(tiny_detector, photos):
     images, objects = photos
     # the astronaut and the micrograph (512x512) share one processed size, the coffee (600x400)

@@ -63,6 +63,7 @@ def test_anchors_equal_torchvision(size):
     assert rcnn.anchors(cfg).shape[0] == sum(rcnn.level_sizes(cfg))
 
 
+@pytest.mark.slow
 def test_rpn_outputs_line_up_with_the_anchors_at_224():
     from flax import nnx
 
@@ -81,6 +82,7 @@ def test_rpn_outputs_line_up_with_the_anchors_at_224():
     assert objectness.shape == (1, rcnn.anchors(cfg).shape[0])
 
 
+@pytest.mark.slow
 def test_rpn_losses_and_proposals_equal_torchvision():
     rng = np.random.default_rng(0)
     b, a = 2, sum(rcnn.level_sizes(CFG))
@@ -130,6 +132,7 @@ def _roi_heads(cfg):
                     cfg.box_score_thresh, cfg.box_nms_thresh, cfg.detections_per_img)
 
 
+@pytest.mark.slow
 def test_roi_sampling_and_fast_rcnn_losses_equal_torchvision():
     rng = np.random.default_rng(1)
     gt = _gt(rng, 4)
@@ -164,6 +167,7 @@ def test_roi_sampling_and_fast_rcnn_losses_equal_torchvision():
     np.testing.assert_allclose(float(got["loss_box_reg"]), float(want_box), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1])
 def test_postprocess_equals_torchvision(seed):
     rng = np.random.default_rng(seed)

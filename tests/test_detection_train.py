@@ -39,6 +39,7 @@ def overfit(scenario_workdir, demo_dir, tmp_path_factory):
     return config, out, TASK.evaluate(config, str(out)).results
 
 
+@pytest.mark.slow
 def test_the_task_overfits_the_demo_boxes(overfit):
     _, out, results = overfit
     m = results["metrics"]
@@ -60,6 +61,7 @@ def test_the_task_overfits_the_demo_boxes(overfit):
     assert logged[-1]["loss"] < logged[0]["loss"]
 
 
+@pytest.mark.slow
 def test_eval_detect_evaluates_the_run_again_and_a_rerun_resumes(overfit, caplog, capsys):
     config, out, results = overfit
     (out / "results.json").unlink()
@@ -73,6 +75,7 @@ def test_eval_detect_evaluates_the_run_again_and_a_rerun_resumes(overfit, caplog
     assert "nothing to train" in caplog.text and fitted.step == fitted.steps
 
 
+@pytest.mark.slow
 def test_a_longer_recipe_continues_only_when_allowed(overfit):
     """The run's length is part of its recipe: another `epochs` for the run is refused in a
     message that names --allow-config-change, and trains on when allowed."""
@@ -104,6 +107,7 @@ def _tiny_run(tiny_hf, demo_dir, out, stop_at=None):
                        stop_at=stop_at)
 
 
+@pytest.mark.slow
 def test_stop_and_resume_equals_an_uninterrupted_run(tiny_hf, demo_dir, tmp_path):
     _, whole, info = _tiny_run(tiny_hf, demo_dir, tmp_path / "whole")
     assert info == {"steps": 5, "start": 0, "compiles": 1}
@@ -117,6 +121,7 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tiny_hf, demo_dir, tmp_path
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
 def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
     towers = clip.from_hf(tiny_hf[0])
     cfg = towers.config.vision
@@ -151,6 +156,7 @@ def test_eval_detect_errors_are_one_line(argv, message, demo_dir, tmp_path, caps
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+@pytest.mark.slow
 def test_vitdet_input_end_to_end(tiny_hf, demo_dir, tmp_path):
     """input_resize=longest_side end to end (a few steps): trains on padded inputs, evaluates
     in the loaded images' pixels, and records the setting."""
@@ -213,6 +219,7 @@ print("OK")
 '''
 
 
+@pytest.mark.slow
 def test_fsdp_losses_match_one_device():
     """The detection step under the trainer's fsdp sharding on 2 host devices gives the
     single-device losses (samplers draw per image from one key, so the draws agree too)."""
@@ -273,6 +280,7 @@ def test_copy_paste_rate_is_the_config_value(demo_dir, prob):
         assert stats.binomtest(pasted, 800, prob).pvalue > 1e-3, pasted / 800
 
 
+@pytest.mark.slow
 def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, demo_dir):
     rpn, roi, patch, name = backbones.backbones(str(tiny_hf[0]), "global", "object", False)
     assert roi is None and patch == 8 and name.startswith("CLIP (")
@@ -287,6 +295,7 @@ def test_backbones_of_each_kind_of_workdir(tiny_hf, scenario_workdir, tmp_path, 
     assert roi is None and name.startswith("PyramidCLIP (global")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("patch", [8, 14, 32])
 def test_pyramid_strides_for_each_patch_size(patch):
     """Strides 4-64 for the RPN and 4-32 for the RoI heads whatever the patch size: powers of 2
@@ -317,6 +326,7 @@ LAUNCH_SMALL = ["--config.batch_size=2", "--config.log_every=1", "--config.check
                 "--config.detector.box_batch_size_per_image=16", "--config.progress_bar=false"]
 
 
+@pytest.mark.slow
 def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     """`launch/train.py --config configs/detection.py:demo` trains the detector (a tiny random
     encoder) with ScenarioCLIP's flags and overrides and ends with the AP table and

@@ -443,6 +443,7 @@ def test_pages_show_the_main_commands(shown):
     assert all(importlib.util.find_spec(m) for m in external), external
 
 
+@pytest.mark.slow
 def test_every_command_in_the_pages_answers_help(shown, helped):
     problems = []
     for entry in sorted({*shown, *REQUIRED}):
@@ -511,6 +512,7 @@ def test_every_readme_command_has_a_row_of_faults():
     assert all(faults["typo"] and faults["type"] for faults in FAULTS.values())
 
 
+@pytest.mark.slow
 def test_every_readme_command_answers_each_fault_in_one_error_line(helped, fault_tmp):
     """Exit 2, nothing on stdout, one stderr line, `error: ...`, no traceback; usage errors
     (typo, type) end with `(see PROG --help)`, a typo gets the closest flag; a missing input

@@ -123,6 +123,7 @@ def test_relation_input_and_mask_on_hand_made_record():
 
 # --------------------------------------------------------------------------- decoder, training
 
+@pytest.mark.slow
 def test_decoder_shapes_and_frozen_vs_trainable(tiny_models):
     dec = localise.MaskDecoder(64, rngs=nnx.Rngs(0))
     assert dec(np.zeros((2, 4, 4, 64), np.float32)).shape == (2, 4, 4, 1)
@@ -157,6 +158,7 @@ def test_decoder_shapes_and_frozen_vs_trainable(tiny_models):
         localise.train_localiser(tower, x, y, variant="partly")
 
 
+@pytest.mark.slow
 def test_evaluate_localisation_on_demo(demo_dir, tiny_models):
     out = localise.evaluate_localisation(tiny_models["ScenarioCLIP"], demo_dir,
                                          variant="frozen", max_steps=3, batch_size=8)
@@ -218,6 +220,7 @@ def test_attention_overlay_is_aligned_with_the_image(tmp_path):
     assert 15.5 < xs.min() / scale and xs.max() / scale < 24.5
 
 
+@pytest.mark.slow
 def test_attention_overlays_with_models(tmp_path, tiny_models):
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (40, 50, 3), dtype=np.uint8) for _ in range(3)]
@@ -306,6 +309,7 @@ def test_param_counts_of_models(tiny_models):
     assert a["model"] == total
 
 
+@pytest.mark.slow
 def test_vit_b32_flops(b32_pair):
     flops = cost.pair_flops(b32_pair, full_last_layer=True, parts=True)
     pooled = cost.pair_flops(b32_pair)

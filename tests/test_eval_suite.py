@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from sclaro_jax.eval import suite
@@ -13,6 +14,7 @@ from sclaro_jax.eval import suite
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_suite_cli_writes_every_number_the_tables_and_the_figures(scenario_workdir, tmp_path,
                                                                   capsys):
     with open(scenario_workdir / "metrics.jsonl", "w") as f:  # as the trainer logs them

@@ -83,6 +83,7 @@ def _older_export(tiny_model, folder):
     return folder
 
 
+@pytest.mark.slow
 def test_our_readers_load_the_export_with_its_heads_and_refuse_it_as_plain_clip(
         exported, tiny_model, tiny_hf, tmp_path, capsys):
     import jax
@@ -194,6 +195,7 @@ def test_export_carries_our_image_preprocessing(exported):
             np.testing.assert_allclose(theirs, ours, atol=atol, rtol=0, err_msg=cls.__name__)
 
 
+@pytest.mark.slow
 def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):
     from sclaro_jax.models import clip
 
@@ -219,6 +221,7 @@ def test_load_hf_into_one_level_replaces_only_its_towers(tiny_hf):
         scenarioclip.load_hf_into_level(other, "global", str(tiny_hf[0]))
 
 
+@pytest.mark.slow
 def test_load_checkpoint_reads_params_and_teacher_whatever_the_optimiser_state(
         scenario_workdir, tmp_path):
     # only state.params / state.teacher are restored: a checkpoint whose opt_state has another
@@ -272,6 +275,7 @@ def _umask(mask):
     return old
 
 
+@pytest.mark.slow
 def test_export_cli_writes_files_with_the_umasks_permissions_and_no_random_init_notice(
         scenario_workdir, tmp_path, capsys, caplog):
     """The checkpoint's model is built only to restore into: no 'random weights' notice (a

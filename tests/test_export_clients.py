@@ -98,6 +98,7 @@ def _assert_parity(model, level, folder, pixels):
     return hf, ours_image, ours_text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("level", ["object", "relation"])
 def test_automodel_gives_our_embeddings_and_logits_tiny(tiny, tiny_export, tmp_path, level):
     folder = tiny_export if level == "object" else export_level(tiny, level, str(tmp_path / level))
@@ -119,6 +120,7 @@ def test_automodel_gives_our_embeddings_and_logits_tiny(tiny, tiny_export, tmp_p
                                        "AutoModelForZeroShotImageClassification"}
 
 
+@pytest.mark.slow
 def test_automodel_gives_our_embeddings_vit_b32(tmp_path):
     """A random-weight PyramidCLIP at ViT-B/32 sizes (one pair: one 600 MB export)."""
     model = scenarioclip.build("pyramidclip", preset="ViT-B/32", seed=2, warn_random=False)
@@ -166,6 +168,7 @@ def test_processors_give_our_pixels_and_ids(tiny_export, monkeypatch):
                                    rtol=0)
 
 
+@pytest.mark.slow
 def test_zero_shot_pipeline_scores_are_our_softmax(tiny, tiny_export):
     labels = ["cat", "dog on a mat", "a man riding a horse"]
     rng = np.random.default_rng(3)
@@ -210,6 +213,7 @@ def test_remote_model_initialises_its_heads_and_round_trips_to_our_reader(tiny, 
                                   tiny.pair("object").encode_image(jnp.asarray(pixels)))
 
 
+@pytest.mark.slow
 def test_exports_page_snippet_gives_our_embeddings(tiny, tiny_export, monkeypatch):
     """docs/exports.md's lines, verbatim: AutoModel + CLIPProcessor on an image (32 x 32: no
     resampling, so the processor's pixels are exactly ours) and on captions (padded to the

@@ -45,6 +45,7 @@ def _run(workdir, steps, checkpoint_every, *, step_s=0.0):
     return taken, checkpoints
 
 
+@pytest.mark.slow
 def test_a_save_that_fails_in_the_background_stops_the_run_within_two_steps(
         tmp_path, monkeypatch):
     """The step-10 checkpoint's data is written, then orbax's writer fails (as a full disk

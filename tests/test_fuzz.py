@@ -155,12 +155,14 @@ def test_a_box_thinner_than_a_pixel_is_viewed_as_the_pixel_it_lies_in():
 
 # ----------------------------------------------------------------------- hypothesis pass
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", [t for t in fuzz.ALL if t != "torch_file"])
 def test_a_short_hypothesis_pass_finds_no_crash(target):
     found = fuzz.hypothesis_pass(target, EXAMPLES)
     assert not found, [(sig, data[:200]) for sig, data in found]
 
 
+@pytest.mark.slow
 def test_a_short_hypothesis_pass_finds_no_crash_in_torch_files(tmp_path):
     """In a process of its own: a tensor reaching past its storage can end the process."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "fuzz.py"), "--target",
@@ -182,6 +184,7 @@ def test_replay_tells_a_crash_from_a_refusal(tmp_path):
     assert "Traceback" in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_fuzzer_reports_a_segfault_a_hang_and_an_exception_with_their_inputs(tmp_path):
     pytest.importorskip("atheris")
     out = tmp_path / "results.json"

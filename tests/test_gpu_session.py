@@ -46,6 +46,7 @@ def tiny(session):
     return json.loads((out / "profile.json").read_text()), out
 
 
+@pytest.mark.slow
 def test_every_stage_ran_and_the_summary_is_printed_last(session):
     stdout, out = session
     stages = [json.loads(line) for line in (out / "stages.jsonl").read_text().splitlines()]
@@ -60,6 +61,7 @@ def test_every_stage_ran_and_the_summary_is_printed_last(session):
             assert "not measured" not in line, line
 
 
+@pytest.mark.slow
 def test_variants_give_the_default_numbers_and_the_run_takes_the_winners(session):
     _, out = session
     results = {r["name"]: r for r in json.loads((out / "variants.json").read_text())["results"]}
@@ -72,6 +74,7 @@ def test_variants_give_the_default_numbers_and_the_run_takes_the_winners(session
         winners.get("fused_qkv", False)
 
 
+@pytest.mark.slow
 def test_the_run_compiles_cold_then_resumes_warm_and_reports_its_throughput(session):
     _, out = session
     run = json.loads((out / "run.json").read_text())
@@ -89,6 +92,7 @@ def test_the_run_compiles_cold_then_resumes_warm_and_reports_its_throughput(sess
     assert metrics[-1]["step"] == 40
 
 
+@pytest.mark.slow
 def test_the_resident_csls_row(session):
     _, out = session
     (row,) = json.loads((out / "miner.json").read_text())
@@ -121,6 +125,7 @@ def rows(report):
     return {r["kind"]: r for r in report["rows"]}
 
 
+@pytest.mark.slow
 def test_every_kind_is_a_row_and_the_shares_add_up_to_the_step(tiny):
     report, out = tiny
     assert [r["kind"] for r in report["rows"]] == list(analysis.KINDS)
@@ -134,6 +139,7 @@ def test_every_kind_is_a_row_and_the_shares_add_up_to_the_step(tiny):
     assert sum(printed) == pytest.approx(100.0, abs=0.05 * len(printed))
 
 
+@pytest.mark.slow
 def test_optimizer_attention_and_gemm_rows_have_work(tiny):
     by_kind = rows(tiny[0])
     for kind in ("gemm", "attention", "optimizer", "augment"):
@@ -144,6 +150,7 @@ def test_optimizer_attention_and_gemm_rows_have_work(tiny):
     assert by_kind["gaps"]["gflop"] is None and by_kind["optimizer"]["gflop"] is None
 
 
+@pytest.mark.slow
 def test_flops_match_xlas_count_of_the_dots_that_ran(tiny):
     """The tool's FLOPs (its own parse of the HLO text, fusion bodies, execution counts)
     against XLA's cost analysis of the same instructions: equal to rounding. The step's dots
@@ -157,6 +164,7 @@ def test_flops_match_xlas_count_of_the_dots_that_ran(tiny):
         xla_flops(hlo, [_hlo.HloOpcode.kDot, _hlo.HloOpcode.kConvolution]), rel=1e-9)
 
 
+@pytest.mark.slow
 def test_the_trace_maps_to_the_module_that_ran(tiny):
     report, _ = tiny
     summary = report["summary"]
@@ -166,6 +174,7 @@ def test_the_trace_maps_to_the_module_that_ran(tiny):
     assert "," not in report["run"]["packed_sizes"]  # one size: "K object + L relation slots"
 
 
+@pytest.mark.slow
 def test_output_folder_and_from_trace_give_the_same_numbers(tiny, tmp_path):
     saved, out = tiny
     assert (out / saved["run"]["trace"]).exists()

@@ -213,6 +213,7 @@ def planted_run(tmp_path_factory, demo_dir):
     return workdir, users, proc, demo_dir, base / "jax_cache"
 
 
+@pytest.mark.slow
 def test_a_fresh_run_writes_through_no_planted_tmp_link(planted_run):
     workdir, users, proc, _, _ = planted_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -232,6 +233,7 @@ def _finished_copy(planted_run, tmp_path) -> Path:
     return copy
 
 
+@pytest.mark.slow
 def test_resuming_a_run_whose_lock_is_a_link_leaves_its_target_alone(planted_run, tmp_path,
                                                                      sentinel):
     """Why 2: WORKDIR/.run.lock a link to a user's file; resuming the finished run truncated
@@ -243,6 +245,7 @@ def test_resuming_a_run_whose_lock_is_a_link_leaves_its_target_alone(planted_run
     assert_refused(proc, str(workdir / ".run.lock"), "symbolic link")
 
 
+@pytest.mark.slow
 def test_a_workdir_every_user_may_write_is_refused(planted_run, tmp_path, sentinel):
     """Why 2: a workdir writable by every user without the sticky bit (anyone could plant the
     links above in it) is refused, as ssh's StrictModes refuses such key folders."""
@@ -252,6 +255,7 @@ def test_a_workdir_every_user_may_write_is_refused(planted_run, tmp_path, sentin
                    "chmod o-w")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a folder to another user needs root")
 def test_a_workdir_of_another_user_is_refused(planted_run, tmp_path, sentinel):
     workdir = _finished_copy(planted_run, tmp_path)
@@ -521,6 +525,7 @@ def _cfd_wds(folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_clip_benchmark_never_runs_an_exports_python_without_the_flag(tmp_path, sentinel):
     """An export folder whose modeling_scenarioclip.py carries a payload: evaluated through its
     safetensors and this checkout's own model code, the payload never runs; the same export
@@ -831,6 +836,7 @@ def test_an_image_bomb_in_a_rocs_gallery_is_one_error_line(tmp_path, sentinel):
     assert not (tmp_path / "out" / "results.md").exists()
 
 
+@pytest.mark.slow
 def test_control_characters_in_a_gallery_name_are_escaped_in_results_md_and_the_terminal(
         tmp_path, sentinel):
     """A split file named with ESC [31m (red), BEL and U+202E: the table in results.md and on
@@ -1016,6 +1022,7 @@ def test_a_psg_json_over_the_size_limit_or_nested_too_deep_is_one_error_line(how
 
 # ------------------------------------------------------------------------ model files, metadata
 
+@pytest.mark.slow
 def test_a_groundingdino_bin_with_a_payload_is_one_error_line_never_unpickled(tmp_path,
                                                                               sentinel):
     """A detector folder whose weights are a pickled pytorch_model.bin carrying a payload:
@@ -1264,6 +1271,7 @@ def _hf_folder(folder: Path, rows: list[dict]) -> Path:
     return folder
 
 
+@pytest.mark.slow
 def test_hf_dataset_row_naming_an_absolute_path_is_skipped_unread(tmp_path, sentinel):
     """`annotate --source hf` over a datasets folder whose second row is {bytes: None, path:
     /the/user's/photo.jpg}: the row fails as outside_root, nothing of the photo is read into
@@ -1407,6 +1415,7 @@ def _listening(pids) -> list[tuple[int, str, str, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_the_ray_annotate_starts_listens_on_loopback_only(local_ray):
     """Every listening TCP socket of the Ray processes (this driver, GCS server, raylet and
     its object manager, workers, agents) is bound to 127.0.0.1, never to every interface."""
@@ -1500,6 +1509,7 @@ HOSTILE_COUNTS = ("0", "-5", HUGE, "nan", "ten")
 @pytest.mark.parametrize("value", HOSTILE_COUNTS)
 @pytest.mark.parametrize("flag", ["--top", "--shortlist", "--nprobe", "--nprobe-global",
                                   "--batch"])
+@pytest.mark.slow
 def test_index_search_numbers_outside_their_range_are_usage_errors(
         flag, value, built_index, gallery_files, sentinel, tmp_path):
     """`--nprobe 0` aborted in faiss, `--shortlist -5` was faiss's assertion traceback, `--top 0`
@@ -1597,6 +1607,7 @@ def _interrupted_once_stored(argv: list[str], manifest: Path):
     return proc, stdout, stderr
 
 
+@pytest.mark.slow
 @needs_faiss
 def test_ctrl_c_in_an_index_build_is_one_line_and_the_rerun_resumes_to_the_same_index(
         gallery_files, built_index, sentinel, tmp_path):

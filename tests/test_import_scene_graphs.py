@@ -448,6 +448,7 @@ TINY = ["--config.model.preset=tiny", "--config.model.embed_dim=64",
         "--config.data.workers=0", "--config.train.epochs=0"]
 
 
+@pytest.mark.slow
 def test_an_import_trains_and_evaluates_on_its_test_split(psg_out, tmp_path, capsys):
     """Issue 52's path, no VLM: the import (psg_out: `--image-size 32`, the demo's view size;
     no curate, PSG's classes being canonical already) -> launch/train.py's :psg recipe, the

@@ -83,6 +83,7 @@ def test_data_extra_has_curates_default_encoder_and_constraints_pin_each_require
                     f"constraints.txt pins {name}=={pins[name]}, outside {group}'s {req}")
 
 
+@pytest.mark.slow
 def test_demo_trains_with_only_the_demo_extra(project, tmp_path):
     allowed, missing = closure({"demo"}, project)
     assert not missing, f"not installed here, install .[test] first: {sorted(missing)}"

@@ -169,6 +169,7 @@ def _total_inputs(seed=5, b=4, n=3, d=8):
     return emb, masks, scales, teacher_image, teacher_texts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("direction", ["both", "vision", "text"])
 def test_scenarioclip_total_combines_the_named_terms(direction):
     emb, masks, scales, t_img, t_txt = _total_inputs()

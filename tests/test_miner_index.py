@@ -409,6 +409,7 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
     assert "the index was built with crop_rule" in line, line
 
 
+@pytest.mark.slow
 def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, tmp_path):
     """The large-gallery factory (fast-scan PQ, built as its plain 4-bit twin, made fast-scan at
     the end): SIGKILL after the 4th of 8 chunks is stored; the rerun stores 4..7, trains, adds

@@ -183,6 +183,7 @@ print("OK")
 '''
 
 
+@pytest.mark.slow
 def test_sharded_on_eight_host_devices():
     result = subprocess.run([sys.executable, "-c", SHARDED], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)

@@ -98,6 +98,7 @@ def reference(tmp_path_factory, demo_dir, cache):
     return workdir, losses
 
 
+@pytest.mark.slow
 def test_two_processes_train_and_resume_like_one_process(reference, demo_dir, cache, tmp_path):
     _, want = reference
     workdir = tmp_path / "run"
@@ -130,6 +131,7 @@ def test_two_processes_train_and_resume_like_one_process(reference, demo_dir, ca
         assert _close(got[step], want[step]), (step, got[step], want[step])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("devices, strategy", [(1, "none"), (4, "dp")])
 def test_fsdp_checkpoint_resumes_on_another_layout(reference, demo_dir, cache, tmp_path,
                                                    devices, strategy):

@@ -37,6 +37,7 @@ def demo_extra_kernel(folder: Path, report: Path) -> str:
     return spec.name
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs_top_to_bottom_with_only_the_demo_extra(tmp_path, monkeypatch):
     monkeypatch.setenv("QUICKSTART_DIR", str(tmp_path / "work"))
     monkeypatch.setenv("QUICKSTART_STEPS", "3")

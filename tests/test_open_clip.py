@@ -114,6 +114,7 @@ def oc_model(request, tmp_path_factory):
     return variant, model, hub, bare
 
 
+@pytest.mark.slow
 def test_open_clip_hub_folder_and_bare_file_give_open_clips_embeddings(oc_model):
     variant, theirs, hub, bare = oc_model
     act = {"quickgelu": "quick_gelu", "gelu": "gelu"}[variant]
@@ -182,6 +183,7 @@ def test_torch_reader_keeps_strides_offsets_and_dtypes(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_tiny_clip_exported_by_the_cli_gives_our_features_in_open_clip(tmp_path, capsys):
     """From a Hugging Face folder (transformers' legacy eos id 2: open_clip's argmax pooling)
     and from an open_clip file of the tiny preset (eos id 49407: open_clip's "eos" pooling)."""
@@ -226,6 +228,7 @@ def test_open_clip_to_hugging_face_by_the_cli(oc_model, tmp_path, capsys):
     assert (out / "preprocessor_config.json").is_file() and (out / "vocab.json").is_file()
 
 
+@pytest.mark.slow
 def test_vit_b32_exports_to_open_clip(tmp_path):
     ours = _random_ours(clip.PRESETS["ViT-B/32"], seed=7)
     ocw.save(ours, tmp_path / "b32")
@@ -234,6 +237,7 @@ def test_vit_b32_exports_to_open_clip(tmp_path):
     _assert_close(_theirs(theirs, pixels, ids), _ours(ours, pixels, ids))
 
 
+@pytest.mark.slow
 def test_hidden_act_goes_through_hugging_face_folders(tmp_path):
     import transformers
 
@@ -258,6 +262,7 @@ def test_hidden_act_goes_through_hugging_face_folders(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_demo_training_starts_from_an_open_clip_file(tmp_path, demo_dir):
     cfg = dict(embed_dim=32, quick_gelu=False,
                vision_cfg=dict(image_size=32, layers=2, width=64, patch_size=8, head_width=64,

@@ -194,6 +194,7 @@ def _params(models):
     return [nnx.split(m, nnx.Param)[1] for m in models]
 
 
+@pytest.mark.slow
 def test_packed_losses_gradients_and_augmentation_equal_the_caps_layout(demo_dir, models):
     """A training batch of the demo (photometric draws on) that the caps hold without drops:
     the augmented pixels are the same bytes, the losses and gradients the same numbers."""
@@ -228,6 +229,7 @@ def _assert_same_numbers(got, want):
         1e-6 * norm(flat_a)
 
 
+@pytest.mark.slow
 def test_packed_sizes_rounded_to_a_multiple_give_the_same_numbers(demo_dir, models):
     """`config.perf.packed_multiple` (64, with 2 devices' align): every planned size is a
     multiple of 64 and still holds every crop; a batch padded to its rounded size gives the
@@ -276,6 +278,7 @@ def _np_kd(teacher, student, log_scale):
     return float(t_s ** 2 * np.sum(p_t * (np.log(p_t) - log_p_s)) / len(teacher))
 
 
+@pytest.mark.slow
 def test_a_batch_past_the_caps_trains_every_crop_as_the_reference_flattens_them(
         long_tail_dir, models):
     """Long-tailed records, 8 images: the caps layout at 3 objects / 3 relations drops crops;
@@ -329,6 +332,7 @@ def test_a_batch_past_the_caps_trains_every_crop_as_the_reference_flattens_them(
     assert float(got["loss"]) == pytest.approx(total_ca + total_kd, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["demo", "long_tail"])
 def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
         which, demo_dir, long_tail_dir):

@@ -81,6 +81,7 @@ def test_chain_in_drawn_order_matches_torchvision(photos):
     assert worst <= 1
 
 
+@pytest.mark.slow
 def test_pil_hsv_conversions_exact_on_every_input(every_triple):
     hsv = np.asarray(jax.jit(P.rgb_to_hsv)(every_triple))
     np.testing.assert_array_equal(hsv, np.asarray(Image.fromarray(every_triple).convert("HSV")))

@@ -351,6 +351,7 @@ def test_bad_records_are_skipped_and_counted(tmp_path, caplog):
         assert name in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which, worker_count", [("v2", 0), ("v2", 2), ("v1", 0)])
 def test_restored_iterator_yields_exactly_the_same_batches(v1_dir, v2_dir, which,
                                                            worker_count):
@@ -405,6 +406,7 @@ def test_loader_errors_name_the_problem(v1_dir, v2_dir, tmp_path):
         make_loader(v2_dir, "train", 2, config=PipelineConfig(image_size=32))
 
 
+@pytest.mark.slow
 def test_text_length_32_gives_the_same_text_embeddings_as_77():
     """PipelineConfig.text_length defaults to 32: CLIP's text tower is causal and pools at the
     EOT token, so the padding after it changes nothing."""

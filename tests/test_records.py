@@ -100,6 +100,7 @@ def test_demo_relation_region_is_focused_region_of_box_masks(demo_dir):
     assert np.abs(got - expected).mean() < 2.0  # JPEG quality 95
 
 
+@pytest.mark.slow
 def test_cli_demo_writes_and_refuses_to_clobber(tmp_path, capsys):
     from data_prep.__main__ import main
     out = str(tmp_path / "d")

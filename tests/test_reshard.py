@@ -225,6 +225,7 @@ def test_cli_keeps_the_originals_as_demo_does(data, tmp_path):
     assert not open_dataset(same).has_originals
 
 
+@pytest.mark.slow
 def test_sigkill_part_way_then_rerun_gives_the_same_bytes(data, tmp_path):
     # a dataset big enough to kill part-way: the demo five times over, two records per shard
     big = str(tmp_path / "big")

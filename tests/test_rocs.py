@@ -314,6 +314,7 @@ def _demo_rocs_folder(tmp_path):
                           ids=[e["id"] for e in load_annotations()], split="coco")
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_a_rocs_folder_with_a_tiny_clip(tmp_path, tiny_hf):
     folder = _demo_rocs_folder(tmp_path)
     out = tmp_path / "out"
@@ -336,6 +337,7 @@ def test_cli_end_to_end_on_a_rocs_folder_with_a_tiny_clip(tmp_path, tiny_hf):
     np.testing.assert_allclose(cached.images[5], direct[0], atol=2e-3)
 
 
+@pytest.mark.slow
 def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(scenario_workdir):
     teacher = True
     import jax.numpy as jnp
@@ -360,6 +362,7 @@ def test_scenarioclip_level_encoder_matches_the_checkpointed_teacher(scenario_wo
                                want / np.linalg.norm(want), atol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["siglip", "siglip2"])
 def test_cli_end_to_end_with_tiny_siglip_towers(tmp_path, kind):
     import jax.numpy as jnp

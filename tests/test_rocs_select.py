@@ -265,6 +265,7 @@ def test_caption_replies_file(tmp_path):
         rc.CaptionReplies(path)
 
 
+@pytest.mark.slow
 def test_written_split_opens_in_the_rocs_evaluator(tmp_path, tiny_hf):
     from data_prep.demo import image_path
     from sclaro_jax.eval import rocs
@@ -428,6 +429,7 @@ def _files(folder):
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_cli_killed_after_the_masks_resumes_without_recomputing(tmp_path, images, capsys):
     import subprocess
     import sys
@@ -485,6 +487,7 @@ def test_cli_errors_name_what_is_wrong(tmp_path, images, capsys):
     assert f"{tmp_path / 'instances.json'}: annotations[5].bbox is 'oops'" in err
 
 
+@pytest.mark.slow
 def test_detector_instances_for_images_without_annotations(tmp_path):
     """GroundingDINO (the tiny random model of the tests) in place of an instances file; the
     boxes are cached, so a second call asks the detector nothing."""
@@ -516,6 +519,7 @@ def test_detector_instances_for_images_without_annotations(tmp_path):
     assert again == got and calls == []
 
 
+@pytest.mark.slow
 def test_cli_with_the_detector_path(tmp_path, images, capsys):
     from data_prep import detect
     from data_prep.__main__ import main
@@ -553,6 +557,7 @@ def test_classes_coco80_is_one_list_and_unknown_names_are_errors(tmp_path):
         class_list(" , ")
 
 
+@pytest.mark.slow
 def test_cli_classes_coco80_with_the_tiny_grounding_dino(tmp_path, capsys):
     """`--detector` with `--classes coco80`: the tiny GroundingDINO (64 text tokens) gets the 80
     names in several prompts. A first run without replies drops every rare object with

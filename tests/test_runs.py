@@ -145,6 +145,7 @@ def _same_run(workdir, uninterrupted):
     assert steps == list(range(2, STEPS + 1, 2)), steps
 
 
+@pytest.mark.slow
 def test_sigint_during_a_background_checkpoint_then_a_copied_workdir_and_moved_data(
         uninterrupted, demo_dir, cache, tmp_path):
     first, moved = tmp_path / "first", tmp_path / "elsewhere" / "data"
@@ -161,6 +162,7 @@ def test_sigint_during_a_background_checkpoint_then_a_copied_workdir_and_moved_d
     _same_run(copy, uninterrupted)
 
 
+@pytest.mark.slow
 def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir, cache,
                                                         tmp_path):
     workdir = tmp_path / "run"
@@ -236,6 +238,7 @@ def small_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_continues(
         uninterrupted, demo_dir, cache, small_filesystem):
     """The step-8 checkpoint does not fit beside step 4's: the run stops at step 8, before
@@ -321,6 +324,7 @@ def _error(result):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
     def train(*args, workdir=tmp_path / "w"):
         return _run([sys.executable, "launch/train.py", "--config",

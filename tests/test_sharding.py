@@ -1,5 +1,6 @@
 """Data-parallel and FSDP steps on 8 host CPU devices give the single-device numbers."""
 
+import pytest
 from conftest import run_script
 
 SCRIPT = r'''
@@ -47,6 +48,7 @@ print("OK")
 '''
 
 
+@pytest.mark.slow
 def test_dp_and_fsdp_match_one_device():
     run_script(SCRIPT)
 

@@ -62,6 +62,7 @@ def _diff(a, b):
 # ------------------------------------------------------------------------------- model parity
 
 
+@pytest.mark.slow
 def test_siglip_matches_transformers(tiny_siglip, rng):
     folder, hf = tiny_siglip
     model = siglip.from_hf(folder)
@@ -101,6 +102,7 @@ def test_siglip2_matches_transformers(tiny_siglip2, rng, grid):
     assert _diff(ours, _torch_siglip2_image(hf, pixels, pad_to=grid * grid + 5)) <= TOL
 
 
+@pytest.mark.slow
 def test_siglip2_text_matches_transformers(tiny_siglip2, rng):
     folder, hf = tiny_siglip2
     ids = _ids(rng)
@@ -120,6 +122,7 @@ def test_resize_weights_match_torch_interpolate():
         assert _diff(ours, ref[0]) <= 1e-6, size
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params(tiny_siglip2, rng):
     folder, _ = tiny_siglip2
     full, half = siglip.from_hf(folder), siglip.from_hf(folder, dtype=jnp.bfloat16)
@@ -192,6 +195,7 @@ def test_wrong_image_size_is_a_clear_error(tiny_siglip):
             model.encode_image(jnp.zeros((1, size, size, 3)))
 
 
+@pytest.mark.slow
 def test_siglip_ignores_pixels_past_the_last_patch(tiny_siglip, rng):
     # As the real so400m-patch14-384: 384 px / 14 -> 27 patches, the conv drops the rest.
     folder, hf = tiny_siglip

@@ -68,6 +68,7 @@ def _towers(options: layers.AttentionOptions, dtype=jnp.float32):
 SWITCHED = [layers.AttentionOptions("xla"), layers.AttentionOptions(fused_qkv=True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("options", SWITCHED, ids=["xla", "fused_qkv"])
 def test_attention_switches_give_the_einsum_numbers_in_float32_and_compile_once(options):
     """Outputs within 1e-6 of their largest value, every gradient within 1e-6 of the largest
@@ -85,6 +86,7 @@ def test_attention_switches_give_the_einsum_numbers_in_float32_and_compile_once(
     assert fn._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_attention_switches_are_as_accurate_in_bfloat16():
     """bfloat16 compute, both switches on: the outputs and gradients are as far from the
     float32 ones as the einsum path's bfloat16 numbers are (within 25%; measured 0.5-1% of
@@ -160,6 +162,7 @@ def _parameters(kd: bool = True) -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kd,decay_scales", [(True, True), (True, False), (False, True)])
 def test_fused_update_equals_the_optax_chain_and_ema_and_keeps_its_state(kd, decay_scales):
     """Seven optimiser steps (the learning rate's warm-up ends at step 4, the EMA's copying at
@@ -288,6 +291,7 @@ def test_perf_config_from_the_configs_and_its_checks():
         perf.PerfConfig(xla_options={"xla_cpu_no_such_thing": 1}).compiler_options()
 
 
+@pytest.mark.slow
 def test_the_config_reaches_the_model_and_a_resumed_run_may_flip_the_switches(tmp_path):
     from sclaro_jax.checkpoint import build_model
     from sclaro_jax.run import folder

@@ -237,6 +237,7 @@ def test_broken_shards_are_named(setup, tmp_path):
     assert item.id == "webdataset/mixed/000000008" and item.caption is None
 
 
+@pytest.mark.slow
 def test_sources_give_the_folder_records(runs):
     folder = runs["folder"]["records"]
     summaries = {k: {f: v for f, v in r["summary"].items() if f != "stage_seconds_this_run"}
@@ -258,6 +259,7 @@ def _cli(setup, base, *extra):
             "--records-per-shard", "2", "--no-progress", *extra]
 
 
+@pytest.mark.slow
 def test_webdataset_resumes_after_sigkill(setup, runs, tmp_path):
     cmd = _cli(setup, tmp_path)
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -302,6 +304,7 @@ def test_auto_stage_cpus():
         parser.parse_args(base + ["--stage-cpus", "lots"])
 
 
+@pytest.mark.slow
 def test_ray_with_default_stage_settings_runs_on_two_cpus(setup, runs, tmp_path):
     """The webdataset source through the Ray engine (tar members travel as row fields), with
     the default --stage-cpus auto on a 2-CPU Ray: the folder's records."""

@@ -88,6 +88,7 @@ def run():
                 first_opt_state=first_opt_state)
 
 
+@pytest.mark.slow
 def test_one_compilation_for_every_step(run):
     """Six steps, each batch with other photometric parameters (applied in the step): one
     compilation."""
@@ -203,6 +204,7 @@ def test_loss_is_finite_and_kd_present(run):
     assert m["loss"] == pytest.approx(m["loss_ca"] + m["loss_kd"], rel=1e-6)
 
 
+@pytest.mark.slow
 def test_bf16_compute_keeps_fp32_params_and_losses(run):
     import jax.numpy as jnp
     model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, dtype=jnp.bfloat16)
@@ -218,6 +220,7 @@ def test_bf16_compute_keeps_fp32_params_and_losses(run):
     assert abs(float(metrics["loss"]) - loss32) < 0.05 * loss32
 
 
+@pytest.mark.slow
 def test_images_without_action_sit_out_global_and_text_kd():
     """Appendix: images with no action are kept; their objects and relations still train. The
     global contrastive loss and the text KD terms (student: the action text) skip them."""
@@ -266,6 +269,7 @@ def test_images_without_action_sit_out_global_and_text_kd():
     assert m["loss_kd"] == pytest.approx(float(kd), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_teacher_continues_from_the_students_frozen_text_blocks(run):
     """share_frozen_text: the teacher's object / relation text targets start from the student's
     hidden state after the frozen blocks. With the same frozen weights every loss equals the
@@ -306,6 +310,7 @@ def test_teacher_continues_from_the_students_frozen_text_blocks(run):
     assert run["step"]._cache_size() == 1
 
 
+@pytest.mark.slow
 def test_the_step_switches_give_the_default_steps_numbers_and_compile_once(run):
     """The run's six steps with every switch the step reads on (`config.perf`: q/k/v from one
     matmul, attention by `jax.nn.dot_product_attention` on XLA, the optimiser and EMA in one
@@ -365,6 +370,7 @@ def tiny_params(run):
     return jax.tree.map(lambda x: x + 0.5, run["params"])  # no zero biases: decay would show
 
 
+@pytest.mark.slow
 def test_logit_scales_decay_by_default_as_the_reference_and_not_with_the_option_off(
         tiny_params):
     """Zero gradients: Adam's step is 0, so a decayed parameter moves by exactly
@@ -393,6 +399,7 @@ def test_logit_scales_decay_by_default_as_the_reference_and_not_with_the_option_
                                            rtol=1e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_optimiser_state_layout_does_not_depend_on_logit_scale_decay(tiny_params, tmp_path):
     """A checkpoint of the optimiser state as the code before `decay_logit_scales` wrote it
     (the no_decay group a plain `optax.adam`) restores into today's state with the decay on,

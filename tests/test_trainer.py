@@ -44,6 +44,7 @@ def uninterrupted(tmp_path_factory, demo_dir):
     return workdir
 
 
+@pytest.mark.slow
 def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
     log = (uninterrupted / "stderr.txt").read_text()
     # the step compiled before the first batch, then the first loss and the time to it
@@ -73,6 +74,7 @@ def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
     assert int(state["step"]) == STEPS
 
 
+@pytest.mark.slow
 def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
     """The same 24-step demo run from version-1 records (views made from the originals on the
     host every step) and from version-2 records (stored views, the global view cropped from
@@ -94,6 +96,7 @@ def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
     assert ratios != [1.0] * len(ratios)  # the records differ, so the pixels do
 
 
+@pytest.mark.slow
 def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrupted, demo_dir,
                                                                      tmp_path):
     """The same 24-step demo run with the per-image caps layout (8 objects, 6 relations: the
@@ -112,6 +115,7 @@ def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrup
             assert g[key] == pytest.approx(w[key], rel=1e-5), (g["step"], key)
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, demo_dir,
                                                                tmp_path):
     cmd = _train_cmd(tmp_path, demo_dir)
@@ -145,6 +149,50 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, de
         np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
+def test_restore_gives_the_state_and_the_next_batch_where_the_checkpoint_left_off(demo_dir,
+                                                                                   tmp_path):
+    """`resume.restore` (what a resumed run calls), in process and without training: a
+    checkpoint of a state and of the input iterator after 3 batches restores to that state and
+    to the 4th batch, not one batch earlier or later (the fast tier's guard on resume; the
+    launcher's kill-and-rerun tests above are slow)."""
+    import grain.python as grain
+    import orbax.checkpoint as ocp
+    from conftest import demo_config
+
+    from sclaro_jax.checkpoint import build_model
+    from sclaro_jax.data.pipeline import make_loader
+    from sclaro_jax.train import core, resume, trainer
+
+    config = demo_config(demo_dir, steps=STEPS)
+    tcfg = trainer.train_config(config, STEPS)
+    _, state, _ = core.init_state(build_model(config), tcfg)
+
+    def loader():
+        return iter(make_loader(demo_dir, "train", config.data.batch_size, seed=config.seed,
+                                config=trainer.pipeline_config(config)))
+
+    it = loader()
+    first = [next(it) for _ in range(3)]
+    saved = state.replace(step=state.step + 3)
+    manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"),
+                                    options=ocp.CheckpointManagerOptions(create=True))
+    manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave(saved),
+                                            data=grain.PyGrainCheckpointSave(it)))
+    manager.wait_until_finished()
+    want = [next(it) for _ in range(2)]
+    fresh = loader()
+    assert int(resume.restore(manager, 3, state, fresh, tcfg).step) == int(saved.step)
+    got = [next(fresh) for _ in range(2)]
+    for w, g in zip(want, got):
+        assert w.keys() == g.keys()
+        for key in w:
+            np.testing.assert_array_equal(np.asarray(g[key]), np.asarray(w[key]), err_msg=key)
+    assert any(not np.array_equal(np.asarray(first[-1][k]), np.asarray(got[0][k]))
+               for k in got[0])  # the batches differ, so an off-by-one would show
+    manager.close()
+
+
+@pytest.mark.slow
 def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted, demo_dir,
                                                                    tmp_path):
     """A checkpoint written before the optimiser state was keyed by names (Adam's moments over
@@ -237,6 +285,7 @@ def test_unknown_train_keys_are_refused_with_the_known_ones(demo_dir, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
 
+@pytest.mark.slow
 def test_export_cli_from_the_demo_run(uninterrupted, tmp_path, monkeypatch):
     # the export CLI on the workdir the demo run left: its latest checkpoint, read by PyTorch
     # (transformers' AutoModel with the export's model code; its module copy goes to tmp_path)
@@ -266,6 +315,7 @@ def test_export_cli_from_the_demo_run(uninterrupted, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("config, kind", [("configs/pyramidclip.py:demo", "PyramidCLIP"),
                                           ("configs/scenarioclip_nokd.py:demo", "ScenarioCLIP")])
+@pytest.mark.slow
 def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
     # the ScenarioCLIP w/o KD run also evaluates itself periodically (config.evals)
     evaluate = ["--config.evals.zero_shot.every=2", "--config.evals.zero_shot.split=test"] \
