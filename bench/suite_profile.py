@@ -2,7 +2,6 @@
 
     python -m pytest -q -n 2 --dist loadfile -p bench.suite_profile --durations=0
     python bench/suite_profile.py /tmp/sclaro-suite-profile     # the table
-    python bench/suite_profile.py /tmp/sclaro-suite-profile --durations tests/durations.json
 
 The plugin (loaded with `-p bench.suite_profile`, in every xdist worker) writes one JSON line per
 test phase into $SUITE_PROFILE_DIR (default /tmp/sclaro-suite-profile, emptied by the
@@ -256,27 +255,6 @@ def report(folder: str) -> str:
     return "\n".join(lines)
 
 
-def write_durations(folder: str, out: str):
-    seconds: dict[str, float] = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(folder, name)) as f:
-                for line in f:
-                    row = json.loads(line)
-                    if row["phase"] != "collect":
-                        seconds[row["nodeid"]] = seconds.get(row["nodeid"], 0.0) + row["wall"]
-    kept = {k: round(v, 1) for k, v in sorted(seconds.items()) if v >= 0.5}
-    with open(out, "w") as f:
-        json.dump({"note": DURATIONS_NOTE, "seconds": kept}, f, indent=0)
-        f.write("\n")
-
-
-DURATIONS_NOTE = ("seconds per test (those of 0.5 s or more) in one full run of the suite on 2 "
-                  "cores, written by `python bench/suite_profile.py FOLDER --durations "
-                  "tests/durations.json`; tests/conftest.py hands the test files with the most "
-                  "seconds among the selected tests to the workers first")
-
-
 if __name__ == "__main__":
     import argparse
 
@@ -284,10 +262,4 @@ if __name__ == "__main__":
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", nargs="?", default=DEFAULT_DIR,
                         help=f"the plugin's folder ($SUITE_PROFILE_DIR; default {DEFAULT_DIR})")
-    parser.add_argument("--durations", metavar="JSON",
-                        help="also write each test's seconds (0.5 s or more) to JSON, the file "
-                             "tests/conftest.py orders the test files by (tests/durations.json)")
-    args = parser.parse_args()
-    print(report(args.folder))
-    if args.durations:
-        write_durations(args.folder, args.durations)
+    print(report(parser.parse_args().folder))

@@ -28,8 +28,6 @@ _MADE_CACHE = []  # the folder this process made (the controller's), removed at 
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # the controller: whole files in our order
-        config.option.loadscopereorder = False
     if not hasattr(config, "workerinput") and "SCLARO_TEST_JAX_CACHE" not in os.environ:
         folder = tempfile.mkdtemp(prefix="sclaro-test-jax-cache-")
         _MADE_CACHE.append(folder)
@@ -40,28 +38,6 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-DURATIONS = Path(__file__).with_name("durations.json")
-
-
-@pytest.hookimpl(trylast=True)  # after `-m` / `-k` have deselected
-def pytest_collection_modifyitems(config, items):
-    """The test files with the most seconds among the selected tests first (tests/durations.json,
-    a measured run; a file it does not know counts 0), each file's tests in their own order:
-    `--dist loadfile` hands out whole files in this order (the longest first keeps the two
-    workers' ends close), so the reordering xdist does by the number of tests is switched off
-    (`loadscopereorder`, in `pytest_configure`)."""
-    import json
-
-    seconds = json.loads(DURATIONS.read_text())["seconds"] if DURATIONS.exists() else {}
-    weight: dict[str, float] = {}
-    for item in items:
-        file = item.nodeid.split("::")[0]
-        weight[file] = weight.get(file, 0.0) + seconds.get(item.nodeid, 0.0)
-    order = {file: rank for rank, file in enumerate(weight)}  # ties keep collection order
-    items.sort(key=lambda item: (-weight[item.nodeid.split("::")[0]],
-                                 order[item.nodeid.split("::")[0]]))
 
 
 def pytest_unconfigure(config):
