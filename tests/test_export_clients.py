@@ -191,6 +191,7 @@ def test_zero_shot_pipeline_scores_are_our_softmax(tiny, tiny_export):
         assert max(want) - min(want) > 1e-3  # scores that tell the labels apart
 
 
+@pytest.mark.slow
 def test_remote_model_initialises_its_heads_and_round_trips_to_our_reader(tiny, tiny_export,
                                                                           tmp_path):
     """A fresh `ScenarioCLIPModel` (from_config) initialises the heads by its own rule (not

@@ -313,6 +313,7 @@ def _by_class_segmenter():
     return segment
 
 
+@pytest.mark.slow
 def test_build_rocs_end_to_end_with_scripted_replies(tmp_path, images, tiny_hf):
     from data_prep.rocs import build_rocs
     from sclaro_jax.eval import rocs

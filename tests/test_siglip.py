@@ -135,6 +135,7 @@ def test_bfloat16_compute_keeps_float32_params(tiny_siglip2, rng):
         assert 0 < _diff(a, b) < 0.05 * float(jnp.abs(a).max())
 
 
+@pytest.mark.slow
 def test_sharded_checkpoint_loads(tmp_path, tiny_siglip, rng):
     folder, hf = tiny_siglip
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
