@@ -107,7 +107,6 @@ def ray_run(setup, cluster, tmp_path_factory):
     return dict(base=base, summary=summary, records=_records(base / "out"))
 
 
-@pytest.mark.slow
 def test_ray_writes_the_records_and_summary_of_the_local_engine(setup, local_run, ray_run):
     s = ray_run["summary"]
     assert s["images"] == setup["images"] == 13
@@ -142,7 +141,6 @@ def test_ray_writes_the_records_and_summary_of_the_local_engine(setup, local_run
 
 @pytest.mark.parametrize("fault", [("detect", 1, "raise"), ("segment", 2, "kill")],
                          ids=["exception-in-detector", "sam-actor-killed"])
-@pytest.mark.slow
 def test_faults_end_with_the_clean_records(setup, cluster, local_run, tmp_path, fault, caplog):
     from data_prep.annotate import annotate
     summary = annotate(_config(setup, tmp_path, engine="ray", faults=(fault,)))
@@ -164,7 +162,6 @@ def test_faults_end_with_the_clean_records(setup, cluster, local_run, tmp_path, 
     assert not [n for n in os.listdir(tmp_path / "work" / "blocks") if ".tmp-" in n]
 
 
-@pytest.mark.slow
 def test_a_failing_stage_stops_the_run_naming_stage_and_block(setup, cluster, tmp_path):
     from data_prep.annotate import annotate
     with pytest.raises(Exception, match=r"stage detector, block 0: RuntimeError: injected fault "
@@ -174,7 +171,6 @@ def test_a_failing_stage_stops_the_run_naming_stage_and_block(setup, cluster, tm
     assert not (tmp_path / "out" / "manifest.json").exists()  # nothing before every block
 
 
-@pytest.mark.slow
 def test_a_killed_driver_resumes_and_the_other_engine_takes_over(setup, cluster, local_run,
                                                                   tmp_path):
     cmd = _cli(setup, tmp_path, "--engine", "ray", "--ray-address", cluster,
@@ -208,7 +204,6 @@ def test_a_killed_driver_resumes_and_the_other_engine_takes_over(setup, cluster,
     assert "13 images from cache, 0 annotated this run" in local.stdout, local.stdout
 
 
-@pytest.mark.slow
 def test_local_blocks_are_resumed_by_the_ray_engine(setup, cluster, local_run, tmp_path):
     import itertools
 
