@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 DEFAULT_DIR = "/tmp/sclaro-suite-profile"
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                   "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -149,10 +151,8 @@ def pytest_collection_finish(session):
                 "children": {}, "child_cpu": 0.0, "nodeid": "(collection)"})
 
 
-import pytest  # noqa: E402  (the hook wrapper below)
 
-
-def _phase(item, when):
+def _phase():
     import resource
 
     start = time.perf_counter()
@@ -183,21 +183,21 @@ def _finish(item, when, mark):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    mark = _phase(item, "setup")
+    mark = _phase()
     yield
     _finish(item, "setup", mark)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    mark = _phase(item, "call")
+    mark = _phase()
     yield
     _finish(item, "call", mark)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
-    mark = _phase(item, "teardown")
+    mark = _phase()
     yield
     _finish(item, "teardown", mark)
 
