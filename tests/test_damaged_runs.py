@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 4  # checkpoints at 2 and 4
+STEPS = 2  # checkpoints at 1 and 2; the program of tests/test_install.py's two-step demo run
+# (same steps, the demo's EMA warm-up): one compilation in the suite's shared cache
 
 
 def _train(workdir, data, cache):
@@ -20,7 +21,7 @@ def _train(workdir, data, cache):
         [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:demo",
          "--workdir", str(workdir), f"--config.data.dir={data}",
          f"--config.compilation_cache={cache}", f"--config.train.steps={STEPS}",
-         "--config.checkpoint_every=2", "--config.progress_bar=False"],
+         "--config.checkpoint_every=1", "--config.progress_bar=False"],
         cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
@@ -31,18 +32,18 @@ def runs(tmp_path_factory, demo_dir):
     good = base / "good"
     done = _train(good, demo_dir, base / "cache")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(os.listdir(good / "checkpoints")) == ["2", "4"]
+    assert sorted(os.listdir(good / "checkpoints")) == ["1", "2"]
     out = {"good": good}
     for kind in ("truncated", "empty", "none"):
         out[kind] = base / kind
         shutil.copytree(good, out[kind])
-    data = out["truncated"] / "checkpoints" / "4" / "state"
+    data = out["truncated"] / "checkpoints" / "2" / "state"
     biggest = max((p for p in data.rglob("*") if p.is_file() and p.parent.name == "d"
                    and "ocdbt.process" in str(p)), key=lambda p: p.stat().st_size)
     size = biggest.stat().st_size
     os.truncate(biggest, size // 3)
     out["truncated_file"] = biggest.name
-    empty = out["empty"] / "checkpoints" / "4"
+    empty = out["empty"] / "checkpoints" / "2"
     shutil.rmtree(empty)
     empty.mkdir()
     shutil.rmtree(out["none"] / "checkpoints")
@@ -71,17 +72,17 @@ def _cmd(module, *args):
 def test_the_check_names_the_step_the_file_and_the_step_instead(runs):
     from sclaro_jax.checkpoint import DamagedRunError, check_run
 
-    assert check_run(str(runs["good"])) == 4
-    assert check_run(str(runs["truncated"]), 2) == 2
-    with pytest.raises(DamagedRunError, match=rf"checkpoints/4 is damaged \(state/ocdbt\."
+    assert check_run(str(runs["good"])) == 2
+    assert check_run(str(runs["truncated"]), 1) == 1
+    with pytest.raises(DamagedRunError, match=rf"checkpoints/2 is damaged \(state/ocdbt\."
                        rf"process_0/d/{runs['truncated_file']}: truncated, \d+ of at least "
-                       r"\d+ bytes\); the newest complete checkpoint is step 2: pass --step 2"):
+                       r"\d+ bytes\); the newest complete checkpoint is step 1: pass --step 1"):
         check_run(str(runs["truncated"]))
-    with pytest.raises(DamagedRunError, match=r"4 is damaged \(an empty folder\).*--step 2"):
+    with pytest.raises(DamagedRunError, match=r"2 is damaged \(an empty folder\).*--step 1"):
         check_run(str(runs["empty"]))
     with pytest.raises(DamagedRunError, match="no checkpoint in"):
         check_run(str(runs["none"]))
-    with pytest.raises(DamagedRunError, match=r"no checkpoint of step 3 .*\[2, 4\]"):
+    with pytest.raises(DamagedRunError, match=r"no checkpoint of step 3 .*\[1, 2\]"):
         check_run(str(runs["good"]), 3)
 
 
@@ -89,16 +90,16 @@ def test_the_check_names_the_step_the_file_and_the_step_instead(runs):
 def test_export_refuses_a_damaged_run_and_takes_step(runs, tmp_path):
     args = ("--level", "object", "--out")
     _refused(_cmd("sclaro_jax.train.export", "--workdir", runs["truncated"], *args,
-                  tmp_path / "t"), "checkpoints/4 is damaged", runs["truncated_file"],
-             "truncated", "pass --step 2")
+                  tmp_path / "t"), "checkpoints/2 is damaged", runs["truncated_file"],
+             "truncated", "pass --step 1")
     _refused(_cmd("sclaro_jax.train.export", "--workdir", runs["empty"], *args, tmp_path / "e"),
-             "checkpoints/4 is damaged (an empty folder)", "pass --step 2")
+             "checkpoints/2 is damaged (an empty folder)", "pass --step 1")
     _refused(_cmd("sclaro_jax.train.export", "--workdir", runs["none"], *args, tmp_path / "n"),
              "no checkpoint in", "checkpoints")
 
     from sclaro_jax.train import export
     assert export.main(["--workdir", str(runs["truncated"]), *args, str(tmp_path / "ok"),
-                        "--step", "2"]) == 0
+                        "--step", "1"]) == 0
     assert (tmp_path / "ok" / "config.json").is_file()
 
 
@@ -109,15 +110,15 @@ def test_evaluators_refuse_a_damaged_run(runs, tmp_path):
     split = synthetic.make_planted_split(tmp_path / "planted", num_images=3)
     _refused(_cmd("sclaro_jax.eval.rocs", "--model", runs["truncated"], "--level", "object",
                   "--split", split, "--out", tmp_path / "r", "--no-progress"),
-             "checkpoints/4 is damaged", "truncated", "pass --step 2")
+             "checkpoints/2 is damaged", "truncated", "pass --step 1")
     # a workdir without checkpoints/ is named as a run, not as a Hugging Face folder
     line = _refused(_cmd("sclaro_jax.eval.rocs", "--model", runs["none"], "--level", "object",
                          "--split", split, "--out", tmp_path / "r2", "--no-progress"),
                     "no checkpoint in")
     assert "model_type" not in line
     _refused(_cmd("sclaro_jax.eval.suite", "--workdir", runs["empty"], "--out", tmp_path / "s",
-                  "--no-progress"), "checkpoints/4 is damaged (an empty folder)",
-             "pass --step 2")
+                  "--no-progress"), "checkpoints/2 is damaged (an empty folder)",
+             "pass --step 1")
 
 
 @pytest.mark.slow
@@ -125,10 +126,10 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(runs):
     workdir = runs["truncated"]
     done = _train(workdir, runs["data"], runs["cache"])
     assert done.returncode == 0, done.stderr[-3000:]
-    assert ("the checkpoint of step 4 is damaged" in done.stderr
-            and "resuming from step 2, the newest complete one" in done.stderr), done.stderr
-    assert "resumed from" in done.stderr and "at step 2" in done.stderr
+    assert ("the checkpoint of step 2 is damaged" in done.stderr
+            and "resuming from step 1, the newest complete one" in done.stderr), done.stderr
+    assert "resumed from" in done.stderr and "at step 1" in done.stderr
     names = sorted(os.listdir(workdir / "checkpoints"))
-    assert names == ["2", "4", "4.damaged"], names
+    assert names == ["1", "2", "2.damaged"], names
     from sclaro_jax.checkpoint import check_run
-    assert check_run(str(workdir)) == 4
+    assert check_run(str(workdir)) == 2
