@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 16
+STEPS = 24  # the program of tests/test_trainer.py's runs (same steps and EMA warm-up): one
+# compilation for both files in the suite's shared cache
 OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=4",
              "--config.log_every=2", "--config.train.ema_warmup_steps=6",
              "--config.progress_bar=False"]
@@ -69,8 +70,8 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, demo_dir, cache):
-    """The reference run; while it compiles, a second run on its workdir (a requeued job) is
-    refused at once, naming the first, which goes on undisturbed."""
+    """The reference run; while it compiles (or loads) its step, a second run on its workdir (a
+    requeued job) is refused at once, naming the first, which goes on undisturbed."""
     import socket
     import time
 
@@ -82,9 +83,16 @@ def uninterrupted(tmp_path_factory, demo_dir, cache):
         seen.append(line)
         if "compiling the train step for " in line:
             break
-    t0 = time.monotonic()
-    second = _run(_cmd(workdir, demo_dir, cache), timeout=120)
-    took = time.monotonic() - t0
+    # the first is paused there (SIGSTOP; its lock held) while the second starts, so the
+    # second meets it running whether its step is compiled or loaded from the cache
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        second = _run(_cmd(workdir, demo_dir, cache), timeout=120)
+        took = time.monotonic() - t0
+        assert proc.poll() is None  # refused while the first runs, not after it
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
     out, err = proc.communicate(timeout=900)
     err = "".join(seen) + err
     assert proc.returncode == 0, err[-3000:]
