@@ -101,8 +101,9 @@ def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrup
                                                                      tmp_path):
     """The same 24-step demo run with the per-image caps layout (8 objects, 6 relations: the
     demo's counts fit, nothing dropped) logs the packed run's losses to 1e-5."""
-    result = subprocess.run(_train_cmd(tmp_path, demo_dir) + ["--config.data.layout=caps"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(  # its losses are what is compared: no end-of-run evaluation
+        _train_cmd(tmp_path, demo_dir) + ["--config.data.layout=caps", "--no-eval"],
+        cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     want = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
     got = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -118,7 +119,7 @@ def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrup
 @pytest.mark.slow
 def test_sigkill_then_rerun_gives_the_uninterrupted_parameters(uninterrupted, demo_dir,
                                                                tmp_path):
-    cmd = _train_cmd(tmp_path, demo_dir)
+    cmd = _train_cmd(tmp_path, demo_dir) + ["--no-eval"]  # its parameters are what is compared
     # Synchronous checkpoints and no progress bar, so the log line below means the step-8
     # checkpoint is complete; the run is killed the moment it says so.
     kill_cmd = cmd + ["--config.checkpoint_async=False", "--config.progress_bar=False"]
@@ -226,8 +227,8 @@ def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted
         data=grain.PyGrainCheckpointSave(it)))
     manager.wait_until_finished()
     assert resume.is_positional(str(tmp_path / "checkpoints" / "16"))
-    cmd = _train_cmd(tmp_path, demo_dir) + [
-        f"--config.compilation_cache={uninterrupted / 'jax_cache'}"]  # its step, compiled
+    cmd = _train_cmd(tmp_path, demo_dir) + [  # its parameters are compared: no evaluation
+        f"--config.compilation_cache={uninterrupted / 'jax_cache'}", "--no-eval"]
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr
