@@ -27,7 +27,20 @@ TIMING = ("stage_seconds_this_run",)  # the only summary fields that may differ
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def one_torch_thread():
+    """torch on one thread in this process while the module runs (from `setup` on): on a CPU
+    shared with other test workers its default (one thread per core) mostly spins, about 10x the
+    CPU seconds for the same records (the records do not depend on it: the stage actors run on
+    one, `local_run` on the default)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield threads
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, one_torch_thread):
     from skimage import data as skdata
 
     from data_prep import detect, segment
@@ -92,10 +105,16 @@ def _markers(work) -> dict:
 
 
 @pytest.fixture(scope="module")
-def local_run(setup, tmp_path_factory):
+def local_run(setup, one_torch_thread, tmp_path_factory):
+    import torch
+
     from data_prep.annotate import annotate
     base = tmp_path_factory.mktemp("local")
-    summary = annotate(_config(setup, base))
+    torch.set_num_threads(one_torch_thread)  # torch's default here, one in the stage actors
+    try:
+        summary = annotate(_config(setup, base))
+    finally:
+        torch.set_num_threads(1)
     return dict(base=base, summary=summary, records=_records(base / "out"))
 
 
