@@ -324,19 +324,21 @@ def test_demo_models_overwrite_never_deletes_a_folder_it_did_not_make(tmp_path, 
     assert tree_hashes(users) == before
 
 
-def test_index_build_never_removes_a_parts_folder_it_did_not_make(tmp_path, sentinel):
+def test_index_build_never_removes_a_parts_folder_it_did_not_make(tmp_path, sentinel, capfd):
     """`index build --out DIR`, DIR the user's with a parts/ folder: refused (the finished build
-    removed DIR/parts whole)."""
+    removed DIR/parts whole). (In this process: `in_process`.)"""
     import numpy as np
+
+    from sclaro_jax.miner import index
     rng = np.random.default_rng(0)
     for name, shape in (("images", (64, 8)), ("bank", (16, 8))):
         x = rng.standard_normal(shape).astype(np.float32)
         np.save(tmp_path / f"{name}.npy", x / np.linalg.norm(x, axis=1, keepdims=True))
     users = tmp_path / "project"
     before = _user_folder(users, "parts/", "notes.txt")
-    proc = cli("-m", "sclaro_jax.miner.index", "build", "--images", str(tmp_path / "images.npy"),
-               "--bank", str(tmp_path / "bank.npy"), "--encoder", "e", "--factory", "Flat",
-               "--out", str(users), "--no-progress")
+    proc = in_process(capfd, index.main, "build", "--images", str(tmp_path / "images.npy"),
+                      "--bank", str(tmp_path / "bank.npy"), "--encoder", "e", "--factory",
+                      "Flat", "--out", str(users), "--no-progress")
     assert_refused(proc, f"--out {users} holds files but no index")
     assert tree_hashes(users) == before
 
@@ -1576,19 +1578,21 @@ def test_index_build_numbers_outside_their_range_are_refused_before_any_write(
     (("--factory", "IVF{nlist},PQ3"), ("--factory", IVF),
      ("factory 'IVF{nlist},PQ3'", "FAISS cannot train", "at least as large"))])
 def test_a_refused_index_build_leaves_nothing_that_blocks_the_corrected_command(
-        refused, corrected, words, sentinel, tmp_path):
+        refused, corrected, words, sentinel, tmp_path, capfd):
     """A refused `--chunk 0` used to leave a meta.json that refused the corrected command
     ("built with chunk 0, not 16"); a factory FAISS cannot train on 64 vectors (PQ's 256
     centres) was a C++ traceback, and its meta.json refused every other factory. Now the
     first is refused before anything is written, the second in one line, and the corrected
-    command builds an index that searches."""
+    command builds an index that searches. (Both in this process: `in_process`.)"""
+    from sclaro_jax.miner import index
+
     files = _gallery(tmp_path / "gallery", 64)
     out = tmp_path / "idx"
-    assert_refused(cli(*_build_argv(files, out, *refused)), *words)
-    proc = cli(*_build_argv(files, out, *corrected))
+    assert_refused(in_process(capfd, index.main, *_build_argv(files, out, *refused)[len(INDEX):]),
+                   *words)
+    proc = in_process(capfd, index.main, *_build_argv(files, out, *corrected)[len(INDEX):])
     assert proc.returncode == 0 and "64 images x 4 views" in proc.stdout, proc.stderr[-3000:]
     assert_no_traceback(proc)
-    from sclaro_jax.miner import index
     assert index.open_index(out).meta["factory"] == dict([corrected]).get("--factory", "auto")
 
 
