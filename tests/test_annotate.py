@@ -2,7 +2,9 @@
 (transformers), a tiny random SAM (segment-anything modules), scripted VLM replies; exclusion
 rules; SIGKILL part-way and rerun gives the same records."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -25,7 +27,20 @@ NO_ACTION = next(iter(PHOTOS))  # its reply names no action
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def one_torch_thread():
+    """torch on one thread in this process while the module runs (from `setup` on): on a CPU
+    shared with other test workers its default (one thread per core) mostly spins, about 10x the
+    CPU seconds for the same records (the records do not depend on it: the killed child keeps
+    the default and its blocks are compared with this process's)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, one_torch_thread):
     from skimage import data as skdata
 
     from data_prep import detect, segment
@@ -63,6 +78,17 @@ def _cli(setup, out, work, *extra):
             "--records-per-shard", "2", "--no-progress", *extra]
 
 
+def _main(cmd) -> tuple[int, str, str]:
+    """A `_cli` command line run in this process (`data_prep.__main__.main`, no interpreter and
+    torch start): (exit status, stdout, stderr)."""
+    from data_prep.__main__ import main
+    assert cmd[:3] == [sys.executable, "-m", "data_prep"]
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(cmd[3:])
+    return code, out.getvalue(), err.getvalue()
+
+
 def _records(out) -> dict:
     from array_record.python.array_record_module import ArrayRecordReader
     recs = {}
@@ -78,11 +104,10 @@ def _records(out) -> dict:
 @pytest.fixture(scope="module")
 def full_run(setup, tmp_path_factory):
     base = tmp_path_factory.mktemp("full")
-    proc = subprocess.run(_cli(setup, base / "out", base / "work"), cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, stdout, stderr = _main(_cli(setup, base / "out", base / "work"))
+    assert code == 0, stderr[-3000:]
     summary = json.loads((base / "work" / "summary.json").read_text())
-    return dict(out=base / "out", work=base / "work", summary=summary, stdout=proc.stdout)
+    return dict(out=base / "out", work=base / "work", summary=summary, stdout=stdout)
 
 
 @pytest.mark.slow
@@ -146,10 +171,9 @@ def _logged_samples(work) -> dict:
 def test_rerun_with_another_image_size_only_rewrites_the_shards(setup, full_run, tmp_path):
     out = tmp_path / "out64"
     vlm_lines = (full_run["work"] / "vlm.jsonl").read_text()
-    proc = subprocess.run(_cli(setup, out, full_run["work"], "--image-size", "64",
-                               "--keep-originals"), cwd=REPO, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    code, _, stderr = _main(_cli(setup, out, full_run["work"], "--image-size", "64",
+                                 "--keep-originals"))
+    assert code == 0, stderr[-3000:]
     assert (full_run["work"] / "vlm.jsonl").read_text() == vlm_lines  # every stage cached
     manifest = json.loads((out / "manifest.json").read_text())
     assert (manifest["schema_version"], manifest["view_size"], manifest["originals"]) == (
@@ -182,8 +206,9 @@ def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
     proc.wait()
     done_before = finished()
     assert 2 <= done_before < 5 and not (out / "manifest.json").exists()  # 5 chunks of 2
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    # the same command completes it (in this process: the kill above is the one that matters)
+    code, _, stderr = _main(cmd)
+    assert code == 0, stderr[-3000:]
     vlm_chunks = [json.loads(line)["chunk"] for line in (work / "vlm.jsonl").read_text()
                   .splitlines()]
     assert sorted(vlm_chunks) == list(range(5))  # every chunk through stage 1 exactly once
@@ -193,9 +218,9 @@ def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
 @pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused(setup, full_run):
     cmd = _cli(setup, full_run["out"], full_run["work"], "--nms-iou", "0.5")
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "other settings" in proc.stderr and "nms_iou" in proc.stderr
+    code, _, stderr = _main(cmd)
+    assert code == 2
+    assert "other settings" in stderr and "nms_iou" in stderr
 
 
 def test_cli_names_what_is_missing(tmp_path, capsys):

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from data_prep.testing import SCENES, photograph, scripted_reply
-from test_annotate import _records
+from test_annotate import _main, _records
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # every test here starts Ray (or reads a run that did)
@@ -27,7 +27,20 @@ TIMING = ("stage_seconds_this_run",)  # the only summary fields that may differ
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def one_torch_thread():
+    """torch on one thread in this process while the module runs (from `setup` on): on a CPU
+    shared with other test workers its default (one thread per core) mostly spins, about 10x the
+    CPU seconds for the same records (the records do not depend on it: the stage actors run on
+    one, `local_run` on the default)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield threads
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, one_torch_thread):
     from skimage import data as skdata
 
     from data_prep import detect, segment
@@ -92,10 +105,16 @@ def _markers(work) -> dict:
 
 
 @pytest.fixture(scope="module")
-def local_run(setup, tmp_path_factory):
+def local_run(setup, one_torch_thread, tmp_path_factory):
+    import torch
+
     from data_prep.annotate import annotate
     base = tmp_path_factory.mktemp("local")
-    summary = annotate(_config(setup, base))
+    torch.set_num_threads(one_torch_thread)  # torch's default here, one in the stage actors
+    try:
+        summary = annotate(_config(setup, base))
+    finally:
+        torch.set_num_threads(1)
     return dict(base=base, summary=summary, records=_records(base / "out"))
 
 
@@ -189,19 +208,19 @@ def test_a_killed_driver_resumes_and_the_other_engine_takes_over(setup, cluster,
     proc.stderr.close()
     done = _markers(tmp_path / "work")
     assert 1 <= len(done) < 5 and not (tmp_path / "out" / "manifest.json").exists()
-    # the same command completes the run with the clean records
-    again = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stderr[-3000:]
+    # the same command completes the run with the clean records (in this process, a driver of
+    # the same cluster: the kill above is the one that matters)
+    code, _, stderr = _main(cmd)
+    assert code == 0, stderr[-3000:]
     assert _records(tmp_path / "out") == local_run["records"]
     summary = json.loads((tmp_path / "work" / "summary.json").read_text())
     assert summary["images_from_cache"] >= 3 * len(done) - 2  # the finished blocks, skipped
     for k, m in done.items():  # blocks finished before the kill were not redone
         assert _markers(tmp_path / "work")[k]["run"] == m["run"]
     # a rerun with the local engine finds every block finished (and says so)
-    local = subprocess.run(_cli(setup, tmp_path, "--overwrite"), cwd=REPO, capture_output=True,
-                           text=True, timeout=600)
-    assert local.returncode == 0, local.stderr[-3000:]
-    assert "13 images from cache, 0 annotated this run" in local.stdout, local.stdout
+    code, stdout, stderr = _main(_cli(setup, tmp_path, "--overwrite"))
+    assert code == 0, stderr[-3000:]
+    assert "13 images from cache, 0 annotated this run" in stdout, stdout
 
 
 def test_local_blocks_are_resumed_by_the_ray_engine(setup, cluster, local_run, tmp_path):

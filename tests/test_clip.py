@@ -72,11 +72,26 @@ def _assert_close(ours, ref, tol=TOL):
         assert diff <= bound, f"{name}: max abs diff {diff:.3g} > {bound:.3g}"
 
 
+@pytest.fixture(scope="module")
+def from_hf_once():
+    """`clip.from_hf(folder)` of a session fixture's folder, loaded once in this module and
+    shared by the tests that only read the model (a ViT-B/32 load reads 600 MB and builds the
+    model: about 3 CPU-s)."""
+    loaded = {}
+
+    def load(folder):
+        if folder not in loaded:
+            loaded[folder] = clip.from_hf(folder)
+        return loaded[folder]
+
+    return load
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_hf", "b32_hf"])
-def test_from_hf_matches_transformers(fixture, request, rng):
+def test_from_hf_matches_transformers(fixture, request, rng, from_hf_once):
     folder, hf = request.getfixturevalue(fixture)
-    model = clip.from_hf(folder)
+    model = from_hf_once(folder)
     pixels, ids = _inputs(rng, 4, hf.config.vision_config.image_size)
     ours = _jax_features(model, jnp.asarray(pixels), jnp.asarray(ids))
     assert ours["image"].shape == (4, hf.config.projection_dim)
@@ -86,9 +101,9 @@ def test_from_hf_matches_transformers(fixture, request, rng):
 
 
 @pytest.mark.slow
-def test_b32_config_and_parameter_count(b32_hf):
+def test_b32_config_and_parameter_count(b32_hf, from_hf_once):
     folder, hf = b32_hf
-    model = clip.from_hf(folder)
+    model = from_hf_once(folder)
     assert model.config == clip.PRESETS["ViT-B/32"]
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     assert n_params == sum(p.numel() for p in hf.parameters())
@@ -119,9 +134,9 @@ def test_text_attention_mask_matches(tiny_hf, rng):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fixture", ["tiny_hf", "b32_hf"])
-def test_export_roundtrip(fixture, request, tmp_path, rng):
+def test_export_roundtrip(fixture, request, tmp_path, rng, from_hf_once):
     folder, hf = request.getfixturevalue(fixture)
-    model = clip.from_hf(folder)
+    model = from_hf_once(folder)
     clip.to_hf(model, tmp_path / "export")
     reloaded = transformers.CLIPModel.from_pretrained(tmp_path / "export").eval()
     pixels, ids = _inputs(rng, 2, hf.config.vision_config.image_size)

@@ -36,6 +36,30 @@ def cli(*argv: str, cwd=None, env: dict | None = None, timeout: float = 300,
                           capture_output=True, timeout=timeout, stdin=stdin)
 
 
+def in_process(capfd, main, *argv: str) -> subprocess.CompletedProcess:
+    """`main(ARGV)` of a command's module run in this process, as `python -m MODULE ARGV` runs
+    it: the exit status is main's return value or its SystemExit's, an uncaught exception
+    prints its traceback to stderr and is status 1, as the interpreter does; stdout and stderr
+    are what it wrote (file descriptors included, through `capfd`). For the refusals at parse
+    time, where what the process holds is not what is tested: each subprocess would spend its
+    second or so importing the same modules again."""
+    import traceback
+
+    capfd.readouterr()  # what came before the command is not its output
+    try:
+        code = main(list(argv))
+    except SystemExit as e:
+        code = e.code
+    except Exception:  # noqa: BLE001  (the interpreter's last word on an uncaught exception)
+        traceback.print_exc()
+        code = 1
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)  # sys.exit("message"): printed, status 1
+        code = 1
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["main", *argv], code or 0, out, err)
+
+
 def assert_refused(proc: subprocess.CompletedProcess, *words: str) -> str:
     """Exit 2, exactly one `error:` line (the last one) holding each of `words`, no traceback;
     returns the line."""
@@ -300,19 +324,21 @@ def test_demo_models_overwrite_never_deletes_a_folder_it_did_not_make(tmp_path, 
     assert tree_hashes(users) == before
 
 
-def test_index_build_never_removes_a_parts_folder_it_did_not_make(tmp_path, sentinel):
+def test_index_build_never_removes_a_parts_folder_it_did_not_make(tmp_path, sentinel, capfd):
     """`index build --out DIR`, DIR the user's with a parts/ folder: refused (the finished build
-    removed DIR/parts whole)."""
+    removed DIR/parts whole). (In this process: `in_process`.)"""
     import numpy as np
+
+    from sclaro_jax.miner import index
     rng = np.random.default_rng(0)
     for name, shape in (("images", (64, 8)), ("bank", (16, 8))):
         x = rng.standard_normal(shape).astype(np.float32)
         np.save(tmp_path / f"{name}.npy", x / np.linalg.norm(x, axis=1, keepdims=True))
     users = tmp_path / "project"
     before = _user_folder(users, "parts/", "notes.txt")
-    proc = cli("-m", "sclaro_jax.miner.index", "build", "--images", str(tmp_path / "images.npy"),
-               "--bank", str(tmp_path / "bank.npy"), "--encoder", "e", "--factory", "Flat",
-               "--out", str(users), "--no-progress")
+    proc = in_process(capfd, index.main, "build", "--images", str(tmp_path / "images.npy"),
+                      "--bank", str(tmp_path / "bank.npy"), "--encoder", "e", "--factory",
+                      "Flat", "--out", str(users), "--no-progress")
     assert_refused(proc, f"--out {users} holds files but no index")
     assert tree_hashes(users) == before
 
@@ -1511,13 +1537,17 @@ HOSTILE_COUNTS = ("0", "-5", HUGE, "nan", "ten")
                                   "--batch"])
 @pytest.mark.slow
 def test_index_search_numbers_outside_their_range_are_usage_errors(
-        flag, value, built_index, gallery_files, sentinel, tmp_path):
+        flag, value, built_index, gallery_files, sentinel, tmp_path, capfd):
     """`--nprobe 0` aborted in faiss, `--shortlist -5` was faiss's assertion traceback, `--top 0`
     exited 0 with empty hits, `--batch 0` said `range() arg 3 must not be zero`: each is now
-    refused at parse time naming the flag and its range, and nothing is written."""
+    refused at parse time naming the flag and its range, and nothing is written. (The command
+    runs in this process: `in_process`.)"""
+    from sclaro_jax.miner import index
+
     out = tmp_path / "hits"
-    proc = cli(*INDEX, "search", "--index", str(built_index), "--queries",
-               str(gallery_files["queries"]), "--out", str(out), "--no-progress", flag, value)
+    proc = in_process(capfd, index.main, "search", "--index", str(built_index), "--queries",
+                      str(gallery_files["queries"]), "--out", str(out), "--no-progress", flag,
+                      value)
     assert_refused(proc, f"argument {flag}:", repr(value), COUNTS)
     assert not out.exists()
 
@@ -1526,13 +1556,17 @@ def test_index_search_numbers_outside_their_range_are_usage_errors(
     *[("--chunk", v) for v in HOSTILE_COUNTS], *[("--k", v) for v in HOSTILE_COUNTS],
     *[("--alpha", v) for v in ("-5", "7", "1e999", "nan", "ten")]])
 def test_index_build_numbers_outside_their_range_are_refused_before_any_write(
-        flag, value, sentinel, tmp_path):
+        flag, value, sentinel, tmp_path, capfd):
     """`--chunk 0` said `range() arg 3 must not be zero` and left a meta.json, `--k -5` was a
     jax traceback, `--alpha nan` built an index no rerun could resume: refused at parse time,
-    naming the flag and its range, with no index folder made."""
+    naming the flag and its range, with no index folder made. (In this process: `in_process`.)"""
+    from sclaro_jax.miner import index
+
     files = _gallery(tmp_path / "gallery", 64)
     out = tmp_path / "idx"
-    proc = cli(*_build_argv(files, out, flag, value))
+    argv = _build_argv(files, out, flag, value)
+    assert argv[:len(INDEX)] == list(INDEX)
+    proc = in_process(capfd, index.main, *argv[len(INDEX):])
     line = assert_refused(proc, f"argument {flag}:", repr(value))
     assert (COUNTS if flag != "--alpha" else "a number from 0 to 1") in line
     assert not out.exists()
@@ -1544,19 +1578,21 @@ def test_index_build_numbers_outside_their_range_are_refused_before_any_write(
     (("--factory", "IVF{nlist},PQ3"), ("--factory", IVF),
      ("factory 'IVF{nlist},PQ3'", "FAISS cannot train", "at least as large"))])
 def test_a_refused_index_build_leaves_nothing_that_blocks_the_corrected_command(
-        refused, corrected, words, sentinel, tmp_path):
+        refused, corrected, words, sentinel, tmp_path, capfd):
     """A refused `--chunk 0` used to leave a meta.json that refused the corrected command
     ("built with chunk 0, not 16"); a factory FAISS cannot train on 64 vectors (PQ's 256
     centres) was a C++ traceback, and its meta.json refused every other factory. Now the
     first is refused before anything is written, the second in one line, and the corrected
-    command builds an index that searches."""
+    command builds an index that searches. (Both in this process: `in_process`.)"""
+    from sclaro_jax.miner import index
+
     files = _gallery(tmp_path / "gallery", 64)
     out = tmp_path / "idx"
-    assert_refused(cli(*_build_argv(files, out, *refused)), *words)
-    proc = cli(*_build_argv(files, out, *corrected))
+    assert_refused(in_process(capfd, index.main, *_build_argv(files, out, *refused)[len(INDEX):]),
+                   *words)
+    proc = in_process(capfd, index.main, *_build_argv(files, out, *corrected)[len(INDEX):])
     assert proc.returncode == 0 and "64 images x 4 views" in proc.stdout, proc.stderr[-3000:]
     assert_no_traceback(proc)
-    from sclaro_jax.miner import index
     assert index.open_index(out).meta["factory"] == dict([corrected]).get("--factory", "auto")
 
 
@@ -1565,13 +1601,16 @@ def test_a_refused_index_build_leaves_nothing_that_blocks_the_corrected_command(
     ("--nprobe-global", "nan"), ("--index-shortlist", "0"), ("--index-shortlist", HUGE),
     ("--index-shortlist", "ten")])
 def test_rocs_index_numbers_outside_their_range_are_usage_errors(flag, value, sentinel,
-                                                                  tmp_path):
+                                                                  tmp_path, capfd):
     """`eval.rocs --index` takes the index search's numbers: out of range they reached faiss
     only after the whole split was embedded (`--nprobe 0`: faiss's error). Now a usage error
-    at parse time, naming the flag, before any model or split is read."""
-    proc = cli("-m", "sclaro_jax.eval.rocs", "--model", "planted-colours", "--split",
-               str(tmp_path / "captions.json"), "--index", str(tmp_path / "idx"), "--out",
-               str(tmp_path / "out"), flag, value)
+    at parse time, naming the flag, before any model or split is read. (In this process:
+    `in_process`.)"""
+    from sclaro_jax.eval import rocs
+
+    proc = in_process(capfd, rocs.main, "--model", "planted-colours", "--split",
+                      str(tmp_path / "captions.json"), "--index", str(tmp_path / "idx"),
+                      "--out", str(tmp_path / "out"), flag, value)
     assert_refused(proc, f"argument {flag}:", repr(value), COUNTS)
     assert not (tmp_path / "out").exists()
 
