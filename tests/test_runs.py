@@ -73,7 +73,6 @@ def uninterrupted(tmp_path_factory, demo_dir, cache):
     """The reference run; while it compiles (or loads) its step, a second run on its workdir (a
     requeued job) is refused at once, naming the first, which goes on undisturbed."""
     import socket
-    import time
 
     workdir = tmp_path_factory.mktemp("run_full")
     proc = subprocess.Popen(_cmd(workdir, demo_dir, cache), cwd=ROOT, stdout=subprocess.PIPE,
@@ -87,9 +86,9 @@ def uninterrupted(tmp_path_factory, demo_dir, cache):
     # second meets it running whether its step is compiled or loaded from the cache
     os.kill(proc.pid, signal.SIGSTOP)
     try:
-        t0 = time.monotonic()
+        # refused at once: a second run that waited for the lock would wait on a stopped
+        # process and fail here by its timeout
         second = _run(_cmd(workdir, demo_dir, cache), timeout=120)
-        took = time.monotonic() - t0
         assert proc.poll() is None  # refused while the first runs, not after it
     finally:
         os.kill(proc.pid, signal.SIGCONT)
@@ -99,7 +98,7 @@ def uninterrupted(tmp_path_factory, demo_dir, cache):
     line = _error(second)
     assert line.startswith(f"error: {workdir} is in use by another run: pid {proc.pid} on host "
                            f"{socket.gethostname()}"), line
-    assert "another --workdir" in line and took < 10, (took, line)
+    assert "another --workdir" in line, line
     assert not second.stdout.strip()
     assert "next:" in out.lower() and "sclaro_jax.train.export" in out
     assert [r["step"] for r in _metrics(workdir)] == list(range(2, STEPS + 1, 2))  # each once
