@@ -5,10 +5,20 @@ run (`pytest_configure` in the controller), handed to the xdist workers and ever
 through the environment (`JAX_COMPILATION_CACHE_DIR`, every compile stored), removed at the
 end. A step that one test compiled is read from the folder by every other test and child that
 compiles the same computation (a cache hit is the same executable: results do not change). A
-test of the cache itself starts its children with `own_cache_env()`."""
+test of the cache itself starts its children with `own_cache_env()`.
+
+Two settings of the test processes only (children are untouched):
+- torch runs on one thread (`pytest_runtest_setup`): two xdist workers on a 2-core CPU, each
+  with torch's default of a thread per core, mostly spin (about 10x the CPU for the same numbers).
+- A traced value's missing `.sharding` raises its AttributeError without the origin message.
+  JAX 0.10 builds that message by walking every equation traced so far, and flax NNX probes
+  `getattr(value, "sharding", None)` on every variable it sets, so building a model under
+  `nnx.eval_shape` or `jit` took time quadratic in its size (upstream: jax-ml/jax pull 40041).
+  Only the message changes: the probe still gets its AttributeError."""
 
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +27,19 @@ import numpy as np
 import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _quick_tracer_sharding():
+    from jax._src import core as jax_core
+
+    def sharding(self):
+        raise AttributeError(f"The 'sharding' attribute is not available on {self._error_repr()}.")
+
+    if isinstance(getattr(jax_core.Tracer, "sharding", None), property):
+        jax_core.Tracer.sharding = property(sharding)
+
+
+_quick_tracer_sharding()
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,6 +61,12 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_runtest_setup(item):
+    torch = sys.modules.get("torch")  # set once torch is imported, by whichever test module
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 def pytest_unconfigure(config):
