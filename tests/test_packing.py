@@ -17,7 +17,7 @@ from sclaro_jax.data import packing
 from sclaro_jax.data.batch import batch_shapes, batch_specs
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.data.pipeline import PipelineConfig, make_loader
-from sclaro_jax.models import scenarioclip
+from sclaro_jax.models import clip, scenarioclip
 from sclaro_jax.run import sharding
 from sclaro_jax.run.ahead import CompiledSteps
 from sclaro_jax.train import core
@@ -28,6 +28,12 @@ SIZE = 32
 CAPS = PipelineConfig(image_size=SIZE, max_objects=8, max_relations=6)  # the demo's counts fit
 CFG = core.TrainConfig(total_steps=400, lr=1e-3, ema_warmup_steps=3, frozen_vision_layers=1,
                        frozen_text_layers=1)
+
+TINY = clip.PRESETS["tiny"]
+# The tiny preset's towers with one block each (the `models` below): the layouts compare crop
+# by crop, at any depth; a block less is a quarter less compile time of the gradients.
+ONE_BLOCK = TINY.replace(**{tower: dataclasses.replace(getattr(TINY, tower), num_hidden_layers=1)
+                            for tower in ("vision", "text")})
 
 
 def _read_counts(folder, split="train"):
@@ -52,8 +58,8 @@ def long_tail_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def models():
-    student = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)
-    teacher = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=1)
+    student = scenarioclip.build("scenarioclip", preset=ONE_BLOCK, embed_dim=16, seed=0)
+    teacher = scenarioclip.build("scenarioclip", preset=ONE_BLOCK, embed_dim=16, seed=1)
     return student, teacher
 
 
@@ -340,11 +346,15 @@ def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
     packed size compiled before the first batch (`run.ahead.CompiledSteps`): no crop dropped,
     every crop of every batch in the step, no compilation once training has started."""
     folder = demo_dir if which == "demo" else long_tail_dir
-    model = scenarioclip.build("scenarioclip", preset="tiny", embed_dim=16, seed=0)
+    # one vision block; the text towers keep two, the first shared by student and teacher
+    # (`core.shared_text_layers`: never the last block) as in the trainer's step
+    model = scenarioclip.build("scenarioclip", embed_dim=16, seed=0, preset=TINY.replace(
+        vision=dataclasses.replace(TINY.vision, num_hidden_layers=1)))
     # the towers' blocks frozen (the heads, scales and KD temperature train): half the
     # compile time of the full step, which the tests above cover
     cfg = dataclasses.replace(CFG, frozen_vision_layers=2, frozen_text_layers=2,
                               freeze_pre_layernorm=True)
+    assert core.shared_text_layers(model, model, cfg) == 1
     graphdef, state, tx = core.init_state(model, cfg)
     jitted, state = sharding.jit_step(core.make_train_step(graphdef, tx, cfg), state, None,
                                       "none")

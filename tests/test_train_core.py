@@ -1,6 +1,7 @@
 """The training core on the tiny preset: groups, schedule, EMA rule, moving scales, one compile."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -220,6 +221,15 @@ def test_bf16_compute_keeps_fp32_params_and_losses(run):
     assert abs(float(metrics["loss"]) - loss32) < 0.05 * loss32
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4), static_argnames="share")
+def _metrics(graphdef, params, teacher, batch, cfg, share=False):
+    """`core.compute_losses`' metrics of the student `params` and the `teacher` (pure dicts of
+    `graphdef`'s parameters): one jitted function, so the tests below that compute the same
+    losses (same shapes, `cfg` with the same loss fields) compile them once."""
+    return core.compute_losses(nnx.merge(graphdef, params), nnx.merge(graphdef, teacher), batch,
+                               cfg, share_frozen_text=share)[1]
+
+
 @pytest.mark.slow
 def test_images_without_action_sit_out_global_and_text_kd():
     """Appendix: images with no action are kept; their objects and relations still train. The
@@ -232,7 +242,9 @@ def test_images_without_action_sit_out_global_and_text_kd():
     batch = _batch(3)
     batch["object_mask"][:] = batch["relation_mask"][:] = True
     batch["has_action"][0] = False
-    loss = jax.jit(lambda b: core.compute_losses(model, teacher, b, cfg)[1])
+    graphdef, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    loss = lambda b: _metrics(graphdef, params, params, b, cfg)  # noqa: E731
     m = {k: float(v) for k, v in loss(batch).items()}
 
     # Nothing about image 0's action reaches the loss.
@@ -291,13 +303,8 @@ def test_teacher_continues_from_the_students_frozen_text_blocks(run):
     assert core.shared_text_layers(
         model, teacher, dataclasses.replace(CFG, frozen_text_layers=12)) == 1  # never the last
     batch = _batch(1)
-
-    @jax.jit
-    def both(b):
-        return [core.compute_losses(model, teacher, b, CFG, share_frozen_text=share)[1]
-                for share in (False, True)]
-
-    plain, shared = both(batch)
+    plain, shared = (_metrics(graphdef, state.params, jax.tree.unflatten(treedef, moved), batch,
+                              CFG, share=share) for share in (False, True))
     assert float(plain["loss_kd"]) > 0
     for k in plain:
         np.testing.assert_allclose(shared[k], plain[k], rtol=1e-6, err_msg=k)
