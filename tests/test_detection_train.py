@@ -308,13 +308,14 @@ def test_pyramid_strides_for_each_patch_size(patch):
 
     base = clip.config_from_preset("tiny")
     vision = dataclasses.replace(base.vision, patch_size=patch, image_size=2 * patch)
-    towers = clip.CLIPModel(base.replace(vision=vision), rngs=nnx.Rngs(0))
     size = 448 if patch == 14 else 128
     cfg = DetectorConfig(num_classes=3, image_size=size, pyramid_dim=8, fpn_dim=8,
                          representation_size=16)
-    detector = Detector(cfg, towers.vision_model, patch)
-    rpn, roi = jax.eval_shape(detector.features, jax.ShapeDtypeStruct((1, size, size, 3),
-                                                                      jnp.float32))
+    # shapes only: the detector built abstractly (no weights drawn) and traced by eval_shape
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Detector(
+        cfg, clip.CLIPModel(base.replace(vision=vision), rngs=nnx.Rngs(0)).vision_model, patch)))
+    rpn, roi = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s).features(x), state,
+                              jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32))
     assert [f.shape[1] for f in rpn] == [size // s for s in (4, 8, 16, 32, 64)]
     assert [f.shape for f in roi] == [f.shape for f in rpn[:-1]]
     assert all(f.dtype == jnp.float32 for f in rpn)
