@@ -162,12 +162,14 @@ def test_vitdet_input_end_to_end(tiny_hf, demo_dir, tmp_path):
     in the loaded images' pixels, and records the setting."""
     out = tmp_path / "run"
     config = demo_config(demo_dir, tiny_hf[0])
-    config.update(epochs=1, batch_size=4, input_resize="longest_side", eval_batch_size=4)
+    # the train step of _tiny_run and the launcher's first run, and the launcher's eval batch
+    # (the demo's eval_batch_size): the same programs, compiled once for the file
+    config.update(epochs=1, batch_size=2, input_resize="longest_side")
     config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64,
                            rpn_post_nms_top_n_train=32, box_batch_size_per_image=16)
     TASK.fit(config, str(out), progress=False)
     results = TASK.evaluate(config, str(out)).results
-    assert results["config"]["input_resize"] == "longest_side" and results["steps"] == 3
+    assert results["config"]["input_resize"] == "longest_side" and results["steps"] == 5
     assert all(0 <= v <= 1 for k, v in results["metrics"].items() if v == v)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(x["copy_paste_rate"] == 0.0 for x in lines)  # the demo recipe pastes nothing
@@ -181,51 +183,90 @@ def test_help_names_the_run_and_the_recipe(capsys):
     assert "--workdir" in out and "--config" in out and "--config.KEY=VALUE" in out
 
 
-SHARDED = r'''
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-import jax
-jax.config.update("jax_default_matmul_precision", "highest")
-import numpy as np
-from sclaro_jax.config import load_config
-from sclaro_jax.detection import train
-from sclaro_jax.detection.model import Detector
-from sclaro_jax.models import clip
-from sclaro_jax.run import sharding
+SMALL_DETECTOR = dict(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
+                      box_batch_size_per_image=16)
 
-config = load_config("detection:demo")
-config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
-                       box_batch_size_per_image=16, max_boxes=4)
-cfg = train.detector_config(config, 5)
-rng = np.random.default_rng(0)
-xy = rng.uniform(0, 40, (2, 4, 2)).astype(np.float32)
-batch = {"image": rng.integers(0, 256, (2, 64, 64, 3), dtype=np.uint8),
-         "boxes": np.concatenate([xy, xy + rng.uniform(8, 24, (2, 4, 2))], -1).astype(np.float32),
-         "labels": rng.integers(0, 5, (2, 4)).astype(np.int32),
-         "valid": np.array([[True, True, True, False], [True, True, False, False]])}
-out = {}
-for strategy in ("none", "fsdp"):  # fsdp: the batch split as in dp, and the weights too
-    model = Detector(cfg, clip.create("tiny").vision_model, 8)
+
+def _one_sharded_step(strategy, num_classes, params=None):
+    """(metrics, initial parameters) of one detection train step under the trainer's sharding
+    `strategy` ("none": one device; "fsdp": the batch split as in dp, and the weights too) on a
+    fixed random batch: the demo recipe at 64 px with the launcher test's sizes and a 10-step
+    schedule (the single-device step is the launcher's resumed run's program, compiled once) on
+    the tiny preset's tower, drawn here or given (`params`, the single-device run's)."""
+    from flax import nnx
+
+    from sclaro_jax.run import sharding
+
+    config = load_config("detection:demo")
+    config.detector.update(**SMALL_DETECTOR)
+    cfg = train.detector_config(config, num_classes)
+
+    def make():
+        return Detector(cfg, clip.create("tiny").vision_model, 8)
+
+    if params is None:
+        model = make()
+    else:  # the given weights in the detector's structure (built abstractly: none drawn)
+        model = nnx.eval_shape(make)
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+        nnx.update(model, state)
+    initial = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    rng = np.random.default_rng(0)
+    xy = rng.uniform(0, 40, (2, 4, 2)).astype(np.float32)
+    boxes, labels, valid = (np.zeros((2, cfg.max_boxes, 4), np.float32),
+                            np.zeros((2, cfg.max_boxes), np.int32),
+                            np.zeros((2, cfg.max_boxes), bool))
+    boxes[:, :4] = np.concatenate([xy, xy + rng.uniform(8, 24, (2, 4, 2))], -1)
+    labels[:, :4] = rng.integers(0, num_classes, (2, 4))
+    valid[:, :4] = [[True, True, True, False], [True, True, False, False]]
+    batch = {"image": rng.integers(0, 256, (2, 64, 64, 3), dtype=np.uint8), "boxes": boxes,
+             "labels": labels, "valid": valid}
     graphdef, state, tx = train.init_state(model, config, 10)
     mesh = sharding.make_mesh(strategy)
     step, state = sharding.jit_step(train.make_train_step(graphdef, tx, 0), state, mesh, strategy)
-    state, metrics = step(state, sharding.put_batch(batch, mesh))
-    out[strategy] = {k: float(v) for k, v in metrics.items()}
-    print(strategy, out[strategy])
-for strategy in ("fsdp",):
-    for k, v in out["none"].items():
-        assert abs(out[strategy][k] - v) <= 1e-5 * max(1.0, abs(v)), (strategy, k, out[strategy][k], v)
+    _, metrics = step(state, sharding.put_batch(batch, mesh))
+    return {k: float(v) for k, v in metrics.items()}, initial
+
+
+SHARDED = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import json
+import pickle
+import sys
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+assert len(jax.devices()) == 2
+sys.path.insert(0, "tests")
+from test_detection_train import _one_sharded_step
+
+with open(PARAMS, "rb") as f:
+    initial = pickle.load(f)
+metrics, _ = _one_sharded_step("fsdp", CLASSES, initial)
+print("fsdp", json.dumps(metrics))
 print("OK")
 '''
 
 
 @pytest.mark.slow
-def test_fsdp_losses_match_one_device():
-    """The detection step under the trainer's fsdp sharding on 2 host devices gives the
-    single-device losses (samplers draw per image from one key, so the draws agree too)."""
+def test_fsdp_losses_match_one_device(demo_dir, tmp_path):
+    """The detection step under the trainer's fsdp sharding on 2 host devices (a child process)
+    gives the single-device losses (computed here, from the same weights and batch; samplers
+    draw per image from one key, so the draws agree too)."""
+    import pickle
+
     from conftest import run_script
 
-    run_script(SHARDED)
+    classes = len(data.load_examples(demo_dir, "train")[1])
+    want, initial = _one_sharded_step("none", classes)
+    (tmp_path / "initial.pkl").write_bytes(pickle.dumps(initial))
+    script = SHARDED.replace("PARAMS", repr(str(tmp_path / "initial.pkl")))
+    printed = run_script(script.replace("CLASSES", str(classes)))
+    got = json.loads(next(x for x in printed.splitlines() if x.startswith("fsdp "))[5:])
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert abs(got[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, got[k], v)
 
 
 def test_make_batch_pastes_rare_classes_inside_the_image(demo_dir):
@@ -333,18 +374,23 @@ def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     encoder) with ScenarioCLIP's flags and overrides and ends with the AP table and
     WORKDIR/results.json; a rerun with another recipe or length is refused with one error line
     unless --allow-config-change (then it resumes)."""
+    import os
     import subprocess
     import sys
 
     from conftest import ROOT
 
     workdir = tmp_path / "det"
+    # the matmul precision of this process (conftest): the launcher's train and eval programs
+    # are then those _tiny_run, test_vitdet_input_end_to_end and the fsdp test's reference
+    # compiled (the run's compilation cache), as every shape and setting here is theirs
+    env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 
     def launch(*extra):
         return subprocess.run(
             [sys.executable, "launch/train.py", "--config", "configs/detection.py:demo",
              "--workdir", str(workdir), f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=900)
+            cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
 
     first = launch("--config.epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]
