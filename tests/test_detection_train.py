@@ -123,16 +123,19 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tiny_hf, demo_dir, tmp_path
 
 @pytest.mark.slow
 def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
+    from flax import nnx
+
     towers = clip.from_hf(tiny_hf[0])
     cfg = towers.config.vision
+    forward = nnx.jit(lambda module, x: module(x))  # one program per call, not op by op
     pixels = jax.random.normal(jax.random.key(0), (2, cfg.image_size, cfg.image_size, 3))
-    hidden, _ = towers.vision_model(pixels)
+    hidden, _ = forward(towers.vision_model, pixels)
     grid = cfg.image_size // cfg.patch_size
-    got = ViTBackbone(towers.vision_model, cfg.patch_size)(pixels)
+    got = forward(ViTBackbone(towers.vision_model, cfg.patch_size), pixels)
     np.testing.assert_allclose(got, np.asarray(hidden[:, 1:]).reshape(2, grid, grid, -1),
                                atol=1e-5)
-    big = ViTBackbone(towers.vision_model, cfg.patch_size)(jnp.zeros((1, 2 * cfg.image_size,
-                                                                      2 * cfg.image_size, 3)))
+    big = forward(ViTBackbone(towers.vision_model, cfg.patch_size),
+                  jnp.zeros((1, 2 * cfg.image_size, 2 * cfg.image_size, 3)))
     assert big.shape == (1, 2 * grid, 2 * grid, cfg.hidden_size)
 
 
