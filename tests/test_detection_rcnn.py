@@ -27,6 +27,15 @@ CFG = DetectorConfig(num_classes=4, image_size=64, rpn_pre_nms_top_n_train=40,
                      box_score_thresh=0.05)
 
 
+# Each computation as one jitted program (as it runs inside the train and detect steps), not op by
+# op: one compile per function and shape instead of one per primitive.
+rpn_losses = jax.jit(rcnn.rpn_losses, static_argnums=0)
+select_proposals = jax.jit(rcnn.select_proposals, static_argnums=0, static_argnames="training")
+roi_targets = jax.jit(rcnn.roi_targets, static_argnums=0)
+fast_rcnn_losses = jax.jit(rcnn.fast_rcnn_losses)
+postprocess = jax.jit(rcnn.postprocess, static_argnums=0)
+
+
 def _t(x):
     return torch.from_numpy(np.asarray(x).copy())
 
@@ -72,12 +81,13 @@ def test_rpn_outputs_line_up_with_the_anchors_at_224():
 
     cfg = dataclasses.replace(CFG, image_size=224, pyramid_dim=8, fpn_dim=8,
                               representation_size=16)
-    detector = Detector(cfg, clip.create("tiny").vision_model, 8)
-    rpn, _ = jax.eval_shape(detector.features, jax.ShapeDtypeStruct((1, 224, 224, 3),
-                                                                     jnp.float32))
+    # shapes only: the detector built abstractly (no weights drawn) and traced by eval_shape
+    graphdef, state = nnx.split(nnx.eval_shape(
+        lambda: Detector(cfg, clip.create("tiny").vision_model, 8)))
+    rpn, _ = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s).features(x), state,
+                            jax.ShapeDtypeStruct((1, 224, 224, 3), jnp.float32))
     assert [f.shape[1:3] for f in rpn] == cfg.feature_sizes() == [(56, 56), (28, 28), (14, 14),
                                                                   (7, 7), (4, 4)]
-    graphdef, state = nnx.split(detector)
     objectness, _ = jax.eval_shape(lambda s, fs: nnx.merge(graphdef, s).rpn_head(fs), state, rpn)
     assert objectness.shape == (1, rcnn.anchors(cfg).shape[0])
 
@@ -109,8 +119,8 @@ def test_rpn_losses_and_proposals_equal_torchvision():
         start += n
     obj_flat, del_flat = concat_box_prediction_layers(obj_levels, del_levels)
     want_obj, want_box = rpn.compute_loss(obj_flat, del_flat, labels, reg)
-    got = rcnn.rpn_losses(CFG, jnp.asarray(objectness), jnp.asarray(deltas), jnp.asarray(boxes),
-                          jnp.asarray(valid), jax.random.key(0))
+    got = rpn_losses(CFG, jnp.asarray(objectness), jnp.asarray(deltas), jnp.asarray(boxes),
+                     jnp.asarray(valid), jax.random.key(0))
     np.testing.assert_allclose(float(got["loss_objectness"]), float(want_obj), rtol=1e-5)
     np.testing.assert_allclose(float(got["loss_rpn_box_reg"]), float(want_box), rtol=1e-5)
 
@@ -118,8 +128,8 @@ def test_rpn_losses_and_proposals_equal_torchvision():
     want_boxes, want_scores = rpn.filter_proposals(
         proposals, obj_flat, [(CFG.image_size, CFG.image_size)] * b, rcnn.level_sizes(CFG))
     for i in range(b):
-        props, kept, logits = rcnn.select_proposals(CFG, jnp.asarray(objectness[i]),
-                                                    jnp.asarray(deltas[i]), training=True)
+        props, kept, logits = select_proposals(CFG, jnp.asarray(objectness[i]),
+                                               jnp.asarray(deltas[i]), training=True)
         kept = np.asarray(kept)
         np.testing.assert_allclose(np.asarray(props)[kept], want_boxes[i].numpy(), atol=1e-4)
         np.testing.assert_allclose(jax.nn.sigmoid(np.asarray(logits)[kept]),
@@ -145,7 +155,7 @@ def test_roi_sampling_and_fast_rcnn_losses_equal_torchvision():
         [_t(props)], [{"boxes": _t(gt), "labels": _t(gt_labels.astype(np.int64) + 1)}])
     pad = np.zeros((2, 4), np.float32)
     gt_valid = np.array([True] * 4 + [False] * 2)
-    rois, labels, weight, targets = rcnn.roi_targets(
+    rois, labels, weight, targets = roi_targets(
         CFG, jnp.asarray(props), jnp.ones(len(props), bool), jnp.asarray(np.r_[gt, pad]),
         jnp.asarray(np.r_[gt_labels, np.zeros(2, np.int32)]), jnp.asarray(gt_valid),
         jax.random.key(0))
@@ -162,7 +172,7 @@ def test_roi_sampling_and_fast_rcnn_losses_equal_torchvision():
     box = rng.normal(0, 0.5, (len(rois), k, 4)).astype(np.float32)
     want_cls, want_box = fastrcnn_loss(_t(logits[:n]), _t(box[:n].reshape(n, -1)),
                                        [want_labels[0]], [want_reg[0]])
-    got = rcnn.fast_rcnn_losses(jnp.asarray(logits), jnp.asarray(box), labels, weight, targets)
+    got = fast_rcnn_losses(jnp.asarray(logits), jnp.asarray(box), labels, weight, targets)
     np.testing.assert_allclose(float(got["loss_classifier"]), float(want_cls), rtol=1e-5)
     np.testing.assert_allclose(float(got["loss_box_reg"]), float(want_box), rtol=1e-5)
 
@@ -181,8 +191,8 @@ def test_postprocess_equals_torchvision(seed):
     want_boxes, want_scores, want_labels = heads.postprocess_detections(
         _t(logits[valid]), _t(box[valid].reshape(int(valid.sum()), -1)), [_t(props[valid])],
         [(CFG.image_size, CFG.image_size)])
-    got = rcnn.postprocess(CFG, jnp.asarray(props), jnp.asarray(valid), jnp.asarray(logits),
-                           jnp.asarray(box))
+    got = postprocess(CFG, jnp.asarray(props), jnp.asarray(valid), jnp.asarray(logits),
+                      jnp.asarray(box))
     keep = np.asarray(got["valid"])
     assert keep.sum() == len(want_scores[0]) > 0
     np.testing.assert_allclose(np.asarray(got["scores"])[keep], want_scores[0].numpy(),

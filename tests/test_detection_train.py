@@ -123,16 +123,19 @@ def test_stop_and_resume_equals_an_uninterrupted_run(tiny_hf, demo_dir, tmp_path
 
 @pytest.mark.slow
 def test_backbone_equals_the_clip_tower_at_its_own_size(tiny_hf):
+    from flax import nnx
+
     towers = clip.from_hf(tiny_hf[0])
     cfg = towers.config.vision
+    forward = nnx.jit(lambda module, x: module(x))  # one program per call, not op by op
     pixels = jax.random.normal(jax.random.key(0), (2, cfg.image_size, cfg.image_size, 3))
-    hidden, _ = towers.vision_model(pixels)
+    hidden, _ = forward(towers.vision_model, pixels)
     grid = cfg.image_size // cfg.patch_size
-    got = ViTBackbone(towers.vision_model, cfg.patch_size)(pixels)
+    got = forward(ViTBackbone(towers.vision_model, cfg.patch_size), pixels)
     np.testing.assert_allclose(got, np.asarray(hidden[:, 1:]).reshape(2, grid, grid, -1),
                                atol=1e-5)
-    big = ViTBackbone(towers.vision_model, cfg.patch_size)(jnp.zeros((1, 2 * cfg.image_size,
-                                                                      2 * cfg.image_size, 3)))
+    big = forward(ViTBackbone(towers.vision_model, cfg.patch_size),
+                  jnp.zeros((1, 2 * cfg.image_size, 2 * cfg.image_size, 3)))
     assert big.shape == (1, 2 * grid, 2 * grid, cfg.hidden_size)
 
 
@@ -162,12 +165,14 @@ def test_vitdet_input_end_to_end(tiny_hf, demo_dir, tmp_path):
     in the loaded images' pixels, and records the setting."""
     out = tmp_path / "run"
     config = demo_config(demo_dir, tiny_hf[0])
-    config.update(epochs=1, batch_size=4, input_resize="longest_side", eval_batch_size=4)
+    # the train step of _tiny_run and the launcher's first run, and the launcher's eval batch
+    # (the demo's eval_batch_size): the same programs, compiled once for the file
+    config.update(epochs=1, batch_size=2, input_resize="longest_side")
     config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64,
                            rpn_post_nms_top_n_train=32, box_batch_size_per_image=16)
     TASK.fit(config, str(out), progress=False)
     results = TASK.evaluate(config, str(out)).results
-    assert results["config"]["input_resize"] == "longest_side" and results["steps"] == 3
+    assert results["config"]["input_resize"] == "longest_side" and results["steps"] == 5
     assert all(0 <= v <= 1 for k, v in results["metrics"].items() if v == v)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(x["copy_paste_rate"] == 0.0 for x in lines)  # the demo recipe pastes nothing
@@ -181,51 +186,90 @@ def test_help_names_the_run_and_the_recipe(capsys):
     assert "--workdir" in out and "--config" in out and "--config.KEY=VALUE" in out
 
 
-SHARDED = r'''
-import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-import jax
-jax.config.update("jax_default_matmul_precision", "highest")
-import numpy as np
-from sclaro_jax.config import load_config
-from sclaro_jax.detection import train
-from sclaro_jax.detection.model import Detector
-from sclaro_jax.models import clip
-from sclaro_jax.run import sharding
+SMALL_DETECTOR = dict(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
+                      box_batch_size_per_image=16)
 
-config = load_config("detection:demo")
-config.detector.update(image_size=64, rpn_pre_nms_top_n_train=64, rpn_post_nms_top_n_train=32,
-                       box_batch_size_per_image=16, max_boxes=4)
-cfg = train.detector_config(config, 5)
-rng = np.random.default_rng(0)
-xy = rng.uniform(0, 40, (2, 4, 2)).astype(np.float32)
-batch = {"image": rng.integers(0, 256, (2, 64, 64, 3), dtype=np.uint8),
-         "boxes": np.concatenate([xy, xy + rng.uniform(8, 24, (2, 4, 2))], -1).astype(np.float32),
-         "labels": rng.integers(0, 5, (2, 4)).astype(np.int32),
-         "valid": np.array([[True, True, True, False], [True, True, False, False]])}
-out = {}
-for strategy in ("none", "fsdp"):  # fsdp: the batch split as in dp, and the weights too
-    model = Detector(cfg, clip.create("tiny").vision_model, 8)
+
+def _one_sharded_step(strategy, num_classes, params=None):
+    """(metrics, initial parameters) of one detection train step under the trainer's sharding
+    `strategy` ("none": one device; "fsdp": the batch split as in dp, and the weights too) on a
+    fixed random batch: the demo recipe at 64 px with the launcher test's sizes and a 10-step
+    schedule (the single-device step is the launcher's resumed run's program, compiled once) on
+    the tiny preset's tower, drawn here or given (`params`, the single-device run's)."""
+    from flax import nnx
+
+    from sclaro_jax.run import sharding
+
+    config = load_config("detection:demo")
+    config.detector.update(**SMALL_DETECTOR)
+    cfg = train.detector_config(config, num_classes)
+
+    def make():
+        return Detector(cfg, clip.create("tiny").vision_model, 8)
+
+    if params is None:
+        model = make()
+    else:  # the given weights in the detector's structure (built abstractly: none drawn)
+        model = nnx.eval_shape(make)
+        state = nnx.state(model, nnx.Param)
+        nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
+        nnx.update(model, state)
+    initial = jax.device_get(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    rng = np.random.default_rng(0)
+    xy = rng.uniform(0, 40, (2, 4, 2)).astype(np.float32)
+    boxes, labels, valid = (np.zeros((2, cfg.max_boxes, 4), np.float32),
+                            np.zeros((2, cfg.max_boxes), np.int32),
+                            np.zeros((2, cfg.max_boxes), bool))
+    boxes[:, :4] = np.concatenate([xy, xy + rng.uniform(8, 24, (2, 4, 2))], -1)
+    labels[:, :4] = rng.integers(0, num_classes, (2, 4))
+    valid[:, :4] = [[True, True, True, False], [True, True, False, False]]
+    batch = {"image": rng.integers(0, 256, (2, 64, 64, 3), dtype=np.uint8), "boxes": boxes,
+             "labels": labels, "valid": valid}
     graphdef, state, tx = train.init_state(model, config, 10)
     mesh = sharding.make_mesh(strategy)
     step, state = sharding.jit_step(train.make_train_step(graphdef, tx, 0), state, mesh, strategy)
-    state, metrics = step(state, sharding.put_batch(batch, mesh))
-    out[strategy] = {k: float(v) for k, v in metrics.items()}
-    print(strategy, out[strategy])
-for strategy in ("fsdp",):
-    for k, v in out["none"].items():
-        assert abs(out[strategy][k] - v) <= 1e-5 * max(1.0, abs(v)), (strategy, k, out[strategy][k], v)
+    _, metrics = step(state, sharding.put_batch(batch, mesh))
+    return {k: float(v) for k, v in metrics.items()}, initial
+
+
+SHARDED = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+import json
+import pickle
+import sys
+import jax
+jax.config.update("jax_default_matmul_precision", "highest")
+assert len(jax.devices()) == 2
+sys.path.insert(0, "tests")
+from test_detection_train import _one_sharded_step
+
+with open(PARAMS, "rb") as f:
+    initial = pickle.load(f)
+metrics, _ = _one_sharded_step("fsdp", CLASSES, initial)
+print("fsdp", json.dumps(metrics))
 print("OK")
 '''
 
 
 @pytest.mark.slow
-def test_fsdp_losses_match_one_device():
-    """The detection step under the trainer's fsdp sharding on 2 host devices gives the
-    single-device losses (samplers draw per image from one key, so the draws agree too)."""
+def test_fsdp_losses_match_one_device(demo_dir, tmp_path):
+    """The detection step under the trainer's fsdp sharding on 2 host devices (a child process)
+    gives the single-device losses (computed here, from the same weights and batch; samplers
+    draw per image from one key, so the draws agree too)."""
+    import pickle
+
     from conftest import run_script
 
-    run_script(SHARDED)
+    classes = len(data.load_examples(demo_dir, "train")[1])
+    want, initial = _one_sharded_step("none", classes)
+    (tmp_path / "initial.pkl").write_bytes(pickle.dumps(initial))
+    script = SHARDED.replace("PARAMS", repr(str(tmp_path / "initial.pkl")))
+    printed = run_script(script.replace("CLASSES", str(classes)))
+    got = json.loads(next(x for x in printed.splitlines() if x.startswith("fsdp "))[5:])
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert abs(got[k] - v) <= 1e-5 * max(1.0, abs(v)), (k, got[k], v)
 
 
 def test_make_batch_pastes_rare_classes_inside_the_image(demo_dir):
@@ -308,13 +352,14 @@ def test_pyramid_strides_for_each_patch_size(patch):
 
     base = clip.config_from_preset("tiny")
     vision = dataclasses.replace(base.vision, patch_size=patch, image_size=2 * patch)
-    towers = clip.CLIPModel(base.replace(vision=vision), rngs=nnx.Rngs(0))
     size = 448 if patch == 14 else 128
     cfg = DetectorConfig(num_classes=3, image_size=size, pyramid_dim=8, fpn_dim=8,
                          representation_size=16)
-    detector = Detector(cfg, towers.vision_model, patch)
-    rpn, roi = jax.eval_shape(detector.features, jax.ShapeDtypeStruct((1, size, size, 3),
-                                                                      jnp.float32))
+    # shapes only: the detector built abstractly (no weights drawn) and traced by eval_shape
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Detector(
+        cfg, clip.CLIPModel(base.replace(vision=vision), rngs=nnx.Rngs(0)).vision_model, patch)))
+    rpn, roi = jax.eval_shape(lambda s, x: nnx.merge(graphdef, s).features(x), state,
+                              jax.ShapeDtypeStruct((1, size, size, 3), jnp.float32))
     assert [f.shape[1] for f in rpn] == [size // s for s in (4, 8, 16, 32, 64)]
     assert [f.shape for f in roi] == [f.shape for f in rpn[:-1]]
     assert all(f.dtype == jnp.float32 for f in rpn)
@@ -332,18 +377,23 @@ def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     encoder) with ScenarioCLIP's flags and overrides and ends with the AP table and
     WORKDIR/results.json; a rerun with another recipe or length is refused with one error line
     unless --allow-config-change (then it resumes)."""
+    import os
     import subprocess
     import sys
 
     from conftest import ROOT
 
     workdir = tmp_path / "det"
+    # the matmul precision of this process (conftest): the launcher's train and eval programs
+    # are then those _tiny_run, test_vitdet_input_end_to_end and the fsdp test's reference
+    # compiled (the run's compilation cache), as every shape and setting here is theirs
+    env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 
     def launch(*extra):
         return subprocess.run(
             [sys.executable, "launch/train.py", "--config", "configs/detection.py:demo",
              "--workdir", str(workdir), f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=900)
+            cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
 
     first = launch("--config.epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]

@@ -27,6 +27,12 @@ ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 6, 3
 TIMEOUT = 900
 TOL = 1e-6  # relative
+# Every run here compiles its train step (seven compiles, no two the same program): XLA:CPU
+# without LLVM's optimisations and with its older elemental emitters (which fuse differently)
+# compiles it in about half the time. Every run of the file compiles with these same flags, and
+# the losses agree to TOL as with the default ones; what the tests are about (processes,
+# collectives, checkpoints, layouts) is untouched.
+CHEAP_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
 
 
 def _close(a, b):
@@ -44,9 +50,8 @@ def _cmd(workdir, data, cache, *extra):
 
 def _env(devices, **extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
-    env.update(JAX_PLATFORMS="cpu", **extra)
-    if devices > 1:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join([*CHEAP_COMPILE, *(
+        [f"--xla_force_host_platform_device_count={devices}"] if devices > 1 else [])]), **extra)
     return env
 
 
