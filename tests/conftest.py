@@ -63,10 +63,31 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
+_TORCH_DEFAULT_THREADS = []  # torch's own count, before this process first set it to one
+
+
+def _one_torch_thread(torch):
+    if not _TORCH_DEFAULT_THREADS:
+        _TORCH_DEFAULT_THREADS.append(torch.get_num_threads())
+    torch.set_num_threads(1)
+
+
 def pytest_runtest_setup(item):
     torch = sys.modules.get("torch")  # set once torch is imported, by whichever test module
-    if torch is not None and torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
+    if torch is not None:
+        _one_torch_thread(torch)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread in this process from the requesting module fixture on; it yields
+    torch's own default count (for a fixture that runs at the default on purpose).
+    `pytest_runtest_setup` sets one thread before each test, but only once some module has
+    imported torch: a module whose first fixture imports torch and runs a pipeline asks for this
+    fixture."""
+    import torch
+    _one_torch_thread(torch)
+    yield _TORCH_DEFAULT_THREADS[0]
 
 
 def pytest_unconfigure(config):

@@ -27,19 +27,6 @@ NO_ACTION = next(iter(PHOTOS))  # its reply names no action
 
 
 @pytest.fixture(scope="module")
-def one_torch_thread():
-    """torch on one thread in this process while the module runs (from `setup` on): on a CPU
-    shared with other test workers its default (one thread per core) mostly spins, about 10x the
-    CPU seconds for the same records (the records do not depend on it: the killed child keeps
-    the default and its blocks are compared with this process's)."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
 def setup(tmp_path_factory, one_torch_thread):
     from skimage import data as skdata
 

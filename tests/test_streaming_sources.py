@@ -30,19 +30,6 @@ PHOTOS = {k: v for k, v in SCENES.items() if k != "immunohistochemistry"}
 BATCH = 2
 
 
-@pytest.fixture(scope="module")
-def one_torch_thread():
-    """torch on one thread in this process while the module runs (from `setup` on): on a CPU
-    shared with other test workers its default (one thread per core) mostly spins, about 10x the
-    CPU seconds for the same records (the records do not depend on it: the killed child keeps
-    the default and its block is compared with this process's)."""
-    import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _keys():
     """(shard, key, photograph name, mirrored) for 4 images in two shards of 2."""
     out = []
