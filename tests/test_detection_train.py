@@ -234,7 +234,8 @@ def _one_sharded_step(strategy, num_classes, params=None):
 
 SHARDED = r'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # the suite's flags too
+                           + " --xla_force_host_platform_device_count=2")
 import json
 import pickle
 import sys

@@ -156,7 +156,8 @@ def test_one_compile_for_all_chunks():
 
 SHARDED = r'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # the suite's flags too
+                           + " --xla_force_host_platform_device_count=8")
 import sys
 sys.path.insert(0, "tests")
 import jax

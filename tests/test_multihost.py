@@ -22,17 +22,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CHEAP_COMPILE
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 6, 3
 TIMEOUT = 900
 TOL = 1e-6  # relative
-# Every run here compiles its train step (seven compiles, no two the same program): XLA:CPU
-# without LLVM's optimisations and with its older elemental emitters (which fuse differently)
-# compiles it in about half the time. Every run of the file compiles with these same flags, and
-# the losses agree to TOL as with the default ones; what the tests are about (processes,
-# collectives, checkpoints, layouts) is untouched.
-CHEAP_COMPILE = ["--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]
+# Every run here compiles its train step (seven compiles, no two the same program); its children
+# start from a clean environment, with the suite's cheap-compile flags (conftest.py) restated.
 
 
 def _close(a, b):

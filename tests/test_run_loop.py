@@ -97,3 +97,25 @@ def test_label_params_first_matching_rule_else_the_default():
     assert labels == {"backbone": {"vision": {"w": "backbone"}},
                       "head": {"b": "no_decay", "kd_log_scale": "kd"}}
     assert label_params(params, [("", "never")], "head")["head"]["b"] == "head"
+
+
+def test_tensorboardx_is_imported_without_torch_or_boto3_unless_already_imported():
+    # tensorboardX imports torch and boto3 where they are installed (seconds at every start, for
+    # torch tensors and s3:// folders, neither of which a run uses); they are hidden while it
+    # imports, and importable again after it
+    import subprocess
+    import sys
+    probe = (
+        "import sys\n"
+        "from sclaro_jax.run.folder import import_tensorboardx\n"
+        "{pre}"
+        "tbx = import_tensorboardx()\n"
+        "rw = import_tensorboardx('tensorboardX.record_writer')\n"
+        "print(sorted(n for n in ('torch', 'boto3') if n in sys.modules), rw.S3_ENABLED)\n"
+        "import boto3\n"
+        "print(sys.modules['boto3'] is not None, callable(tbx.SummaryWriter))\n")
+    outputs = [subprocess.run([sys.executable, "-c", probe.format(pre=pre)], capture_output=True,
+                              text=True, timeout=300, check=True).stdout.split("\n")
+               for pre in ("", "import boto3\n")]
+    assert outputs[0][:2] == ["[] False", "True True"]
+    assert outputs[1][:2] == ["['boto3'] True", "True True"]  # imported before: left as it was

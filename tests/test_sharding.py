@@ -5,7 +5,8 @@ from conftest import run_script
 
 SCRIPT = r'''
 import os
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")  # the suite's flags too
+                           + " --xla_force_host_platform_device_count=8")
 import jax
 jax.config.update("jax_default_matmul_precision", "highest")
 import numpy as np

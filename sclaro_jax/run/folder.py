@@ -158,20 +158,28 @@ def _event_records(data: bytes):
         offset = end
 
 
+# Packages tensorboardX imports at its own import time when they are installed, only for what
+# sclaro_jax never does: torch to accept torch tensors (sclaro_jax never imports torch), boto3
+# to write to s3:// folders (a run's folder is a local path). Each costs seconds at every start
+# (boto3 alone: 2.1 s of a 2-step demo run's 11 s, measured); they are hidden while it imports.
+TENSORBOARDX_HIDDEN = ("torch", "boto3")
+
+
 def import_tensorboardx(module: str = "tensorboardX"):
-    """`importlib.import_module(module)` (tensorboardX or one of its modules) with torch hidden:
-    tensorboardX imports torch where it is installed, only to accept torch tensors, which costs
-    seconds at every start (and sclaro_jax never imports torch). ImportError without it."""
+    """`importlib.import_module(module)` (tensorboardX or one of its modules) with the packages
+    of `TENSORBOARDX_HIDDEN` hidden (an `import` of one of them raises ImportError, which
+    tensorboardX reads as "not installed") unless this process imported them already.
+    ImportError without tensorboardX."""
     import importlib
 
-    hide = "torch" not in sys.modules
-    if hide:
-        sys.modules["torch"] = None  # `import torch` then raises ImportError
+    hidden = [name for name in TENSORBOARDX_HIDDEN if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # `import name` then raises ImportError
     try:
         return importlib.import_module(module)
     finally:
-        if hide:
-            del sys.modules["torch"]
+        for name in hidden:
+            del sys.modules[name]
 
 
 def _truncate_events(path: str, step: int) -> int:
