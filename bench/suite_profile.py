@@ -2,6 +2,7 @@
 
     python -m pytest -q -n 2 --dist loadfile -p bench.suite_profile --durations=0
     python bench/suite_profile.py /tmp/sclaro-suite-profile     # the table
+    python bench/suite_profile.py DIR --durations-out tests/durations.json   # the suite's order
 
 The plugin (loaded with `-p bench.suite_profile`, in every xdist worker) writes one JSON line per
 test phase into $SUITE_PROFILE_DIR (default /tmp/sclaro-suite-profile, emptied by the
@@ -204,12 +205,37 @@ def pytest_runtest_teardown(item, nextitem):
 
 # ------------------------------------------------------------------------------------- report
 
-def report(folder: str) -> str:
+def _rows(folder: str) -> list[dict]:
     rows = []
     for name in sorted(os.listdir(folder)):
         if name.endswith(".jsonl"):
             with open(os.path.join(folder, name)) as f:
                 rows += [dict(json.loads(line), worker=name[:-6]) for line in f if line.strip()]
+    return rows
+
+
+def _file_seconds(rows: list[dict]) -> dict[str, float]:
+    per_file: dict[str, float] = {}
+    for r in rows:
+        if r["phase"] != "collect":
+            file = r["nodeid"].split("::")[0]
+            per_file[file] = per_file.get(file, 0.0) + r["wall"]
+    return per_file
+
+
+def write_durations(folder: str, path: str) -> dict[str, int]:
+    """Each test file's seconds (whole seconds, heaviest first) as JSON at `path`: the order in
+    which tests/conftest.py collects the files."""
+    per_file = _file_seconds(_rows(folder))
+    durations = {f: round(s) for f, s in sorted(per_file.items(), key=lambda kv: (-kv[1], kv[0]))}
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(durations, f, indent=1)
+        f.write("\n")
+    return durations
+
+
+def report(folder: str) -> str:
+    rows = _rows(folder)
     total = sum(r["wall"] for r in rows)
     kinds: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -245,11 +271,7 @@ def report(folder: str) -> str:
         lines.append(f"| {kind} | {seconds:.0f} | {100 * seconds / total:.1f}% |")
     lines += ["", "child processes started: " + ", ".join(
         f"{kind} {n}" for kind, n in sorted(counts.items(), key=lambda kv: -kv[1]))]
-    per_file: dict[str, float] = {}
-    for r in rows:
-        if r["phase"] != "collect":
-            file = r["nodeid"].split("::")[0]
-            per_file[file] = per_file.get(file, 0.0) + r["wall"]
+    per_file = _file_seconds(rows)
     lines += ["", "| file | seconds |", "|---|---:|"]
     lines += [f"| {f} | {s:.0f} |" for f, s in sorted(per_file.items(), key=lambda kv: -kv[1])]
     return "\n".join(lines)
@@ -262,4 +284,10 @@ if __name__ == "__main__":
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", nargs="?", default=DEFAULT_DIR,
                         help=f"the plugin's folder ($SUITE_PROFILE_DIR; default {DEFAULT_DIR})")
-    print(report(parser.parse_args().folder))
+    parser.add_argument("--durations-out", metavar="PATH",
+                        help="also write each file's seconds as JSON (tests/durations.json: the "
+                             "heaviest-first order in which the suite collects its files)")
+    args = parser.parse_args()
+    print(report(args.folder))
+    if args.durations_out:
+        write_durations(args.folder, args.durations_out)

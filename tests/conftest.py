@@ -25,6 +25,7 @@ Two settings of the test processes only (children are untouched):
   `nnx.eval_shape` or `jit` took time quadratic in its size (upstream: jax-ml/jax pull 40041).
   Only the message changes: the probe still gets its AttributeError."""
 
+import json
 import os
 import shutil
 import sys
@@ -71,7 +72,36 @@ CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None,  # the folder, set in pytest_con
 _MADE_CACHE = []  # the folder this process made (the controller's), removed at the end
 
 
+# Each test file's seconds in a profiled run of the suite (`bench/suite_profile.py DIR
+# --durations-out tests/durations.json`). xdist's `--dist loadfile` hands whole files to the
+# workers in collection order, by default re-sorted by their number of tests: a heavy file with
+# three tests then started last and ran alone at the end (70 s of one idle core). Files are
+# collected heaviest first instead (longest-processing-time-first; files not listed keep their
+# order, after the listed ones), which leaves the workers' last files short.
+DURATIONS = ROOT / "tests" / "durations.json"
+
+
+def _file_seconds() -> dict:
+    try:
+        with open(DURATIONS, encoding="utf-8") as f:
+            return {str(k): float(v) for k, v in json.load(f).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}  # no stored durations: pytest's own order
+
+
+def pytest_collection_modifyitems(session, config, items):
+    seconds = _file_seconds()
+    if seconds:
+        def key(item):
+            file = item.nodeid.split("::")[0]
+            return (file not in seconds, -seconds.get(file, 0.0))
+
+        items.sort(key=key)  # stable: a file's tests keep their order
+
+
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # the heaviest-first order above, not test counts
     if not hasattr(config, "workerinput") and "SCLARO_TEST_JAX_CACHE" not in os.environ:
         folder = tempfile.mkdtemp(prefix="sclaro-test-jax-cache-")
         _MADE_CACHE.append(folder)

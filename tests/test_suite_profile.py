@@ -1,0 +1,62 @@
+"""bench/suite_profile.py's report and the durations file that orders the suite's files."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+import suite_profile  # noqa: E402
+
+
+def _write(folder, worker, rows):
+    with open(folder / f"{worker}.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def _row(nodeid, phase, wall, compile=0.0, children=None, started=()):
+    children = children or {}
+    return dict(nodeid=nodeid, phase=phase, wall=wall, compile=compile, children=children,
+                children_any=sum(children.values()), started=list(started), child_cpu=0.0)
+
+
+def test_report_sums_kinds_and_files_and_writes_the_heaviest_first_order(tmp_path):
+    _write(tmp_path, "gw0", [
+        {"phase": "collect", "wall": 2.0, "compile": 0.0, "children": {}, "child_cpu": 0.0,
+         "nodeid": "(collection)"},
+        _row("tests/test_b.py::t1", "setup", 1.0),
+        _row("tests/test_b.py::t1", "call", 10.0, compile=4.0,
+             children={"launcher (training runs)": 5.0}, started=["launcher (training runs)"]),
+    ])
+    _write(tmp_path, "gw1", [_row("tests/test_a.py::t2", "call", 3.0),
+                             _row("tests/test_c.py::t3", "call", 3.0)])
+    text = suite_profile.report(str(tmp_path))
+    assert text.startswith("3 tests, 2 worker(s), 19 worker-seconds")
+    assert "| XLA compiles in the test process | 4 | 21.1% |" in text
+    assert "| child processes: launcher (training runs) | 5 | 26.3% |" in text
+    # 1 s of setup + 10 - 4 - 5 of the call, 3 + 3 of the other files
+    assert "| the rest: steps, I/O, imports, fixtures in the test process | 8 | 42.1% |" in text
+    assert "child processes started: launcher (training runs) 1" in text
+    out = tmp_path / "durations.json"
+    got = suite_profile.write_durations(str(tmp_path), str(out))
+    assert list(got.items()) == [("tests/test_b.py", 11), ("tests/test_a.py", 3),
+                                 ("tests/test_c.py", 3)]  # ties by name
+    assert json.loads(out.read_text()) == got
+
+
+def test_the_suite_collects_its_files_heaviest_first():
+    import conftest
+    stored = json.loads((ROOT / "tests" / "durations.json").read_text())
+    assert conftest._file_seconds() == {k: float(v) for k, v in stored.items()}
+
+    class Item:
+        def __init__(self, nodeid):
+            self.nodeid = nodeid
+
+    heavy, light = sorted(stored, key=stored.get)[-1], sorted(stored, key=stored.get)[0]
+    items = [Item("tests/test_new.py::y"), Item(f"{light}::x"), Item(f"{heavy}::z"),
+             Item(f"{heavy}::w")]
+    conftest.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == [f"{heavy}::z", f"{heavy}::w", f"{light}::x",
+                                         "tests/test_new.py::y"]
