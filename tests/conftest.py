@@ -14,7 +14,9 @@ few times; with these flags a step compiles in about half the CPU time and runs 
 (on a 2-core machine, CPU seconds: test_train_core 120 -> 60, test_packing 193 -> 103,
 test_trainer 227 -> 154 with its 24-step runs). Every test and child of a run compiles with the
 same flags, and the tests that compare numbers keep their tolerances.
-`SCLARO_TEST_XLA_DEFAULTS=1` runs the suite with XLA's default flags.
+`SCLARO_TEST_XLA_DEFAULTS=1` runs the suite with XLA's default flags. Where a test's own work
+runs long (the detection overfit: 53 s of steps that took 177 s without LLVM's passes), it runs
+in a child with XLA's default flags (`default_xla_env()`).
 
 Two settings of the test processes only (children are untouched):
 - torch runs on one thread (`pytest_runtest_setup`): two xdist workers on a 2-core CPU, each
@@ -144,6 +146,15 @@ def one_torch_thread():
 def pytest_unconfigure(config):
     for folder in _MADE_CACHE:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def default_xla_env(**extra) -> dict:
+    """The environment for a child that computes for long (many steps at a real size): the
+    suite's `CHEAP_COMPILE` flags removed from XLA_FLAGS (its compiles take XLA's default time,
+    and its steps run at XLA's default speed), the tests' matmul precision set."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if f not in CHEAP_COMPILE]
+    return {**os.environ, "XLA_FLAGS": " ".join(flags),
+            "JAX_DEFAULT_MATMUL_PRECISION": "highest", **extra}
 
 
 def own_cache_env(**extra) -> dict:

@@ -30,13 +30,32 @@ def demo_config(data_dir, backbone=""):
     return config
 
 
+OVERFIT = r"""
+import json, sys
+sys.path.insert(0, "tests")
+from test_detection_train import TASK, demo_config
+config = demo_config(sys.argv[1], sys.argv[2])
+fitted = TASK.fit(config, sys.argv[3], progress=False)
+assert fitted.step == fitted.steps, (fitted.step, fitted.steps)
+print("RESULTS " + json.dumps(TASK.evaluate(config, sys.argv[3], progress=False).results))
+"""
+
+
 @pytest.fixture(scope="module")
 def overfit(scenario_workdir, demo_dir, tmp_path_factory):
+    """The detection task's fit and evaluation of the demo boxes (what the launcher runs), in a
+    child at XLA's default flags: its steps are most of the file's computing (conftest.py)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, default_xla_env
     out = tmp_path_factory.mktemp("detect") / "run"
-    config = demo_config(demo_dir, scenario_workdir)
-    fitted = TASK.fit(config, str(out), progress=False)
-    assert fitted.step == fitted.steps
-    return config, out, TASK.evaluate(config, str(out)).results
+    result = subprocess.run([sys.executable, "-c", OVERFIT, str(demo_dir), str(scenario_workdir),
+                             str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                            env=default_xla_env())
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    line = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")][-1]
+    return demo_config(demo_dir, scenario_workdir), out, json.loads(line[len("RESULTS "):])
 
 
 @pytest.mark.slow
