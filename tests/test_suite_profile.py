@@ -60,3 +60,20 @@ def test_the_suite_collects_its_files_heaviest_first():
     conftest.pytest_collection_modifyitems(None, None, items)
     assert [i.nodeid for i in items] == [f"{heavy}::z", f"{heavy}::w", f"{light}::x",
                                          "tests/test_new.py::y"]
+
+
+def test_the_cheap_compile_flags_are_appended_once_unless_turned_off(monkeypatch):
+    import conftest
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    monkeypatch.setenv("SCLARO_TEST_XLA_DEFAULTS", "1")
+    conftest._cheap_compile()
+    assert conftest.os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    monkeypatch.delenv("SCLARO_TEST_XLA_DEFAULTS")
+    conftest._cheap_compile()
+    conftest._cheap_compile()  # a worker or child importing conftest again: not twice
+    assert conftest.os.environ["XLA_FLAGS"].split() == [
+        "--xla_force_host_platform_device_count=4", *conftest.CHEAP_COMPILE]
+    # a child that computes for long gets XLA's defaults back, and the tests' precision
+    env = conftest.default_xla_env()
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    assert env["JAX_DEFAULT_MATMUL_PRECISION"] == "highest"
