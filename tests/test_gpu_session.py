@@ -31,8 +31,8 @@ def session(tmp_path_factory):
     """(stdout, output folder) of `bash bench/gpu_session.sh --tiny`."""
     out = tmp_path_factory.mktemp("gpu_session")
     # the stages run this interpreter; the run stage times a cold start: the script's own cache.
-    # XLA:CPU compiles with the suite's cheap-compile flags (conftest.py, in XLA_FLAGS): the
-    # profile reads whatever thunks XLA made; its three cold compiles take about half the time
+    # XLA:CPU compiles with the suite's cheap-compile flags (conftest.py, in XLA_FLAGS; the
+    # profile reads whatever thunks XLA made): the session's three cold compiles cost less
     env = own_cache_env(SCLARO_PYTHON=sys.executable)
     result = subprocess.run(["bash", str(ROOT / "bench" / "gpu_session.sh"), "--tiny",
                              "--out", str(out)], capture_output=True, text=True, timeout=1200,
