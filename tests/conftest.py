@@ -87,8 +87,8 @@ def _file_seconds() -> dict:
     try:
         with open(DURATIONS, encoding="utf-8") as f:
             return {str(k): float(v) for k, v in json.load(f).items()}
-    except (OSError, ValueError, AttributeError):
-        return {}  # no stored durations: pytest's own order
+    except (OSError, ValueError, TypeError, AttributeError):
+        return {}  # no stored durations (or not a file of seconds): pytest's own order
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -4,6 +4,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 import suite_profile  # noqa: E402
@@ -60,6 +62,20 @@ def test_the_suite_collects_its_files_heaviest_first():
     conftest.pytest_collection_modifyitems(None, None, items)
     assert [i.nodeid for i in items] == [f"{heavy}::z", f"{heavy}::w", f"{light}::x",
                                          "tests/test_new.py::y"]
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"tests/test_a.py": {"s": 1}}', "not json",
+                                  '{"tests/test_a.py": "fast"}', None],
+                         ids=["a-list", "nested", "not-json", "a-string", "a-link-to-nowhere"])
+def test_a_durations_file_that_is_not_seconds_leaves_pytests_order(tmp_path, monkeypatch, text):
+    import conftest
+    path = tmp_path / "durations.json"
+    if text is None:
+        path.symlink_to(tmp_path / "missing.json")
+    else:
+        path.write_text(text)
+    monkeypatch.setattr(conftest, "DURATIONS", path)
+    assert conftest._file_seconds() == {}
 
 
 def test_the_cheap_compile_flags_are_appended_once_unless_turned_off(monkeypatch):
