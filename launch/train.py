@@ -137,6 +137,7 @@ def main(argv):
     lock.hold_workdir(workdir)  # this process is the run's one writer until it ends
     if not config.data.dir:
         prepare_demo(config, workdir, task)
+    fitted = None
     if not FLAGS.eval_only:
         fitted = task.fit(config, workdir, allow_config_change=FLAGS.allow_config_change,
                           verify_data=FLAGS.verify_data, progress=FLAGS.progress)
@@ -150,7 +151,7 @@ def main(argv):
         print(f"evaluation: one process evaluates a run; python launch/train.py --config ... "
               f"--workdir {workdir} --eval-only")
     elif FLAGS.eval_only or FLAGS.eval:
-        evaluated = task.evaluate(config, workdir, progress=FLAGS.progress)
+        evaluated = task.evaluate(config, workdir, progress=FLAGS.progress, fitted=fitted)
         print(f"\n{evaluated.table}\n\nresults: {evaluated.path} (and "
               f"{os.path.join(workdir, 'results.json')})")
         if evaluated.next:

@@ -75,6 +75,50 @@ def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
 
 
 @pytest.mark.slow
+def test_the_end_of_run_evaluation_equals_the_checkpoints(uninterrupted, tmp_path):
+    """The launcher evaluates the student it trained as it is in memory
+    (`train.task.fitted_student`); the same evaluators on the newest checkpoint read back give
+    the same results.json. A fit that ended elsewhere, or trained with another attention than
+    a checkpoint is evaluated with, is read back instead."""
+    import shutil
+
+    import jax
+    from flax import nnx
+
+    from sclaro_jax.checkpoint import load_checkpoint, run_config
+    from sclaro_jax.run.task import Fitted
+    from sclaro_jax.train import core
+    from sclaro_jax.train.task import TASK, fitted_student
+
+    want = json.loads((uninterrupted / "results.json").read_text())
+    assert want["step"] == STEPS
+    copy = tmp_path / "run"  # evaluate writes results.json: not into the shared run
+    shutil.copytree(uninterrupted, copy, ignore=shutil.ignore_patterns("jax_cache"))
+    config = run_config(str(copy))
+    read_back = TASK.evaluate(config, str(copy), progress=False).results
+    assert json.loads(json.dumps(read_back, default=str)) == want
+
+    model, step = load_checkpoint(str(copy), config=config)
+    graph, params = nnx.split(model, nnx.Param)
+    params = nnx.to_pure_dict(params)
+    teacher = jax.tree.map(lambda x: x + 1.0, params)  # not what is evaluated
+    state = core.TrainState(step=STEPS, params=params, teacher=teacher, opt_state=None)
+    fitted = Fitted(state, STEPS, STEPS, graph)
+    student = fitted_student(config, fitted, STEPS)
+    assert student is not None
+    for (path, a), (_, b) in zip(nnx.to_flat_state(nnx.state(student, nnx.Param)),
+                                 nnx.to_flat_state(nnx.state(model, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(a.get_value()), np.asarray(b.get_value()),
+                                      err_msg=str(path))
+    in_memory = TASK.evaluate(config, str(copy), progress=False, fitted=fitted).results
+    assert json.loads(json.dumps(in_memory, default=str)) == want
+    assert fitted_student(config, fitted, STEPS - 8) is None  # not the newest checkpoint
+    assert fitted_student(config, Fitted(state, STEPS, STEPS), STEPS) is None  # no graph
+    config.perf.attention = "xla"  # trained with another attention than evaluation's
+    assert fitted_student(config, fitted, STEPS) is None
+
+
+@pytest.mark.slow
 def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
     """The same 24-step demo run from version-1 records (views made from the originals on the
     host every step) and from version-2 records (stored views, the global view cropped from

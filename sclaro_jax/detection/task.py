@@ -90,9 +90,10 @@ class Detection:
         return Fitted(state, int(state["step"]), info["steps"])
 
     def evaluate(self, config, workdir: str, *, progress: bool = True,
-                 step: int | None = None) -> Evaluated:
+                 step: int | None = None, fitted: Fitted | None = None) -> Evaluated:
         """COCO AP of a checkpoint in `workdir` (`step`, default the newest; a damaged one is
-        refused: DamagedRunError) on `config.eval_split`."""
+        refused: DamagedRunError) on `config.eval_split`. The detector is always read back from
+        the checkpoint (`fitted` is not used)."""
         step = train.newest_step(workdir, step)  # a run to evaluate, before the model is built
         prepared = prepare(config)
         graphdef, params, step = train.restore_params(workdir, prepared.model, step)

@@ -14,8 +14,10 @@ and the evaluation commands look a task up instead of branching on it:
   otherwise the image size of the demo's stored views (0: the originals).
 - `fit(config, workdir, *, progress, allow_config_change, verify_data, stop_at) -> Fitted`:
   train, or resume from the newest checkpoint (`run.opening.open_run`).
-- `evaluate(config, workdir, *, progress) -> Evaluated`: the task's evaluation of the run's
-  newest checkpoint, written into the workdir (its results file and table).
+- `evaluate(config, workdir, *, progress, fitted=None) -> Evaluated`: the task's evaluation of
+  the run's newest checkpoint, written into the workdir (its results file and table). `fitted`:
+  the `fit` that just ended in this process; where its state is that checkpoint's, the task may
+  evaluate it in memory (the same numbers) instead of restoring it.
 
 The registry names modules, not objects, so the run layer imports no task: a task module is
 imported when a config asks for it (as big_vision loads its models by name).
@@ -35,10 +37,13 @@ METHODS = ("check", "demo_view_size", "fit", "evaluate")
 @dataclasses.dataclass
 class Fitted:
     """Where a `fit` ended: the state, the step reached and the run's total steps (a stop,
-    SIGINT / SIGTERM or `stop_at`, leaves step < steps)."""
+    SIGINT / SIGTERM or `stop_at`, leaves step < steps); `graph`, where the task keeps it, is
+    what the state's parameters merge into, so that `evaluate(..., fitted=)` evaluates the
+    trained model as it is in memory instead of building it again and reading it back."""
     state: Any
     step: int
     steps: int
+    graph: Any = None
 
 
 @dataclasses.dataclass
@@ -62,7 +67,8 @@ class Task(Protocol):
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted: ...
 
-    def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated: ...
+    def evaluate(self, config, workdir: str, *, progress: bool = True,
+                 fitted: Fitted | None = None) -> Evaluated: ...
 
 
 def get(name: str) -> Task:

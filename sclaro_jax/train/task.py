@@ -12,6 +12,7 @@ import os
 import shlex
 
 import jax
+from flax import nnx
 
 from sclaro_jax.config import flatten
 from sclaro_jax.data.dataset import open_dataset
@@ -38,6 +39,21 @@ def summary_table(found: dict) -> str:
     return "\n".join(lines)
 
 
+def fitted_student(config, fitted: Fitted | None, step: int):
+    """`fitted`'s student as an nnx model, when it is the model `load_checkpoint` would give for
+    checkpoint `step`: the fit ended at that step in this one process, and it trained with the
+    attention a checkpoint is evaluated with (`config.perf`'s attention and fused q/k/v
+    switches at their defaults; `build_model(perf=False)`). None otherwise."""
+    from sclaro_jax.models.layers import AttentionOptions
+    from sclaro_jax.perf import PerfConfig
+
+    if (fitted is None or fitted.graph is None or fitted.step != step
+            or jax.process_count() > 1
+            or PerfConfig.from_config(config).attention_options() != AttentionOptions()):
+        return None
+    return nnx.merge(fitted.graph, jax.device_get(fitted.state.params))
+
+
 class ScenarioCLIP:
     name = "scenarioclip"
 
@@ -55,19 +71,25 @@ class ScenarioCLIP:
     def fit(self, config, workdir: str, *, progress: bool = True,
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted:
-        state = trainer.train(config, workdir, progress=progress,
-                              allow_config_change=allow_config_change, verify_data=verify_data,
-                              stop_at=stop_at)
+        graph, state = trainer.train_graph(config, workdir, progress=progress,
+                                           allow_config_change=allow_config_change,
+                                           verify_data=verify_data, stop_at=stop_at)
         steps = trainer.total_steps(config, open_dataset(config.data.dir).num_records("train"))
-        return Fitted(state, int(jax.device_get(state.step)), steps)
+        return Fitted(state, int(jax.device_get(state.step)), steps, graph)
 
-    def evaluate(self, config, workdir: str, *, progress: bool = True) -> Evaluated:
-        """Every evaluator of `config.evals` on the newest checkpoint's student."""
-        from sclaro_jax.checkpoint import load_checkpoint
+    def evaluate(self, config, workdir: str, *, progress: bool = True,
+                 fitted: Fitted | None = None) -> Evaluated:
+        """Every evaluator of `config.evals` on the newest checkpoint's student: `fitted`'s
+        student as it is in memory where that is the same model (`fitted_student`), else read
+        from the checkpoint."""
+        from sclaro_jax.checkpoint import check_run, load_checkpoint
         from sclaro_jax.eval.protocols import registry
 
         evaluators = registry.evaluators(config)
-        model, step = load_checkpoint(workdir, config=config)
+        step = check_run(workdir)
+        model = fitted_student(config, fitted, step)
+        if model is None:
+            model, step = load_checkpoint(workdir, step, config=config)
         results = {"step": step, "evaluators": {}}
         tables = []
         for ev in evaluators:

@@ -201,7 +201,18 @@ def _hooks(config, workdir: str, dataset, graphdef, wait: "DataWait", start: int
 
 def train(config, workdir: str, *, progress: bool = True, allow_config_change: bool = False,
           verify_data: bool = False, stop_at: int | None = None) -> core.TrainState:
-    """Train (or resume) the run in `workdir`; returns the train state at the last step taken.
+    """Train (or resume) the run in `workdir`; returns the train state at the last step taken
+    (`train_graph`: with the graph its params merge into)."""
+    return train_graph(config, workdir, progress=progress,
+                       allow_config_change=allow_config_change, verify_data=verify_data,
+                       stop_at=stop_at)[1]
+
+
+def train_graph(config, workdir: str, *, progress: bool = True,
+                allow_config_change: bool = False, verify_data: bool = False,
+                stop_at: int | None = None) -> tuple[nnx.GraphDef, core.TrainState]:
+    """(the student's graph, the train state at the last step taken) of training (or resuming)
+    the run in `workdir`: `nnx.merge(graph, state.params)` is the trained student.
 
     SIGINT / SIGTERM (or `stop_at`, a step) stop it after the current step with a checkpoint
     (`folder.GracefulStop`): the returned state's step is then below the total. The run is
@@ -238,7 +249,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
         if start >= steps:
             log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
                      start, steps)
-            return state
+            return graphdef, state
         it.start()
         wait = DataWait(config.data.workers)
 
@@ -257,7 +268,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
         state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks,
                           chief=chief).state
         sizes.summary()
-        return state
+        return graphdef, state
 
 
 def _log_schedule_change(config, unsafe: dict, tcfg: core.TrainConfig, start: int,
