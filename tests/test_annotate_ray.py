@@ -145,13 +145,13 @@ def test_ray_writes_the_records_and_summary_of_the_local_engine(setup, local_run
                                      nms_iou=0.5))
 
 
-@pytest.mark.parametrize("fault", [("detect", 1, "raise"), ("segment", 2, "kill")],
-                         ids=["exception-in-detector", "sam-actor-killed"])
-def test_faults_end_with_the_clean_records(setup, cluster, local_run, tmp_path, fault, caplog):
+def test_faults_end_with_the_clean_records(setup, cluster, local_run, tmp_path, caplog):
+    """An exception in the detector (block 1) and a killed SAM actor (block 2), in one run."""
     from data_prep.annotate import annotate
-    summary = annotate(_config(setup, tmp_path, engine="ray", faults=(fault,)))
-    stage, block, kind = fault
-    assert (tmp_path / "work" / "faults" / f"{stage}-{block}-{kind}").exists()  # it fired
+    faults = (("detect", 1, "raise"), ("segment", 2, "kill"))
+    summary = annotate(_config(setup, tmp_path, engine="ray", faults=faults))
+    for stage, block, kind in faults:
+        assert (tmp_path / "work" / "faults" / f"{stage}-{block}-{kind}").exists()  # it fired
     _same_summary(summary, local_run["summary"])
     records = _records(tmp_path / "out")
     assert records == local_run["records"]
