@@ -42,7 +42,7 @@ def _cmd(workdir, data, cache, *extra):
             f"--config.train.steps={STEPS}", f"--config.checkpoint_every={EVERY}",
             "--config.log_every=1", "--config.data.batch_size=8",
             "--config.checkpoint_async=False", "--config.progress_bar=False",
-            f"--config.compilation_cache={cache}", *extra]
+            f"--config.compilation_cache={cache}", "--no-eval", *extra]  # losses are compared
 
 
 def _env(devices, **extra):
