@@ -100,7 +100,8 @@ stage variants "$py" bench/bench_step_variants.py "${recipe[@]}" "${variants[@]}
     --json "$out/variants.json"
 unset JAX_COMPILATION_CACHE_DIR
 
-# the trainer's command line takes the recipe's overrides as --config.KEY=VALUE
+# the trainer's command line takes the recipe's overrides as --config.KEY=VALUE; the run trains
+# only (--no-eval): what is timed is its start and its steps
 train=("$py" launch/train.py "${recipe[0]}" "${recipe[1]}")
 for ((i = 2; i < ${#recipe[@]}; i += 2)); do train+=("--config.${recipe[i + 1]}"); done
 mapfile -t winners < <("$py" bench/bench_step_variants.py --overrides-of "$out/variants.json" \
@@ -109,7 +110,7 @@ stage run "$py" bench/bench_run_start.py --out "$out" --stop-after "$stop_after"
     "${train[@]}" --workdir "$out/run" --config.data.dir="$data" \
     --config.train.steps="$run_steps" --config.log_every="$log_every" \
     --config.checkpoint_every="$run_steps" --config.data.workers="$workers" \
-    --config.progress_bar=false "${winners[@]}"
+    --config.progress_bar=false --no-eval "${winners[@]}"
 
 authors=()  # the MINER authors' GPU code, where a GPU and their files are here
 theirs=.outside/ROCS/appendix/optimization
