@@ -276,3 +276,46 @@ def run_script(script: str, timeout: int = 900) -> str:
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "OK" in result.stdout
     return result.stdout
+
+
+# Many command lines of launch/train.py in one child process, each through the launcher's `cli`
+# in turn (the absl flags the launcher defines, its own and the --config.KEY ones, are removed
+# before the next; those of the libraries it imported stay): for commands that are refused
+# before a run starts, where a process each would spend its seconds importing.
+_LAUNCH_ALL = r"""
+import contextlib, io, json, sys
+from absl import flags
+sys.path.insert(0, ".")
+import launch.train as launcher
+before = set(flags.FLAGS)
+out = []
+for args in json.load(sys.stdin):
+    stdout, stderr, code = io.StringIO(), io.StringIO(), None
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            launcher.cli(["launch/train.py", *args])
+        except SystemExit as e:
+            code = e.code
+    for name in set(flags.FLAGS) - before:
+        if (flags.FLAGS.find_module_defining_flag(name) == launcher.__name__
+                or name.startswith("config.")):
+            delattr(flags.FLAGS, name)
+    out.append({"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
+print("RESULTS " + json.dumps(out))
+"""
+
+
+def launch_all(argvs: list, timeout: int = 600) -> list:
+    """[(exit status, stdout, stderr)] of `python launch/train.py ARGS` for each ARGS of
+    `argvs`, run in turn in one child process from the repository root (`_LAUNCH_ALL`; None:
+    it returned without exiting)."""
+    import subprocess
+    from types import SimpleNamespace
+
+    result = subprocess.run([sys.executable, "-c", _LAUNCH_ALL], cwd=ROOT, capture_output=True,
+                            text=True, timeout=timeout,
+                            input=json.dumps([[str(a) for a in argv] for argv in argvs]))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    line = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")][-1]
+    return [SimpleNamespace(returncode=r["code"], stdout=r["stdout"], stderr=r["stderr"])
+            for r in json.loads(line[len("RESULTS "):])]

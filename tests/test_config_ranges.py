@@ -5,19 +5,15 @@ exit 2. Cheap: no training (one launcher process for the command-line cases)."""
 
 import dataclasses
 import importlib
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import ml_collections
 import pytest
+from conftest import launch_all
 
 from sclaro_jax.config import (Range, RangeError, check_fields, field_ranges, flatten,
                                load_config, ranged, recipes, unranged, validate)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _specs():
@@ -152,40 +148,14 @@ CASES = [
      "--config.data.dir=DIR, the dataset written by `python -m data_prep import --source psg "),
 ]
 
-# One launcher process runs every case through launch/train.py's `cli`, in turn (absl's flags
-# removed between them): its exit status and what it printed to stderr.
-LAUNCH_ALL = r"""
-import contextlib, io, json, sys
-from absl import flags
-sys.path.insert(0, ".")
-import launch.train as launcher
-before = set(flags.FLAGS)
-out = []
-for args in json.loads(sys.argv[1]):
-    err, code = io.StringIO(), None
-    with contextlib.redirect_stderr(err):
-        try:
-            launcher.cli(["launch/train.py", *args])
-        except SystemExit as e:
-            code = e.code
-    for name in set(flags.FLAGS) - before:
-        delattr(flags.FLAGS, name)
-    out.append({"code": code, "stderr": err.getvalue()})
-print(json.dumps(out))
-"""
-
-
 def test_values_outside_their_ranges_are_one_error_line_before_anything_runs(tmp_path):
     workdirs = [tmp_path / f"w{i}" for i in range(len(CASES))]
     argvs = [["--config", spec, "--workdir", str(w), flag]
              for (spec, flag, _), w in zip(CASES, workdirs)]
-    result = subprocess.run([sys.executable, "-c", LAUNCH_ALL, json.dumps(argvs)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcomes = json.loads(result.stdout.strip().splitlines()[-1])
-    for (spec, flag, expected), workdir, got in zip(CASES, workdirs, outcomes):
-        lines = [x for x in got["stderr"].splitlines() if x.startswith("error:")]
-        assert got["code"] == 2 and len(lines) == 1, (spec, flag, got)
+    # one launcher process runs every case, in turn (conftest.launch_all)
+    for (spec, flag, expected), workdir, got in zip(CASES, workdirs, launch_all(argvs)):
+        lines = [x for x in got.stderr.splitlines() if x.startswith("error:")]
+        assert got.returncode == 2 and len(lines) == 1, (spec, flag, got)
         assert lines[0].startswith(f"error: {expected}"), (spec, flag, lines[0])
-        assert "Traceback" not in got["stderr"], got["stderr"]
+        assert "Traceback" not in got.stderr, got.stderr
         assert not workdir.exists(), (spec, flag)  # refused before anything was written

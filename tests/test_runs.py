@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import launch_all
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24  # the program of tests/test_trainer.py's runs (same steps and EMA warm-up): one
@@ -178,8 +179,18 @@ def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir,
     config_before = (workdir / "config.json").read_text()
     metrics_before = (workdir / "metrics.jsonl").read_text()
 
+    # three refusals, run in turn in one launcher process (conftest.launch_all)
+    other = tmp_path / "other_data"  # another dataset (same files, another manifest)
+    shutil.copytree(demo_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["note"] = "a different dataset"
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    drift, longer, mismatch = launch_all([
+        _cmd(workdir, demo_dir, cache, "--config.train.lr=0.001")[2:],
+        _cmd(workdir, demo_dir, cache, f"--config.train.steps={2 * STEPS}")[2:],
+        _cmd(workdir, other, cache)[2:]])
+
     # another learning rate: refused, listing the difference; nothing in the run is touched
-    drift = _run(_cmd(workdir, demo_dir, cache, "--config.train.lr=0.001"))
     assert drift.returncode == 2
     assert "Traceback" not in drift.stderr
     error = drift.stderr.strip().splitlines()
@@ -188,18 +199,11 @@ def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir,
     assert "--allow-config-change" in drift.stderr
 
     # a longer run: its schedule would be re-stretched, so it is a change like the one above
-    longer = _run(_cmd(workdir, demo_dir, cache, f"--config.train.steps={2 * STEPS}"))
     assert longer.returncode == 2 and "Traceback" not in longer.stderr
     assert f"train.steps: {STEPS} in the run, {2 * STEPS} now" in longer.stderr
     assert f"re-stretches the schedule from step {stopped} on" in longer.stderr
 
-    # another dataset (same files, another manifest): refused, naming both
-    other = tmp_path / "other_data"
-    shutil.copytree(demo_dir, other)
-    manifest = json.loads((other / "manifest.json").read_text())
-    manifest["note"] = "a different dataset"
-    (other / "manifest.json").write_text(json.dumps(manifest))
-    mismatch = _run(_cmd(workdir, other, cache))
+    # another dataset: refused, naming both
     assert mismatch.returncode == 2 and "Traceback" not in mismatch.stderr
     last = mismatch.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "was trained on another dataset" in last, last
@@ -333,49 +337,67 @@ def _error(result):
 
 @pytest.mark.slow
 def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
-    def train(*args, workdir=tmp_path / "w"):
-        return _run([sys.executable, "launch/train.py", "--config",
-                     "configs/scenarioclip.py:demo", "--workdir", str(workdir), *args],
-                    timeout=300)
-
-    line = _error(train("--config.train.lrr=0.1"))
-    assert "unknown config key 'train.lrr'" in line and "did you mean train.lr" in line
-    assert "could not convert string to float: 'fast'" in _error(train("--config.train.lr=fast"))
-
-    big = _error(train(f"--config.data.dir={demo_dir}", "--config.data.batch_size=64"))
-    assert "batch size 64 exceeds the 10 training records" in big
-    assert "--config.data.batch_size" in big
-    assert not (tmp_path / "w" / "config.json").exists()  # a failed attempt writes no config
-
-    missing = _error(train(f"--config.data.dir={tmp_path / 'nowhere'}"))
-    assert missing.startswith(f"error: config.data.dir = '{tmp_path / 'nowhere'}': no such "
-                              "file or folder (a dataset folder written by `python -m "
-                              "data_prep`"), missing
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert "manifest.json not found" in _error(train(f"--config.data.dir={empty}"))
-
+    """Each refused command line as a user types it; those refused before training are run in
+    turn in one launcher process (conftest.launch_all), the damaged shard that only training
+    reads in a process of its own."""
     blocker = tmp_path / "a_file"
     blocker.write_text("")
-    assert f"cannot write to the workdir {blocker / 'run'}" in _error(
-        train(f"--config.data.dir={demo_dir}", workdir=blocker / "run"))
-
+    empty = tmp_path / "empty"
+    empty.mkdir()
     broken = tmp_path / "truncated"
     shutil.copytree(demo_dir, broken)
-    shard = broken / "train-00000-of-00003.array_record"
-    data = shard.read_bytes()
-    shard.write_bytes(data[:len(data) // 2])
-    line = _error(train(f"--config.data.dir={broken}"))
-    assert str(shard) in line and "truncated" in line, line
-
+    truncated = broken / "train-00000-of-00003.array_record"
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[:len(data) // 2])
     flipped = tmp_path / "flipped"
     shutil.copytree(demo_dir, flipped)
     shard = flipped / "train-00001-of-00003.array_record"
     data = bytearray(shard.read_bytes())
     data[len(data) // 3] ^= 0xFF  # same size, same index: only the hash tells
     shard.write_bytes(bytes(data))
-    line = _error(train(f"--config.data.dir={flipped}", "--verify-data",
-                        "--config.train.steps=1"))
+
+    def train(*args, workdir=tmp_path / "w"):
+        return ["--config", "configs/scenarioclip.py:demo", "--workdir", workdir, *args]
+
+    cases = {
+        "unknown key": train("--config.train.lrr=0.1"),
+        "bad value": train("--config.train.lr=fast"),
+        "big batch": train(f"--config.data.dir={demo_dir}", "--config.data.batch_size=64"),
+        "missing data": train(f"--config.data.dir={tmp_path / 'nowhere'}"),
+        "empty data": train(f"--config.data.dir={empty}"),
+        "blocked workdir": train(f"--config.data.dir={demo_dir}", workdir=blocker / "run"),
+        "truncated": train(f"--config.data.dir={broken}"),
+        "flipped": train(f"--config.data.dir={flipped}", "--verify-data",
+                         "--config.train.steps=1"),
+        "missing init": train(f"--config.data.dir={demo_dir}",
+                              "--config.model.init=/nonexistent/clip", workdir=tmp_path / "init"),
+        "lr -0.001": train("--config.train.lr=-0.001", workdir=tmp_path / "neg"),
+        "lr 0": train("--config.train.lr=0", workdir=tmp_path / "neg"),
+        "verbose": train("--config.train.lrr=0.1", "--verbose"),
+    }
+    got = dict(zip(cases, launch_all(list(cases.values()))))
+
+    line = _error(got["unknown key"])
+    assert "unknown config key 'train.lrr'" in line and "did you mean train.lr" in line
+    assert "could not convert string to float: 'fast'" in _error(got["bad value"])
+
+    big = _error(got["big batch"])
+    assert "batch size 64 exceeds the 10 training records" in big
+    assert "--config.data.batch_size" in big
+    assert not (tmp_path / "w" / "config.json").exists()  # a failed attempt writes no config
+
+    missing = _error(got["missing data"])
+    assert missing.startswith(f"error: config.data.dir = '{tmp_path / 'nowhere'}': no such "
+                              "file or folder (a dataset folder written by `python -m "
+                              "data_prep`"), missing
+    assert "manifest.json not found" in _error(got["empty data"])
+
+    assert f"cannot write to the workdir {blocker / 'run'}" in _error(got["blocked workdir"])
+
+    line = _error(got["truncated"])
+    assert str(truncated) in line and "truncated" in line, line
+
+    line = _error(got["flipped"])
     assert str(shard) in line and "sha256 does not match" in line, line
 
     flipped_quietly = _run(_cmd(tmp_path / "w2", flipped, cache), timeout=600)
@@ -385,17 +407,16 @@ def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
     assert flipped_quietly.stderr.strip().splitlines()[-1] == line
 
     # a start that fails after making its folders leaves none of them empty
-    line = _error(train(f"--config.data.dir={demo_dir}", "--config.model.init=/nonexistent/clip",
-                        workdir=tmp_path / "init"))
+    line = _error(got["missing init"])
     assert "/nonexistent/clip has no config.json" in line, line
     assert sorted(os.listdir(tmp_path / "init")) == [".run.lock"]
 
     for lr in ("-0.001", "0"):
-        line = _error(train(f"--config.train.lr={lr}", workdir=tmp_path / "neg"))
+        line = _error(got[f"lr {lr}"])
         assert line == f"error: config.train.lr = {float(lr)}: must be > 0", line
     assert not (tmp_path / "neg" / "demo_data").exists()  # refused before any work
 
-    verbose = train("--config.train.lrr=0.1", "--verbose")
+    verbose = got["verbose"]
     assert verbose.returncode == 2 and "Traceback" in verbose.stderr
 
 
