@@ -101,7 +101,29 @@ def pytest_collection_modifyitems(session, config, items):
         items.sort(key=key)  # stable: a file's tests keep their order
 
 
+def _pin_worker(config) -> None:
+    """An xdist worker of a run with one worker per core runs on a core of its own, and so do
+    the processes it starts (children inherit the affinity). Two workers on 2 cores otherwise
+    share both: each process sizes its XLA and torch thread pools to the machine, and the
+    threads of one worker's process spin on the core the other worker is computing on.
+    `SCLARO_TEST_NO_PIN=1`: no pinning."""
+    if os.environ.get("SCLARO_TEST_NO_PIN") or not hasattr(config, "workerinput"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    count = int(config.workerinput.get("workercount", 0))
+    index = config.workerinput.get("workerid", "")
+    if count != len(cores) or count < 2 or not index.startswith("gw"):
+        return
+    core = {cores[int(index[2:]) % count]}
+    for tid in os.listdir("/proc/self/task"):  # every thread the worker has started so far
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # a thread that ended meanwhile
+            pass
+
+
 def pytest_configure(config):
+    _pin_worker(config)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # the heaviest-first order above, not test counts
     if not hasattr(config, "workerinput") and "SCLARO_TEST_JAX_CACHE" not in os.environ:

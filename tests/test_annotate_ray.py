@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -285,3 +286,14 @@ def test_concurrency_flags():
     from data_prep.annotate.ray_engine import parse_concurrency
     assert parse_concurrency(["2", "sam=1"]) == {"vlm": 2, "detect": 2, "segment": 1}
     assert parse_concurrency(["detector=3"]) == {"detect": 3}
+
+
+def test_the_vlm_actor_of_a_replies_file_runs_without_torch(setup, monkeypatch):
+    """The VLM stage reading `--vlm-replies` runs no model: its actor's setup imports no torch
+    (and so needs no torch threads or device); the model stages' setup does."""
+    from data_prep.annotate.ray_engine import _worker_setup
+    cfg = _config(setup, Path(setup["root"]), engine="ray")
+    monkeypatch.setitem(sys.modules, "torch", None)  # an import of torch raises
+    assert _worker_setup(cfg, "vlm") == "cpu"
+    with pytest.raises(ImportError):
+        _worker_setup(cfg, "detect")

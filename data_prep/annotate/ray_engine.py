@@ -184,8 +184,11 @@ def retrying(cfg, stage: str, k: int, attempt_block):
 
 
 def _worker_setup(cfg, stage: str) -> str:
-    """Logging, torch threads and the device of a stage actor."""
+    """Logging, torch threads and the device of a stage actor. The VLM stage reading its
+    replies from a file (`--vlm-replies`) runs no model: its actor never imports torch."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if stage == "vlm" and cfg.vlm_replies:
+        return "cpu"
     import ray
     import torch
     gpus = ray.get_gpu_ids()
