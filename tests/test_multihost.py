@@ -1,15 +1,16 @@
 """Many processes and elastic restore, with the demo config through launch/train.py:
 
-- two processes on this machine (`jax.distributed` on localhost, gloo collectives, 4 host devices
-  each) train the same losses as one process with 8 devices (1e-6), and after one of them is
+- two processes on this machine (`jax.distributed` on localhost, gloo collectives, 2 host devices
+  each) train the same losses as one process with 4 devices (1e-6), and after one of them is
   SIGKILLed the two resume from the last checkpoint to the same losses;
-- a checkpoint written with fsdp over 8 devices resumes on 1 device and with dp over 4, and the
+- a checkpoint written with fsdp over 4 devices resumes on 1 device and with dp over 2, and the
   losses of the following steps are the uninterrupted run's (1e-6).
 
 The one-process runs share one XLA compilation cache; a multi-process run keeps none (JAX
 writes cache entries from process 0 only, so on a rerun process 0 would load its step while
 process 1 compiles, and its first collective would time out). Losses agree to 1e-6 relative
-(float32 summation order over 8 devices in 1 or 2 processes).
+(float32 summation order over 4 devices in 1 or 2 processes). Four devices in all, not more:
+the suite runs a file's processes on one core, where each step runs every device in turn.
 """
 
 import json
@@ -72,12 +73,12 @@ def _free_port():
 
 
 def _two_processes(cmd, stderr_dir, tag):
-    """Start processes 0 and 1 of a two-process run (4 host devices each); process 0's stderr
+    """Start processes 0 and 1 of a two-process run (2 host devices each); process 0's stderr
     is a pipe (read it), process 1's goes to a file."""
     port = _free_port()
     procs = []
     for index in (0, 1):
-        env = _env(4, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+        env = _env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
                    JAX_PROCESS_ID=str(index))
         err = subprocess.PIPE if index == 0 else open(stderr_dir / f"{tag}-1.err", "w")
         procs.append(subprocess.Popen(cmd + ["--config.distributed=True"], cwd=ROOT, env=env,
@@ -92,9 +93,9 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, demo_dir, cache):
-    """One process, 8 host devices, fsdp, uninterrupted: checkpoints at steps 3 and 6."""
-    workdir = tmp_path_factory.mktemp("one_process_fsdp8")
-    _run(_cmd(workdir, demo_dir, cache, "--config.sharding=fsdp"), _env(8))
+    """One process, 4 host devices, fsdp, uninterrupted: checkpoints at steps 3 and 6."""
+    workdir = tmp_path_factory.mktemp("one_process_fsdp4")
+    _run(_cmd(workdir, demo_dir, cache, "--config.sharding=fsdp"), _env(4))
     losses = _losses(workdir)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return workdir, losses
@@ -134,7 +135,7 @@ def test_two_processes_train_and_resume_like_one_process(reference, demo_dir, ca
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("devices, strategy", [(1, "none"), (4, "dp")])
+@pytest.mark.parametrize("devices, strategy", [(1, "none"), (2, "dp")])
 def test_fsdp_checkpoint_resumes_on_another_layout(reference, demo_dir, cache, tmp_path,
                                                    devices, strategy):
     source, want = reference
