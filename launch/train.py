@@ -11,7 +11,7 @@ from its path; no folder is added to the import path for it). Rerunning
 the same command resumes from the newest checkpoint in DIR. When the run is complete, the task
 evaluates it (ScenarioCLIP: the evaluators of `config.evals`; the detector: COCO AP) into
 DIR/results.json and DIR/results.md and prints the table; `--eval-only` evaluates DIR's newest
-checkpoint without training, `--no-eval` trains only. Ctrl-C (SIGINT) or SIGTERM stops after the
+checkpoint (or `--step N`'s) without training, `--no-eval` trains only. Ctrl-C (SIGINT) or SIGTERM stops after the
 current step with a checkpoint (a second Ctrl-C aborts at once). A rerun whose config differs
 in more than the logging / checkpoint / eval settings, the data folder or the sharding (the
 run's length included: it sets the schedule) is refused unless --allow-config-change. A
@@ -82,6 +82,8 @@ def define_flags(spec: str | None, argv: list[str]) -> None:
     flags.DEFINE_bool("eval", True, "evaluate the run when its training is complete "
                       "(--no-eval: train only)")
     flags.DEFINE_bool("eval_only", False, "evaluate WORKDIR's newest checkpoint, no training")
+    flags.DEFINE_integer("step", None, "with --eval-only: the checkpoint step to evaluate "
+                         "(default: the newest complete one)", lower_bound=0)
     flags.DEFINE_bool("progress", True, "progress bars (--no-progress: none)")
 
 
@@ -151,7 +153,8 @@ def main(argv):
         print(f"evaluation: one process evaluates a run; python launch/train.py --config ... "
               f"--workdir {workdir} --eval-only")
     elif FLAGS.eval_only or FLAGS.eval:
-        evaluated = task.evaluate(config, workdir, progress=FLAGS.progress, fitted=fitted)
+        evaluated = task.evaluate(config, workdir, progress=FLAGS.progress, step=FLAGS.step,
+                                  fitted=fitted)
         print(f"\n{evaluated.table}\n\nresults: {evaluated.path} (and "
               f"{os.path.join(workdir, 'results.json')})")
         if evaluated.next:
@@ -287,6 +290,9 @@ def cli(args: list[str]) -> None:
                   prog, verbose)
         probe_workdir(workdir)  # a second run on a busy workdir: refused before jax loads
         argv = FLAGS(argv)  # parse here, so a bad value is one error line too
+        if FLAGS.step is not None and not FLAGS.eval_only:
+            usage(f"--step {FLAGS.step} picks the checkpoint that --eval-only evaluates; pass "
+                  "--eval-only too (training resumes from the newest checkpoint)", prog, verbose)
     except flags.Error as e:
         usage(str(e).replace("flag --config.", "--config."), prog, verbose)
     except KeyError as e:  # an unknown config key (check_override_keys)

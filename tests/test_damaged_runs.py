@@ -133,3 +133,26 @@ def test_resume_falls_back_to_the_newest_complete_checkpoint(runs):
     assert names == ["1", "2", "2.damaged"], names
     from sclaro_jax.checkpoint import check_run
     assert check_run(str(workdir)) == 2
+
+
+@pytest.mark.slow
+def test_the_launchers_eval_only_takes_the_step_its_refusal_names(runs):
+    """`launch/train.py --eval-only` on a run whose newest checkpoint is damaged is refused,
+    naming the step to pass; `--eval-only --step` with it evaluates that checkpoint; `--step`
+    alone (training) is a usage error. One launcher process runs the three (conftest)."""
+    import json
+
+    from conftest import launch_all
+
+    workdir = runs["empty"]
+    base = ["--config", "configs/scenarioclip.py:demo", "--workdir", workdir,
+            f"--config.data.dir={runs['data']}", "--config.progress_bar=False"]
+    refused, stepped, alone = launch_all([base + ["--eval-only"],
+                                          base + ["--eval-only", "--step", "1"],
+                                          base + ["--step", "1"]])
+    _refused(refused, "checkpoints/2 is damaged (an empty folder)", "pass --step 1")
+    assert stepped.returncode is None, stepped.stderr[-3000:]  # it returned: exit 0
+    assert json.loads((workdir / "results.json").read_text())["step"] == 1
+    assert f"results: {workdir / 'results.md'}" in stepped.stdout
+    line = _refused(alone, "--step 1 picks the checkpoint that --eval-only evaluates")
+    assert line.endswith("(see python launch/train.py --help)"), line

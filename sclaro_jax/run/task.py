@@ -14,8 +14,10 @@ and the evaluation commands look a task up instead of branching on it:
   otherwise the image size of the demo's stored views (0: the originals).
 - `fit(config, workdir, *, progress, allow_config_change, verify_data, stop_at) -> Fitted`:
   train, or resume from the newest checkpoint (`run.opening.open_run`).
-- `evaluate(config, workdir, *, progress, fitted=None) -> Evaluated`: the task's evaluation of
-  the run's newest checkpoint, written into the workdir (its results file and table). `fitted`:
+- `evaluate(config, workdir, *, progress, step=None, fitted=None) -> Evaluated`: the task's
+  evaluation of the run's newest checkpoint (or `step`'s; a damaged one is refused naming a
+  complete step, `checkpoint.check_run`), written into the workdir (its results file and
+  table). `fitted`:
   the `fit` that just ended in this process; where its state is that checkpoint's, the task may
   evaluate it in memory (the same numbers) instead of restoring it.
 
@@ -67,7 +69,7 @@ class Task(Protocol):
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted: ...
 
-    def evaluate(self, config, workdir: str, *, progress: bool = True,
+    def evaluate(self, config, workdir: str, *, progress: bool = True, step: int | None = None,
                  fitted: Fitted | None = None) -> Evaluated: ...
 
 

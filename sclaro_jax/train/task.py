@@ -77,16 +77,17 @@ class ScenarioCLIP:
         steps = trainer.total_steps(config, open_dataset(config.data.dir).num_records("train"))
         return Fitted(state, int(jax.device_get(state.step)), steps, graph)
 
-    def evaluate(self, config, workdir: str, *, progress: bool = True,
+    def evaluate(self, config, workdir: str, *, progress: bool = True, step: int | None = None,
                  fitted: Fitted | None = None) -> Evaluated:
-        """Every evaluator of `config.evals` on the newest checkpoint's student: `fitted`'s
-        student as it is in memory where that is the same model (`fitted_student`), else read
-        from the checkpoint."""
+        """Every evaluator of `config.evals` on the student of the newest checkpoint (or of
+        `step`; a damaged one is refused, naming a complete step to pass): `fitted`'s student
+        as it is in memory where that is the same model (`fitted_student`), else read from the
+        checkpoint."""
         from sclaro_jax.checkpoint import check_run, load_checkpoint
         from sclaro_jax.eval.protocols import registry
 
         evaluators = registry.evaluators(config)
-        step = check_run(workdir)
+        step = check_run(workdir, step)
         model = fitted_student(config, fitted, step)
         if model is None:
             model, step = load_checkpoint(workdir, step, config=config)
