@@ -112,9 +112,9 @@ def _pin_worker(config) -> None:
     cores = sorted(os.sched_getaffinity(0))
     count = int(config.workerinput.get("workercount", 0))
     index = config.workerinput.get("workerid", "")
-    if count < 2 or count % len(cores) or not index.startswith("gw"):
-        return  # pinned when every core gets the same number of workers
-    core = {cores[int(index[2:]) % len(cores)]}
+    if count != len(cores) or count < 2 or not index.startswith("gw"):
+        return
+    core = {cores[int(index[2:]) % count]}
     for tid in os.listdir("/proc/self/task"):  # every thread the worker has started so far
         try:
             os.sched_setaffinity(int(tid), core)
