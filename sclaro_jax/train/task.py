@@ -87,9 +87,11 @@ class ScenarioCLIP:
         from sclaro_jax.eval.protocols import registry
 
         evaluators = registry.evaluators(config)
-        step = check_run(workdir, step)
-        model = fitted_student(config, fitted, step)
-        if model is None:
+        model = None
+        if fitted is not None:  # which checkpoint is evaluated decides whether it is fitted's
+            step = check_run(workdir, step)
+            model = fitted_student(config, fitted, step)
+        if model is None:  # load_checkpoint makes the same check of the run
             model, step = load_checkpoint(workdir, step, config=config)
         results = {"step": step, "evaluators": {}}
         tables = []
