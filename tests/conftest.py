@@ -328,9 +328,9 @@ print("RESULTS " + json.dumps(out))
 
 
 def launch_all(argvs: list, timeout: int = 600) -> list:
-    """[(exit status, stdout, stderr)] of `python launch/train.py ARGS` for each ARGS of
-    `argvs`, run in turn in one child process from the repository root (`_LAUNCH_ALL`; None:
-    it returned without exiting)."""
+    """For each ARGS of `argvs`, what `python launch/train.py ARGS` gave, as `subprocess.run`
+    names it (`returncode`, `stdout`, `stderr`; a returncode of None: it returned without
+    exiting), run in turn in one child process from the repository root (`_LAUNCH_ALL`)."""
     import subprocess
     from types import SimpleNamespace
 
