@@ -84,9 +84,9 @@ def with_views(sample: schema.Sample, view_size: int = schema.DEFAULT_VIEW_SIZE,
 
 
 def drop_originals(sample: schema.Sample) -> schema.Sample:
-    """A version-2 sample without its full-size photograph and regions."""
+    """A version-2 sample without its full-size photograph, regions and panoptic masks."""
     return dataclasses.replace(
-        sample, image=None,
+        sample, image=None, panoptic=None,
         relations=tuple(dataclasses.replace(r, region=None) for r in sample.relations))
 
 

@@ -72,7 +72,7 @@ def build_model(config, *, abstract: bool = False, perf: bool = True):
     the preset when the checkpoint is no longer there (logged). Its attention computes as
     `config.perf` says (`PerfConfig.attention_options`); `perf=False` gives the default
     einsums, which run on any backend (a trained model to evaluate)."""
-    preset = config.model.preset
+    preset = clip.preset_at(config.model.preset, config.data.image_size)  # tiny: data's size
     attention = PerfConfig.from_config(config).attention_options() if perf else None
     if abstract and config.model.init:
         try:

@@ -399,8 +399,9 @@ def test_loader_errors_name_the_problem(v1_dir, v2_dir, tmp_path):
     with pytest.raises(DatasetError, match="not a SCLARO dataset folder"):
         make_loader(str(tmp_path), "train", 2)
     # views of another size than the model's input: the reshard command, before any batch
-    with pytest.raises(ViewSizeError, match=r"takes 336 px images. Convert it: python -m "
-                                            r"data_prep reshard .* --image-size 336"):
+    with pytest.raises(ViewSizeError, match=r"takes 336 px images \(config.data.image_size\): "
+                                            r"convert it: python -m data_prep reshard .* "
+                                            r"--image-size 336"):
         make_loader(v1_dir, "train", 2, config=PipelineConfig(image_size=336))
     with pytest.raises(ViewSizeError, match="64 px training views; the model takes 32 px"):
         make_loader(v2_dir, "train", 2, config=PipelineConfig(image_size=32))

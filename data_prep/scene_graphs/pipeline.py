@@ -62,17 +62,19 @@ READERS = {"psg": psg.read, "vg": vg.read}
 REGION_QUALITY = 95  # JPEG quality of the focused regions, as annotate's
 
 
-def panoptic_ids(path: str, size: tuple[int, int]) -> np.ndarray:
-    """The segment id of every pixel of a COCO panoptic PNG: R + 256 G + 256^2 B. Its header's
-    size is checked (against the photograph's, and the pixel limit) before it is decoded."""
+def read_panoptic(path: str, size: tuple[int, int]) -> tuple[bytes, np.ndarray]:
+    """(the file's bytes, the segment id of every pixel) of a COCO panoptic PNG: id = R + 256 G
+    + 256^2 B. Its header's size is checked (against the photograph's, and the pixel limit)
+    before it is decoded."""
     with open(path, "rb") as f:
-        png = bounds.open_image(io.BytesIO(f.read()), path)
+        data = f.read()
+    png = bounds.open_image(io.BytesIO(data), path)
     if png.size != size:
         raise ValueError(f"{path} is {png.size[0]}x{png.size[1]}, the photograph "
                          f"{size[0]}x{size[1]}")
     png.load()
     rgb = np.asarray(png.convert("RGB"), np.uint32)
-    return rgb[..., 0] + 256 * rgb[..., 1] + 65536 * rgb[..., 2]
+    return data, rgb[..., 0] + 256 * rgb[..., 1] + 65536 * rgb[..., 2]
 
 
 def mask_box(mask: np.ndarray):
@@ -209,10 +211,10 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
     if not graph.captions:
         counts.skipped["no_caption"] += 1
         return None
-    ids = None
+    ids = png = None
     if graph.panoptic is not None:
         try:
-            ids = panoptic_ids(graph.panoptic, img.size)
+            png, ids = read_panoptic(graph.panoptic, img.size)
         except (OSError, ValueError):
             counts.skipped["bad_panoptic_png"] += 1
             return None
@@ -231,10 +233,14 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
     counts.kept += 1
     counts.with_action += bool(action)
     counts.splits[graph.split] += 1
+    # the segment masks travel with the originals (the writer drops both without
+    # --keep-originals): relation localisation's targets
+    panoptic = None if png is None else schema.Panoptic(
+        png, tuple(int(graph.segments[k]) for k in sorted(index, key=index.get)))
     return schema.Sample(
         id=graph.id, source=data.source, split=graph.split, image=image, width=img.width,
         height=img.height, action=action, caption=caption, objects=tuple(objects),
-        relations=tuple(relations), mask_kind=data.mask_kind)
+        relations=tuple(relations), mask_kind=data.mask_kind, panoptic=panoptic)
 
 
 def _files(data: SceneGraphs) -> list[str]:
@@ -334,7 +340,7 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
     graphs = data.graphs[:limit] if limit else data.graphs
     chunks = [graphs[i:i + block_size] for i in range(0, len(graphs), block_size)]
     keep = bool(keep_originals) or image_size is None
-    key = blocks.run_key({"version": 1, "source": kind, "root": os.path.abspath(root),
+    key = blocks.run_key({"version": 2, "source": kind, "root": os.path.abspath(root),
                           "actions": actions, "view_size": image_size, "keep_originals": keep,
                           "view_quality": schema.VIEW_QUALITY,
                           "region_quality": REGION_QUALITY}, _files(data))
@@ -361,6 +367,7 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
     for k in range(len(chunks)):
         counts.add(markers[k]["counts"])
     summary = counts.summary(data, with_actions)
+    summary["root"] = os.path.abspath(root)  # a re-import's --root (dataset.check_view_size)
     if not counts.kept:
         remove_own_folder(work)
         raise ValueError(f"no image of {root} could be imported: "

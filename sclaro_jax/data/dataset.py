@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
@@ -28,6 +29,10 @@ class DatasetError(ValueError):
 
 class ShardReadError(DatasetError):
     """A record that cannot be read from its shard (a damaged file)."""
+
+
+# the manifest's import "source" -> `python -m data_prep import --source`'s name for it
+IMPORT_SOURCES = {"openpsg": "psg", "vg": "vg"}
 
 
 class ViewSizeError(DatasetError):
@@ -173,12 +178,23 @@ class ShardedDataset:
             return
         kind = (f"schema version 1 (originals, read at up to {self.view_size} px)"
                 if self.schema_version == 1 else f"{self.view_size} px training views")
+        out = shlex.quote(f"{self.root}-{image_size}")
+        imported = self.manifest.get("import") or {}
+        if not self.has_originals and imported.get("source") in IMPORT_SOURCES:
+            # an import kept no originals to convert: the import itself makes the views
+            actions = (imported.get("actions") or {}).get("rule") == "none"
+            root = shlex.quote(imported["root"]) if imported.get("root") else "ROOT"
+            fix = (f"import it again at that size: python -m data_prep import --source "
+                   f"{IMPORT_SOURCES[imported['source']]} --root {root} --out {out} "
+                   f"--image-size {image_size}" + (" --no-actions" if actions else ""))
+        else:
+            fix = (f"convert it: python -m data_prep reshard --in {shlex.quote(self.root)} "
+                   f"--out {out} --image-size {image_size}" + (
+                       "" if self.has_originals else
+                       " (from the dataset it was made from: this one has no originals)"))
         raise ViewSizeError(
-            f"{self.root} holds {kind}; the model takes {image_size} px images. Convert it: "
-            f"python -m data_prep reshard --in {self.root} --out {self.root}-{image_size} "
-            f"--image-size {image_size}" + (
-                "" if self.has_originals else
-                " (from the dataset it was made from: this one has no originals)"))
+            f"{self.root} holds {kind}; the model takes {image_size} px images "
+            f"(config.data.image_size): {fix}")
 
     def verify(self) -> None:
         """Check every shard and vocabulary file against the manifest's sha256."""

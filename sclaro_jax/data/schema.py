@@ -32,6 +32,15 @@ default, also in the manifest):
   keep the originals (`--keep-originals`); otherwise they are None and evaluations that need
   full resolution (localisation, MINER crops) say so.
 
+Optional in either version, with the originals: `panoptic` (`Panoptic`), the dataset's own
+segment masks of a `mask_kind == "panoptic"` record (`python -m data_prep import --source psg
+--keep-originals`): `png`, the dataset's panoptic PNG as released (the photograph's size, each
+pixel's segment id R + 256 G + 256^2 B, COCO's encoding), and `segments`, objects[k]'s segment
+id; object k's mask is the pixels whose id is `segments[k]` (`object_mask`). Relation
+localisation reads it. Records without the key (older imports, other sources) read as
+`panoptic=None`; a reader that predates the key ignores it (the other keys keep their meaning,
+so the version stays 2). It is dropped with the originals.
+
 Version 1 records (originals only, no views) stay readable: the pipeline makes their views on
 the host, at the reference's 224 px.
 
@@ -117,6 +126,13 @@ class Relation:
 
 
 @dataclasses.dataclass(frozen=True)
+class Panoptic:
+    """A panoptic record's segment masks: the dataset's PNG and each object's segment id."""
+    png: bytes  # PNG, the photograph's size; segment id of a pixel = R + 256 G + 256^2 B
+    segments: tuple[int, ...]  # objects[k]'s segment id
+
+
+@dataclasses.dataclass(frozen=True)
 class Sample:
     id: str
     source: str
@@ -131,6 +147,7 @@ class Sample:
     mask_kind: str = "sam"
     view_size: int | None = None  # v2: S of the stored views; None: originals only (v1)
     train_image: bytes | None = None  # v2: the photograph at train_image_size(w, h, S)
+    panoptic: Panoptic | None = None  # the dataset's segment masks (kept with the originals)
 
     @property
     def has_views(self) -> bool:
@@ -189,6 +206,25 @@ def original_image(sample: Sample) -> bytes:
     return sample.image
 
 
+def panoptic_ids(sample: Sample) -> np.ndarray:
+    """int64 [H, W]: the segment id of every pixel of the record's panoptic PNG (R + 256 G +
+    256^2 B); RecordError when the record has none or it does not decode at the photograph's
+    size."""
+    if sample.panoptic is None:
+        raise RecordError(f"sample {sample.id!r} holds no panoptic masks")
+    img = decode_image(sample.panoptic.png, f"sample {sample.id!r} panoptic PNG",
+                       size=(int(sample.width), int(sample.height)))
+    rgb = np.asarray(img, np.int64)
+    return rgb[..., 0] + 256 * rgb[..., 1] + 65536 * rgb[..., 2]
+
+
+def object_mask(sample: Sample, k: int, ids: np.ndarray | None = None) -> np.ndarray:
+    """bool [H, W]: object k's segment mask from the record's panoptic PNG (`ids`: its
+    `panoptic_ids`, when already decoded)."""
+    ids = panoptic_ids(sample) if ids is None else ids
+    return ids == sample.panoptic.segments[k]
+
+
 def triplet_text(subject: str, predicate: str, obj: str) -> str:
     """The relation level's text: subject, predicate and object joined with spaces."""
     return " ".join(part.strip() for part in (subject, predicate, obj))
@@ -205,6 +241,8 @@ def encode(sample: Sample) -> bytes:
         "image": sample.image, "width": int(sample.width), "height": int(sample.height),
         "action": sample.action, "caption": sample.caption, "mask_kind": sample.mask_kind,
     }
+    if sample.panoptic is not None:
+        payload["panoptic"] = [sample.panoptic.png, [int(i) for i in sample.panoptic.segments]]
     if not sample.has_views:
         payload["objects"] = [[o.name, [float(v) for v in o.box]] for o in sample.objects]
         payload["relations"] = [[r.subject, r.predicate, r.object, r.text, r.region]
@@ -241,6 +279,9 @@ def decode(record: bytes) -> Sample:
             id=p["id"], source=p["source"], split=p["split"], image=p["image"],
             width=p["width"], height=p["height"], action=p["action"], caption=p["caption"],
             mask_kind=p["mask_kind"])
+        if p.get("panoptic") is not None:
+            png, segments = p["panoptic"]
+            common["panoptic"] = Panoptic(png, tuple(segments))
         if version == 1:
             sample = Sample(
                 **common, objects=tuple(Object(name, tuple(box)) for name, box in p["objects"]),
@@ -275,6 +316,10 @@ def _typed(s: Sample, version: int) -> Sample:
         fields += [(f"object {i} box", v, (int, float)) for v in o.box]
     for j, r in enumerate(s.relations):
         fields += [(f"relation {j} {f}", getattr(r, f), t) for f, t in _RELATION_TYPES]
+    if s.panoptic is not None:
+        fields += [("panoptic png", s.panoptic.png, (bytes,))]
+        fields += [(f"panoptic segment {k}", v, (int,))
+                   for k, v in enumerate(s.panoptic.segments)]
     for name, v, types in fields:
         if type(v) not in types:
             raise RecordError(f"corrupt SCLARO record payload (version {version}): {name} is "
@@ -359,8 +404,18 @@ def validate(sample: Sample, *, decode_images: bool = True) -> None:
     elif sample.train_image is None or any(o.view is None for o in sample.objects) or any(
             r.view is None for r in sample.relations):
         fail(f"view_size {v} but the train_image or an object / relation view is missing")
+    pan = sample.panoptic
+    if pan is not None:
+        if sample.mask_kind != "panoptic":
+            fail(f"panoptic masks in a record of mask_kind {sample.mask_kind!r}")
+        if sample.image is None:
+            fail("panoptic masks without the original photograph (they are kept with it)")
+        if len(pan.segments) != len(sample.objects):
+            fail(f"{len(pan.segments)} panoptic segment ids for {len(sample.objects)} objects")
     if decode_images:
         try:
+            if pan is not None:
+                decode_image(pan.png, "panoptic PNG", size=(w, h))
             if sample.image is not None:
                 decode_image(sample.image, size=(w, h))
             if v is not None:

@@ -58,6 +58,9 @@ class Settings:
     split: str = "test"
     train_split: str = "train"
     tasks: tuple = TASKS
+    # tasks that must run: one the data cannot support is an error (the command line's
+    # --tasks); the others are skipped when it cannot, said in one line each
+    required: tuple = ()
     teacher: bool = False
     step: int | None = None
     probe_epochs: int = 6
@@ -112,13 +115,71 @@ def _test_images(data_dir: str, split: str, count: int) -> list[np.ndarray]:
     return out
 
 
-def suite_evals(settings: "Settings", cache_dir: str, fingerprint: str) -> dict:
-    """The `config.evals` entries of the settings' tasks (every=0: run when asked)."""
+def _first_sample(ds, split: str):
+    """The first record of a split, decoded; None when it has none."""
+    from sclaro_jax.data import schema
+
+    for _, record in ds.records(split, chunk=1):
+        return schema.decode(record)
+    return None
+
+
+def unsupported(data_dir: str, settings: "Settings") -> dict[str, str]:
+    """{what: why} for each protocol (or part of one) that the dataset cannot support, read from
+    its manifest, vocabulary and first records (no model): "linear_probe.action" when it has
+    no action labels, "localisation" without full-size photographs or stored masks, figures'
+    "attention_overlays" without photographs."""
+    from sclaro_jax.data.dataset import open_dataset
+
+    ds = open_dataset(data_dir)
+    out: dict[str, str] = {}
+    imported = ds.manifest.get("import") or {}
+    train = settings.train_split
+    if "linear_probe" in settings.tasks:
+        if not ds.manifest["splits"].get(train, {}).get("records"):
+            out["linear_probe"] = f"the {train} split has no records"
+        elif not ds.vocab.actions:
+            no_actions = (imported.get("actions") or {}).get("rule") == "none"
+            out["linear_probe.action"] = (
+                f"the {train} split has no action labels"
+                + (" (imported with --no-actions)" if no_actions else ""))
+    if "localisation" in settings.tasks:
+        kinds = sorted(ds.manifest.get("mask_kinds") or {})
+        if not ds.has_originals:
+            out["localisation"] = ("the dataset keeps no full-size photographs (import or "
+                                   "reshard it with --keep-originals)")
+        elif not ds.manifest["splits"].get(train, {}).get("records"):
+            out["localisation"] = f"the {train} split has no records"
+        elif "sam" in kinds:
+            out["localisation"] = ("its records' masks (mask_kind sam) are not stored in "
+                                   "them; from Python, pass localise's mask_fn")
+        elif "panoptic" in kinds:
+            first = _first_sample(ds, settings.split)
+            if first is not None and first.mask_kind == "panoptic" and first.panoptic is None:
+                out["localisation"] = ("its panoptic records hold no segment masks (imported "
+                                       "before they were kept): import it again with "
+                                       "--keep-originals")
+    if settings.figures and not ds.has_originals:
+        out["attention_overlays"] = ("the dataset keeps no full-size photographs (import or "
+                                     "reshard it with --keep-originals)")
+    return out
+
+
+SKIP_NAMES = {"linear_probe": "linear probe", "linear_probe.action": "linear probe (action)",
+              "localisation": "localisation", "attention_overlays": "attention-overlay figure"}
+
+
+def suite_evals(settings: "Settings", cache_dir: str, fingerprint: str, *,
+                probe_tasks: tuple | None = None) -> dict:
+    """The `config.evals` entries of the settings' tasks (every=0: run when asked);
+    `probe_tasks`: the linear probe's tasks, when not all three."""
     shared = dict(every=0, split=settings.split, train_split=settings.train_split)
     scen = dict(shared, batch_size=settings.batch_size, cache_dir=cache_dir,
                 fingerprint=fingerprint, progress=settings.progress)
-    entries = {"zero_shot": scen, "linear_probe": dict(scen, epochs=settings.probe_epochs,
-                                                        lr=settings.probe_lr),
+    probe = dict(scen, epochs=settings.probe_epochs, lr=settings.probe_lr)
+    if probe_tasks is not None:
+        probe["tasks"] = tuple(probe_tasks)
+    entries = {"zero_shot": scen, "linear_probe": probe,
                "predcls": dict(scen, min_instances=settings.min_predicate_instances),
                "sgcls": dict(scen, min_instances=settings.min_predicate_instances),
                "localisation": dict(shared, variants=settings.localisation_variants,
@@ -151,10 +212,25 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
     unknown = [t for t in settings.tasks if t not in TASKS]
     if unknown:
         raise ValueError(f"unknown tasks {unknown}; known: {TASKS}")
+    # what the data cannot support, before any model is loaded: an error for a task asked for
+    # by name (`settings.required`), else skipped, said in one line each
+    skipped: dict[str, str] = {}
+    for name, workdir in workdirs.items():
+        for what, why in unsupported(_data_dir(_run_config(workdir, config), workdir, data),
+                                     settings).items():
+            if what.partition(".")[0] in settings.required:
+                raise ValueError(f"{SKIP_NAMES[what]}: cannot run on {name}'s data: {why} "
+                                 f"(leave {what.partition('.')[0]} out of --tasks)")
+            skipped.setdefault(what, why)
+    for what, why in skipped.items():
+        log.warning("%s: skipped, %s", SKIP_NAMES[what], why)
+    settings = dataclasses.replace(settings, tasks=tuple(
+        t for t in settings.tasks if t not in skipped))
     out_dir = Path(out)
     (out_dir / "figures").mkdir(parents=True, exist_ok=True)
     cache = str(out_dir / "cache")
-    record: dict = {"settings": dataclasses.asdict(settings), "models": {}, "figures": {}}
+    record: dict = {"settings": dataclasses.asdict(settings), "models": {}, "figures": {},
+                    "skipped": {SKIP_NAMES[k]: v for k, v in skipped.items()}}
     tables: list[str] = []
     models, data_dirs, image_sizes = {}, {}, {}
     for name, workdir in workdirs.items():
@@ -169,7 +245,9 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         fingerprint = embedding.model_fingerprint(model)
         cfg = cfg.copy_and_resolve_references()
         cfg.data.dir = data_dir
-        cfg.evals = suite_evals(settings, cache, fingerprint)
+        cfg.evals = suite_evals(settings, cache, fingerprint,
+                                probe_tasks=("object", "relation")
+                                if "linear_probe.action" in skipped else None)
         embed = functools.partial(embedding.embed_dataset, model, data_dir,
                                   image_size=image_sizes[name], batch_size=settings.batch_size,
                                   cache_dir=cache, fingerprint=fingerprint)
@@ -201,7 +279,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         if settings.figures:
             log.info("%s: figures ...", name)
             record["figures"].update(_model_figures(name, workdir, embed, settings, out_dir))
-    if settings.figures and models:
+    if settings.figures and models and "attention_overlays" not in skipped:
         first = next(iter(data_dirs.values()))
         images = _test_images(first, settings.split, settings.figure_images)
         if images:
@@ -213,6 +291,9 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         table, rows = cost.cost_table(models)
         record["cost"] = rows
         tables.append("## Parameters and FLOPs (appendix Table A1)\n\n" + table)
+    if skipped:
+        tables.append("## Skipped\n\n" + "\n".join(
+            f"- {SKIP_NAMES[k]}: {v}" for k, v in skipped.items()))
     if record["figures"]:
         tables.append("## Figures\n\n" + "\n".join(
             f"- {k}: `{os.path.relpath(v, out_dir)}`" for k, v in record["figures"].items()))
@@ -268,8 +349,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="dataset folder (default: the run's config.data.dir)")
     p.add_argument("--split", default="test", help="split to evaluate")
     p.add_argument("--train-split", default="train", help="split for the probe / SGCls vocab")
-    p.add_argument("--tasks", default=",".join(TASKS),
-                   help=f"comma-separated from {', '.join(TASKS)}")
+    p.add_argument("--tasks", default=None,
+                   help=f"comma-separated from {', '.join(TASKS)} (default: every one the "
+                        "dataset supports; those it cannot, e.g. the action probe without "
+                        "action labels or localisation without the photographs, are skipped "
+                        "with one line each; a task named here that cannot run is an error)")
     p.add_argument("--teacher", action="store_true", help="evaluate the EMA teacher weights")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     p.add_argument("--probe-epochs", type=int, default=6, help="linear-probe epochs")
@@ -322,9 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: workdir not found: {cli.printable(path)}", file=sys.stderr)
             return 2
         workdirs[name] = path
+    tasks = (TASKS if args.tasks is None else
+             tuple(t.strip() for t in args.tasks.split(",") if t.strip()))
     settings = Settings(
         split=args.split, train_split=args.train_split,
-        tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+        tasks=tasks, required=tasks if args.tasks is not None else (),
         teacher=args.teacher, step=args.step, probe_epochs=args.probe_epochs,
         probe_lr=args.probe_lr, min_predicate_instances=args.min_predicate_instances,
         localisation_variants=tuple(v.strip() for v in args.localisation_variants.split(",")

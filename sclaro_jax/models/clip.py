@@ -120,6 +120,29 @@ PRESETS: dict[str, CLIPConfig] = {
 }
 
 
+# Presets whose vision tower takes the run's image size (`config.data.image_size`) instead of
+# their own: the test-size model, at whatever size the data's views are.
+FOLLOW_IMAGE_SIZE = ("tiny",)
+
+
+def preset_at(name, image_size: int):
+    """Preset `name` for `image_size` px images: a `FOLLOW_IMAGE_SIZE` preset ("tiny") with its
+    vision tower's `image_size` set to it (its patch grid then fits: ValueError naming both
+    config keys when `image_size` is not a multiple of its patch size); any other name (or a
+    `CLIPConfig`) as it is."""
+    if not isinstance(name, str) or name not in FOLLOW_IMAGE_SIZE:
+        return name
+    cfg = config_from_preset(name)
+    if int(image_size) == cfg.vision.image_size:
+        return cfg
+    if int(image_size) % cfg.vision.patch_size:
+        raise ValueError(f"config.model.preset={name!r} takes images in {cfg.vision.patch_size}"
+                         f" px patches; config.data.image_size={image_size} is not a multiple "
+                         f"of {cfg.vision.patch_size}")
+    return dataclasses.replace(cfg, vision=dataclasses.replace(cfg.vision,
+                                                               image_size=int(image_size)))
+
+
 def config_from_preset(name: str) -> CLIPConfig:
     try:
         return PRESETS[name]

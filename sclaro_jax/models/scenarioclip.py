@@ -153,7 +153,9 @@ def build(kind: str = "scenarioclip", *, preset: str = "ViT-B/32", init: str = "
         log.warning("model.init is empty: %s towers start from random weights (preset %s), "
                     "not from a pretrained CLIP; pass --config.model.init=PATH to a Hugging "
                     "Face CLIPModel folder (e.g. openai/clip-vit-base-patch32) or an open_clip "
-                    "checkpoint", kind, preset)
+                    "checkpoint", kind,
+                    preset if isinstance(preset, str) else
+                    f"{preset.vision.image_size} px, patch {preset.vision.patch_size}")
     model = MODELS[kind](make_towers, embed_dim, rngs=nnx.Rngs(seed))
     if attention is not None:
         configure_attention(model, attention)

@@ -17,6 +17,7 @@ from flax import nnx
 from sclaro_jax.config import flatten
 from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.files import write_replacing
+from sclaro_jax.models import clip
 from sclaro_jax.run.task import Evaluated, Fitted
 from sclaro_jax.train import trainer
 
@@ -59,8 +60,16 @@ class ScenarioCLIP:
 
     def check(self, config) -> None:
         """`trainer.check_recipe`: each key in its range (`config.validate` over
-        configs/scenarioclip.py's RANGES), unknown train keys, the layout, the perf switches."""
+        configs/scenarioclip.py's RANGES), unknown train keys, the layout, the perf switches;
+        then, when `config.data.dir` holds a dataset, its view size against
+        `config.data.image_size` (`ShardedDataset.check_view_size`: a `ViewSizeError` naming
+        both sizes and the command that makes views of the model's size), before any model is
+        built."""
         trainer.check_recipe(config)
+        clip.preset_at(config.model.preset, config.data.image_size)  # tiny: a whole patch grid
+        data_dir = config.data.dir
+        if data_dir and os.path.isfile(os.path.join(data_dir, "manifest.json")):
+            open_dataset(data_dir).check_view_size(config.data.image_size)
 
     def demo_view_size(self, config) -> int | None:
         """The demo configs: the tiny preset at a demo's batch; their views at the config's

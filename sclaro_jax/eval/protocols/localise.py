@@ -8,8 +8,12 @@ For every annotated relation (subject, predicate, object) of a record:
   `data_prep.demo` uses for its box masks);
 - **target**: the relation mask, the union of the subject's and the object's masks. Records with
   `mask_kind == "box"` (the demo) used the boxes themselves as the masks, so the target is the
-  union of the two boxes. Records with `mask_kind == "sam"` store only the focused-region image,
-  not the SAM masks, and the masks cannot be recovered from it reliably: inside the masks the
+  union of the two boxes. Records with `mask_kind == "panoptic"` (PSG's import) hold the
+  dataset's own segment masks when imported with `--keep-originals` (`schema.Panoptic`: the
+  panoptic PNG and each object's segment id), so the target is the union of the two segments; a
+  panoptic record without them (an import from before they were kept) raises `LocaliseError`
+  naming the import command. Records with `mask_kind == "sam"` store only the focused-region
+  image, not the SAM masks, and the masks cannot be recovered from it reliably: inside the masks the
   region is `rint(image * M)` with M the RBF blend of appendix Eqs. 4-6, which depends on the
   masks' centres of mass (not stored) and is close to 1 near them; outside it is the image
   blurred with sigma 2, which equals the image wherever the image is flat; and JPEG coding of
@@ -89,13 +93,15 @@ def relation_box_union(sample: schema.Sample, index: int) -> np.ndarray:
             | box_mask(sample.objects[rel.object].box, w, h))
 
 
-def relation_mask(sample: schema.Sample, index: int, mask_fn: MaskFn | None = None
-                  ) -> np.ndarray:
+def relation_mask(sample: schema.Sample, index: int, mask_fn: MaskFn | None = None, *,
+                  ids: np.ndarray | None = None) -> np.ndarray:
     """bool [H, W]: relation `index`'s target mask (the union of its subject and object masks).
 
     `mask_fn(sample, index)` supplies it when given; otherwise `mask_kind == "box"` records use
-    the union of the two boxes, and `"sam"` records raise `LocaliseError` (the record does not
-    store the masks; see the module docstring)."""
+    the union of the two boxes, `"panoptic"` records the union of the two segments of their
+    stored panoptic PNG (`ids`: its `schema.panoptic_ids`, when already decoded), and `"sam"`
+    records raise `LocaliseError` (the record does not store the masks; see the module
+    docstring)."""
     if mask_fn is not None:
         mask = np.asarray(mask_fn(sample, index), bool)
         if mask.shape != (int(sample.height), int(sample.width)):
@@ -104,6 +110,20 @@ def relation_mask(sample: schema.Sample, index: int, mask_fn: MaskFn | None = No
         return mask
     if sample.mask_kind == "box":
         return relation_box_union(sample, index)
+    if sample.mask_kind == "panoptic" and sample.panoptic is not None:
+        rel = _relation(sample, index)
+        try:
+            ids = schema.panoptic_ids(sample) if ids is None else ids
+        except schema.RecordError as e:
+            raise LocaliseError(str(e)) from None
+        return (schema.object_mask(sample, rel.subject, ids)
+                | schema.object_mask(sample, rel.object, ids))
+    if sample.mask_kind == "panoptic":
+        raise LocaliseError(
+            f"sample {sample.id!r} has mask_kind 'panoptic' but holds no panoptic masks (an "
+            "import from before they were kept with the photographs): import it again with "
+            "`python -m data_prep import ... --keep-originals`, or pass "
+            "mask_fn=(sample, relation_index) -> bool [H, W]")
     raise LocaliseError(
         f"sample {sample.id!r} has mask_kind {sample.mask_kind!r}: its relation masks are not "
         "stored in the record (only the focused-region image, from which they cannot be "
@@ -135,10 +155,12 @@ def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
             break
         image = np.asarray(schema.decode_image(schema.original_image(sample),
                                                f"sample {sample.id!r} image"))
+        ids = (schema.panoptic_ids(sample) if mask_fn is None and sample.relations
+               and sample.mask_kind == "panoptic" and sample.panoptic is not None else None)
         for j in range(len(sample.relations)):
             if max_relations is not None and len(inputs) >= max_relations:
                 break
-            mask = relation_mask(sample, j, mask_fn)
+            mask = relation_mask(sample, j, mask_fn, ids=ids)
             view = augment.region_view(Image.fromarray(relation_input(image, sample, j)), None,
                                        image_size)
             m = augment.resize_centre_crop(Image.fromarray(mask.astype(np.uint8) * 255, "L"),

@@ -83,12 +83,19 @@ def linear_probe(train_x: np.ndarray, train_y: Sequence, test_x: np.ndarray, tes
             **metrics.summarise(hits)}
 
 
+TASKS = ("action", "object", "relation")
+
+
 def probe_tasks(train: SplitEmbeddings, test: SplitEmbeddings, *, features: str = "raw",
-                **kwargs) -> dict:
-    """`linear_probe` for action (global), object and relation (focused region) embeddings.
-    `features`: "raw" (the frozen encoder's head output) or "l2" (L2-normalised)."""
+                tasks: Sequence[str] = TASKS, **kwargs) -> dict:
+    """`linear_probe` for action (global), object and relation (focused region) embeddings
+    (those of `tasks`). `features`: "raw" (the frozen encoder's head output) or "l2"
+    (L2-normalised)."""
     if features not in ("raw", "l2"):
         raise ValueError(f"features {features!r} is not 'raw' or 'l2'")
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"linear probe: unknown tasks {unknown}; known: {TASKS}")
 
     def x(e: SplitEmbeddings, level: str) -> np.ndarray:
         return e.raw(level) if features == "raw" else getattr(e, f"{level}_emb")
@@ -97,6 +104,8 @@ def probe_tasks(train: SplitEmbeddings, test: SplitEmbeddings, *, features: str 
     for task, level, labels in (("action", "global", "actions"),
                                 ("object", "object", "object_names"),
                                 ("relation", "relation", "relation_texts")):
+        if task not in tasks:
+            continue
         xs, ys = [], []
         for e in (train, test):
             x_e, y_e = x(e, level), getattr(e, labels)
@@ -104,6 +113,10 @@ def probe_tasks(train: SplitEmbeddings, test: SplitEmbeddings, *, features: str 
                 x_e, y_e = x_e[y_e != ""], y_e[y_e != ""]
             xs.append(x_e)
             ys.append(y_e)
+        if task == "action" and not len(ys[0]):
+            raise ValueError(f"linear probe: the {train.split} split has no action labels "
+                             "(a dataset imported with --no-actions has none): probe the "
+                             "objects and relations only (tasks=('object', 'relation'))")
         out[task] = linear_probe(xs[0], ys[0], xs[1], ys[1], **kwargs)
     return out
 
@@ -111,15 +124,17 @@ def probe_tasks(train: SplitEmbeddings, test: SplitEmbeddings, *, features: str 
 @registry.register("linear_probe")
 class LinearProbe(ScenarioEvaluator):
     """`probe_tasks` trained on `train_split`, tested on the evaluator's split. Options:
-    `epochs`, `lr`, `weight_decay`, `probe_batch_size`, `features` ("raw" / "l2"), `seed`."""
+    `epochs`, `lr`, `weight_decay`, `probe_batch_size`, `features` ("raw" / "l2"), `seed`,
+    `tasks` (of action, object, relation; default all three)."""
 
     def __init__(self, *, epochs: int = 6, lr: float = 2e-5, weight_decay: float = 5e-4,
-                 probe_batch_size: int = 128, features: str = "raw", seed: int = 0, **common):
+                 probe_batch_size: int = 128, features: str = "raw", seed: int = 0,
+                 tasks: Sequence[str] = TASKS, **common):
         super().__init__(**common)
-        self.features = features
+        self.features, self.tasks = features, tuple(tasks)
         self.probe = dict(epochs=epochs, lr=lr, weight_decay=weight_decay,
                           batch_size=probe_batch_size, seed=seed)
 
     def evaluate(self, model, test: SplitEmbeddings) -> dict:
         return probe_tasks(self.embed(model, self.train_split), test, features=self.features,
-                           ks=self.ks, **self.probe)
+                           tasks=self.tasks, ks=self.ks, **self.probe)
