@@ -56,6 +56,7 @@ from data_prep.shards import ShardWriter, convert_sample, iter_records, refuse_a
 from data_prep.source_items import SourceError, SourceItem, read_image
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.data.panoptic import Panoptic
 from sclaro_jax.files import own_folder, remove_own_folder
 
 READERS = {"psg": psg.read, "vg": vg.read}
@@ -235,7 +236,7 @@ def make_sample(graph: Graph, data: SceneGraphs, counts: Counts, rule,
     counts.splits[graph.split] += 1
     # the segment masks travel with the originals (the writer drops both without
     # --keep-originals): relation localisation's targets
-    panoptic = None if png is None else schema.Panoptic(
+    panoptic = None if png is None else Panoptic(
         png, tuple(int(graph.segments[k]) for k in sorted(index, key=index.get)))
     return schema.Sample(
         id=graph.id, source=data.source, split=graph.split, image=image, width=img.width,

@@ -22,24 +22,11 @@ default, also in the manifest):
   object transform before its colour jitter), a JPEG;
 - `relations[k].view`: Resize(S) + CenterCrop(S) of the focused region, a JPEG;
 - `train_image`: the photograph downscaled (bicubic, antialiased) to the smallest size from
-  which RandomResizedCrop(S, scale 0.8-1, ratio 3/4-4/3) never upsamples
-  (`train_image_size`): an accepted crop is at least sqrt(0.8 * 3/4 * area) on either side and
-  the fallback crop keeps the whole shorter side, so area >= S^2 / 0.6 and shorter side >= S
-  suffice. At S = 224 that is 290 x 290 for a square photograph (`global_short_side`, the
-  largest), 251 x 335 for 4:3 and 224 x 398 for 16:9; smaller photographs are stored as they
-  are.
+  which RandomResizedCrop(S, scale 0.8-1, ratio 3/4-4/3) never upsamples (`train_image_size`).
 - `image` (the original photograph) and `relations[k].region` only when the writer was told to
   keep the originals (`--keep-originals`); otherwise they are None and evaluations that need
-  full resolution (localisation, MINER crops) say so.
-
-Optional in either version, with the originals: `panoptic` (`Panoptic`), the dataset's own
-segment masks of a `mask_kind == "panoptic"` record (`python -m data_prep import --source psg
---keep-originals`): `png`, the dataset's panoptic PNG as released (the photograph's size, each
-pixel's segment id R + 256 G + 256^2 B, COCO's encoding), and `segments`, objects[k]'s segment
-id; object k's mask is the pixels whose id is `segments[k]` (`object_mask`). Relation
-localisation reads it. Records without the key (older imports, other sources) read as
-`panoptic=None`; a reader that predates the key ignores it (the other keys keep their meaning,
-so the version stays 2). It is dropped with the originals.
+  full resolution (localisation, MINER crops) say so. With them, a panoptic record may hold
+  its dataset's segment masks (`panoptic`, in either version: `sclaro_jax.data.panoptic`).
 
 Version 1 records (originals only, no views) stay readable: the pipeline makes their views on
 the host, at the reference's 224 px.
@@ -68,6 +55,7 @@ import numpy as np
 from PIL import Image
 
 from sclaro_jax import bounds
+from sclaro_jax.data import panoptic as pan
 
 MAGIC = b"SCLARO"
 SCHEMA_VERSION = 2  # what the writer writes
@@ -126,13 +114,6 @@ class Relation:
 
 
 @dataclasses.dataclass(frozen=True)
-class Panoptic:
-    """A panoptic record's segment masks: the dataset's PNG and each object's segment id."""
-    png: bytes  # PNG, the photograph's size; segment id of a pixel = R + 256 G + 256^2 B
-    segments: tuple[int, ...]  # objects[k]'s segment id
-
-
-@dataclasses.dataclass(frozen=True)
 class Sample:
     id: str
     source: str
@@ -147,7 +128,7 @@ class Sample:
     mask_kind: str = "sam"
     view_size: int | None = None  # v2: S of the stored views; None: originals only (v1)
     train_image: bytes | None = None  # v2: the photograph at train_image_size(w, h, S)
-    panoptic: Panoptic | None = None  # the dataset's segment masks (kept with the originals)
+    panoptic: pan.Panoptic | None = None  # the dataset's segment masks, kept with the originals
 
     @property
     def has_views(self) -> bool:
@@ -206,25 +187,6 @@ def original_image(sample: Sample) -> bytes:
     return sample.image
 
 
-def panoptic_ids(sample: Sample) -> np.ndarray:
-    """int64 [H, W]: the segment id of every pixel of the record's panoptic PNG (R + 256 G +
-    256^2 B); RecordError when the record has none or it does not decode at the photograph's
-    size."""
-    if sample.panoptic is None:
-        raise RecordError(f"sample {sample.id!r} holds no panoptic masks")
-    img = decode_image(sample.panoptic.png, f"sample {sample.id!r} panoptic PNG",
-                       size=(int(sample.width), int(sample.height)))
-    rgb = np.asarray(img, np.int64)
-    return rgb[..., 0] + 256 * rgb[..., 1] + 65536 * rgb[..., 2]
-
-
-def object_mask(sample: Sample, k: int, ids: np.ndarray | None = None) -> np.ndarray:
-    """bool [H, W]: object k's segment mask from the record's panoptic PNG (`ids`: its
-    `panoptic_ids`, when already decoded)."""
-    ids = panoptic_ids(sample) if ids is None else ids
-    return ids == sample.panoptic.segments[k]
-
-
 def triplet_text(subject: str, predicate: str, obj: str) -> str:
     """The relation level's text: subject, predicate and object joined with spaces."""
     return " ".join(part.strip() for part in (subject, predicate, obj))
@@ -240,9 +202,7 @@ def encode(sample: Sample) -> bytes:
         "id": sample.id, "source": sample.source, "split": sample.split,
         "image": sample.image, "width": int(sample.width), "height": int(sample.height),
         "action": sample.action, "caption": sample.caption, "mask_kind": sample.mask_kind,
-    }
-    if sample.panoptic is not None:
-        payload["panoptic"] = [sample.panoptic.png, [int(i) for i in sample.panoptic.segments]]
+        **pan.payload(sample.panoptic)}
     if not sample.has_views:
         payload["objects"] = [[o.name, [float(v) for v in o.box]] for o in sample.objects]
         payload["relations"] = [[r.subject, r.predicate, r.object, r.text, r.region]
@@ -278,10 +238,7 @@ def decode(record: bytes) -> Sample:
         common = dict(
             id=p["id"], source=p["source"], split=p["split"], image=p["image"],
             width=p["width"], height=p["height"], action=p["action"], caption=p["caption"],
-            mask_kind=p["mask_kind"])
-        if p.get("panoptic") is not None:
-            png, segments = p["panoptic"]
-            common["panoptic"] = Panoptic(png, tuple(segments))
+            mask_kind=p["mask_kind"], panoptic=pan.from_payload(p.get("panoptic")))
         if version == 1:
             sample = Sample(
                 **common, objects=tuple(Object(name, tuple(box)) for name, box in p["objects"]),
@@ -316,10 +273,7 @@ def _typed(s: Sample, version: int) -> Sample:
         fields += [(f"object {i} box", v, (int, float)) for v in o.box]
     for j, r in enumerate(s.relations):
         fields += [(f"relation {j} {f}", getattr(r, f), t) for f, t in _RELATION_TYPES]
-    if s.panoptic is not None:
-        fields += [("panoptic png", s.panoptic.png, (bytes,))]
-        fields += [(f"panoptic segment {k}", v, (int,))
-                   for k, v in enumerate(s.panoptic.segments)]
+    fields += pan.typed_fields(s.panoptic)
     for name, v, types in fields:
         if type(v) not in types:
             raise RecordError(f"corrupt SCLARO record payload (version {version}): {name} is "
@@ -404,18 +358,9 @@ def validate(sample: Sample, *, decode_images: bool = True) -> None:
     elif sample.train_image is None or any(o.view is None for o in sample.objects) or any(
             r.view is None for r in sample.relations):
         fail(f"view_size {v} but the train_image or an object / relation view is missing")
-    pan = sample.panoptic
-    if pan is not None:
-        if sample.mask_kind != "panoptic":
-            fail(f"panoptic masks in a record of mask_kind {sample.mask_kind!r}")
-        if sample.image is None:
-            fail("panoptic masks without the original photograph (they are kept with it)")
-        if len(pan.segments) != len(sample.objects):
-            fail(f"{len(pan.segments)} panoptic segment ids for {len(sample.objects)} objects")
+    pan.validate(sample, fail, decode_images)
     if decode_images:
         try:
-            if pan is not None:
-                decode_image(pan.png, "panoptic PNG", size=(w, h))
             if sample.image is not None:
                 decode_image(sample.image, size=(w, h))
             if v is not None:

@@ -65,6 +65,7 @@ class Settings:
     step: int | None = None
     probe_epochs: int = 6
     probe_lr: float = 2e-5
+    probe_tasks: tuple | None = None  # the linear probe's (action, object, relation): all
     min_predicate_instances: int = 5
     localisation_variants: tuple = ("frozen", "trainable")
     localisation_epochs: int = 1
@@ -165,20 +166,42 @@ def unsupported(data_dir: str, settings: "Settings") -> dict[str, str]:
     return out
 
 
+def _plan(workdirs: dict[str, str], settings: "Settings", data: str | None,
+          config: str | None) -> tuple["Settings", dict[str, str]]:
+    """(the settings without what the data cannot support, {what: why} of that): `unsupported`
+    over the workdirs' datasets, each said in one line; ValueError for an unknown task or one
+    asked for by name (`settings.required`) that cannot run."""
+    unknown = [t for t in settings.tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"unknown tasks {unknown}; known: {TASKS}")
+    skipped: dict[str, str] = {}
+    for name, workdir in workdirs.items():
+        for what, why in unsupported(_data_dir(_run_config(workdir, config), workdir, data),
+                                     settings).items():
+            if what.partition(".")[0] in settings.required:
+                raise ValueError(f"{SKIP_NAMES[what]}: cannot run on {name}'s data: {why} "
+                                 f"(leave {what.partition('.')[0]} out of --tasks)")
+            skipped.setdefault(what, why)
+    for what, why in skipped.items():
+        log.warning("%s: skipped, %s", SKIP_NAMES[what], why)
+    return dataclasses.replace(
+        settings, tasks=tuple(t for t in settings.tasks if t not in skipped),
+        probe_tasks=("object", "relation") if "linear_probe.action" in skipped
+        else settings.probe_tasks), skipped
+
+
 SKIP_NAMES = {"linear_probe": "linear probe", "linear_probe.action": "linear probe (action)",
               "localisation": "localisation", "attention_overlays": "attention-overlay figure"}
 
 
-def suite_evals(settings: "Settings", cache_dir: str, fingerprint: str, *,
-                probe_tasks: tuple | None = None) -> dict:
-    """The `config.evals` entries of the settings' tasks (every=0: run when asked);
-    `probe_tasks`: the linear probe's tasks, when not all three."""
+def suite_evals(settings: "Settings", cache_dir: str, fingerprint: str) -> dict:
+    """The `config.evals` entries of the settings' tasks (every=0: run when asked)."""
     shared = dict(every=0, split=settings.split, train_split=settings.train_split)
     scen = dict(shared, batch_size=settings.batch_size, cache_dir=cache_dir,
                 fingerprint=fingerprint, progress=settings.progress)
     probe = dict(scen, epochs=settings.probe_epochs, lr=settings.probe_lr)
-    if probe_tasks is not None:
-        probe["tasks"] = tuple(probe_tasks)
+    if settings.probe_tasks is not None:
+        probe["tasks"] = tuple(settings.probe_tasks)
     entries = {"zero_shot": scen, "linear_probe": probe,
                "predcls": dict(scen, min_instances=settings.min_predicate_instances),
                "sgcls": dict(scen, min_instances=settings.min_predicate_instances),
@@ -209,29 +232,14 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
 
     figures = _figures(settings)  # their packages, before any work
 
-    unknown = [t for t in settings.tasks if t not in TASKS]
-    if unknown:
-        raise ValueError(f"unknown tasks {unknown}; known: {TASKS}")
-    # what the data cannot support, before any model is loaded: an error for a task asked for
-    # by name (`settings.required`), else skipped, said in one line each
-    skipped: dict[str, str] = {}
-    for name, workdir in workdirs.items():
-        for what, why in unsupported(_data_dir(_run_config(workdir, config), workdir, data),
-                                     settings).items():
-            if what.partition(".")[0] in settings.required:
-                raise ValueError(f"{SKIP_NAMES[what]}: cannot run on {name}'s data: {why} "
-                                 f"(leave {what.partition('.')[0]} out of --tasks)")
-            skipped.setdefault(what, why)
-    for what, why in skipped.items():
-        log.warning("%s: skipped, %s", SKIP_NAMES[what], why)
-    settings = dataclasses.replace(settings, tasks=tuple(
-        t for t in settings.tasks if t not in skipped))
+    settings, skipped = _plan(workdirs, settings, data, config)  # before any model is loaded
     out_dir = Path(out)
     (out_dir / "figures").mkdir(parents=True, exist_ok=True)
     cache = str(out_dir / "cache")
     record: dict = {"settings": dataclasses.asdict(settings), "models": {}, "figures": {},
                     "skipped": {SKIP_NAMES[k]: v for k, v in skipped.items()}}
-    tables: list[str] = []
+    tables = ["## Skipped\n\n" + "\n".join(f"- {SKIP_NAMES[k]}: {v}" for k, v in skipped.items())
+              ] if skipped else []
     models, data_dirs, image_sizes = {}, {}, {}
     for name, workdir in workdirs.items():
         cfg = _run_config(workdir, config)
@@ -245,9 +253,7 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         fingerprint = embedding.model_fingerprint(model)
         cfg = cfg.copy_and_resolve_references()
         cfg.data.dir = data_dir
-        cfg.evals = suite_evals(settings, cache, fingerprint,
-                                probe_tasks=("object", "relation")
-                                if "linear_probe.action" in skipped else None)
+        cfg.evals = suite_evals(settings, cache, fingerprint)
         embed = functools.partial(embedding.embed_dataset, model, data_dir,
                                   image_size=image_sizes[name], batch_size=settings.batch_size,
                                   cache_dir=cache, fingerprint=fingerprint)
@@ -291,9 +297,6 @@ def evaluate_workdirs(workdirs: dict[str, str], out: str, settings: Settings = S
         table, rows = cost.cost_table(models)
         record["cost"] = rows
         tables.append("## Parameters and FLOPs (appendix Table A1)\n\n" + table)
-    if skipped:
-        tables.append("## Skipped\n\n" + "\n".join(
-            f"- {SKIP_NAMES[k]}: {v}" for k, v in skipped.items()))
     if record["figures"]:
         tables.append("## Figures\n\n" + "\n".join(
             f"- {k}: `{os.path.relpath(v, out_dir)}`" for k, v in record["figures"].items()))

@@ -9,7 +9,7 @@ For every annotated relation (subject, predicate, object) of a record:
 - **target**: the relation mask, the union of the subject's and the object's masks. Records with
   `mask_kind == "box"` (the demo) used the boxes themselves as the masks, so the target is the
   union of the two boxes. Records with `mask_kind == "panoptic"` (PSG's import) hold the
-  dataset's own segment masks when imported with `--keep-originals` (`schema.Panoptic`: the
+  dataset's own segment masks when imported with `--keep-originals` (`sclaro_jax.data.panoptic`: the
   panoptic PNG and each object's segment id), so the target is the union of the two segments; a
   panoptic record without them (an import from before they were kept) raises `LocaliseError`
   naming the import command. Records with `mask_kind == "sam"` store only the focused-region
@@ -54,7 +54,7 @@ from flax import nnx
 from PIL import Image
 
 from sclaro_jax import ops
-from sclaro_jax.data import augment, schema
+from sclaro_jax.data import augment, panoptic, schema
 from sclaro_jax.eval.encoders import Batcher
 from sclaro_jax.eval.protocols import registry
 from sclaro_jax.eval.protocols.embedding import read_samples
@@ -99,7 +99,7 @@ def relation_mask(sample: schema.Sample, index: int, mask_fn: MaskFn | None = No
 
     `mask_fn(sample, index)` supplies it when given; otherwise `mask_kind == "box"` records use
     the union of the two boxes, `"panoptic"` records the union of the two segments of their
-    stored panoptic PNG (`ids`: its `schema.panoptic_ids`, when already decoded), and `"sam"`
+    stored panoptic PNG (`ids`: its `panoptic.ids`, when already decoded), and `"sam"`
     records raise `LocaliseError` (the record does not store the masks; see the module
     docstring)."""
     if mask_fn is not None:
@@ -113,11 +113,11 @@ def relation_mask(sample: schema.Sample, index: int, mask_fn: MaskFn | None = No
     if sample.mask_kind == "panoptic" and sample.panoptic is not None:
         rel = _relation(sample, index)
         try:
-            ids = schema.panoptic_ids(sample) if ids is None else ids
-        except schema.RecordError as e:
+            ids = panoptic.ids(sample) if ids is None else ids
+        except panoptic.PanopticError as e:
             raise LocaliseError(str(e)) from None
-        return (schema.object_mask(sample, rel.subject, ids)
-                | schema.object_mask(sample, rel.object, ids))
+        return (panoptic.object_mask(sample, rel.subject, ids)
+                | panoptic.object_mask(sample, rel.object, ids))
     if sample.mask_kind == "panoptic":
         raise LocaliseError(
             f"sample {sample.id!r} has mask_kind 'panoptic' but holds no panoptic masks (an "
@@ -155,7 +155,7 @@ def relation_examples(samples: Iterable[schema.Sample], image_size: int, *,
             break
         image = np.asarray(schema.decode_image(schema.original_image(sample),
                                                f"sample {sample.id!r} image"))
-        ids = (schema.panoptic_ids(sample) if mask_fn is None and sample.relations
+        ids = (panoptic.ids(sample) if mask_fn is None and sample.relations
                and sample.mask_kind == "panoptic" and sample.panoptic is not None else None)
         for j in range(len(sample.relations)):
             if max_relations is not None and len(inputs) >= max_relations:
