@@ -83,7 +83,12 @@ def segment_map(size, segments):
 
 @pytest.fixture(scope="module")
 def psg_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("openpsg")
+    return write_psg_root(tmp_path_factory.mktemp("openpsg"))
+
+
+def write_psg_root(root):
+    """An OpenPSG download folder in the released layout under `root` (psg/psg.json, COCO's
+    train2017 JPEGs, panoptic PNGs and captions json) holding `PSG_IMAGES`; returns `root`."""
     data = []
     for image_id, (name, size, segments, relations) in PSG_IMAGES.items():
         file_name = f"train2017/{int(image_id):012d}.jpg"
@@ -439,38 +444,3 @@ def test_a_dataset_in_out_is_refused_before_reading(psg_out, tmp_path, capsys):
                  str(psg_out[0]), "--no-actions", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "already holds a dataset" in err
-
-
-# --------------------------------------------------------------------------- import -> train
-
-TINY = ["--config.model.preset=tiny", "--config.model.embed_dim=64",
-        "--config.data.image_size=32", "--config.data.batch_size=2", "--config.data.max_packed_sizes=1",
-        "--config.data.workers=0", "--config.train.epochs=0"]
-
-
-@pytest.mark.slow
-def test_an_import_trains_and_evaluates_on_its_test_split(psg_out, tmp_path, capsys):
-    """Issue 52's path, no VLM: the import (psg_out: `--image-size 32`, the demo's view size;
-    no curate, PSG's classes being canonical already) -> launch/train.py's :psg recipe, the
-    tiny model, 5 steps, evaluated by the launcher on test -> the suite on test."""
-    from sclaro_jax.eval import suite
-
-    workdir = tmp_path / "run"
-    run = subprocess.run([sys.executable, "launch/train.py", "--config", "scenarioclip:psg",
-                          "--workdir", str(workdir), f"--config.data.dir={psg_out[0]}", *TINY,
-                          "--config.train.steps=5", "--no-progress"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    assert "done: 5 steps" in run.stdout
-    steps = [json.loads(line)["step"] for line in (workdir / "metrics.jsonl").open()]
-    assert max(steps) == 5
-    results = json.loads((workdir / "results.json").read_text())
-    assert "zero_shot" in json.dumps(results)
-    out = tmp_path / "eval"
-    assert suite.main(["--workdir", str(workdir), "--split", "test", "--tasks",
-                       "zero_shot,predcls", "--min-predicate-instances", "1", "--no-figures",
-                       "--no-cost", "--out", str(out), "--no-progress"]) == 0
-    (model,) = json.loads((out / "eval.json").read_text())["models"].values()
-    assert model["step"] == 5
-    assert 0 <= model["zero_shot"]["object"]["strict"]["all"]["top1"] <= 100
-    assert "predcls" in model

@@ -1,14 +1,9 @@
-"""README's "Train on PSG" journey on the released-layout fixture of test_import_scene_graphs
-(psg.json, COCO photographs, panoptic PNGs, captions): an import with --no-actions and
---keep-originals, a tiny run at the import's view size, and the suite ending in its table with
-the protocols the data cannot support skipped in one line each; panoptic records' localisation
-targets; the view-size and tiny-preset checks before any model is built."""
+"""The pieces of README's "Train on PSG" journey, on the released-layout fixture of
+test_import_scene_graphs (psg.json, COCO photographs, panoptic PNGs, captions): panoptic records'
+localisation targets; the view-size and tiny-preset checks before any model is built. The
+journey itself, README's commands run as written, is tests/test_readme_journeys.py's."""
 
-import json
-import os
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -120,46 +115,3 @@ def test_view_size_mismatch_is_one_line_before_any_model_with_a_command_that_wor
     assert "reshard" not in fix
     assert data_prep_main([*argv[3:], "--workers", "1", "--no-progress"]) == 0
     open_dataset(argv[argv.index("--out") + 1]).check_view_size(32)   # the views fit now
-
-
-@pytest.mark.slow
-def test_psg_journey_ends_in_the_suite_table(psg_data, tmp_path):
-    """README's three commands on the fixture (with CPU-sized overrides): import (above), train
-    the :psg recipe for 2 steps with the tiny preset at the import's view size, then the suite
-    with its default tasks: the action probe is skipped in one line, the table is printed and
-    it exits 0; localisation runs on the panoptic records."""
-    workdir = tmp_path / "run"
-    train = subprocess.run(
-        [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:psg",
-         "--workdir", str(workdir), f"--config.data.dir={psg_data}",
-         "--config.model.preset=tiny", "--config.train.steps=2",
-         f"--config.data.image_size={SIZE}", "--config.data.batch_size=2",
-         "--config.data.workers=0", "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-3000:]
-    suite = subprocess.run(
-        [sys.executable, "-m", "sclaro_jax.eval.suite", "--workdir", str(workdir), "--split",
-         "test", "--no-progress", "--probe-epochs", "1", "--min-predicate-instances", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert suite.returncode == 0, suite.stdout[-2000:] + suite.stderr[-3000:]
-    skipped = [x for x in suite.stderr.splitlines() if "skipped" in x]
-    assert skipped == ["linear probe (action): skipped, the train split has no action labels "
-                       "(imported with --no-actions)"], suite.stderr
-    assert "### Linear probe" in suite.stdout and "## Skipped" in suite.stdout
-    record = json.loads((workdir / "eval" / "eval.json").read_text())
-    res = record["models"]["run"]
-    assert set(res["linear_probe"]) == {"object", "relation"}
-    for key in ("zero_shot", "predcls", "sgcls"):
-        assert key in res, key
-    assert set(res["localisation"]) == {"frozen", "trainable"}
-    assert res["localisation"]["frozen"]["num_test"] == 1 and res["localisation"]["frozen"][
-        "image_size"] == SIZE
-    assert "attention_overlays" in record["figures"]
-    # a protocol named with --tasks that cannot run stays an error
-    named = subprocess.run(
-        [sys.executable, "-m", "sclaro_jax.eval.suite", "--workdir", str(workdir), "--tasks",
-         "linear_probe", "--no-figures", "--no-progress"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert named.returncode == 2 and "error: linear probe (action)" in named.stderr, named.stderr
-    assert "loading the checkpoint" not in named.stderr
-    assert os.path.exists(workdir / "eval" / "eval.md")
