@@ -4,6 +4,7 @@
     python launch/train.py --config configs/scenarioclip.py[:VARIANT] --workdir DIR [--config.x.y=V]
     python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
     sclaro-train --config detection:demo --workdir DIR     # installed: any folder, by name
+    python launch/train.py --workdir DIR --eval-only [--step N] [--config.x.y=V]  # again
 
 `--config` takes a recipe's file or its name (`scenarioclip:demo`, from any folder). A config
 file is Python that runs when it is loaded, like a script: pass only files you trust (it is run
