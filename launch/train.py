@@ -4,6 +4,7 @@
     python launch/train.py --config configs/scenarioclip.py[:VARIANT] --workdir DIR [--config.x.y=V]
     python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
     sclaro-train --config detection:demo --workdir DIR     # installed: any folder, by name
+    python launch/train.py --workdir DIR --eval-only [--step N] [--config.x.y=V]  # again
 
 `--config` takes a recipe's file or its name (`scenarioclip:demo`, from any folder). A config
 file is Python that runs when it is loaded, like a script: pass only files you trust (it is run
@@ -18,77 +19,136 @@ run's length included: it sets the schedule) is refused unless --allow-config-ch
 second run on a workdir in use is refused, naming the first. With an empty `config.data.dir`,
 the `:demo` variants write the bundled demo to DIR/demo_data first.
 
-The conventions of every command (`sclaro_jax.cli`): flags with hyphens (`--no-progress`,
-`--allow-config-change`; absl's underscore spellings and `--noeval` work too), a usage error
-(an unknown flag or config key, with the closest known; a bad value; a missing --workdir) is
-one `error: ... (see --help)` line and exit 2, and any other user error one `error:` line,
-exit 2 (the traceback too with --verbose).
+The command line has one grammar, the one of every command (`sclaro_jax.cli`, and
+`sclaro_jax.config.apply_overrides` for the recipe's keys): flags with hyphens (`--no-progress`,
+`--allow-config-change`; the underscore spellings and absl's old `--noeval` work too);
+`--config.KEY=VALUE` or `--config.KEY VALUE` (repeatable, applied in order) sets a key of the
+recipe, its value read as the key's type (a switch takes `True`/`true`/`1` or `False`/`false`/
+`0`); a usage error (an unknown flag or config key, with the closest known; a bad value; a
+missing --config or --workdir) is one `error: ... (see --help)` line and exit 2, and any other
+user error one `error:` line, exit 2 (the traceback too with --verbose).
+
+Evaluating a run again is this command's `--eval-only`: `--workdir DIR --eval-only` alone
+evaluates DIR with its own recipe (DIR/config.json), `--config` (and overrides) with another.
+`python -m sclaro_jax.eval.detect --workdir DIR` is an alias of it for detector runs.
 """
 
+import argparse
 import logging
 import os
 import sys
-
-from absl import app, flags
-from absl import logging as absl_logging
-import ml_collections
-from ml_collections import config_flags
+from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if not __package__:  # `python launch/train.py` in a checkout: the checkout that holds this file
     sys.path.insert(0, ROOT)  # (imported as launch.train, sclaro-train: importable already)
 
-from sclaro_jax.config import (CODE_NOTE, check_override_keys, list_configs,  # noqa: E402
-                               load_config)
+from sclaro_jax import cli as conventions  # noqa: E402
+from sclaro_jax.config import (CODE_NOTE, apply_overrides, list_configs,  # noqa: E402
+                               load_config, run_config, split_overrides)
+
+PROG = "python launch/train.py"
 
 
-def split_flag(argv: list[str], name: str) -> tuple[str | None, list[str]]:
-    """(the value of `name`, i.e. `NAME=V` or `NAME V`, the last one; argv without it)."""
-    rest, value, i = [], None, 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-        elif arg == name and i + 1 < len(argv):
-            value, i = argv[i + 1], i + 1
-        else:
-            rest.append(arg)
-        i += 1
-    return value, rest
+class UsageError(ValueError):
+    """A usage error found after the flags were read (a missing --config or --workdir, an
+    unknown config key, a bad value): `error: MESSAGE (see PROG --help)`, exit 2."""
 
 
-def split_config_spec(argv: list[str]) -> tuple[str | None, list[str]]:
-    """(the value of --config, i.e. `--config=SPEC` or `--config SPEC`; argv without it). The
-    rest, `--config.x.y=V` overrides included, goes to absl."""
-    return split_flag(argv, "--config")
+def build_parser(prog: str = PROG) -> conventions.ArgumentParser:
+    """The launcher's flags (`sclaro_jax.cli`'s conventions). The `--config.KEY=VALUE`
+    overrides are taken out of the command line before it is read (`parse`); --help is the
+    launcher's own (`print_help`)."""
+    on_off = argparse.BooleanOptionalAction
+    p = conventions.parser(prog, "Train a task's run, then evaluate it.")
+    p.add_argument("--config", default=None, metavar="NAME[:VARIANT]|FILE[:VARIANT]",
+                   help="the recipe (required, but with --eval-only: the run's own, "
+                        "WORKDIR/config.json); then --config.KEY=VALUE overrides (repeatable); "
+                        f"{CODE_NOTE}")
+    p.add_argument("--workdir", default=None, metavar="DIR",
+                   help="the run's folder: checkpoints, metrics.jsonl and TensorBoard logs "
+                        "(required)")
+    p.add_argument("--allow-config-change", action=on_off, default=False,
+                   help="continue a run with a config that differs from the one it was "
+                        "started with (both are kept in the workdir)")
+    p.add_argument("--verify-data", action=on_off, default=False,
+                   help="check every shard's sha256 against the manifest before training "
+                        "(the quick size and record-count check always runs)")
+    p.add_argument("--verbose", action=on_off, default=False, help="print tracebacks for errors")
+    p.add_argument("--eval", action=on_off, default=True,
+                   help="evaluate the run when its training is complete (--no-eval: train only)")
+    p.add_argument("--eval-only", action=on_off, default=False,
+                   help="evaluate WORKDIR's newest checkpoint, no training")
+    p.add_argument("--step", type=conventions.number_in(0, conventions.INT_MAX), default=None,
+                   metavar="N",
+                   help="with --eval-only: the checkpoint step to evaluate (default: the newest "
+                        "complete one)")
+    p.add_argument("--progress", action=on_off, default=True,
+                   help="progress bars (--no-progress: none)")
+    return p
 
 
-def define_flags(spec: str | None, argv: list[str]) -> None:
-    """--config (loaded by `sclaro_jax.config.load_config`, then `--config.x.y=V` overrides
-    applied by absl's config_flags to `argv`, the command line without --config), --workdir and
-    the run's switches. Unknown override keys are refused first, naming the closest known."""
-    config = ml_collections.ConfigDict() if spec is None else load_config(spec)
-    if spec is not None:
-        check_override_keys(config, argv)
-    config_flags.DEFINE_config_dict("config", config, "config file[:variant], e.g. "
-                                    "configs/scenarioclip.py:demo (required)", lock_config=True,
-                                    sys_argv=argv)
-    flags.DEFINE_string("workdir", None, "checkpoints, metrics.jsonl and TensorBoard logs")
-    flags.DEFINE_bool("allow_config_change", False, "continue a run with a config that differs "
-                      "from the one it was started with (both are kept in the workdir)")
-    flags.DEFINE_bool("verify_data", False, "check every shard's sha256 against the manifest "
-                      "before training (the quick size and record-count check always runs)")
-    flags.DEFINE_bool("verbose", False, "print tracebacks for errors")
-    flags.DEFINE_bool("eval", True, "evaluate the run when its training is complete "
-                      "(--no-eval: train only)")
-    flags.DEFINE_bool("eval_only", False, "evaluate WORKDIR's newest checkpoint, no training")
-    flags.DEFINE_integer("step", None, "with --eval-only: the checkpoint step to evaluate "
-                         "(default: the newest complete one)", lower_bound=0)
-    flags.DEFINE_bool("progress", True, "progress bars (--no-progress: none)")
+def _switches(parser) -> set[str]:
+    """The on/off flags as defined (`--eval-only`)."""
+    return {a.option_strings[0] for a in parser._actions
+            if isinstance(a, argparse.BooleanOptionalAction)}
 
 
-FLAGS = flags.FLAGS
+def absl_spellings(args: list[str], switches: set[str]) -> list[str]:
+    """absl's spellings of the on/off flags rewritten to the defined ones: `--noeval`,
+    `--noallow_config_change` -> `--no-eval`, `--no-allow-config-change`; `--eval=false`,
+    `--progress=0` -> `--no-progress`; `--eval=true` -> `--eval`. Up to a bare `--`."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        head, eq, value = arg.partition("=")
+        name = "--" + head[2:].replace("_", "-") if head.startswith("--") else head
+        if name.startswith("--no") and not name.startswith("--no-") \
+                and "--" + name[4:] in switches:
+            name = "--no-" + name[4:]
+            arg = name + eq + value
+        if name in switches and eq and value.lower() in ("true", "1", "false", "0"):
+            arg = name if value.lower() in ("true", "1") else "--no-" + name[2:]
+        out.append(arg)
+    return out
 
+
+def parse(args: list[str], prog: str = PROG) -> SimpleNamespace:
+    """The command line `args` (without the program's name) read and checked, and its recipe
+    loaded with the overrides applied; nothing runs. Returns the flags (workdir, eval,
+    eval_only, step, progress, allow_config_change, verify_data, verbose, config: the spec),
+    `recipe` (the locked ConfigDict) and `overrides` ("KEY=VALUE", in order). An unknown flag or
+    a bad flag value exits 2 with its one line (`sclaro_jax.cli`); a missing --config or
+    --workdir, an unknown config key or a bad value raises `UsageError`; a recipe that cannot be
+    loaded, an --eval-only workdir that does not exist, a busy workdir (`probe_workdir`, before
+    jax is imported) their own errors."""
+    overrides, rest = split_overrides(args)
+    parser = build_parser(prog)
+    flags = parser.parse_args(absl_spellings(rest, _switches(parser)))
+    if flags.config is None and not flags.eval_only:
+        raise UsageError("--config is required: a recipe's name or file[:variant], e.g. "
+                         "--config scenarioclip:demo (with --eval-only, the run's own recipe "
+                         "is the default)")
+    if not flags.workdir:
+        raise UsageError("--workdir is required: the run's folder (checkpoints, metrics, "
+                         "results)")
+    if flags.step is not None and not flags.eval_only:
+        raise UsageError(f"--step {flags.step} picks the checkpoint that --eval-only "
+                         "evaluates; pass --eval-only too (training resumes from the newest "
+                         "checkpoint)")
+    if flags.eval_only and not os.path.isdir(flags.workdir):
+        raise FileNotFoundError(f"--workdir {flags.workdir} does not exist: pass the folder of "
+                                "a run to evaluate (the --workdir it was trained in)")
+    recipe = load_config(flags.config) if flags.config else run_config(flags.workdir)
+    try:
+        apply_overrides(recipe, overrides)
+    except (KeyError, ValueError) as e:  # the recipe's keys are flags of the command line too
+        raise UsageError(conventions.message(e)) from e
+    recipe.lock()  # a key the recipe does not have is never made
+    from sclaro_jax.run.lock import probe_workdir
+    probe_workdir(flags.workdir)  # a second run on a busy workdir: refused before jax loads
+    return SimpleNamespace(**vars(flags), recipe=recipe, overrides=overrides)
 
 def check_data_dir(config, task) -> None:
     """An empty config.data.dir is for the demo configs only (the launcher writes the bundled
@@ -123,37 +183,42 @@ def prepare_demo(config, workdir: str, task) -> None:
         config.data.dir = data
 
 
-def main(argv):
-    del argv
+def run(args: SimpleNamespace, only: str | None = None) -> None:
+    """Train and evaluate, or evaluate only, the run `args` (`parse`) describes. `only`: the one
+    task whose runs this command takes (the refusal of another names eval.suite)."""
+    from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)  # orbax's per-save INFO lines
     logging.getLogger("sclaro_jax").setLevel(logging.INFO)
-    config = FLAGS.config
-    workdir = FLAGS.workdir
+    config, workdir = args.recipe, args.workdir
     if config.distributed:  # many processes: coordinator and process ids from the environment
         from sclaro_jax.run.sharding import initialize_distributed
         initialize_distributed()
     from sclaro_jax.run import lock, task as tasks
     task = tasks.of(config)
+    if only and task.name != only:
+        wanted = "a detector's" if only == "detection" else f"a {only} run"
+        raise ValueError(f"{workdir} is a {task.name} run, not {wanted}: evaluate it with "
+                         "python -m sclaro_jax.eval.suite")
     task.check(config)  # before anything is written
     check_data_dir(config, task)
     lock.hold_workdir(workdir)  # this process is the run's one writer until it ends
     if not config.data.dir:
         prepare_demo(config, workdir, task)
     fitted = None
-    if not FLAGS.eval_only:
-        fitted = task.fit(config, workdir, allow_config_change=FLAGS.allow_config_change,
-                          verify_data=FLAGS.verify_data, progress=FLAGS.progress)
+    if not args.eval_only:
+        fitted = task.fit(config, workdir, allow_config_change=args.allow_config_change,
+                          verify_data=args.verify_data, progress=args.progress)
         if fitted.step < fitted.steps:
             print(f"stopped at step {fitted.step} of {fitted.steps}; rerun the same command to "
                   "continue")
             return
         print(f"done: {fitted.steps} steps; metrics in {os.path.join(workdir, 'metrics.jsonl')},"
               f" checkpoints in {os.path.join(workdir, 'checkpoints')}")
-    if (FLAGS.eval_only or FLAGS.eval) and config.distributed:
-        print(f"evaluation: one process evaluates a run; python launch/train.py --config ... "
-              f"--workdir {workdir} --eval-only")
-    elif FLAGS.eval_only or FLAGS.eval:
-        evaluated = task.evaluate(config, workdir, progress=FLAGS.progress, step=FLAGS.step,
+    if (args.eval_only or args.eval) and config.distributed:
+        print(f"evaluation: one process evaluates a run; python launch/train.py --workdir "
+              f"{workdir} --eval-only")
+    elif args.eval_only or args.eval:
+        evaluated = task.evaluate(config, workdir, progress=args.progress, step=args.step,
                                   fitted=fitted)
         print(f"\n{evaluated.table}\n\nresults: {evaluated.path} (and "
               f"{os.path.join(workdir, 'results.json')})")
@@ -163,146 +228,63 @@ def main(argv):
 
 # Errors that are the user's to fix: one `error:` line (and the traceback with --verbose).
 def user_errors() -> tuple[type, ...]:
-    from sclaro_jax.cli import MissingExtra
     from sclaro_jax.data.dataset import DatasetError
     from sclaro_jax.data.schema import SchemaVersionError
     from sclaro_jax.run.folder import RunError
-    return (DatasetError, SchemaVersionError, RunError, FileNotFoundError, PermissionError,
-            NotADirectoryError, KeyError, ValueError, flags.Error, MissingExtra)
+    return (DatasetError, SchemaVersionError, RunError, *conventions.USER_ERRORS)
 
 
-def fail(message: str, verbose: bool) -> None:
-    if verbose:
-        import traceback
-        traceback.print_exc()
-    from sclaro_jax.bounds import printable
-    print(f"error: {printable(message)}", file=sys.stderr)
-    sys.exit(2)
-
-
-def _message(e: BaseException) -> str:
-    return e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-
-
-def _underscores(arg: str) -> str:
-    """--allow-config-change -> --allow_config_change, --no-eval -> --noeval (absl's flag
-    names)."""
-    if not arg.startswith("--") or arg.startswith("--config"):
-        return arg
-    name, eq, value = arg[2:].partition("=")
-    if name.startswith(("no-", "no_")):  # --no-eval: absl's negation of a bool is --noeval
-        name = "no" + name[3:]
-    return "--" + name.replace("-", "_") + eq + value
-
-
-def _hyphens(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def own_flags() -> list:
-    """This module's absl flags (the installed `sclaro-train` runs it under another name: absl
-    keys flags by the module that defines them)."""
-    return FLAGS.get_flags_for_module(FLAGS.find_module_defining_flag("workdir"))
-
-
-def flags_help() -> str:
+def flags_help(parser) -> str:
     """The flags as users spell them: `--allow-config-change`, `--[no-]eval`."""
     lines = []
-    for flag in sorted(own_flags(), key=lambda f: f.name):
-        if flag.name == "config":
-            lines.append("  --config NAME[:VARIANT] | FILE[:VARIANT]: the recipe (required); "
-                         f"then --config.KEY=VALUE overrides (repeatable); {CODE_NOTE}")
+    for action in sorted(parser._actions, key=lambda a: a.option_strings[0].lstrip("-")):
+        flag = action.option_strings[0]
+        if flag in ("-h", "--help"):
             continue
-        if flag.boolean:
-            spell = f"--[no-]{flag.name.replace('_', '-')}"
-            default = f" (default: {'on' if flag.default else 'off'})"
+        if isinstance(action, argparse.BooleanOptionalAction):
+            spell = "--[no-]" + flag[2:]
+            default = f" (default: {'on' if action.default else 'off'})"
         else:
-            spell = f"{_hyphens(flag.name)} VALUE"
-            default = "" if flag.default is None else f" (default: {flag.default})"
-        lines.append(f"  {spell}: {flag.help}{default}")
+            spell = f"{flag} {action.metavar or 'VALUE'}"
+            default = "" if action.default is None else f" (default: {action.default})"
+        lines.append(f"  {spell}: {action.help}{default}")
     return "\n".join(lines)
 
 
-def unknown_flag(args: list[str]) -> str | None:
-    """The first flag of the command line `args` (as typed) that the launcher does not define,
-    with the closest it does ("--workdr (did you mean --workdir?)"), or None."""
-    from sclaro_jax.cli import closest
-
-    spelled = []
-    for flag in own_flags():
-        spelled.append(_hyphens(flag.name))
-        if flag.boolean:
-            spelled.append("--no-" + flag.name.replace("_", "-"))
-    for arg in args:
-        if arg == "--":
-            break
-        if not arg.startswith("--") or arg.startswith(("--config.", "--config=")) \
-                or arg == "--config":
-            continue
-        name = _underscores(arg)[2:].partition("=")[0]
-        flag = FLAGS[name] if name in FLAGS else None
-        if flag is None and name.startswith("no") and name[2:] in FLAGS:
-            flag = FLAGS[name[2:]] if FLAGS[name[2:]].boolean else None
-        if flag is None:
-            typed = arg.partition("=")[0]
-            near = closest(typed.replace("_", "-"), spelled)
-            return typed + (f" (did you mean {near}?)" if near else "")
-    return None
+def print_help(prog: str) -> None:
+    print(__doc__)
+    print("Recipes and their variants (--config NAME[:VARIANT], or a file: "
+          "configs/NAME.py[:VARIANT] in a checkout):")
+    print("\n".join(list_configs()))
+    print()
+    print("Flags:")
+    print(flags_help(build_parser(prog)))
 
 
-def usage(message: str, prog: str, verbose: bool) -> None:
-    fail(f"{message} (see {prog} --help)", verbose)
-
-
-def cli(args: list[str]) -> None:
-    prog = ("python launch/train.py" if args[0].endswith(".py")
-            else os.path.basename(args[0]))
-    typed = args[1:]
-    args = [_underscores(a) for a in args]
-    verbose = "--verbose" in args
-    spec, argv = split_config_spec(args[1:])
-    argv = args[:1] + argv
-    if any(arg in ("-h", "--help", "--helpshort") for arg in argv[1:]):
-        print(__doc__)  # absl's own --help exits with status 1
-        print("Recipes and their variants (--config NAME[:VARIANT], or a file: "
-              "configs/NAME.py[:VARIANT] in a checkout):")
-        print("\n".join(list_configs()))
-        print()
-        try:
-            define_flags(spec, argv)
-        except Exception as e:  # noqa: BLE001 (help still prints the flags it can)
-            print(f"(--config {spec}: {_message(e)})")
-            define_flags(None, argv)
-        print("Flags:")
-        print(flags_help())
-        sys.exit(0)
+def main(args: list[str], prog: str = PROG, only: str | None = None) -> int:
+    """The launcher on the command line `args` (without the program's name): 0 when it ran,
+    2 after a user error's one `error:` line (a usage error's ends `(see PROG --help)`); an
+    unknown flag or a bad flag value exits 2 (argparse). `only`: `run`'s."""
+    before = args[:args.index("--")] if "--" in args else args
+    if any(arg in ("-h", "--help", "--helpshort") for arg in before):
+        print_help(prog)
+        return 0
+    verbose = "--verbose" in before
     try:
-        define_flags(spec, argv)  # before any other check: an unknown flag is named first
-        if (bad := unknown_flag(typed)):
-            usage(f"unrecognized argument: {bad}", prog, verbose)
-        if spec is None:
-            usage("--config is required: a recipe's name or file[:variant], e.g. "
-                  "--config scenarioclip:demo", prog, verbose)
-        from sclaro_jax.run.lock import probe_workdir
-        workdir, _ = split_flag(argv, "--workdir")
-        if not workdir:
-            usage("--workdir is required: the run's folder (checkpoints, metrics, results)",
-                  prog, verbose)
-        probe_workdir(workdir)  # a second run on a busy workdir: refused before jax loads
-        argv = FLAGS(argv)  # parse here, so a bad value is one error line too
-        if FLAGS.step is not None and not FLAGS.eval_only:
-            usage(f"--step {FLAGS.step} picks the checkpoint that --eval-only evaluates; pass "
-                  "--eval-only too (training resumes from the newest checkpoint)", prog, verbose)
-    except flags.Error as e:
-        usage(str(e).replace("flag --config.", "--config."), prog, verbose)
-    except KeyError as e:  # an unknown config key (check_override_keys)
-        usage(_message(e), prog, verbose)
+        launch = parse(args, prog)
+        verbose = launch.verbose
+    except UsageError as e:
+        return conventions.fail(UsageError(f"{e} (see {prog} --help)"), verbose)
     except user_errors() as e:
-        fail(_message(e), verbose)
+        return conventions.fail(e, verbose)
+    from absl import app
     try:
-        app.run(main, argv=argv)
-    except SystemExit:
-        raise
+        # absl's flags parsed (Grain's worker processes read them) and its log handler, with no
+        # flag of the command line: they were read above
+        app.run(lambda _: run(launch, only), argv=[prog])
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise
     except KeyboardInterrupt:  # the second Ctrl-C: out at once, without the threads' noise
         if verbose:
             import traceback
@@ -313,7 +295,16 @@ def cli(args: list[str]) -> None:
         sys.stderr.flush()
         os._exit(130)  # background writer threads would hold the exit (and print on the way)
     except user_errors() as e:
-        fail(_message(e), verbose)
+        return conventions.fail(e, verbose)
+    return 0
+
+
+def cli(args: list[str]) -> None:
+    """`args` as sys.argv holds it: exits 2 after a user error, returns when the run ran."""
+    prog = PROG if args[0].endswith(".py") else os.path.basename(args[0])
+    code = main(args[1:], prog)
+    if code:
+        sys.exit(code)
 
 
 def console() -> None:

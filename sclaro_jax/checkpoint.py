@@ -14,10 +14,10 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from sclaro_jax.config import run_config  # noqa: F401 (re-exported: read without jax)
 from sclaro_jax.models import clip, open_clip_weights, scenarioclip
 from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run.complete import DamagedRunError, check_steps, restore_failed
@@ -26,19 +26,6 @@ __all__ = ["DamagedRunError", "build_model", "check_run", "is_run", "load_checkp
            "run_config"]
 
 log = logging.getLogger(__name__)
-
-
-def run_config(workdir: str) -> ml_collections.ConfigDict:
-    """The config a training run wrote to WORKDIR/config.json."""
-    if not os.path.isdir(workdir):
-        raise FileNotFoundError(f"workdir {workdir} does not exist: pass the folder a run's "
-                                "launch/train.py --workdir wrote")
-    path = os.path.join(workdir, "config.json")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
-                                "(or pass the run's config)")
-    with open(path, encoding="utf-8") as f:
-        return ml_collections.ConfigDict(json.load(f))
 
 
 def is_run(workdir) -> bool:

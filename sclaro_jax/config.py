@@ -110,12 +110,67 @@ def check_key(config: ml_collections.ConfigDict, key: str, arg: str) -> None:
     raise KeyError(f"unknown config key {key!r} (in {arg}){hint}")
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(the `--config.KEY=VALUE` and `--config.KEY VALUE` overrides of a command line, in
+    order, as "KEY=VALUE" ("KEY" for one without a value: `apply_overrides` refuses it); the
+    command line without them). Up to a bare `--`."""
+    rest, overrides, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            rest += argv[i:]
+            break
+        if arg.startswith("--config."):
+            key, sep, value = arg[len("--config."):].partition("=")
+            if not sep and i + 1 < len(argv):
+                value, sep, i = argv[i + 1], "=", i + 1
+            overrides.append(f"{key}{sep}{value}")
+        else:
+            rest.append(arg)
+        i += 1
+    return overrides, rest
+
+
+# A switch's values on the command line (any case): absl's launcher took these, every command
+# takes them.
+BOOL_TEXT = {"true": True, "1": True, "false": False, "0": False}
+
+
+def override_value(old, value: str, key: str):
+    """`value`, the text of `--config.KEY=VALUE`, read as the type of the key's current value
+    `old`: a string as it is; a switch from `BOOL_TEXT`; a number, tuple or list as JSON (or a
+    Python literal: `.5`, `(1, 2)`); without a type (None), JSON or else the text. ValueError
+    (or TypeError) for a value of another kind; BoundsError for JSON nested too deep."""
+    import ast
+
+    from sclaro_jax.bounds import parse_json
+
+    if isinstance(old, str):
+        return value
+    if isinstance(old, bool):
+        return BOOL_TEXT[value.strip().lower()]  # KeyError: not a switch's value
+    try:
+        parsed = parse_json(value, f"--config.{key}")
+    except ValueError:
+        if old is None:
+            return value
+        parsed = ast.literal_eval(value.strip())  # ValueError / SyntaxError
+    if old is None:
+        return parsed
+    if isinstance(old, (int, float)) and (
+            isinstance(parsed, bool) or not isinstance(parsed, (int, float))
+            or (isinstance(old, int) and parsed != int(parsed))):
+        raise TypeError
+    return type(old)(parsed)
+
+
 def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
-    """Apply "KEY=VALUE" overrides (dotted keys, as `--config.KEY=VALUE` on launch/train.py)
-    in place: the value is read as JSON and converted to the key's current type (a string key
-    takes the text as it is). KeyError naming an unknown key and the closest known ones
-    (`check_key`); ValueError for a value of the wrong kind, naming the key's type and value."""
-    from sclaro_jax.bounds import BoundsError, parse_json
+    """Apply "KEY=VALUE" overrides (dotted keys, `--config.KEY=VALUE` on every command that
+    takes a recipe) in place, in order: the value is read as the key's current type
+    (`override_value`: a switch takes True/true/1, False/false/0; a string key the text as it
+    is). KeyError naming an unknown key and the closest known ones (`check_key`); ValueError
+    for a value of the wrong kind, naming the key's type and value."""
+    from sclaro_jax.bounds import BoundsError
 
     for item in overrides:
         key, sep, value = item.partition("=")
@@ -127,31 +182,32 @@ def apply_overrides(config: ml_collections.ConfigDict, overrides) -> None:
         for part in parts[:-1]:
             parent = parent[part]
         old = parent[parts[-1]]
-        if isinstance(old, str):
-            parent[parts[-1]] = value
-            continue
-        if old is None:  # no type to keep: JSON, or the text as it is
-            try:
-                parent[parts[-1]] = parse_json(value, f"--config.{key}")
-            except BoundsError:
-                raise
-            except ValueError:
-                parent[parts[-1]] = value
-            continue
         try:
-            parsed = parse_json(value, f"--config.{key}")
-            if isinstance(old, bool) and not isinstance(parsed, bool):
-                raise TypeError
-            if isinstance(old, (int, float)) and not isinstance(old, bool) and (
-                    isinstance(parsed, bool) or not isinstance(parsed, (int, float))
-                    or (isinstance(old, int) and parsed != int(parsed))):
-                raise TypeError
-            parent[parts[-1]] = type(old)(parsed)
+            parent[parts[-1]] = override_value(old, value, key)
         except BoundsError:
             raise
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, KeyError, SyntaxError, OverflowError, MemoryError,
+                RecursionError):
+            switch = "; a switch is True, true, 1, False, false or 0" if isinstance(old, bool) \
+                else ""
             raise ValueError(f"--config.{item}: config.{key} takes {type(old).__name__} values "
-                             f"(the recipe's is {old!r}), not {value!r}") from None
+                             f"(the recipe's is {old!r}), not {value!r}{switch}") from None
+
+
+def run_config(workdir: str) -> ml_collections.ConfigDict:
+    """The config a training run wrote to WORKDIR/config.json (read without jax: the launcher's
+    --eval-only reads it before it loads anything heavy)."""
+    import json
+
+    if not os.path.isdir(workdir):
+        raise FileNotFoundError(f"workdir {workdir} does not exist: pass the folder a run's "
+                                "launch/train.py --workdir wrote")
+    path = os.path.join(workdir, "config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} not found: {workdir} is not a training workdir "
+                                "(or pass the run's config)")
+    with open(path, encoding="utf-8") as f:
+        return ml_collections.ConfigDict(json.load(f))
 
 
 # --------------------------------------------------------------------------------------------

@@ -301,15 +301,13 @@ def run_script(script: str, timeout: int = 900) -> str:
 
 
 # Many command lines of launch/train.py in one child process, each through the launcher's `cli`
-# in turn (the absl flags the launcher defines, its own and the --config.KEY ones, are removed
-# before the next; those of the libraries it imported stay): for commands that are refused
-# before a run starts, where a process each would spend its seconds importing.
+# in turn: for commands that are refused before a run starts, where a process each would spend
+# its seconds importing. The launcher keeps no state between command lines (it defines no absl
+# flags: its parser is made anew for each).
 _LAUNCH_ALL = r"""
 import contextlib, io, json, sys
-from absl import flags
 sys.path.insert(0, ".")
 import launch.train as launcher
-before = set(flags.FLAGS)
 out = []
 for args in json.load(sys.stdin):
     stdout, stderr, code = io.StringIO(), io.StringIO(), None
@@ -318,10 +316,6 @@ for args in json.load(sys.stdin):
             launcher.cli(["launch/train.py", *args])
         except SystemExit as e:
             code = e.code
-    for name in set(flags.FLAGS) - before:
-        if (flags.FLAGS.find_module_defining_flag(name) == launcher.__name__
-                or name.startswith("config.")):
-            delattr(flags.FLAGS, name)
     out.append({"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
 print("RESULTS " + json.dumps(out))
 """

@@ -379,7 +379,8 @@ def test_user_errors_are_one_line(demo_dir, cache, tmp_path):
 
     line = _error(got["unknown key"])
     assert "unknown config key 'train.lrr'" in line and "did you mean train.lr" in line
-    assert "could not convert string to float: 'fast'" in _error(got["bad value"])
+    assert ("--config.train.lr=fast: config.train.lr takes float values (the recipe's is "
+            "0.0005), not 'fast'") in _error(got["bad value"])
 
     big = _error(got["big batch"])
     assert "batch size 64 exceeds the 10 training records" in big
