@@ -14,7 +14,8 @@ journey cannot go untested by accident.
 Journeys (module-scoped runs, each a chain whose steps read what the one before wrote):
 - the demo: train -> the launcher's table -> every protocol of the suite -> one level exported
   -> loaded by transformers with docs/exports.md's own snippet; a split as a webdataset;
-- the detector: the demo recipe trained -> its AP table -> evaluated again;
+- the detector: the demo recipe trained -> its AP table -> evaluated again (`--eval-only`,
+  the run's own recipe);
 - PSG: an OpenPSG folder in the released layout (psg.json, COCO JPEGs, panoptic PNGs, COCO
   captions: `test_import_scene_graphs.write_psg_root`) -> README's import -> README's `:psg`
   training -> README's suite on test, ending with its table, with NLTK's data absent
@@ -69,6 +70,9 @@ NOT_RUN = {
     "python -m data_prep annotate --root /tmp/models/photos": "tests/test_demo_models.py",
     "python -m data_prep curate --data sclaro/": (
         "curation of an annotated folder: tests/test_curate*.py (its pass 1 waits for a person)"),
+    "python -m sclaro_jax.eval.detect": (
+        "the alias of the launcher's --eval-only that the detector journey runs: "
+        "tests/test_detection_train.py::test_eval_detect_evaluates_the_run_again_and_a_rerun_resumes"),
     "bash bench/gpu_session.sh --tiny": "tests/test_gpu_session.py (90 s of its own)",
 }
 
@@ -155,7 +159,7 @@ DEMO_SUITE = "python -m sclaro_jax.eval.suite --workdir /tmp/sclaro_demo"
 EXPORT = "python -m sclaro_jax.train.export --workdir /tmp/sclaro_demo"
 WDS = "python -m sclaro_jax.export.wds"
 DETECT_TRAIN = "python launch/train.py --config configs/detection.py:demo"
-DETECT_EVAL = "python -m sclaro_jax.eval.detect"
+DETECT_EVAL = "python launch/train.py --workdir /tmp/detect_demo --eval-only"
 PSG_IMPORT = "python -m data_prep import --source psg"
 PSG_TRAIN = "python launch/train.py --config configs/scenarioclip.py:psg"
 PSG_SUITE = "python -m sclaro_jax.eval.suite --workdir /runs/psg"
