@@ -15,7 +15,6 @@ import jax
 from flax import nnx
 
 from sclaro_jax.config import flatten
-from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.files import write_replacing
 from sclaro_jax.run.task import Evaluated, Fitted
 from sclaro_jax.train import trainer
@@ -71,11 +70,9 @@ class ScenarioCLIP:
     def fit(self, config, workdir: str, *, progress: bool = True,
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted:
-        graph, state = trainer.train_graph(config, workdir, progress=progress,
-                                           allow_config_change=allow_config_change,
-                                           verify_data=verify_data, stop_at=stop_at)
-        steps = trainer.total_steps(config, open_dataset(config.data.dir).num_records("train"))
-        return Fitted(state, int(jax.device_get(state.step)), steps, graph)
+        return trainer.train_graph(config, workdir, progress=progress,
+                                   allow_config_change=allow_config_change,
+                                   verify_data=verify_data, stop_at=stop_at)
 
     def evaluate(self, config, workdir: str, *, progress: bool = True, step: int | None = None,
                  fitted: Fitted | None = None) -> Evaluated:

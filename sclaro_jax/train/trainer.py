@@ -48,6 +48,7 @@ from sclaro_jax.run import Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
 from sclaro_jax.run.ahead import CompiledSteps
 from sclaro_jax.run.opening import open_run
+from sclaro_jax.run.task import Fitted
 from sclaro_jax.train import core, resume
 
 log = logging.getLogger(__name__)
@@ -202,17 +203,18 @@ def _hooks(config, workdir: str, dataset, graphdef, wait: "DataWait", start: int
 def train(config, workdir: str, *, progress: bool = True, allow_config_change: bool = False,
           verify_data: bool = False, stop_at: int | None = None) -> core.TrainState:
     """Train (or resume) the run in `workdir`; returns the train state at the last step taken
-    (`train_graph`: with the graph its params merge into)."""
+    (`train_graph`: with the graph its params merge into, the step reached and the total)."""
     return train_graph(config, workdir, progress=progress,
                        allow_config_change=allow_config_change, verify_data=verify_data,
-                       stop_at=stop_at)[1]
+                       stop_at=stop_at).state
 
 
 def train_graph(config, workdir: str, *, progress: bool = True,
                 allow_config_change: bool = False, verify_data: bool = False,
-                stop_at: int | None = None) -> tuple[nnx.GraphDef, core.TrainState]:
-    """(the student's graph, the train state at the last step taken) of training (or resuming)
-    the run in `workdir`: `nnx.merge(graph, state.params)` is the trained student.
+                stop_at: int | None = None) -> Fitted:
+    """Train (or resume) the run in `workdir`: a `run.task.Fitted` of the train state at the
+    last step taken, that step, the run's total steps and the student's graph
+    (`nnx.merge(fitted.graph, fitted.state.params)` is the trained student).
 
     SIGINT / SIGTERM (or `stop_at`, a step) stop it after the current step with a checkpoint
     (`folder.GracefulStop`): the returned state's step is then below the total. The run is
@@ -249,7 +251,7 @@ def train_graph(config, workdir: str, *, progress: bool = True,
         if start >= steps:
             log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
                      start, steps)
-            return graphdef, state
+            return Fitted(state, start, steps, graphdef)
         it.start()
         wait = DataWait(config.data.workers)
 
@@ -265,10 +267,9 @@ def train_graph(config, workdir: str, *, progress: bool = True,
                         progress=progress and config.progress_bar, stop_at=stop_at,
                         hint="lower train.lr or check the data.")
         hooks = _hooks(config, workdir, dataset, graphdef, wait, start, run.unsafe, chief)
-        state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks,
-                          chief=chief).state
+        result = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks, chief=chief)
         sizes.summary()
-        return graphdef, state
+        return Fitted(result.state, result.done, steps, graphdef)
 
 
 def _log_schedule_change(config, unsafe: dict, tcfg: core.TrainConfig, start: int,
