@@ -72,7 +72,7 @@ class ScenarioCLIP:
             stop_at: int | None = None) -> Fitted:
         return trainer.train_graph(config, workdir, progress=progress,
                                    allow_config_change=allow_config_change,
-                                   verify_data=verify_data, stop_at=stop_at)
+                                   verify_data=verify_data, stop_at=stop_at, checked=True)
 
     def evaluate(self, config, workdir: str, *, progress: bool = True, step: int | None = None,
                  fitted: Fitted | None = None) -> Evaluated:

@@ -211,7 +211,7 @@ def train(config, workdir: str, *, progress: bool = True, allow_config_change: b
 
 def train_graph(config, workdir: str, *, progress: bool = True,
                 allow_config_change: bool = False, verify_data: bool = False,
-                stop_at: int | None = None) -> Fitted:
+                stop_at: int | None = None, checked: bool = False) -> Fitted:
     """Train (or resume) the run in `workdir`: a `run.task.Fitted` of the train state at the
     last step taken, that step, the run's total steps and the student's graph
     (`nnx.merge(fitted.graph, fitted.state.params)` is the trained student).
@@ -220,8 +220,13 @@ def train_graph(config, workdir: str, *, progress: bool = True,
     (`folder.GracefulStop`): the returned state's step is then below the total. The run is
     opened as every task opens one (`run.opening.open_run`: the one writer of its workdir; a
     resumed run whose config differs from WORKDIR/config.json in more than `folder.SAFE_KEYS`
-    is refused with `folder.ConfigDriftError` unless `allow_config_change`)."""
-    check_recipe(config)  # before anything is read or written
+    is refused with `folder.ConfigDriftError` unless `allow_config_change`).
+
+    The recipe is checked first (`check_recipe`), before anything is read or written, unless
+    `checked` says its caller has made that check (the task's `check`, on the launcher's path).
+    """
+    if not checked:
+        check_recipe(config)
     dataset, steps = _check(config, verify_data)
     tcfg = train_config(config, steps)
     chief = jax.process_index() == 0
