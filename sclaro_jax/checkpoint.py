@@ -64,16 +64,19 @@ def check_run(workdir: str, step: int | None = None, *, flag: str | None = "--st
     return check_steps(os.path.abspath(os.path.join(workdir, "checkpoints")), step, flag=flag)
 
 
-def build_model(config, *, abstract: bool = False, perf: bool = True):
+def build_model(config, *, abstract: bool = False, perf: bool | PerfConfig = True):
     """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into: its
     towers' random init is not used, so `scenarioclip.build`'s notice about it is not logged).
     A run started from a pretrained CLIP (`config.model.init`) has that checkpoint's tower
     config (sizes, activation, text length), read from its config or shapes, not its weights;
     the preset when the checkpoint is no longer there (logged). Its attention computes as
-    `config.perf` says (`PerfConfig.attention_options`); `perf=False` gives the default
-    einsums, which run on any backend (a trained model to evaluate)."""
+    `config.perf` says (`PerfConfig.attention_options`), or as `perf` says when it is a
+    PerfConfig (the run's, derived once); `perf=False` gives the default einsums, which run on
+    any backend (a trained model to evaluate)."""
     preset = config.model.preset
-    attention = PerfConfig.from_config(config).attention_options() if perf else None
+    if perf is True:
+        perf = PerfConfig.from_config(config)
+    attention = perf.attention_options() if perf else None
     if abstract and config.model.init:
         try:
             preset = open_clip_weights.pretrained_config(config.model.init)

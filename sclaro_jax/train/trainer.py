@@ -74,12 +74,13 @@ def train_config(config, steps: int) -> core.TrainConfig:
 
 
 def pipeline_config(config, dataset=None, host_batch: int | None = None,
-                    align: int = 1) -> PipelineConfig:
+                    align: int = 1, perf: PerfConfig | None = None) -> PipelineConfig:
     """The input pipeline of `config.data`. With the packed layout (`config.data.layout`, the
     default) the packed sizes are planned for `host_batch` images (default: this host's share
     of `config.data.batch_size`) from the train split's counts of `dataset` (default:
     `config.data.dir`), at most `config.data.max_packed_sizes` of them, each a multiple of
-    `align` (the devices a host's slice is split over) and of `config.perf.packed_multiple`."""
+    `align` (the devices a host's slice is split over) and of `config.perf.packed_multiple`
+    (`perf`: the run's PerfConfig, when the caller has it)."""
     d = config.data
     layout = check_layout(config)
     packed = None
@@ -87,7 +88,7 @@ def pipeline_config(config, dataset=None, host_batch: int | None = None,
         dataset = open_dataset(d.dir) if dataset is None else dataset
         host_batch = host_batch or d.batch_size // jax.process_count()
         packed = packing.plan(*packing.split_histograms(dataset, "train"), host_batch,
-                              align=PerfConfig.from_config(config).packed_align(align),
+                              align=(perf or PerfConfig.from_config(config)).packed_align(align),
                               max_sizes=d.get("max_packed_sizes", 3))
     return PipelineConfig(image_size=d.image_size, max_objects=d.max_objects,
                           max_relations=d.max_relations, text_length=d.text_length,
@@ -127,10 +128,11 @@ def open_training_data(config, *, verify: bool = False):
     return dataset
 
 
-def check_recipe(config) -> None:
+def check_recipe(config) -> PerfConfig:
     """The checks of `config` that need no data: every numeric and path key in its range
     (configs/scenarioclip.py's `RANGES`, `config.validate`: a RangeError naming each key), the
-    run's length, unknown config.train keys, the layout, the perf switches."""
+    run's length, unknown config.train keys, the layout, the perf switches. Returns the perf
+    switches (`PerfConfig.from_config`)."""
     validate(config, recipe_ranges("scenarioclip"))  # its baselines' too
     steps, epochs = config.train.get("steps", 0), config.train.get("epochs", 0)
     if not (steps or epochs):
@@ -139,7 +141,7 @@ def check_recipe(config) -> None:
     recipe_keys(config)
     check_layout(config)
     train_config(config, 1)
-    PerfConfig.from_config(config)
+    return PerfConfig.from_config(config)
 
 
 def _check(config, verify_data: bool):
@@ -155,23 +157,25 @@ def _check(config, verify_data: bool):
 
 
 
-def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False):
+def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False,
+          perf: PerfConfig | None = None):
     """(graphdef, state, jitted step, mesh, batch shapes, data iterator) of a run; with
     `abstract` the state is shapes and shardings only (a resumed run restores into it: nothing
-    is initialised, no pretrained weights are read)."""
+    is initialised, no pretrained weights are read). `perf`: the run's switches (default:
+    `config.perf`'s)."""
     log.info("building the model (%s) and its optimiser state%s ...",
              config.model.get("preset", "?"), " (shapes)" if abstract else "")
-    model = build_model(config, abstract=abstract)
+    perf = perf or PerfConfig.from_config(config)
+    model = build_model(config, abstract=abstract, perf=perf)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     mesh = sharding.make_mesh(config.sharding)
-    perf = PerfConfig.from_config(config)
     step_fn, state = sharding.jit_step(
         core.make_train_step(graphdef, tx, tcfg, fused_update=perf.fused_update), state, mesh,
         config.sharding, compiler_options=perf.compiler_options())
     host_batch = config.data.batch_size // jax.process_count()
     pcfg = pipeline_config(config, dataset, host_batch,
-                           align=jax.local_device_count() if mesh is not None else 1)
+                           align=jax.local_device_count() if mesh is not None else 1, perf=perf)
     sizes = PackedSteps(pcfg, host_batch)
     loader = make_loader(dataset, "train", host_batch, config=pcfg, seed=config.seed,
                          worker_count=config.data.workers)
@@ -225,8 +229,7 @@ def train_graph(config, workdir: str, *, progress: bool = True,
     The recipe is checked first (`check_recipe`), before anything is read or written, unless
     `checked` says its caller has made that check (the task's `check`, on the launcher's path).
     """
-    if not checked:
-        check_recipe(config)
+    perf = PerfConfig.from_config(config) if checked else check_recipe(config)
     dataset, steps = _check(config, verify_data)
     tcfg = train_config(config, steps)
     chief = jax.process_index() == 0
@@ -236,7 +239,7 @@ def train_graph(config, workdir: str, *, progress: bool = True,
         if folder.length_changes(run.unsafe):
             _log_schedule_change(config, run.unsafe, tcfg, start, dataset.num_records("train"))
         graphdef, state, jitted, mesh, sizes, it = build(config, dataset, tcfg,
-                                                         abstract=bool(start))
+                                                         abstract=bool(start), perf=perf)
         run.checkpoints.save_args = _save_args(it)
         if start:  # another dataset is refused before anything compiles
             step_dir = os.path.join(run.checkpoints.folder, str(start))
