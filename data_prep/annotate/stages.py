@@ -151,7 +151,7 @@ def segment_image(segmenter, item, data: bytes, img: Image.Image, parsed: dict, 
     """Stage 3 for one image: its record, or None with the reason it is excluded; and the
     reasons of the relations dropped."""
     from data_prep import segment
-    from data_prep.demo import encode_jpeg
+    from sclaro_jax.data.images import encode_jpeg
     rgb = np.asarray(img.convert("RGB"))
     boxes = np.asarray([d[:4] for d in dets], np.float64).reshape(-1, 4)
     labels = [d[5] for d in dets]

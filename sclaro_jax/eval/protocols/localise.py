@@ -51,6 +51,7 @@ from PIL import Image
 
 from sclaro_jax import ops
 from sclaro_jax.data import augment, schema
+from sclaro_jax.data.images import box_mask
 from sclaro_jax.eval.encoders import Batcher
 from sclaro_jax.eval.protocols import registry
 from sclaro_jax.eval.protocols.embedding import read_samples
@@ -64,15 +65,6 @@ class LocaliseError(ValueError):
 
 
 # --------------------------------------------------------------------------- masks and inputs
-
-def box_mask(box: Sequence[float], width: int, height: int) -> np.ndarray:
-    """bool [height, width]: the pixels whose centres lie inside the (x0, y0, x1, y1) box
-    (x1, y1 exclusive), the same rule `data_prep.demo.box_mask` uses to make box masks."""
-    x0, y0, x1, y1 = box
-    cols = np.arange(width) + 0.5
-    rows = np.arange(height) + 0.5
-    return ((rows >= y0) & (rows < y1))[:, None] & ((cols >= x0) & (cols < x1))[None, :]
-
 
 def _relation(sample: schema.Sample, index: int) -> schema.Relation:
     if not 0 <= index < len(sample.relations):
