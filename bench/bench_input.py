@@ -283,7 +283,8 @@ def stage_profile(ds, batch: int, batches: int, ms_per_sample: float) -> None:
     import grain.python as grain
 
     from sclaro_jax.data import augment, decode, schema
-    from sclaro_jax.data.pipeline import PipelineConfig, SampleTransform, collate
+    from sclaro_jax.data.collate import collate
+    from sclaro_jax.data.pipeline import PipelineConfig, SampleTransform
 
     cfg = PipelineConfig(max_objects=8, max_relations=8)
     source = grain.ArrayRecordDataSource(ds.paths("train"))

@@ -29,10 +29,10 @@ import time
 import numpy as np
 from PIL import Image
 
-from data_prep.durable_logs import write_replacing
 from data_prep.source_items import OutsideRoot
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.files import write_replacing
 from sclaro_jax.paths import OUTSIDE_ROOT
 
 log = logging.getLogger("data_prep.annotate")
