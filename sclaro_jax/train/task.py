@@ -1,8 +1,9 @@
 """ScenarioCLIP and its baselines (PyramidCLIP, ScenarioCLIP w/o KD) as a task
-(`sclaro_jax.run.task`): `launch/train.py` trains a run with `trainer.train`, then evaluates its
-newest student with the evaluators its config names (`config.evals`, `sclaro_jax.eval`'s
-registry: the same ones training runs every `every` steps), into WORKDIR/results.json and
-WORKDIR/results.md. The whole protocol suite is `python -m sclaro_jax.eval.suite`.
+(`sclaro_jax.run.task`): `launch/train.py` trains a run with `trainer.train_graph`, then
+evaluates its newest student with the evaluators its config names (`config.evals`,
+`sclaro_jax.eval`'s registry: the same ones training runs every `every` steps), into
+WORKDIR/results.json and WORKDIR/results.md. The whole protocol suite is
+`python -m sclaro_jax.eval.suite`.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class ScenarioCLIP:
     def fit(self, config, workdir: str, *, progress: bool = True,
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted:
+        """`trainer.train_graph`, the recipe taken as checked (`check`, the launcher's first
+        call): where the run ended, its total steps and the graph, from the training itself."""
         return trainer.train_graph(config, workdir, progress=progress,
                                    allow_config_change=allow_config_change,
                                    verify_data=verify_data, stop_at=stop_at, checked=True)
