@@ -99,7 +99,7 @@ def main():
     from bench_annotate import make_inputs
     from data_prep import segment
     from data_prep.annotate import AnnotateConfig, annotate
-    from data_prep.annotate.ray_engine import start_ray
+    from data_prep.annotate.ray_start import start_ray
     tmp = args.tmp or tempfile.mkdtemp(prefix="bench_annotate_ray_")
     root, replies = make_inputs(tmp, args.images, args.image_px)
     det = make_detector(os.path.join(tmp, "gdino_swin_l"))

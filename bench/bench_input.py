@@ -59,6 +59,7 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
     n_rel); version-1 records, or with `view_size` version-2 records (views at that size, no
     originals) made by the writer (`data_prep.views.with_views`)."""
     from data_prep import demo, focus
+    from sclaro_jax.data.images import box_mask, encode_jpeg
     from data_prep.shards import ShardWriter
     from sclaro_jax.data import schema
 
@@ -82,9 +83,9 @@ def build_shards(out: str, n_samples: int, n_obj: int = 8, n_rel: int = 8,
         regions = []
         for k in range(k_rel):
             a, b = k % k_obj, (k + 1) % k_obj
-            region = focus.focused_region(rgb, demo.box_mask(boxes[a], 640, 480),
-                                          demo.box_mask(boxes[b], 640, 480))
-            regions.append((a, b, demo.encode_jpeg(region, 90)))
+            region = focus.focused_region(rgb, box_mask(boxes[a], 640, 480),
+                                          box_mask(boxes[b], 640, 480))
+            regions.append((a, b, encode_jpeg(region, 90)))
         photos.append((buf.getvalue(), boxes, regions))
     with ShardWriter(out, records_per_shard=64, view_size=view_size) as w:
         for i in range(n_samples):
@@ -282,7 +283,8 @@ def stage_profile(ds, batch: int, batches: int, ms_per_sample: float) -> None:
     import grain.python as grain
 
     from sclaro_jax.data import augment, decode, schema
-    from sclaro_jax.data.pipeline import PipelineConfig, SampleTransform, collate
+    from sclaro_jax.data.collate import collate
+    from sclaro_jax.data.pipeline import PipelineConfig, SampleTransform
 
     cfg = PipelineConfig(max_objects=8, max_relations=8)
     source = grain.ArrayRecordDataSource(ds.paths("train"))

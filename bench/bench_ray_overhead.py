@@ -84,7 +84,8 @@ def main():
     from ray.data import DataContext
     from ray.data.datasource import Datasink
 
-    from data_prep.annotate.ray_engine import SINK_CPUS, start_ray
+    from data_prep.annotate.ray_engine import SINK_CPUS
+    from data_prep.annotate.ray_start import start_ray
 
     class NullSink(Datasink):
         def write(self, blocks, ctx):

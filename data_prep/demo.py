@@ -23,6 +23,7 @@ from PIL import Image
 from data_prep import focus
 from data_prep.shards import write_dataset
 from sclaro_jax.data import schema
+from sclaro_jax.data.images import box_mask, encode_jpeg
 
 ANNOTATIONS = os.path.join(os.path.dirname(__file__), "demo", "annotations.json")
 
@@ -52,20 +53,6 @@ def image_path(entry: dict) -> str:
         raise DemoError(f"demo image {entry['id']!r}: {path} not found in the installed "
                         f"{entry['source']} package")
     return path
-
-
-def box_mask(box, width: int, height: int) -> np.ndarray:
-    """A boolean mask of the pixels whose centres lie inside an (x0, y0, x1, y1) box."""
-    x0, y0, x1, y1 = box
-    cols = np.arange(width) + 0.5
-    rows = np.arange(height) + 0.5
-    return (((rows >= y0) & (rows < y1))[:, None]) & (((cols >= x0) & (cols < x1))[None, :])
-
-
-def encode_jpeg(pixels: np.ndarray, quality: int = 95) -> bytes:
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="JPEG", quality=quality)
-    return buf.getvalue()
 
 
 def make_sample(entry: dict) -> schema.Sample:

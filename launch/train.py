@@ -168,16 +168,17 @@ def prepare_demo(config, workdir: str, task) -> None:
     """An empty config.data.dir with a demo config: the bundled demo in WORKDIR/demo_data, made
     at the image size of the task's demo views (0: the originals)."""
     size = task.demo_view_size(config)
-    from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
     data = os.path.join(workdir, "demo_data")
     manifest = os.path.join(data, "manifest.json")
     if not os.path.exists(manifest):
+        from data_prep.demo import build_demo  # the demo's data: data_prep, not sclaro_jax
         logging.getLogger("sclaro_jax").info("writing the bundled demo dataset to %s (once) ...",
                                              data)
         build_demo(data, **({"image_size": size} if size else {}), progress=False)
     elif size:
         from sclaro_jax.bounds import read_json
         if read_json(manifest).get("view_size") != size:  # written for another image size
+            from data_prep.demo import build_demo
             build_demo(data, image_size=size, overwrite=True, progress=False)
     with config.unlocked():
         config.data.dir = data

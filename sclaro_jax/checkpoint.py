@@ -8,6 +8,7 @@ with) and `checkpoints/<step>/` (orbax: the training state `state`, with `params
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run.complete import DamagedRunError, check_steps, restore_failed
 
 __all__ = ["DamagedRunError", "build_model", "check_run", "is_run", "load_checkpoint",
-           "run_config"]
+           "read_params", "run_config"]
 
 log = logging.getLogger(__name__)
 
@@ -51,16 +52,19 @@ def check_run(workdir: str, step: int | None = None, *, flag: str | None = "--st
     return check_steps(os.path.abspath(os.path.join(workdir, "checkpoints")), step, flag=flag)
 
 
-def build_model(config, *, abstract: bool = False, perf: bool = True):
+def build_model(config, *, abstract: bool = False, perf: bool | PerfConfig = True):
     """The config's model (shapes only with `abstract`, e.g. to restore a checkpoint into: its
     towers' random init is not used, so `scenarioclip.build`'s notice about it is not logged).
     A run started from a pretrained CLIP (`config.model.init`) has that checkpoint's tower
     config (sizes, activation, text length), read from its config or shapes, not its weights;
     the preset when the checkpoint is no longer there (logged). Its attention computes as
-    `config.perf` says (`PerfConfig.attention_options`); `perf=False` gives the default
-    einsums, which run on any backend (a trained model to evaluate)."""
+    `config.perf` says (`PerfConfig.attention_options`), or as `perf` says when it is a
+    PerfConfig (the run's, derived once); `perf=False` gives the default einsums, which run on
+    any backend (a trained model to evaluate)."""
     preset = clip.preset_at(config.model.preset, config.data.image_size)  # tiny: data's size
-    attention = PerfConfig.from_config(config).attention_options() if perf else None
+    if perf is True:
+        perf = PerfConfig.from_config(config)
+    attention = perf.attention_options() if perf else None
     if abstract and config.model.init:
         try:
             preset = open_clip_weights.pretrained_config(config.model.init)
@@ -91,20 +95,31 @@ def load_checkpoint(workdir: str, step: int | None = None, *, teacher: bool = Fa
     if config is None:
         config = run_config(workdir)
     step = check_run(workdir, step, flag=flag)
+    graphdef, params = nnx.split(build_model(config, abstract=True, perf=False), nnx.Param)
+    which = "teacher" if teacher else "params"
+    item = {which: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                nnx.to_pure_dict(params))}
+    restored = read_params(workdir, step, item, flag=flag)
+    return nnx.merge(graphdef, restored[which]), int(step)
+
+
+def read_params(workdir: str, step: int, item: dict, *, composite: bool = True,
+                flag: str | None = "--step") -> dict:
+    """The parts of the train state that `item` names (e.g. {"params": a tree of
+    ShapeDtypeStructs}) from checkpoint `step` of WORKDIR/checkpoints (a step `check_run`
+    gave), read alone: an orbax partial restore, so the optimiser state is never read and any
+    layout of it loads. The reader of every run's checkpoints: `composite`, the state is the
+    checkpoint's item "state" (ScenarioCLIP's, beside the input pipeline's position "data");
+    otherwise the checkpoint is the state alone (the detector's). A file that fails to restore
+    raises DamagedRunError naming the step and the complete one to pass with `flag` instead."""
     folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    manager = ocp.CheckpointManager(folder)
-    try:
-        graphdef, params = nnx.split(build_model(config, abstract=True, perf=False), nnx.Param)
-        which = "teacher" if teacher else "params"
-        item = {which: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                    nnx.to_pure_dict(params))}
+    args = ocp.args.PyTreeRestore(
+        item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True)
+    with contextlib.closing(ocp.CheckpointManager(folder)) as manager:
         try:
-            restored = manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                    partial_restore=True)))["state"]
+            if composite:
+                return manager.restore(step, args=ocp.args.Composite(state=args))["state"]
+            return manager.restore(step, args=args)
         except (OSError, RuntimeError, ValueError) as e:  # what a damaged file raises
             raise restore_failed(folder, step, e, flag=flag) from e
-    finally:
-        manager.close()
-    return nnx.merge(graphdef, restored[which]), int(step)

@@ -7,7 +7,7 @@ import torch
 from segment_anything import SamPredictor
 
 from data_prep import focus
-from data_prep.demo import box_mask
+from sclaro_jax.data.images import box_mask
 from data_prep.segment import (DroppedRelation, SamSegmenter, build_tiny_sam, load_sam,
                                relation_regions, save_tiny_sam)
 

@@ -12,8 +12,9 @@ WORK/hashes.json by path, size, mtime and ctime); the run says what it redoes an
 import argparse
 import json
 
-from data_prep.cli import command, view_flags, writable, write_flags
+from data_prep.cli import command, view_flags, write_flags
 from sclaro_jax import bounds
+from sclaro_jax.cli import writable
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

@@ -31,8 +31,8 @@ import json
 import logging
 import os
 
-from data_prep.durable_logs import write_replacing
 from sclaro_jax import bounds
+from sclaro_jax.files import write_replacing
 
 log = logging.getLogger("data_prep.annotate")
 

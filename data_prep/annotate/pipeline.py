@@ -47,9 +47,9 @@ from data_prep.annotate.stages import (load_detector, load_segmenter, load_vlm,
                                        pick_device)
 from data_prep.annotate.keys import (HashMemo, StageInputs, check_run_key, config_key,
                                      replies_for)
-from data_prep.durable_logs import JsonLog, write_replacing
+from data_prep.durable_logs import JsonLog
 from sclaro_jax.data import schema
-from sclaro_jax.files import own_folder
+from sclaro_jax.files import own_folder, write_replacing
 
 log = logging.getLogger("data_prep.annotate")
 

@@ -29,10 +29,10 @@ import time
 import numpy as np
 from PIL import Image
 
-from data_prep.durable_logs import write_replacing
 from data_prep.source_items import OutsideRoot
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.files import write_replacing
 from sclaro_jax.paths import OUTSIDE_ROOT
 
 log = logging.getLogger("data_prep.annotate")
@@ -151,7 +151,7 @@ def segment_image(segmenter, item, data: bytes, img: Image.Image, parsed: dict, 
     """Stage 3 for one image: its record, or None with the reason it is excluded; and the
     reasons of the relations dropped."""
     from data_prep import segment
-    from data_prep.demo import encode_jpeg
+    from sclaro_jax.data.images import encode_jpeg
     rgb = np.asarray(img.convert("RGB"))
     boxes = np.asarray([d[:4] for d in dets], np.float64).reshape(-1, 4)
     labels = [d[5] for d in dets]

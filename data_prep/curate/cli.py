@@ -17,8 +17,9 @@ no pickle), so a later --extend OUT refits the clusterer and maps a new source o
 import argparse
 import sys
 
-from data_prep.cli import command, writable, write_flags
+from data_prep.cli import command, write_flags
 from sclaro_jax.bounds import printable
+from sclaro_jax.cli import writable
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -105,7 +106,7 @@ def _run(args) -> int:
     from data_prep.curate.pipeline import (ACTION_SIMILARITY, NeedsLabels, curate,
                                            format_statistics)
     from data_prep.curate.report import UnlabelledClusters
-    from data_prep.curate.rules import MissingNLTKData
+    from data_prep.nltk_data import MissingNLTKData
     try:
         result = curate(args.data, args.out, clusters=args.clusters, action_map=args.action_map,
                         encoder=args.encoder or None,

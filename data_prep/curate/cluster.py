@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.durable_logs import write_replacing
+from sclaro_jax.files import write_replacing
 
 try:
     import hdbscan

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from data_prep.curate import cluster as cc
-from data_prep.durable_logs import write_replacing
+from sclaro_jax.files import write_replacing
 
 FORMAT = 2
 PICKLED_FORMAT = 1  # curation.json + embeddings.npy + clusterer.pkl: refused, never read

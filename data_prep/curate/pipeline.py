@@ -42,9 +42,9 @@ import numpy as np
 from tqdm import tqdm
 
 from data_prep.curate import rules
-from data_prep.durable_logs import write_replacing
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.files import write_replacing
 
 # Cosine similarity at which two actions are suggested for merging. With all-MiniLM-L6-v2,
 # "taking photos" / "taking a photo" 0.92, "eating" / "having a meal" 0.78, "running" /

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from data_prep.durable_logs import write_replacing
 from sclaro_jax import bounds
+from sclaro_jax.files import write_replacing
 
 EXAMPLES = 6  # names shown per cluster in the table
 LOOK, LOOK_NAMES = 5, 8  # clusters, and names of each, listed when an unlabelled file is refused

@@ -14,7 +14,8 @@ import argparse
 import os
 import re
 
-from data_prep.cli import command, writable, write_flags
+from data_prep.cli import command, write_flags
+from sclaro_jax.cli import writable
 from sclaro_jax.files import own_folder
 
 

@@ -33,11 +33,10 @@ import numpy as np
 from PIL import Image
 
 from data_prep.rocs import caption as rocs_caption, selection as rocs_select
-from data_prep.durable_logs import write_replacing
 from data_prep.rocs.selection import AnnotatedImage
 from sclaro_jax.paths import OUTSIDE_ROOT, inside_root
 from sclaro_jax import bounds
-from sclaro_jax.files import own_folder
+from sclaro_jax.files import own_folder, write_replacing
 
 # The 80 MS COCO class names (the detection categories, in category-id order): the object
 # prompts of MINER appendix J.2 (there SAM 3's noun phrases; here GroundingDINO's). The paper

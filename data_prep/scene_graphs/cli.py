@@ -17,8 +17,8 @@ folder removed. See docs/data.md, "From PSG or Visual Genome", for the layouts.
 import argparse
 import os
 
-from data_prep.cli import command, view_flags, writable, write_flags
-from sclaro_jax.cli import positive_int
+from data_prep.cli import command, view_flags, write_flags
+from sclaro_jax.cli import positive_int, writable
 
 
 def add_parser(sub) -> argparse.ArgumentParser:

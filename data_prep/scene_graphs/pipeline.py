@@ -48,7 +48,6 @@ import numpy as np
 from tqdm import tqdm
 
 from data_prep import focus
-from data_prep.demo import box_mask, encode_jpeg
 from data_prep.scene_graphs import actions as action_rule
 from data_prep.scene_graphs import blocks, psg, vg
 from data_prep.scene_graphs.graph import Graph, SceneGraphs
@@ -56,6 +55,7 @@ from data_prep.shards import ShardWriter, convert_sample, iter_records, refuse_a
 from data_prep.source_items import SourceError, SourceItem, read_image
 from sclaro_jax import bounds
 from sclaro_jax.data import schema
+from sclaro_jax.data.images import box_mask, encode_jpeg
 from sclaro_jax.data.panoptic import Panoptic
 from sclaro_jax.files import own_folder, remove_own_folder
 

@@ -13,6 +13,11 @@ is not used: its AP row reads maxDets == 100 only and prints -1 for any other li
 
 pycocotools is an optional dependency (the `eval` extra), imported when
 `coco_evaluate` runs.
+
+A trained detector, read back and run (as torchvision's detection references keep
+`engine.evaluate` beside `train`): `newest_step` (the checkpoint to evaluate), `restore_params`
+(its parameters alone, through `sclaro_jax.checkpoint.read_params`, the reader of every run's
+checkpoints) and `predict` (detections per example).
 """
 
 from __future__ import annotations
@@ -20,9 +25,19 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 from typing import Mapping, Sequence
 
+import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from sclaro_jax import ops as pixel_ops
+from sclaro_jax.checkpoint import check_run, read_params
+from sclaro_jax.detection import rcnn
+from sclaro_jax.detection.model import Detector
+from sclaro_jax.run.complete import DamagedRunError, steps
 
 COLUMNS = ("AP", "AP50", "AP75", "APr", "APc", "APf")
 GROUPS = {"APr": "r", "APc": "c", "APf": "f"}
@@ -152,3 +167,43 @@ def markdown_table(rows: Mapping[str, Mapping[str, float]]) -> str:
     for name, metrics in rows.items():
         lines.append(f"| {name} | " + " | ".join(_cell(metrics.get(c)) for c in COLUMNS) + " |")
     return "\n".join(lines) + "\n"
+
+
+def newest_step(workdir: str, step: int | None = None) -> int:
+    """The step of WORKDIR/checkpoints to read (`step`, or the newest), checked complete
+    (`checkpoint.check_run`); DamagedRunError naming the folder and the command that trains it
+    when there is none, or the damaged checkpoint and the step to use instead."""
+    if not steps(os.path.abspath(os.path.join(workdir, "checkpoints"))):
+        raise DamagedRunError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}: "
+                              f"{workdir} holds no trained detector; train it with "
+                              f"launch/train.py --config configs/detection.py --workdir {workdir}")
+    return check_run(workdir, step)
+
+
+def restore_params(workdir: str, model: Detector, step: int | None = None):
+    """(graphdef, params, step) of a checkpoint in WORKDIR/checkpoints (the newest by
+    default), into the structure of `model` (only the parameters are read, not the optimiser
+    state: `checkpoint.read_params`)."""
+    step = newest_step(workdir, step)
+    graphdef, params = nnx.split(model, nnx.Param)
+    item = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(params))}
+    restored = read_params(workdir, step, item, composite=False)
+    return graphdef, restored["params"], int(step)
+
+
+def predict(graphdef, params, examples: list, batch_size: int) -> list[tuple]:
+    """Detections per example: (boxes [D, 4], scores [D], labels [D]) in the example's pixels."""
+    detect = jax.jit(lambda p, images: rcnn.detect(nnx.merge(graphdef, p),
+                                                   pixel_ops.normalize(images)))
+    out = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start:start + batch_size]
+        images = np.stack([ex.image for ex in chunk])
+        pad = batch_size - len(chunk)
+        if pad:
+            images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
+        res = jax.device_get(detect(params, images))
+        for i in range(len(chunk)):
+            keep = res["valid"][i]
+            out.append((res["boxes"][i][keep], res["scores"][i][keep], res["labels"][i][keep]))
+    return out

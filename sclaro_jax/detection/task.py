@@ -94,16 +94,16 @@ class Detection:
         """COCO AP of a checkpoint in `workdir` (`step`, default the newest; a damaged one is
         refused: DamagedRunError) on `config.eval_split`. The detector is always read back from
         the checkpoint (`fitted` is not used)."""
-        step = train.newest_step(workdir, step)  # a run to evaluate, before the model is built
+        step = evaluate.newest_step(workdir, step)  # a run to evaluate, before the model is built
         prepared = prepare(config)
-        graphdef, params, step = train.restore_params(workdir, prepared.model, step)
+        graphdef, params, step = evaluate.restore_params(workdir, prepared.model, step)
         cfg = prepared.model.cfg
         originals, _ = data.load_examples(config.data.dir, config.eval_split,
                                           classes=prepared.classes)
         resized = [data.resize_for_detection(ex, cfg.image_size, config.input_resize)
                    for ex in originals]
         detections = original_detections(
-            train.predict(graphdef, params, resized, config.eval_batch_size), resized)
+            evaluate.predict(graphdef, params, resized, config.eval_batch_size), resized)
         classes = prepared.classes
         groups = data.class_frequency_groups(data.class_image_counts(prepared.examples,
                                                                      len(classes)))

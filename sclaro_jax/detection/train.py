@@ -1,6 +1,7 @@
 """Train the Faster R-CNN detector: one jitted train step, its batches, and the run (through
 `sclaro_jax.run.run_steps`, as ScenarioCLIP's trainer: checkpoints with exact resume, graceful
-stop, config drift refused, metrics.jsonl / TensorBoard); and prediction for evaluation.
+stop, config drift refused, metrics.jsonl / TensorBoard). A trained detector is read back and run
+by `sclaro_jax.detection.evaluate` (`restore_params`, `predict`).
 
     python launch/train.py --config configs/detection.py[:demo] --workdir DIR [--config.x.y=V]
 
@@ -27,10 +28,8 @@ the fraction of the images since the last line that received pasted instances), 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +44,6 @@ from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
-from sclaro_jax.run.complete import DamagedRunError, check_steps, restore_failed, steps
 from sclaro_jax.run.opening import open_run
 from sclaro_jax.run.params import label_params
 
@@ -158,36 +156,6 @@ def _restore(checkpoints: Checkpoints, state):
     return state
 
 
-def newest_step(workdir: str, step: int | None = None) -> int:
-    """The step of WORKDIR/checkpoints to read (`step`, or the newest), checked complete
-    (`run.complete.check_steps`); DamagedRunError naming the folder and the command that trains it
-    when there is none, or the damaged checkpoint and the step to use instead."""
-    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    if not steps(folder):
-        raise DamagedRunError(f"no checkpoint in {os.path.join(workdir, 'checkpoints')}: "
-                              f"{workdir} holds no trained detector; train it with "
-                              f"launch/train.py --config configs/detection.py --workdir {workdir}")
-    return check_steps(folder, step)
-
-
-def restore_params(workdir: str, model: Detector, step: int | None = None):
-    """(graphdef, params, step) of a checkpoint in WORKDIR/checkpoints (the newest by
-    default), into the structure of `model` (only the parameters are read, not the optimiser
-    state)."""
-    step = newest_step(workdir, step)
-    folder = os.path.abspath(os.path.join(workdir, "checkpoints"))
-    graphdef, params = nnx.split(model, nnx.Param)
-    item = {"params": jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.to_pure_dict(params))}
-    with contextlib.closing(ocp.CheckpointManager(folder)) as manager:
-        try:
-            restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-                partial_restore=True))
-        except (OSError, RuntimeError, ValueError) as e:  # what a damaged file raises
-            raise restore_failed(folder, step, e) from e
-    return graphdef, restored["params"], int(step)
-
-
 def _batches(config, examples, num_classes: int, cfg: DetectorConfig, mesh):
     """(batch_of(step), log_fields): a step's batch (copy-paste drawn from (seed, step)) on the
     mesh, and the metrics line's `copy_paste_rate` since the last line."""
@@ -255,21 +223,3 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
         state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks).state
         info["compiles"] = step_fn._cache_size()
         return graphdef, state, info
-
-
-def predict(graphdef, params, examples: list, batch_size: int) -> list[tuple]:
-    """Detections per example: (boxes [D, 4], scores [D], labels [D]) in the example's pixels."""
-    detect = jax.jit(lambda p, images: rcnn.detect(nnx.merge(graphdef, p),
-                                                   pixel_ops.normalize(images)))
-    out = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start:start + batch_size]
-        images = np.stack([ex.image for ex in chunk])
-        pad = batch_size - len(chunk)
-        if pad:
-            images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
-        res = jax.device_get(detect(params, images))
-        for i in range(len(chunk)):
-            keep = res["valid"][i]
-            out.append((res["boxes"][i][keep], res["scores"][i][keep], res["labels"][i][keep]))
-    return out

@@ -1,8 +1,9 @@
 """ScenarioCLIP and its baselines (PyramidCLIP, ScenarioCLIP w/o KD) as a task
-(`sclaro_jax.run.task`): `launch/train.py` trains a run with `trainer.train`, then evaluates its
-newest student with the evaluators its config names (`config.evals`, `sclaro_jax.eval`'s
-registry: the same ones training runs every `every` steps), into WORKDIR/results.json and
-WORKDIR/results.md. The whole protocol suite is `python -m sclaro_jax.eval.suite`.
+(`sclaro_jax.run.task`): `launch/train.py` trains a run with `trainer.train_graph`, then
+evaluates its newest student with the evaluators its config names (`config.evals`,
+`sclaro_jax.eval`'s registry: the same ones training runs every `every` steps), into
+WORKDIR/results.json and WORKDIR/results.md. The whole protocol suite is
+`python -m sclaro_jax.eval.suite`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import jax
 from flax import nnx
 
 from sclaro_jax.config import flatten
-from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.files import write_replacing
 from sclaro_jax.models import clip
 from sclaro_jax.run.task import Evaluated, Fitted
@@ -80,11 +80,11 @@ class ScenarioCLIP:
     def fit(self, config, workdir: str, *, progress: bool = True,
             allow_config_change: bool = False, verify_data: bool = False,
             stop_at: int | None = None) -> Fitted:
-        graph, state = trainer.train_graph(config, workdir, progress=progress,
-                                           allow_config_change=allow_config_change,
-                                           verify_data=verify_data, stop_at=stop_at)
-        steps = trainer.total_steps(config, open_dataset(config.data.dir).num_records("train"))
-        return Fitted(state, int(jax.device_get(state.step)), steps, graph)
+        """`trainer.train_graph`, the recipe taken as checked (`check`, the launcher's first
+        call): where the run ended, its total steps and the graph, from the training itself."""
+        return trainer.train_graph(config, workdir, progress=progress,
+                                   allow_config_change=allow_config_change,
+                                   verify_data=verify_data, stop_at=stop_at, checked=True)
 
     def evaluate(self, config, workdir: str, *, progress: bool = True, step: int | None = None,
                  fitted: Fitted | None = None) -> Evaluated:

@@ -48,6 +48,7 @@ from sclaro_jax.run import Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
 from sclaro_jax.run.ahead import CompiledSteps
 from sclaro_jax.run.opening import open_run
+from sclaro_jax.run.task import Fitted
 from sclaro_jax.train import core, resume
 
 log = logging.getLogger(__name__)
@@ -73,12 +74,13 @@ def train_config(config, steps: int) -> core.TrainConfig:
 
 
 def pipeline_config(config, dataset=None, host_batch: int | None = None,
-                    align: int = 1) -> PipelineConfig:
+                    align: int = 1, perf: PerfConfig | None = None) -> PipelineConfig:
     """The input pipeline of `config.data`. With the packed layout (`config.data.layout`, the
     default) the packed sizes are planned for `host_batch` images (default: this host's share
     of `config.data.batch_size`) from the train split's counts of `dataset` (default:
     `config.data.dir`), at most `config.data.max_packed_sizes` of them, each a multiple of
-    `align` (the devices a host's slice is split over) and of `config.perf.packed_multiple`."""
+    `align` (the devices a host's slice is split over) and of `config.perf.packed_multiple`
+    (`perf`: the run's PerfConfig, when the caller has it)."""
     d = config.data
     layout = check_layout(config)
     packed = None
@@ -86,7 +88,7 @@ def pipeline_config(config, dataset=None, host_batch: int | None = None,
         dataset = open_dataset(d.dir) if dataset is None else dataset
         host_batch = host_batch or d.batch_size // jax.process_count()
         packed = packing.plan(*packing.split_histograms(dataset, "train"), host_batch,
-                              align=PerfConfig.from_config(config).packed_align(align),
+                              align=(perf or PerfConfig.from_config(config)).packed_align(align),
                               max_sizes=d.get("max_packed_sizes", 3))
     return PipelineConfig(image_size=d.image_size, max_objects=d.max_objects,
                           max_relations=d.max_relations, text_length=d.text_length,
@@ -126,10 +128,11 @@ def open_training_data(config, *, verify: bool = False):
     return dataset
 
 
-def check_recipe(config) -> None:
+def check_recipe(config) -> PerfConfig:
     """The checks of `config` that need no data: every numeric and path key in its range
     (configs/scenarioclip.py's `RANGES`, `config.validate`: a RangeError naming each key), the
-    run's length, unknown config.train keys, the layout, the perf switches."""
+    run's length, unknown config.train keys, the layout, the perf switches. Returns the perf
+    switches (`PerfConfig.from_config`)."""
     validate(config, recipe_ranges("scenarioclip"))  # its baselines' too
     steps, epochs = config.train.get("steps", 0), config.train.get("epochs", 0)
     if not (steps or epochs):
@@ -138,7 +141,7 @@ def check_recipe(config) -> None:
     recipe_keys(config)
     check_layout(config)
     train_config(config, 1)
-    PerfConfig.from_config(config)
+    return PerfConfig.from_config(config)
 
 
 def _check(config, verify_data: bool):
@@ -154,23 +157,25 @@ def _check(config, verify_data: bool):
 
 
 
-def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False):
+def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False,
+          perf: PerfConfig | None = None):
     """(graphdef, state, jitted step, mesh, batch shapes, data iterator) of a run; with
     `abstract` the state is shapes and shardings only (a resumed run restores into it: nothing
-    is initialised, no pretrained weights are read)."""
+    is initialised, no pretrained weights are read). `perf`: the run's switches (default:
+    `config.perf`'s)."""
     log.info("building the model (%s) and its optimiser state%s ...",
              config.model.get("preset", "?"), " (shapes)" if abstract else "")
-    model = build_model(config, abstract=abstract)
+    perf = perf or PerfConfig.from_config(config)
+    model = build_model(config, abstract=abstract, perf=perf)
     graphdef, state, tx = core.init_state(model, tcfg)
     del model
     mesh = sharding.make_mesh(config.sharding)
-    perf = PerfConfig.from_config(config)
     step_fn, state = sharding.jit_step(
         core.make_train_step(graphdef, tx, tcfg, fused_update=perf.fused_update), state, mesh,
         config.sharding, compiler_options=perf.compiler_options())
     host_batch = config.data.batch_size // jax.process_count()
     pcfg = pipeline_config(config, dataset, host_batch,
-                           align=jax.local_device_count() if mesh is not None else 1)
+                           align=jax.local_device_count() if mesh is not None else 1, perf=perf)
     sizes = PackedSteps(pcfg, host_batch)
     loader = make_loader(dataset, "train", host_batch, config=pcfg, seed=config.seed,
                          worker_count=config.data.workers)
@@ -202,24 +207,29 @@ def _hooks(config, workdir: str, dataset, graphdef, wait: "DataWait", start: int
 def train(config, workdir: str, *, progress: bool = True, allow_config_change: bool = False,
           verify_data: bool = False, stop_at: int | None = None) -> core.TrainState:
     """Train (or resume) the run in `workdir`; returns the train state at the last step taken
-    (`train_graph`: with the graph its params merge into)."""
+    (`train_graph`: with the graph its params merge into, the step reached and the total)."""
     return train_graph(config, workdir, progress=progress,
                        allow_config_change=allow_config_change, verify_data=verify_data,
-                       stop_at=stop_at)[1]
+                       stop_at=stop_at).state
 
 
 def train_graph(config, workdir: str, *, progress: bool = True,
                 allow_config_change: bool = False, verify_data: bool = False,
-                stop_at: int | None = None) -> tuple[nnx.GraphDef, core.TrainState]:
-    """(the student's graph, the train state at the last step taken) of training (or resuming)
-    the run in `workdir`: `nnx.merge(graph, state.params)` is the trained student.
+                stop_at: int | None = None, checked: bool = False) -> Fitted:
+    """Train (or resume) the run in `workdir`: a `run.task.Fitted` of the train state at the
+    last step taken, that step, the run's total steps and the student's graph
+    (`nnx.merge(fitted.graph, fitted.state.params)` is the trained student).
 
     SIGINT / SIGTERM (or `stop_at`, a step) stop it after the current step with a checkpoint
     (`folder.GracefulStop`): the returned state's step is then below the total. The run is
     opened as every task opens one (`run.opening.open_run`: the one writer of its workdir; a
     resumed run whose config differs from WORKDIR/config.json in more than `folder.SAFE_KEYS`
-    is refused with `folder.ConfigDriftError` unless `allow_config_change`)."""
-    check_recipe(config)  # before anything is read or written
+    is refused with `folder.ConfigDriftError` unless `allow_config_change`).
+
+    The recipe is checked first (`check_recipe`), before anything is read or written, unless
+    `checked` says its caller has made that check (the task's `check`, on the launcher's path).
+    """
+    perf = PerfConfig.from_config(config) if checked else check_recipe(config)
     dataset, steps = _check(config, verify_data)
     tcfg = train_config(config, steps)
     chief = jax.process_index() == 0
@@ -229,7 +239,7 @@ def train_graph(config, workdir: str, *, progress: bool = True,
         if folder.length_changes(run.unsafe):
             _log_schedule_change(config, run.unsafe, tcfg, start, dataset.num_records("train"))
         graphdef, state, jitted, mesh, sizes, it = build(config, dataset, tcfg,
-                                                         abstract=bool(start))
+                                                         abstract=bool(start), perf=perf)
         run.checkpoints.save_args = _save_args(it)
         if start:  # another dataset is refused before anything compiles
             step_dir = os.path.join(run.checkpoints.folder, str(start))
@@ -249,7 +259,7 @@ def train_graph(config, workdir: str, *, progress: bool = True,
         if start >= steps:
             log.info("%s already holds a checkpoint at step %d of %d: nothing to do", workdir,
                      start, steps)
-            return graphdef, state
+            return Fitted(state, start, steps, graphdef)
         it.start()
         wait = DataWait(config.data.workers)
 
@@ -265,10 +275,9 @@ def train_graph(config, workdir: str, *, progress: bool = True,
                         progress=progress and config.progress_bar, stop_at=stop_at,
                         hint="lower train.lr or check the data.")
         hooks = _hooks(config, workdir, dataset, graphdef, wait, start, run.unsafe, chief)
-        state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks,
-                          chief=chief).state
+        result = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks, chief=chief)
         sizes.summary()
-        return graphdef, state
+        return Fitted(result.state, result.done, steps, graphdef)
 
 
 def _log_schedule_change(config, unsafe: dict, tcfg: core.TrainConfig, start: int,

@@ -4,8 +4,8 @@ section 3).
 For every annotated relation (subject, predicate, object) of a record:
 
 - **input**: the image with every pixel outside the union of the subject's and the object's
-  bounding boxes set to zero (a pixel is inside a box when its centre is: `box_mask`, the rule
-  `data_prep.demo` uses for its box masks);
+  bounding boxes set to zero (a pixel is inside a box when its centre is:
+  `sclaro_jax.data.images.box_mask`, the rule of the demo's box masks);
 - **target**: the relation mask, the union of the subject's and the object's masks. Records with
   `mask_kind == "box"` (the demo) used the boxes themselves as the masks, so the target is the
   union of the two boxes. Records with `mask_kind == "panoptic"` (PSG's import) hold the
@@ -55,6 +55,7 @@ from PIL import Image
 
 from sclaro_jax import ops
 from sclaro_jax.data import augment, panoptic, schema
+from sclaro_jax.data.images import box_mask
 from sclaro_jax.eval.encoders import Batcher
 from sclaro_jax.eval.protocols import registry
 from sclaro_jax.eval.protocols.embedding import read_samples
@@ -68,15 +69,6 @@ class LocaliseError(ValueError):
 
 
 # --------------------------------------------------------------------------- masks and inputs
-
-def box_mask(box: Sequence[float], width: int, height: int) -> np.ndarray:
-    """bool [height, width]: the pixels whose centres lie inside the (x0, y0, x1, y1) box
-    (x1, y1 exclusive), the same rule `data_prep.demo.box_mask` uses to make box masks."""
-    x0, y0, x1, y1 = box
-    cols = np.arange(width) + 0.5
-    rows = np.arange(height) + 0.5
-    return ((rows >= y0) & (rows < y1))[:, None] & ((cols >= x0) & (cols < x1))[None, :]
-
 
 def _relation(sample: schema.Sample, index: int) -> schema.Relation:
     if not 0 <= index < len(sample.relations):
