@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from sclaro_jax.config import flatten
+from sclaro_jax.data.dataset import open_dataset
 from sclaro_jax.files import write_replacing
 from sclaro_jax.models import clip
 from sclaro_jax.run.task import Evaluated, Fitted
