@@ -170,7 +170,9 @@ def main(argv=None) -> None:
                         help="print the winners of an earlier --json as config flags and exit")
     args = parser.parse_args(argv)
     if args.overrides_of:
-        print("\n".join(overrides(args.overrides_of)))
+        flags = overrides(args.overrides_of)
+        if flags:  # none: no line at all (an empty line would be an empty argument)
+            print("\n".join(flags))
         return
     unknown = [n for n in args.variants.split(",") if n not in BY_NAME]
     if unknown:

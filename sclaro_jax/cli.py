@@ -268,7 +268,10 @@ class ArgumentParser(argparse.ArgumentParser):
         if _deepest and _deepest[0] in self.subparsers():
             parser = _deepest[0]
         unknown = parser.unknown_flags(getattr(parser, "_argv", []))
-        if unknown:
+        if message.startswith("unrecognized arguments:") and "" in getattr(parser, "_argv", []):
+            message = ("unrecognized argument: '' (an empty argument: a shell variable or array "
+                       "that expanded to nothing?)")
+        elif unknown:
             named = ", ".join(parser.suggest(f) for f in unknown)
             message = f"unrecognized argument{'s' if len(unknown) > 1 else ''}: {named}"
         elif (m := re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)):

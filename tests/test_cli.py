@@ -151,6 +151,15 @@ def test_usage_errors_are_one_line_naming_the_typo_first(tmp_path, capsys):
     assert _usage_error(capsys, rocs.main, ["--modl", "m", "--sply", "s"]) == (
         "error: unrecognized arguments: --modl (did you mean --model?), --sply (did you mean "
         "--split?) (see python -m sclaro_jax.eval.rocs --help)")
+    # an empty argument (a script's variable that expanded to nothing) is named as one
+    empty = ("error: unrecognized argument: '' (an empty argument: a shell variable or array "
+             "that expanded to nothing?) (see {} --help)")
+    assert _usage_error(capsys, rocs.main, ["--model", "m", "--split", "s", ""]) == empty.format(
+        "python -m sclaro_jax.eval.rocs")
+    from launch import train as launcher
+    assert _usage_error(capsys, launcher.cli, ["launch/train.py", "--config", "scenarioclip:demo",
+                                               "--workdir", str(tmp_path), ""]) == empty.format(
+        "python launch/train.py")
 
 
 def test_an_output_folder_is_checked_when_the_flags_are_read(tmp_path, capsys):
