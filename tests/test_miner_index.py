@@ -391,8 +391,9 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
             str(cache), "--no-progress"]
     assert rocs.main([*base, "--out", str(out)]) == 0
     idx = tmp_path / "idx"  # --cache: the cache folder of one split, or its key folder
+    # --recall 1: calibrated on the bank's rows, here the split's own queries, every one exact
     assert index.main(["build", "--cache", str(cache), "--factory", "Flat", "--out", str(idx),
-                       "--no-progress"]) == 0
+                       "--recall", "1", "--no-progress"]) == 0
     meta = json.loads((idx / "meta.json").read_text())
     assert meta["encoder"] == "planted-colours" and meta["n_crops"] == 5
     capsys.readouterr()
