@@ -145,8 +145,8 @@ def test_explicit_search_settings_override_the_stored_ones(galleries, topics_ind
     assert index.main(["search", "--index", str(topics_index), "--queries",
                        str(tmp_path / "q.npy"), "--shortlist", "7", "--out",
                        str(tmp_path / "o"), "--no-progress"]) == 0
-    err = capsys.readouterr().err
-    assert "index search: calibrated at build time" in err and "shortlist 7 (given)" in err
+    out = capsys.readouterr().out
+    assert "index search: calibrated at build time" in out and "shortlist 7 (given)" in out
     np.testing.assert_array_equal(np.load(tmp_path / "o" / "hits.npz")["indices"],
                                   index.search(q, shards, shortlist=7).indices)
 

@@ -178,7 +178,8 @@ def _store(st: Build) -> None:
         st.views.flush()
         res = stream.search(st.queries, v[:, 0], v[:, 1:] if m["n_crops"] else None,
                             alpha=m["alpha"], pool=m["pool"], k=m["k"], rescore="csls",
-                            bank=st.bank, top=min(calibration.K, b - a), chunk=b - a)
+                            bank=st.bank, top=min(calibration.K, b - a),
+                            chunk=min(st.chunk, m["images"]))
         calibration.save_chunk(st.parts / f"cal-{c:05d}.npz", res, a)
         _write_npy(st.parts / f"ri-{c:05d}.npy", res.r_i.astype(np.float32))
         st.record("stored", c)

@@ -187,7 +187,7 @@ def calibrate(shard, recall: float) -> dict:
     data = np.load(shard.path / "calibration.npz")
     queries, exact = data["queries"], data["exact"]
     best = choose(measure(shard, queries, exact), recall)
-    exhaustive = best is None or best["shortlist"] >= shard.n
+    exhaustive = best is None
     if best is None:  # nothing measured reaches it: every image shortlisted, every list probed
         full = [None if p[0] is None else p[-1] for p in
                 (_probes(shard.crops, shard.meta["factory_crops"]),

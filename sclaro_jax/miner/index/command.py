@@ -141,9 +141,9 @@ def _search(args) -> int:
     gt = None if args.gt is None else np.asarray(_load(args.gt))
     shards = open_shards(args.index)
     given = dict(shortlist=args.shortlist, nprobe=args.nprobe, nprobe_global=args.nprobe_global)
-    print(f"index search: {search_settings(shards, **given)[1]}", file=sys.stderr)
     res = search(queries, shards, top=args.top, batch=args.batch,
                  progress=not args.no_progress, **given)
+    print(f"index search: {search_settings(shards, **given)[1]}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_replacing(out / "hits.npz", lambda f: np.savez(f, scores=res.scores,
