@@ -59,15 +59,16 @@ crop probes the wrong lists; the stored vectors, and so the scores, are unchange
 renamed, then recorded), so a build killed at any point and run again redoes only the
 unrecorded work and ends with the same files as an uninterrupted build (the trained index is
 read back, not trained again). `meta.json` holds the settings (encoder, crop rule, crops, dim,
-alpha, k, pool, bank hash, factory, shard); an index, or a resumed build, with other settings is
-refused naming both values.
+alpha, k, pool, bank hash, factory, shard, the calibration queries' hash) and, once built, the
+calibrated search settings; an index, or a resumed build, with other settings is refused naming
+both values (a finished index built again with another `--recall` is only calibrated again).
 
 FAISS factories: `{nlist}` becomes 2^round(log2(sqrt(n))) for the n vectors of that index (at
 most n / 39, at least 1), `{m}` becomes ceil(d / 8) (8 dimensions per sub-quantizer) and
 `{m/N}` ceil(d / N); vectors are zero-padded to a multiple of the PQ size (`PQm`). The default,
 "auto", is "Flat" (exact) for an index of fewer than `FLAT_BELOW` (20,000) vectors and
-`LARGE_FACTORY` ("IVF{nlist},PQ{m/2}x4fs") above; it and the nprobe defaults were chosen by
-measurement (bench/README.md, "MINER ANN index on CPU"). HNSW is not supported: it has no
+`LARGE_FACTORY` ("IVF{nlist},PQ{m/2}x4fs") above; it and the search defaults of an index built
+before calibration were chosen by measurement (bench/README.md, "MINER ANN index on CPU"). HNSW is not supported: it has no
 `merge_from` and no IVF lists.
 
 Every number a build or a search takes has a declared range (`RANGES`: `--alpha` in [0, 1], the
