@@ -130,9 +130,11 @@ def _build(args) -> int:
     if c:
         how = "exhaustive (no cheaper setting measured reached it)" if c["exhaustive"] else \
             "the cheapest measured"
+        probes = ", ".join(f"{k} {c[k]}" for k in ("nprobe", "nprobe_global")
+                           if c[k] is not None)  # IVF indexes only
         print(f"index {out}: calibrated for recall@{c['k']} {c['asked']:g}: {how}, shortlist "
-              f"{c['shortlist']}, nprobe {c['nprobe']}, nprobe_global {c['nprobe_global']}: "
-              f"recall {c['recall']:.3f} on {c['queries']} calibration queries")
+              f"{c['shortlist']}{', ' + probes if probes else ''}: recall {c['recall']:.3f} "
+              f"on {c['queries']} calibration queries")
     return 0
 
 
