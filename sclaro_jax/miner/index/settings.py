@@ -71,7 +71,7 @@ def check_ranges(**values) -> None:
 
 
 SETTINGS = ("encoder", "crop_rule", "crops", "dim", "alpha", "k", "pool", "bank_hash",
-            "factory", "shard", "total", "chunk")
+            "factory", "shard", "total", "chunk", "calibration_hash")
 # The search settings a calibrated build records (meta.json "calibration"), chosen for a recall
 # asked at build time (`calibration`); a search without flags uses them (`search_settings`).
 SEARCH_SETTINGS = ("shortlist", "nprobe", "nprobe_global")
