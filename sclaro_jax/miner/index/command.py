@@ -60,8 +60,8 @@ def _parser() -> argparse.ArgumentParser:
                         "settings are calibrated to reach (docs/miner.md); a finished index "
                         "built again with another value is only calibrated again")
     b.add_argument("--calibration-queries",
-                   help="queries [Qc, D] .npy to calibrate on (default: 1 in 10 rows of the "
-                        "bank, 100 to 1,000)")
+                   help="queries [Qc, D] .npy to calibrate on (default: the bank's rows, "
+                        "1,000 evenly spaced in a larger bank)")
     b.add_argument("--no-progress", action="store_true", help="no progress bars")
     s = sub.add_parser("search", help="search an index",
                        description="Top-k images per query: ANN shortlist, then the exact MINER "
