@@ -165,7 +165,9 @@ def test_an_index_built_before_calibration_searches_with_the_defaults(tmp_path, 
                        factory="Flat", progress=False)
     meta = json.loads((path / "meta.json").read_text())
     del meta["calibration"], meta["calibration_hash"], meta["calibration_queries"]
+    del meta["files"]["calibration.npz"]
     (path / "meta.json").write_text(json.dumps(meta))
+    (path / "calibration.npz").unlink()
     shards = index.open_shards([path])
     chosen, line = index.search_settings(shards)
     assert chosen == {"shortlist": index.DEFAULT_SHORTLIST, "nprobe": index.DEFAULT_NPROBE,
@@ -173,6 +175,12 @@ def test_an_index_built_before_calibration_searches_with_the_defaults(tmp_path, 
     assert line.startswith("uncalibrated index (built before calibration)")
     ref = stream.search(bank[:10], images, crops, bank=bank, top=10)
     np.testing.assert_array_equal(index.search(bank[:10], shards).indices, ref.indices)
+    # the same build command again: the index is kept, and said to be uncalibrated
+    capsys.readouterr()
+    index.build(index.Gallery.from_arrays(images, crops), bank, path, factory="Flat",
+                progress=False)
+    assert "built before calibration" in capsys.readouterr().err
+    assert "calibration" not in json.loads((path / "meta.json").read_text())
 
 
 def test_when_no_setting_measured_reaches_the_recall_the_index_is_searched_exhaustively(

@@ -87,7 +87,8 @@ def _resume(out: Path, meta: dict) -> dict:
         "stored": [], "trained": False, "added": [], "complete": False}
     if meta_path.exists():
         old = _read_json(meta_path)
-        fields = [f for f in SETTINGS if man["trained"] or f != "factory"]
+        fields = [f for f in SETTINGS if (man["trained"] or f != "factory") and not (
+            f == "calibration_hash" and man["complete"] and f not in old)]  # built before it
         _compare({f: meta[f] for f in fields}, old, str(meta_path), fields)
         _compare({f: meta[f] for f in ("version", "n_crops", "images")}, old, str(meta_path),
                  ("version", "n_crops", "images"))
