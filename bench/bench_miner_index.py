@@ -132,7 +132,8 @@ def from_cache(args) -> None:
         shard = index.open_index(out)
         for m in [int(x) for x in args.shortlists.split(",")]:
             for nprobe in [int(x) for x in args.nprobes.split(",")]:
-                res = index.search(q, [shard], shortlist=m, nprobe=nprobe)
+                res = index.search(q, [shard], shortlist=m, nprobe=nprobe,
+                                   nprobe_global=index.DEFAULT_NPROBE_GLOBAL)
                 rec = np.mean([len(set(a) & set(b)) / 10 for a, b in
                                zip(res.indices, ref.indices)])
                 top1 = np.mean(res.indices[:, 0] == ref.indices[:, 0])

@@ -1,5 +1,5 @@
 """Searching a MINER ANN index whose views.npy is read from disk: queries/s of the same index
-with the page cache emptied first, under the read advice of `index_files` (a views file bigger
+with the page cache emptied first, under the read advice of `index.files` (a views file bigger
 than half the memory mapped MADV_RANDOM, each batch's rows prefetched with
 posix_fadvise(WILLNEED)) and with parts of it switched off, to show what each part gives.
 
@@ -26,7 +26,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sclaro_jax.miner import index, index_files, index_search  # noqa: E402
+from sclaro_jax.miner import index  # noqa: E402
+from sclaro_jax.miner.index import files as index_files, searching as index_search  # noqa: E402
 
 MODES = ("now", "random-only", "none")
 

@@ -19,7 +19,8 @@ pytest.importorskip("faiss")
 
 from sclaro_jax.eval import rocs  # noqa: E402
 from sclaro_jax.eval.retrieval import synthetic  # noqa: E402
-from sclaro_jax.miner import index, index_files, stream  # noqa: E402
+from sclaro_jax.miner import index, stream  # noqa: E402
+from sclaro_jax.miner.index import building, files as index_files  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 G, R, D = 2000, 3, 16
@@ -180,11 +181,12 @@ KILL = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     from sclaro_jax.miner import index
+    from sclaro_jax.miner.index import building
     step, chunk = sys.argv[2], int(sys.argv[3])
     def kill(s, c):
         if (s, c) == (step, chunk):
             os.kill(os.getpid(), signal.SIGKILL)
-    index._after_chunk = kill
+    building._after_chunk = kill
     d = np.load(sys.argv[1])
     index.build(index.Gallery.from_arrays(d["images"], d["crops"]), d["bank"], sys.argv[4],
                 factory=sys.argv[5], chunk=256, progress=False)
@@ -218,12 +220,12 @@ def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
     done = {p.name: p.read_bytes() for p in (killed / "parts").glob("*-0000[0-2].faiss")}
     gallery = index.Gallery.from_arrays(data["images"], data["crops"])
     calls = []
-    index._after_chunk = lambda s, c: calls.append((s, c))
+    building._after_chunk = lambda s, c: calls.append((s, c))
     try:
         index.build(gallery, data["bank"], killed, factory="IVF{nlist},Flat", chunk=256,
                     progress=False)
     finally:
-        index._after_chunk = None
+        building._after_chunk = None
     assert calls == [("added", c) for c in range(3, 8)]  # nothing done before is redone
     whole = index.build(gallery, data["bank"], tmp_path / "whole", factory="IVF{nlist},Flat",
                         chunk=256, progress=False)
@@ -283,7 +285,7 @@ def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp
     ("top", 2.5), ("nprobe", True)])
 def test_search_arguments_outside_their_range_are_value_errors_naming_them(data, flat, name,
                                                                            value):
-    """The Python API holds the command's ranges (`index_files.RANGES`)."""
+    """The Python API holds the command's ranges (`index.settings.RANGES`)."""
     with pytest.raises(ValueError, match=f"^{name} must be a whole number from 1 to "
                                          f"2147483647, not {value!r}$"):
         index.search(data["queries"], [flat["crops"]], **{name: value})
@@ -310,12 +312,12 @@ def test_a_build_refused_while_training_reruns_with_another_factory(data, tmp_pa
         index.build(gallery, data["bank"], tmp_path / "idx", factory="IVF{nlist},PQ3", chunk=16,
                     progress=False)
     calls = []
-    index._after_chunk = lambda s, c: calls.append((s, c))
+    building._after_chunk = lambda s, c: calls.append((s, c))
     try:
         index.build(gallery, data["bank"], tmp_path / "idx", factory="Flat", chunk=16,
                     progress=False)
     finally:
-        index._after_chunk = None
+        building._after_chunk = None
     assert calls == [("added", c) for c in range(4)]  # the 4 stored chunks are reused
     whole = index.build(gallery, data["bank"], tmp_path / "whole", factory="Flat", chunk=16,
                         progress=False)
@@ -389,8 +391,9 @@ def test_rocs_evaluates_through_an_index_built_from_its_cache(tmp_path, capsys):
             str(cache), "--no-progress"]
     assert rocs.main([*base, "--out", str(out)]) == 0
     idx = tmp_path / "idx"  # --cache: the cache folder of one split, or its key folder
+    # --recall 1: calibrated on the bank's rows, here the split's own queries, every one exact
     assert index.main(["build", "--cache", str(cache), "--factory", "Flat", "--out", str(idx),
-                       "--no-progress"]) == 0
+                       "--recall", "1", "--no-progress"]) == 0
     meta = json.loads((idx / "meta.json").read_text())
     assert meta["encoder"] == "planted-colours" and meta["n_crops"] == 5
     capsys.readouterr()
@@ -419,12 +422,12 @@ def test_a_fast_scan_build_killed_while_storing_resumes_to_the_same_files(data, 
     assert man["stored"] == [0, 1, 2, 3] and not man["trained"]
     gallery = index.Gallery.from_arrays(data["images"], data["crops"])
     calls = []
-    index._after_chunk = lambda s, c: calls.append((s, c))
+    building._after_chunk = lambda s, c: calls.append((s, c))
     try:
         index.build(gallery, data["bank"], killed, factory=index.LARGE_FACTORY, chunk=256,
                     progress=False)
     finally:
-        index._after_chunk = None
+        building._after_chunk = None
     assert calls == [("stored", c) for c in range(4, 8)] + [("added", c) for c in range(8)]
     whole = index.build(gallery, data["bank"], tmp_path / "whole", factory=index.LARGE_FACTORY,
                         chunk=256, progress=False)

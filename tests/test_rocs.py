@@ -15,6 +15,7 @@ from sclaro_jax import miner
 from sclaro_jax.eval import encoders, rocs
 from sclaro_jax.eval.retrieval import data as data_lib
 from sclaro_jax.eval.retrieval import gallery, scoring, synthetic
+from sclaro_jax.miner.index import cache
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -192,7 +193,7 @@ def test_gallery_embeddings_crops_match_direct_encoding_and_cache_resumes(tmp_pa
     # folder renamed by hand), is refused, naming the file and both rules
     gallery.embed_split(enc, split, square, cache_dir=tmp_path / "s", progress=False)
     (tmp_path / "s" / gallery.cache_key(enc, split, square)).rename(tmp_path / "s" / key)
-    with pytest.raises(gallery.CacheMismatchError, match=r"meta.json: the cached embeddings "
+    with pytest.raises(cache.CacheMismatchError, match=r"meta.json: the cached embeddings "
                        r"were made with crops .*'square'.* not .*'aspect'"):
         gallery.embed_split(enc, split, spec, cache_dir=tmp_path / "s", progress=False)
 

@@ -4,7 +4,8 @@
 its crop views (`sclaro_jax.miner.crop_boxes`, each crop resized and preprocessed like the global
 view, as MINER does), encodes them in fixed-size batches, and stores the result as float16 in
 `cache_dir/<key>/`: one file per part of `part_size` images, written atomically, so an
-interrupted run resumes from the last finished part. The key hashes the encoder's fingerprint
+interrupted run resumes from the last finished part (the files: `sclaro_jax.miner.index.cache`,
+which also reads them for an index build). The key hashes the encoder's fingerprint
 (model files, dtype), the split's fingerprint (image ids, captions) and the crop settings, so a
 change in any of them computes anew.
 """
@@ -21,17 +22,11 @@ from pathlib import Path
 import numpy as np
 from tqdm.auto import tqdm
 
-from sclaro_jax import bounds, miner
+from sclaro_jax import miner
 from sclaro_jax.eval.encoders import Encoder
 from sclaro_jax.eval.retrieval.data import RetrievalSplit
-from sclaro_jax.files import write_replacing
-
-CACHE_VERSION = 2  # 2: the crop rule (`CropSpec.shape`, aspect-keeping by default) recorded
-
-
-class CacheMismatchError(ValueError):
-    """A cache folder holds embeddings made with other settings than the ones asked for."""
-
+from sclaro_jax.miner.index import cache
+from sclaro_jax.miner.index.cache import CACHE_VERSION
 
 @dataclasses.dataclass(frozen=True)
 class CropSpec:
@@ -83,30 +78,6 @@ def cache_key(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None) -
     return hashlib.sha256(what.encode()).hexdigest()[:20]
 
 
-def _check_cache(folder: Path, meta: dict) -> None:
-    """Refuse a cache folder whose embeddings were made with another crop rule (a folder
-    copied or renamed by hand, or written by an older version without the rule)."""
-    path = folder / "meta.json"
-    if not path.exists():
-        if any(folder.glob("gallery-*.npy")):
-            raise CacheMismatchError(f"{folder} holds gallery embeddings without a meta.json "
-                                     f"saying how they were made; delete the folder")
-        return
-    try:
-        old = bounds.read_json(path)
-    except ValueError as err:
-        raise CacheMismatchError(f"{path} is not JSON ({err}); delete {folder}") from None
-    for field in ("crops", "crop_rule"):
-        if old.get(field) != meta[field]:
-            raise CacheMismatchError(
-                f"{path}: the cached embeddings were made with {field} {old.get(field)!r}, "
-                f"not {meta[field]!r}; delete {folder} or use another --cache-dir")
-
-
-def _save_atomic(path: Path, array: np.ndarray) -> None:
-    write_replacing(path, lambda f: np.save(f, array))
-
-
 def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None = CropSpec(),
                 *, cache_dir: str | os.PathLike | None = None, part_size: int = 256,
                 progress: bool = True, workers: int | None = None) -> GalleryEmbeddings:
@@ -117,15 +88,12 @@ def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None 
     """
     folder = None
     if cache_dir is not None:
-        folder = Path(cache_dir) / cache_key(encoder, split, crops)
-        folder.mkdir(parents=True, exist_ok=True)
-        meta = {"version": CACHE_VERSION, "encoder": encoder.name, "split": split.name,
-                "source": split.source, "images": split.num_images,
-                "queries": len(split.queries),
-                "crops": None if crops is None else dataclasses.asdict(crops),
-                "crop_rule": None if crops is None else crops.rule}
-        _check_cache(folder, meta)
-        write_replacing(folder / "meta.json", lambda f: json.dump(meta, f, indent=1), text=True)
+        folder = cache.open_folder(
+            Path(cache_dir) / cache_key(encoder, split, crops),
+            {"encoder": encoder.name, "split": split.name, "source": split.source,
+             "images": split.num_images, "queries": len(split.queries),
+             "crops": None if crops is None else dataclasses.asdict(crops),
+             "crop_rule": None if crops is None else crops.rule})
     num_parts = -(-split.num_images // part_size)
     parts = []
     pool = concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1)
@@ -134,7 +102,7 @@ def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None 
     try:
         for p in range(num_parts):
             lo, hi = p * part_size, min((p + 1) * part_size, split.num_images)
-            path = None if folder is None else folder / f"gallery-{p:05d}-of-{num_parts:05d}.npy"
+            path = None if folder is None else cache.part_path(folder, p, num_parts)
             if path is not None and path.exists():
                 parts.append(np.load(path))
                 bar.update(hi - lo)
@@ -145,20 +113,20 @@ def embed_split(encoder: Encoder, split: RetrievalSplit, crops: CropSpec | None 
             emb = encoder.encode_views(np.concatenate(views))
             part = emb.reshape(hi - lo, per_image, -1).astype(np.float16)
             if path is not None:
-                _save_atomic(path, part)
+                cache.save(path, part)
             parts.append(part)
             bar.update(hi - lo)
     finally:
         bar.close()
         pool.shutdown()
     gallery = np.concatenate(parts)
-    texts_path = None if folder is None else folder / "queries.npy"
+    texts_path = None if folder is None else cache.queries_path(folder)
     if texts_path is not None and texts_path.exists():
         texts = np.load(texts_path)
     else:
         texts = encoder.encode_texts(split.queries).astype(np.float32)
         if texts_path is not None:
-            _save_atomic(texts_path, texts)
+            cache.save(texts_path, texts)
     return GalleryEmbeddings(np.ascontiguousarray(gallery[:, 0]),
                            np.ascontiguousarray(gallery[:, 1:]) if crops is not None else None,
                            texts)

@@ -9,8 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from sclaro_jax import bounds
-from sclaro_jax.miner.index_files import IndexFileError
+from sclaro_jax.miner.index import cache
 
 
 @dataclasses.dataclass
@@ -64,47 +63,12 @@ class Gallery:
 
     @classmethod
     def from_cache(cls, folder) -> "Gallery":
-        """An `eval.rocs` embedding cache folder (`OUT/cache/<key>`: meta.json, gallery parts
-        `gallery-PPPPP-of-NNNNN.npy` [n, 1 + R, D] float16, queries.npy), or the cache folder
-        `OUT/cache` itself when it holds one split's."""
-        folder = Path(folder)
-        keys = sorted(p.parent for p in folder.glob("*/meta.json"))
-        if not (folder / "meta.json").exists() and len(keys) == 1:
-            folder = keys[0]
-        elif not (folder / "meta.json").exists() and keys:
-            raise ValueError(f"{folder} holds the caches of {len(keys)} splits; name one: "
-                             + ", ".join(str(k) for k in keys))
-        meta_path = folder / "meta.json"
-        if not meta_path.is_file():
-            raise FileNotFoundError(2, "No such file or directory (not an eval.rocs embedding "
-                                       "cache folder)", str(meta_path))
-        try:
-            meta = bounds.read_json(meta_path)
-        except bounds.BoundsError:
-            raise
-        except ValueError as e:
-            raise ValueError(f"{meta_path} is not JSON ({e})") from None
-        files = sorted(folder.glob("gallery-*-of-*.npy"))
-        total = int(files[0].name.split("-of-")[1][:5]) if files else 0
-        if not files or len(files) != total:
-            raise IndexFileError(f"{folder}: {len(files)} of {total or '?'} gallery parts; run "
-                                 f"eval.rocs to finish the cache")
-        parts, start, shape = [], 0, None
-        for path in files:
-            try:
-                arr = np.load(path, mmap_mode="r")
-            except (ValueError, OSError) as e:
-                raise IndexFileError(f"{path}: unreadable ({e})") from None
-            parts.append((start, start + arr.shape[0], path))
-            start += arr.shape[0]
-            shape = arr.shape
-        if start != meta.get("images", start):
-            raise IndexFileError(f"{folder}: {start} gallery rows, meta.json says "
-                                 f"{meta['images']}")
-        queries = folder / "queries.npy"
-        return cls(n=start, dim=shape[2], n_crops=shape[1] - 1, parts=parts,
+        """An `eval.rocs` embedding cache folder (`OUT/cache/<key>`, `cache`'s files), or the
+        cache folder `OUT/cache` itself when it holds one split's."""
+        meta, parts, shape, queries = cache.read(folder)
+        return cls(n=parts[-1][1], dim=shape[2], n_crops=shape[1] - 1, parts=parts,
                    encoder=meta.get("encoder"), crop_rule=meta.get("crop_rule"),
-                   crop_spec=meta.get("crops"), queries=queries if queries.is_file() else None)
+                   crop_spec=meta.get("crops"), queries=queries)
 
 
 def _load(path: str) -> np.ndarray:

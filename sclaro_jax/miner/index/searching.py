@@ -11,10 +11,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sclaro_jax.miner.index_files import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
-                                          DEFAULT_SHORTLIST, IndexMismatchError, Shard,
-                                          _is_ivf, check_ranges, faiss, open_shards,
-                                          per_image, prefetch)
+from sclaro_jax.miner.index.files import Shard, open_shards, prefetch
+from sclaro_jax.miner.index.settings import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
+                                             DEFAULT_SHORTLIST, SEARCH_SETTINGS,
+                                             IndexMismatchError, _is_ivf, check_ranges, faiss)
+from sclaro_jax.miner.index.vectors import per_image
+
+DEFAULTS = {"shortlist": DEFAULT_SHORTLIST, "nprobe": DEFAULT_NPROBE,
+            "nprobe_global": DEFAULT_NPROBE_GLOBAL}
+
+
+def search_settings(shards: Sequence[Shard], **given) -> tuple[dict, str]:
+    """({shortlist, nprobe, nprobe_global} a search uses, one line saying where they come
+    from): each one given (not None) wins; else the calibrated one (`calibration`; over shards
+    the largest); else, for an index built before calibration, the defaults."""
+    cals = [s.meta.get("calibration") for s in shards]
+    given = {k: v for k, v in given.items() if v is not None}
+    if all(cals):
+        out = {k: max((c[k] for c in cals if c[k] is not None), default=DEFAULTS[k])
+               for k in SEARCH_SETTINGS}
+        c = min(cals, key=lambda c: c["recall_lower"])
+        line = (f"calibrated at build time: recall@{c['k']} {c['recall']:.3f} of the exact "
+                f"MINER + CSLS order on {c['queries']} calibration queries (asked "
+                f"{c['asked']:g})")
+        if any(c["exhaustive"] for c in cals):
+            line += "; exhaustive: no cheaper setting measured reached it"
+    else:
+        out, line = dict(DEFAULTS), ("uncalibrated index (built before calibration): the "
+                                     "default search settings")
+    out.update(given)
+    line += "; " + ", ".join(f"{k} {out[k]}" + (" (given)" if k in given else "")
+                             for k in SEARCH_SETTINGS)
+    return out, line
+
 
 @functools.partial(jax.jit, static_argnames=("alpha", "pool", "k", "top"))
 def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: int):
@@ -115,14 +144,15 @@ def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.nd
     return out, r_i
 
 
-def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: int = DEFAULT_SHORTLIST,
-           nprobe: int = DEFAULT_NPROBE, nprobe_global: Optional[int] = DEFAULT_NPROBE_GLOBAL,
+def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[int] = None,
+           nprobe: Optional[int] = None, nprobe_global: Optional[int] = None,
            batch: int = 64, progress: bool = False):
     """Top `top` gallery images per query under the exact MINER + CSLS score on the ANN
     shortlist (module docstring). queries [Q, D] L2-normalised; shards: from `open_shards` (or
     folders). Returns `stream.SearchResult` (scores [Q, top] 2S - r_q - r_i, indices [Q, top]
     global gallery rows, -1 past the candidates; r_q [Q] over the shortlist; r_i [G] the
-    bank's). Each number outside its `index_files.RANGES` is a ValueError naming it."""
+    bank's). shortlist, nprobe, nprobe_global: None takes the index's calibrated settings
+    (`search_settings`). Each number outside its `settings.RANGES` is a ValueError naming it."""
     from tqdm.auto import tqdm
 
     from sclaro_jax.miner.stream import SearchResult
@@ -131,6 +161,9 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: int = DEFAU
                  batch=batch)
     if not shards or isinstance(shards, (str, os.PathLike)) or not isinstance(shards[0], Shard):
         shards = open_shards(shards)
+    chosen, _ = search_settings(shards, shortlist=shortlist, nprobe=nprobe,
+                                nprobe_global=nprobe_global)
+    shortlist, nprobe, nprobe_global = (chosen[k] for k in SEARCH_SETTINGS)
     meta = shards[0].meta
     queries = np.ascontiguousarray(queries, np.float32)
     if queries.ndim != 2 or queries.shape[1] != meta["dim"]:

@@ -1,6 +1,6 @@
-"""FAISS indexes for a MINER index build (`sclaro_jax.miner.index`): fast-scan twins, crop-routed
-IVF lists, adding a chunk, training on a sample, and faiss's errors in one line. The method is
-in `sclaro_jax.miner.index`'s docstring."""
+"""The FAISS index forms of a MINER index build (`sclaro_jax.miner.index`): fast-scan twins,
+crop-routed IVF lists, adding a chunk, training on a sample, and faiss's errors in one line. The
+method is in `sclaro_jax.miner.index`'s docstring."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Optional
 
 import numpy as np
 
-from sclaro_jax.miner.index_files import (_is_ivf, _nlist_of, _pad, crop_vectors, faiss,
-                                          global_vectors)
+from sclaro_jax.miner.index.settings import _is_ivf, _nlist_of, faiss
+from sclaro_jax.miner.index.vectors import crop_vectors, global_vectors, route_vectors
 
 _FAST_SCAN = re.compile(r"((?:IVF\d+,)?PQ\d+x4)fs(r?)")
 
@@ -53,20 +53,6 @@ def routed(index) -> bool:
     return isinstance(index, faiss().IndexIVF)
 
 
-def route_vectors(views: np.ndarray, d: int, pool: str) -> np.ndarray:
-    """The vectors that choose each crop-index vector's IVF list, float32 [n * P, d] in
-    `crop_vectors`' order: the crop itself, [c_ir, 0...] (max), or [mean_r c_ir, 0...] (mean).
-    The fused vector mixes the image's global view into every crop, so lists made from fused
-    vectors group images, not what their crops show, and a query about one crop (far from any
-    fused vector: cos ~0.3 for a caption) probes the wrong lists. Lists made from the crops
-    group what the crops show; the fused vector is still what each list stores and scores.
-    (Measured in bench/README.md, "MINER ANN index on CPU".)"""
-    c = views[:, 1:].astype(np.float32)
-    if pool == "mean":
-        c = c.mean(axis=1, keepdims=True)
-    return _pad(c.reshape(-1, c.shape[2]), d)
-
-
 def _assign(index, routes: np.ndarray) -> np.ndarray:
     _, lists = index.quantizer.search(routes, 1)
     return np.ascontiguousarray(lists[:, 0], np.int64)
@@ -88,11 +74,12 @@ def train_routed(index, x: np.ndarray, routes: np.ndarray) -> None:
 
 
 def add_routed(index, x: np.ndarray, routes: np.ndarray) -> None:
-    """Add `x` to the lists that `routes` choose (ids continue from `index.ntotal`)."""
-    f = faiss()
-    x = np.ascontiguousarray(x, np.float32)
-    lists = _assign(index, np.ascontiguousarray(routes, np.float32))
-    index.add_core(len(x), f.swig_ptr(x), None, f.swig_ptr(lists))
+    """Add `x` to the lists that `routes` choose (ids continue from `index.ntotal`): faiss's
+    `contrib.ivf_tools.add_preassigned` (`add_core` with the lists given)."""
+    from faiss.contrib.ivf_tools import add_preassigned
+
+    add_preassigned(index, np.ascontiguousarray(x, np.float32),
+                    _assign(index, np.ascontiguousarray(routes, np.float32)))
 
 
 def _add(index, kind: str, views: np.ndarray, r_i: np.ndarray, d: int, alpha: float,
