@@ -44,8 +44,8 @@ if not __package__:  # `python launch/train.py` in a checkout: the checkout that
     sys.path.insert(0, ROOT)  # (imported as launch.train, sclaro-train: importable already)
 
 from sclaro_jax import cli as conventions  # noqa: E402
-from sclaro_jax.config import (CODE_NOTE, apply_overrides, list_configs,  # noqa: E402
-                               load_config, run_config, split_overrides)
+from sclaro_jax.config import (BOOL_TEXT, CODE_NOTE, apply_overrides,  # noqa: E402
+                               list_configs, load_config, run_config, split_overrides)
 
 PROG = "python launch/train.py"
 
@@ -108,8 +108,8 @@ def absl_spellings(args: list[str], switches: set[str]) -> list[str]:
                 and "--" + name[4:] in switches:
             name = "--no-" + name[4:]
             arg = name + eq + value
-        if name in switches and eq and value.lower() in ("true", "1", "false", "0"):
-            arg = name if value.lower() in ("true", "1") else "--no-" + name[2:]
+        if name in switches and eq and value.lower() in BOOL_TEXT:
+            arg = name if BOOL_TEXT[value.lower()] else "--no-" + name[2:]
         out.append(arg)
     return out
 
