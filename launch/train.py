@@ -286,7 +286,9 @@ def main(args: list[str], prog: str = PROG, only: str | None = None) -> int:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
-    except KeyboardInterrupt:  # the second Ctrl-C: out at once, without the threads' noise
+    except (KeyboardInterrupt, SystemError) as e:  # the second Ctrl-C: out at once, without
+        if not conventions.ctrl_c(e):               # the threads' noise
+            raise
         if verbose:
             import traceback
             traceback.print_exc()

@@ -71,6 +71,22 @@ def need(module: str, extra: str, purpose: str, package: str | None = None,
 USER_ERRORS = (OSError, ValueError, KeyError, MissingExtra)
 
 
+def ctrl_c(e: BaseException) -> bool:
+    """Whether `e` is a Ctrl-C: a KeyboardInterrupt, or the SystemError CPython raises when the
+    interrupt lands in Python code that a C function called and did not check (`<built-in
+    function fspath> returned a result with an exception set`, the KeyboardInterrupt as its
+    context). A command that reports an interrupt in one line catches both."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        if not isinstance(e, SystemError):
+            return False
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def message(e: BaseException) -> str:
     """The one line that reports `e`: an OSError as 'PATH: what went wrong', a KeyError without
     its quotes, others as they are."""

@@ -179,3 +179,33 @@ def test_an_output_folder_is_checked_when_the_flags_are_read(tmp_path, capsys):
     fresh = tmp_path / "new" / "deeper"
     assert cli.writable(str(fresh)) == str(fresh)
     assert os.listdir(tmp_path) == ["a_file"]
+
+
+def test_ctrl_c_is_a_keyboard_interrupt_or_a_system_error_raised_over_one():
+    """`cli.ctrl_c`: the commands that report Ctrl-C in one line catch what CPython raises when
+    the interrupt lands under a C call that ignores it (a SystemError whose context is the
+    KeyboardInterrupt), and nothing else."""
+    def caught(raise_inner, outer):
+        try:
+            try:
+                raise_inner()
+            except BaseException:
+                raise outer
+        except BaseException as e:  # noqa: BLE001
+            return e
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    def value_error():
+        raise ValueError("x")
+
+    assert cli.ctrl_c(KeyboardInterrupt())
+    assert cli.ctrl_c(caught(interrupt, SystemError("returned a result with an exception set")))
+    nested = caught(lambda: (_ for _ in ()).throw(
+        caught(interrupt, SystemError("inner"))), SystemError("outer"))
+    assert cli.ctrl_c(nested)
+    assert not cli.ctrl_c(SystemError("a bug of its own"))
+    assert not cli.ctrl_c(caught(value_error, SystemError("over a ValueError")))
+    assert not cli.ctrl_c(caught(interrupt, ValueError("a ValueError over an interrupt")))
+    assert not cli.ctrl_c(ValueError("x"))

@@ -1681,6 +1681,39 @@ def test_ctrl_c_in_an_index_build_is_one_line_and_the_rerun_resumes_to_the_same_
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in built_index.iterdir())
 
 
+def _interrupt_swallowed_by_c():
+    """What CI saw once (1 in ~60 builds): the Ctrl-C landed in Python code that a C function
+    called (`__instancecheck__` under `os.fspath`), the function ignored the error, and
+    CPython raised SystemError with the KeyboardInterrupt as its context."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        raise SystemError("<built-in function fspath> returned a result with an exception set")
+
+
+@needs_faiss
+def test_ctrl_c_swallowed_by_a_c_call_is_still_the_interrupt_line(gallery_files, monkeypatch,
+                                                                  capfd, tmp_path):
+    """An index build interrupted where CPython reports the KeyboardInterrupt as a SystemError
+    ended in a traceback, exit 1 (CI, once). Now the same line and exit 130 as every Ctrl-C;
+    a SystemError of its own (no interrupt behind it) is still a traceback."""
+    from sclaro_jax.miner.index import command
+
+    out = tmp_path / "idx"
+    monkeypatch.setattr(command, "_build", lambda args: _interrupt_swallowed_by_c())
+    proc = in_process(capfd, command.main, *_build_argv(gallery_files, out)[2:])
+    assert proc.returncode == 130 and not proc.stdout, (proc.returncode, proc.stderr)
+    assert proc.stderr.splitlines() == [
+        f"index build: interrupted before anything was kept in {out}: rerun the same command "
+        f"to start it"]
+
+    def broken(args):
+        raise SystemError("a bug of its own")
+    monkeypatch.setattr(command, "_build", broken)
+    proc = in_process(capfd, command.main, *_build_argv(gallery_files, out)[2:])
+    assert proc.returncode == 1 and "SystemError: a bug of its own" in proc.stderr
+
+
 def _hiding(allowed: set[str], *argv: str) -> list[str]:
     """`python -c HOOK ...` argv: ARGV (a script or `-m MODULE`) run under tests/demo_extra.py's
     import hook, with every installed package outside the distributions `allowed` hidden (an

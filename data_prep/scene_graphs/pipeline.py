@@ -53,7 +53,7 @@ from data_prep.scene_graphs import blocks, psg, vg
 from data_prep.scene_graphs.graph import Graph, SceneGraphs
 from data_prep.shards import ShardWriter, convert_sample, iter_records, refuse_a_dataset_in
 from data_prep.source_items import SourceError, SourceItem, read_image
-from sclaro_jax import bounds
+from sclaro_jax import bounds, cli
 from sclaro_jax.data import schema
 from sclaro_jax.data.images import box_mask, encode_jpeg
 from sclaro_jax.data.panoptic import Panoptic
@@ -360,7 +360,9 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
         finally:
             bar.close()
             _JOB.clear()
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not cli.ctrl_c(e):
+            raise
         print(f"import: interrupted; {len(markers)} of {len(chunks)} blocks are kept in {work}: "
               f"rerun the same command to resume", file=sys.stderr)
         raise

@@ -167,7 +167,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _build(args) if args.command == "build" else _search(args)
     except cli.USER_ERRORS as e:
         return cli.fail(e)
-    except KeyboardInterrupt:
+    except BaseException as e:
+        if not cli.ctrl_c(e):
+            raise
         print(interrupted(args.out) if args.command == "build"
               else "index search: interrupted; nothing was written", file=sys.stderr)
         return INTERRUPTED
