@@ -274,8 +274,10 @@ def search(queries: np.ndarray, gallery: np.ndarray, crops: Optional[np.ndarray]
     optional; bank [Qb, D] optional (inductive r_i); gt [Q] optional ground-truth rows (returns
     `gt_rank`, so recall@k = 100 * mean(gt_rank < k)). See the module docstring for the formulas
     and the memory rule. The next chunk is read and sent to the device while the current one
-    computes (JAX dispatch is asynchronous); at most two chunks are alive at a time.
+    computes (JAX dispatch is asynchronous); at most two chunks are alive at a time. A gallery
+    smaller than `chunk` is one chunk of its own size (no padding rows to score).
     """
+    chunk = max(1, min(chunk, gallery.shape[0]))
     cfg, q, b, gt_idx, gt_val = prepare(queries, gallery, crops, bank, gt, chunk, alpha=alpha,
                                         pool=pool, k=k, rescore=rescore, top=top)
     state = init_state(q.shape[0], cfg)
