@@ -25,6 +25,17 @@ indexes + r_i) against the float16 embeddings it indexes.
     python bench/bench_miner_index.py --n 1000000 --crops 5 --dim 768 --dir /tmp/ann_bench
     python bench/bench_miner_index.py --n 20000 --factories "IVF{nlist},PQ{m}x4fs;..."
     python bench/bench_miner_index.py --cache OUT/cache     # an eval.rocs cache (planted-colours)
+
+`--against scann` (global-only, `--crops 0`): ScaNN (pip `scann`, a bench-only install, never a
+dependency of the package) on the same vectors and queries, one run. Global-only MINER + CSLS
+is exactly a maximum inner product search: 2 S - r_i - r_q orders the gallery as
+[t, 1] . [g_i, -r_i / 2] does (r_q is the query's own constant), so ScaNN indexes [g_i, -r_i / 2]
+(float32, r_i from the same bank) and is asked for [t, 1]; both engines are scored against the
+one exact top 10. ScaNN's searcher (tree of `--scann-leaves` leaves, SOAR spilling with
+`--scann-soar`, anisotropic 4-bit codes, an exact re-order) is searched at each
+`--scann-search` leaves x `--scann-reorder` depth; its queries/s are search_batched_parallel's
+on the whole batch after a warm-up, as ours are `index.search`'s. The summary is the best
+queries/s of each engine at recall@10 >= `--target` and their ratio.
 """
 
 from __future__ import annotations
@@ -175,7 +186,21 @@ def main() -> None:
                    help="search an index kept by an earlier --keep run (its build time)")
     p.add_argument("--no-exact", action="store_true", help="reuse exact.npz from an earlier run")
     p.add_argument("--cache", help="instead: recall on this eval.rocs embedding cache folder")
+    p.add_argument("--against", choices=("scann",), help="the same search by another engine "
+                   "(global-only; module docstring)")
+    p.add_argument("--scann-leaves", type=int, default=0,
+                   help="ScaNN tree leaves (0: 2 sqrt(n), at least 16)")
+    p.add_argument("--scann-search", default="8,16,32,64,128,256",
+                   help="comma list of ScaNN leaves searched")
+    p.add_argument("--scann-reorder", default="20,40,80,160", help="comma list of re-order depths")
+    p.add_argument("--scann-soar", type=float, default=1.5,
+                   help="SOAR spilling lambda (0: none; each vector in 2 leaves otherwise)")
+    p.add_argument("--target", type=float, default=0.95, help="recall@10 of the summary")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed searches per setting (both engines): the fastest is reported")
     args = p.parse_args()
+    if args.against and args.crops:
+        p.error("--against scann compares the global-only search: pass --crops 0")
     if args.cache:
         from_cache(args)
         return
@@ -204,13 +229,14 @@ def main() -> None:
     if args.no_exact and exact_path.exists():
         e = np.load(exact_path)
         exact_ids, exact_rank, exact_s = e["indices"], e["gt_rank"], float(e["seconds"])
+        r_i = e["r_i"] if "r_i" in e.files else None
     else:
         t0 = time.perf_counter()
         ref = stream.search(q, d["images"], crops, bank=bank, top=10, k=10,
                             chunk=args.stream_chunk, gt=gt)
         exact_s = time.perf_counter() - t0
-        exact_ids, exact_rank = ref.indices, ref.gt_rank
-        np.savez(exact_path, indices=exact_ids, gt_rank=exact_rank, seconds=exact_s)
+        exact_ids, exact_rank, r_i = ref.indices, ref.gt_rank, ref.r_i
+        np.savez(exact_path, indices=exact_ids, gt_rank=exact_rank, seconds=exact_s, r_i=r_i)
     t0 = time.perf_counter()  # the scan alone: no bank (plain top-10 of S), same queries
     stream.search(q, d["images"], crops, rescore="none", top=10, chunk=args.stream_chunk)
     scan_s = time.perf_counter() - t0
@@ -219,6 +245,13 @@ def main() -> None:
                       "exact_q_per_s": round(len(q) / exact_s, 2),
                       "exact_R@1": round(100 * np.mean(exact_rank < 1), 2),
                       "exact_R@10": round(100 * np.mean(exact_rank < 10), 2)}), flush=True)
+
+    theirs = []
+    if args.against == "scann":
+        if r_i is None:
+            raise SystemExit(f"{exact_path} has no r_i (written by an older run): run without "
+                             f"--no-exact")
+        theirs = against_scann(args, np.asarray(d["images"]), r_i, q, exact_ids)
 
     rows = []
     gallery = index.Gallery.from_arrays(d["images"], crops, encoder="synthetic")
@@ -241,10 +274,12 @@ def main() -> None:
                 nprobe, nprobe_global = int(nprobe), int(nprobe_global or nprobe)
                 index.search(q[:args.batch], [shard], shortlist=m, nprobe=nprobe,
                              nprobe_global=nprobe_global, batch=args.batch)  # compiles
-                t0 = time.perf_counter()
-                res = index.search(q, [shard], shortlist=m, nprobe=nprobe,
-                                   nprobe_global=nprobe_global, batch=args.batch)
-                s = time.perf_counter() - t0
+                s = np.inf
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    res = index.search(q, [shard], shortlist=m, nprobe=nprobe,
+                                       nprobe_global=nprobe_global, batch=args.batch)
+                    s = min(s, time.perf_counter() - t0)
                 ranks = index.gt_ranks(res.indices, gt)
                 row = dict(factory=shard.meta["factory_global"] + " / "
                            + str(shard.meta["factory_crops"]), shortlist=m,
@@ -274,6 +309,83 @@ def main() -> None:
               f"{r['R1']:.2f} | {r['R10']:.2f} | {r['q_per_s']:.1f} | {r['speedup']:.1f} | "
               f"{r['speedup_scan']:.1f} | "
               f"{r['build_s']:.0f} | {r['index_mb']:.1f} | {r['mem_ratio']:.3f} |")
+    if theirs:
+        summary(rows, theirs, args.target, args)
+
+
+def recall10(got: np.ndarray, exact: np.ndarray) -> float:
+    """Mean share of each exact top 10 found in the returned top 10."""
+    return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(got, exact)]))
+
+
+def against_scann(args, images: np.ndarray, r_i: np.ndarray, q: np.ndarray,
+                  exact_ids: np.ndarray) -> list[dict]:
+    """ScaNN on [g_i, -r_i / 2] queried with [t, 1] (module docstring): one row per leaves
+    searched x re-order depth, recall@10 against the exact top 10 and queries/s."""
+    try:
+        import scann
+    except ImportError:
+        raise SystemExit("--against scann needs ScaNN, a bench-only install: pip install "
+                         "--target /tmp/scann_site scann --no-deps; PYTHONPATH=/tmp/scann_site")
+    n = images.shape[0]
+    db = np.concatenate([np.asarray(images, np.float32), -0.5 * r_i[:, None]], axis=1)
+    qx = np.concatenate([q.astype(np.float32), np.ones((len(q), 1), np.float32)], axis=1)
+    leaves = args.scann_leaves or max(16, int(2 * np.sqrt(n)))
+    reorders = [int(x) for x in args.scann_reorder.split(",")]
+    t0 = time.perf_counter()
+    tree = dict(num_leaves=leaves, num_leaves_to_search=min(leaves, 32),
+                training_sample_size=min(n, 250_000))
+    if args.scann_soar:
+        tree.update(soar_lambda=args.scann_soar, overretrieve_factor=2.0)
+    searcher = (scann.scann_ops_pybind.builder(db, 10, "dot_product").tree(**tree)
+                .score_ah(2, anisotropic_quantization_threshold=0.2)
+                .reorder(max(reorders)).build())
+    build_s = time.perf_counter() - t0
+    print(json.dumps({"scann_build_s": round(build_s, 1), "leaves": leaves,
+                      "soar_lambda": args.scann_soar, "dim": db.shape[1]}), flush=True)
+    rows = []
+    for searched in [int(x) for x in args.scann_search.split(",") if int(x) <= leaves]:
+        for reorder in reorders:
+            kw = dict(final_num_neighbors=10, leaves_to_search=searched,
+                      pre_reorder_num_neighbors=reorder)
+            searcher.search_batched_parallel(qx[:args.batch], **kw)  # warm-up
+            s = np.inf
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                ids, _ = searcher.search_batched_parallel(qx, **kw)
+                s = min(s, time.perf_counter() - t0)
+            row = dict(engine="scann", leaves=searched, reorder=reorder,
+                       recall10=recall10(np.asarray(ids), exact_ids), q_per_s=len(q) / s,
+                       build_s=build_s)
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                              for k, v in row.items()}), flush=True)
+    return rows
+
+
+def best_at(rows: list[dict], target: float) -> dict | None:
+    """The fastest row whose recall@10 reaches `target` (None: none does)."""
+    ok = [r for r in rows if r["recall10"] >= target]
+    return max(ok, key=lambda r: r["q_per_s"]) if ok else None
+
+
+def summary(ours: list[dict], theirs: list[dict], target: float, args) -> None:
+    """Both engines' curves (recall@10 -> best queries/s at or above it) and the ratio at
+    `target`."""
+    print(f"\n{args.n} x {args.dim} global-only, {args.queries} queries, {os.cpu_count()} CPUs: "
+          f"best queries/s at recall@10 >= each level")
+    print("| recall@10 >= | ours q/s (M, nprobe) | ScaNN q/s (leaves, re-order) | ours / ScaNN |")
+    print("|---:|---:|---:|---:|")
+    for level in (0.90, 0.95, 0.97, 0.99):
+        a, b = best_at(ours, level), best_at(theirs, level)
+        fa = f"{a['q_per_s']:.0f} ({a['shortlist']}, {a['nprobe']})" if a else "not reached"
+        fb = f"{b['q_per_s']:.0f} ({b['leaves']}, {b['reorder']})" if b else "not reached"
+        ratio = f"{a['q_per_s'] / b['q_per_s']:.2f}x" if a and b else "-"
+        print(f"| {level:.2f} | {fa} | {fb} | {ratio} |")
+    a, b = best_at(ours, target), best_at(theirs, target)
+    if a and b:
+        print(f"at recall@10 >= {target}: ours {a['q_per_s']:.0f} q/s, ScaNN "
+              f"{b['q_per_s']:.0f} q/s: {a['q_per_s'] / b['q_per_s']:.2f}x")
 
 
 if __name__ == "__main__":
