@@ -959,6 +959,89 @@ def test_a_panoptic_png_bomb_is_a_counted_skip_in_a_psg_import(tmp_path, sentine
     assert "bad_panoptic_png 1" in proc.stdout
 
 
+def _panoptic_sample(png: bytes, width: int = 64, height: int = 48):
+    """A panoptic record as a shared dataset could hold it: a real JPEG photograph, two objects
+    and one relation, and `png` as its stored panoptic masks (segment ids 1 and 2)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from sclaro_jax.data import panoptic, schema
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((height, width, 3), 120, np.uint8)).save(buf, format="JPEG")
+    objects = (schema.Object("person", (0.0, 0.0, 30.0, 40.0)),
+               schema.Object("wall", (20.0, 0.0, 64.0, 48.0)))
+    return schema.Sample(id="shared/0001", source="psg", split="test", image=buf.getvalue(),
+                         width=width, height=height, action="", caption="a person by a wall",
+                         objects=objects, relations=(schema.Relation(
+                             0, "beside", 1, "person beside wall", None),),
+                         mask_kind="panoptic", panoptic=panoptic.Panoptic(png, (1, 2)))
+
+
+@pytest.mark.parametrize("kind", ["bomb", "wrong-size", "pickle", "truncated"])
+def test_a_records_hostile_panoptic_png_is_one_error_naming_the_sample(kind, sentinel):
+    """A record's stored panoptic PNG (the `panoptic` key, read by localisation) from a dataset
+    someone else wrote: an IHDR saying 60000 x 60000, a PNG of another size than the
+    photograph, a pickle, a PNG cut short. Each is a PanopticError (a ValueError: one `error:`
+    line at the command) naming the sample, from the header alone for the bomb; the record
+    check (`schema.validate`'s panoptic part) says the same before a writer keeps it; nothing is
+    unpickled."""
+    import io
+    import pickle
+
+    import numpy as np
+    from PIL import Image
+
+    from sclaro_jax.data import panoptic, schema
+    from sclaro_jax.eval.protocols import localise
+
+    ids = np.zeros((48, 64, 3), np.uint8)
+    ids[:, :32, 0], ids[:, 32:, 0] = 1, 2
+    buf = io.BytesIO()
+    Image.fromarray(ids).save(buf, format="PNG")
+    good = buf.getvalue()
+    ran = []
+
+    class Planted:
+        def __reduce__(self):
+            return (ran.append, ("unpickled",))
+
+    png = {"bomb": png_of_size(ids, 60000, 60000),
+           "wrong-size": _png_bytes(ids[:47]),
+           "pickle": pickle.dumps(Planted()),
+           "truncated": good[:len(good) // 2]}[kind]
+    sample = _panoptic_sample(png)
+    words = {"bomb": "60000", "wrong-size": "64x47, the photograph 64x48",
+             "pickle": "does not decode", "truncated": "does not decode"}[kind]
+    for call in (lambda: panoptic.ids(sample),
+                 lambda: localise.relation_examples([sample], 32)):
+        with pytest.raises(panoptic.PanopticError) as e:
+            call()
+        assert "sample 'shared/0001' panoptic PNG" in str(e.value) and words in str(e.value), (
+            str(e.value))
+    def fail(message):
+        raise schema.RecordError(f"sample {sample.id!r}: {message}")
+    with pytest.raises(schema.RecordError, match=r"sample 'shared/0001': .*" + words.split()[0]):
+        panoptic.validate(sample, fail, decode_images=True)  # the writers' record check
+    assert not ran
+    # the same record with a well-formed PNG: the relation's target is the two segments' union
+    inputs, targets = localise.relation_examples([_panoptic_sample(good)], 32)
+    assert inputs.shape == (1, 32, 32, 3) and targets.shape == (1, 32, 32)
+    assert targets.min() == 1.0  # segments 1 and 2 cover the whole photograph
+
+
+def _png_bytes(pixels) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def test_long_class_names_are_skipped_and_counted_not_written_to_objects_txt(tmp_path,
                                                                               sentinel):
     """A 2 MB class name (of the 200 MB kind) at the default limit, and a 40-character one
