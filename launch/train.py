@@ -286,8 +286,8 @@ def main(args: list[str], prog: str = PROG, only: str | None = None) -> int:
     except SystemExit as e:
         if e.code not in (None, 0):
             raise
-    except (KeyboardInterrupt, SystemError) as e:  # the second Ctrl-C: out at once, without
-        if not conventions.ctrl_c(e):               # the threads' noise
+    except conventions.INTERRUPTS as e:  # the second Ctrl-C: out at once, without the
+        if not conventions.ctrl_c(e):     # threads' noise
             raise
         if verbose:
             import traceback

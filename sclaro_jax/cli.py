@@ -71,6 +71,11 @@ def need(module: str, extra: str, purpose: str, package: str | None = None,
 USER_ERRORS = (OSError, ValueError, KeyError, MissingExtra)
 
 
+# What a Ctrl-C arrives as (`ctrl_c` tells which of them is one): `except INTERRUPTS as e:` then
+# `if not ctrl_c(e): raise`.
+INTERRUPTS = (KeyboardInterrupt, SystemError)
+
+
 def ctrl_c(e: BaseException) -> bool:
     """Whether `e` is a Ctrl-C: a KeyboardInterrupt, or the SystemError CPython raises when the
     interrupt lands in Python code that a C function called and did not check (`<built-in

@@ -18,7 +18,7 @@ import argparse
 import os
 
 from data_prep.cli import command, view_flags, write_flags
-from sclaro_jax.cli import ctrl_c, positive_int, writable
+from sclaro_jax.cli import INTERRUPTS, ctrl_c, positive_int, writable
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -62,7 +62,7 @@ def run(args) -> int:
             image_size=args.image_size, keep_originals=args.keep_originals,
             progress=not args.no_progress, workers=args.workers, block_size=args.block_size,
             work=args.work or None)
-    except BaseException as e:  # a Ctrl-C: the import said what it kept
+    except INTERRUPTS as e:  # a Ctrl-C: the import said what it kept
         if not ctrl_c(e):
             raise
         return 130

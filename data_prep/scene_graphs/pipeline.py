@@ -360,7 +360,7 @@ def import_scene_graphs(kind: str, root: str, out: str, *, captions: tuple[str, 
         finally:
             bar.close()
             _JOB.clear()
-    except BaseException as e:
+    except cli.INTERRUPTS as e:
         if not cli.ctrl_c(e):
             raise
         print(f"import: interrupted; {len(markers)} of {len(chunks)} blocks are kept in {work}: "

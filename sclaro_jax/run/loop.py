@@ -31,6 +31,7 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from sclaro_jax.cli import ctrl_c
 from sclaro_jax.files import open_new
 from sclaro_jax.run.ahead import CompiledSteps, seconds_since_start
 from sclaro_jax.run.checkpoints import Checkpoints, CheckpointWriteError
@@ -239,11 +240,12 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
                 checkpoints.close()
         finally:
             logs.close()
-    except KeyboardInterrupt:  # a second Ctrl-C: leave at once (a write in flight is left
-        raise                  # unfinished; the next start removes it)
-    except BaseException:
-        with contextlib.suppress(CheckpointWriteError):  # the error in flight says more
-            checkpoints.close()
+    except BaseException as e:
+        # a second Ctrl-C (either form, `cli.ctrl_c`): leave at once (a write in flight is left
+        # unfinished; the next start removes it); else the writes end first
+        if not ctrl_c(e):
+            with contextlib.suppress(CheckpointWriteError):  # the error in flight says more
+                checkpoints.close()
         raise
     # (a stop is announced when it is asked for; the caller says where the run stands)
     return Result(state, done, stop.requested)

@@ -167,7 +167,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _build(args) if args.command == "build" else _search(args)
     except cli.USER_ERRORS as e:
         return cli.fail(e)
-    except BaseException as e:
+    except cli.INTERRUPTS as e:
         if not cli.ctrl_c(e):
             raise
         print(interrupted(args.out) if args.command == "build"
