@@ -795,15 +795,10 @@ def jpeg_of_size(width: int, height: int) -> bytes:
 def png_of_size(pixels, width: int, height: int) -> bytes:
     """A real PNG of `pixels` whose IHDR (PNG spec 11.2.2) says `width` x `height`, its CRC
     recomputed so a reader takes the header as valid."""
-    import io
     import struct
     import zlib
 
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(pixels).save(buf, format="PNG")
-    data = bytearray(buf.getvalue())
+    data = bytearray(_png_bytes(pixels))
     assert data[12:16] == b"IHDR"
     struct.pack_into(">II", data, 16, width, height)
     struct.pack_into(">I", data, 29, zlib.crc32(bytes(data[12:29])))
@@ -988,20 +983,16 @@ def test_a_records_hostile_panoptic_png_is_one_error_naming_the_sample(kind, sen
     line at the command) naming the sample, from the header alone for the bomb; the record
     check (`schema.validate`'s panoptic part) says the same before a writer keeps it; nothing is
     unpickled."""
-    import io
     import pickle
 
     import numpy as np
-    from PIL import Image
 
     from sclaro_jax.data import panoptic, schema
     from sclaro_jax.eval.protocols import localise
 
     ids = np.zeros((48, 64, 3), np.uint8)
     ids[:, :32, 0], ids[:, 32:, 0] = 1, 2
-    buf = io.BytesIO()
-    Image.fromarray(ids).save(buf, format="PNG")
-    good = buf.getvalue()
+    good = _png_bytes(ids)
     ran = []
 
     class Planted:
