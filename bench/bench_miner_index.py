@@ -332,9 +332,11 @@ def against_scann(args, images: np.ndarray, r_i: np.ndarray, q: np.ndarray,
     except ImportError:
         raise SystemExit("--against scann needs ScaNN, a bench-only install: pip install "
                          "--target /tmp/scann_site scann --no-deps; PYTHONPATH=/tmp/scann_site")
-    n = images.shape[0]
-    db = np.concatenate([np.asarray(images, np.float32), -0.5 * r_i[:, None]], axis=1)
-    qx = np.concatenate([q.astype(np.float32), np.ones((len(q), 1), np.float32)], axis=1)
+    from sclaro_jax.miner.index.vectors import global_vectors, query_vectors
+
+    n, d = images.shape[0], images.shape[1] + 1  # the index's own forms, unpadded
+    db = global_vectors(np.asarray(images)[:, None], r_i, d)
+    qx = query_vectors(q, d)
     leaves = args.scann_leaves or max(16, int(2 * np.sqrt(n)))
     reorders = [int(x) for x in args.scann_reorder.split(",")]
     t0 = time.perf_counter()

@@ -52,7 +52,7 @@ import numpy as np
 from sclaro_jax.files import write_replacing
 from sclaro_jax.miner.index.files import _read_json, _write_json, open_index
 from sclaro_jax.miner.index.settings import _is_ivf, _nlist_of, faiss
-from sclaro_jax.miner.index.vectors import per_image
+from sclaro_jax.miner.index.vectors import per_image, query_vectors
 
 K = 10  # recall@K against the exact order
 Z = 2.326  # one-sided 99% lower bound of the mean recall over the calibration queries
@@ -97,10 +97,7 @@ def _probes(index, factory: str) -> list:
 def _search(index, q: np.ndarray, nprobe, k: int) -> np.ndarray:
     if nprobe is not None:
         faiss().ParameterSpace().set_index_parameter(index, "nprobe", nprobe)
-    x = np.zeros((len(q), index.d), np.float32)
-    x[:, :q.shape[1]] = q
-    x[:, q.shape[1]] = 1.0
-    return index.search(x, k)[1]
+    return index.search(query_vectors(q, index.d), k)[1]
 
 
 def _global_ranks(ids: np.ndarray, exact: np.ndarray) -> np.ndarray:

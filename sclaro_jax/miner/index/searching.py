@@ -15,7 +15,7 @@ from sclaro_jax.miner.index.files import Shard, open_shards, prefetch
 from sclaro_jax.miner.index.settings import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOBAL,
                                              DEFAULT_SHORTLIST, SEARCH_SETTINGS,
                                              IndexMismatchError, _is_ivf, check_ranges, faiss)
-from sclaro_jax.miner.index.vectors import per_image
+from sclaro_jax.miner.index.vectors import per_image, query_vectors
 
 DEFAULTS = {"shortlist": DEFAULT_SHORTLIST, "nprobe": DEFAULT_NPROBE,
             "nprobe_global": DEFAULT_NPROBE_GLOBAL}
@@ -81,21 +81,17 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
     index (None: nprobe in both)."""
     f = faiss()
     found = []
-    b = t.shape[0]
     for s in shards:
         params = f.ParameterSpace()
         for index, fac, probes in ((s.glob, s.meta["factory_global"], nprobe_global or nprobe),
                                    (s.crops, s.meta["factory_crops"], nprobe)):
             if index is not None and _is_ivf(fac):
                 params.set_index_parameter(index, "nprobe", probes)
-        qg = np.zeros((b, max(s.glob.d, s.crops.d if s.crops is not None else 0)), np.float32)
-        qg[:, :t.shape[1]] = t
-        qg[:, t.shape[1]] = 1.0
-        _, ig = s.glob.search(np.ascontiguousarray(qg[:, :s.glob.d]), min(shortlist, s.n))
+        _, ig = s.glob.search(query_vectors(t, s.glob.d), min(shortlist, s.n))
         found.append(np.where(ig >= 0, ig + s.offset, -1))
         if s.crops is not None:
             per = per_image(s.meta["n_crops"], s.meta["pool"])
-            _, ic = s.crops.search(np.ascontiguousarray(qg[:, :s.crops.d]),
+            _, ic = s.crops.search(query_vectors(t, s.crops.d),
                                    min(shortlist * per, s.crops.ntotal))
             found.append(_first_distinct(np.where(ic >= 0, ic // per + s.offset, -1),
                                          min(shortlist, s.n)))

@@ -22,6 +22,13 @@ def global_vectors(views: np.ndarray, r_i: np.ndarray, d: int) -> np.ndarray:
     return _pad(np.concatenate([g, -0.5 * r_i.astype(np.float32)[:, None]], axis=1), d)
 
 
+def query_vectors(t: np.ndarray, d: int) -> np.ndarray:
+    """[t, 1, 0...] per query, float32 [Q, d]: with `global_vectors` or `crop_vectors`, the
+    inner product is S - r_i / 2."""
+    t = np.asarray(t, np.float32)
+    return _pad(np.concatenate([t, np.ones((len(t), 1), np.float32)], axis=1), d)
+
+
 def crop_vectors(views: np.ndarray, r_i: np.ndarray, d: int, alpha: float, pool: str
                  ) -> np.ndarray:
     """The fused crop vectors, float32 [n * P, d] (P = R for pool max, 1 for mean), image i's
