@@ -77,6 +77,24 @@ def galleries(tmp_path_factory):
     return {name: make(tmp_path_factory.mktemp(name)) for name, make in GALLERIES.items()}
 
 
+@pytest.fixture(scope="module")
+def built(galleries, tmp_path_factory):
+    """(gallery, with crops, pool) -> its index at the default `--recall 0.95`, each built once
+    for the module (the held-out test and `topics_index` share the topics max-pool build)."""
+    made = {}
+
+    def get(gallery: str, with_crops: bool, pool: str = "max"):
+        key = (gallery, with_crops, pool)
+        if key not in made:
+            d = galleries[gallery]
+            made[key] = index.build(
+                index.Gallery.from_arrays(d["images"], d["crops"] if with_crops else None),
+                d["bank"], tmp_path_factory.mktemp("_".join(map(str, key))) / "idx",
+                factory=FACTORY, pool=pool, chunk=1500, progress=False)
+        return made[key]
+    return get
+
+
 def _recall(res, ref) -> float:
     return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in
                           zip(res.indices, ref.indices)]))
@@ -85,14 +103,12 @@ def _recall(res, ref) -> float:
 @pytest.mark.slow
 @pytest.mark.parametrize("gallery", list(GALLERIES))
 @pytest.mark.parametrize("mode", ["global", "max", "mean"])
-def test_held_out_queries_reach_the_recall_asked_with_the_chosen_settings(galleries, gallery,
-                                                                          mode, tmp_path):
+def test_held_out_queries_reach_the_recall_asked_with_the_chosen_settings(galleries, built,
+                                                                          gallery, mode):
     d = galleries[gallery]
     crops = None if mode == "global" else d["crops"]
     pool = "mean" if mode == "mean" else "max"
-    path = index.build(index.Gallery.from_arrays(d["images"], crops), d["bank"],
-                       tmp_path / "idx", factory=FACTORY, pool=pool, chunk=1500,
-                       progress=False)
+    path = built(gallery, crops is not None, pool)
     cal = json.loads((path / "meta.json").read_text())["calibration"]
     assert cal["asked"] == 0.95 and cal["recall_lower"] >= 0.95 and cal["queries"] == BANK
     exact = stream.search(d["queries"], d["images"], crops, bank=d["bank"], pool=pool, top=10)
@@ -102,11 +118,10 @@ def test_held_out_queries_reach_the_recall_asked_with_the_chosen_settings(galler
 
 
 @pytest.fixture(scope="module")
-def topics_index(galleries, tmp_path_factory):
-    d = galleries["topics"]
-    return index.build(index.Gallery.from_arrays(d["images"], d["crops"]), d["bank"],
-                       tmp_path_factory.mktemp("topics_idx") / "idx", factory=FACTORY,
-                       chunk=1500, progress=False)
+def topics_index(built):
+    """The topics gallery's max-pool index with crops (the tests below recalibrate it and
+    build it again at the default recall, which leaves it as built)."""
+    return built("topics", True)
 
 
 def test_a_higher_recall_never_picks_cheaper_settings(galleries, topics_index):
