@@ -264,6 +264,39 @@ def test_ivf_visiting_every_list_is_exact(data, exact, tmp_path):
     assert (own[:, 0] != lists).mean() > 0.05
 
 
+def test_faiss_answers_blocks_of_queries_and_the_results_do_not_depend_on_the_block(
+        data, tmp_path, monkeypatch):
+    """`search` asks FAISS for the candidates of a block of re-rank batches at once
+    (`searching.faiss_block`): 60 queries in batches of 16, FAISS blocks of 2 batches (2 calls),
+    of one batch (4 calls, as before blocks) and of all of them (1 call) give the same
+    results, with few lists probed (approximate candidates) and with crops."""
+    from sclaro_jax.miner.index import searching
+    path = index.build(index.Gallery.from_arrays(data["images"], data["crops"]), data["bank"],
+                       tmp_path / "ivf", factory="IVF{nlist},Flat", chunk=1024, progress=False)
+    shards = index.open_shards([path])
+    calls = []
+    real = searching.candidates
+
+    def counted(shards, t, *args):
+        calls.append(len(t))
+        return real(shards, t, *args)
+    monkeypatch.setattr(searching, "candidates", counted)
+    width = 20 * (1 + R)  # shortlist 20: the global index's 20 and the crop index's 20 x 3
+    results = {}
+    for ids_per_call, want in ((width * 32, [32, 28]), (1, [16, 16, 16, 12]),
+                               (1 << 30, [60])):
+        monkeypatch.setattr(searching, "FAISS_BLOCK_IDS", ids_per_call)
+        calls.clear()
+        results[ids_per_call] = index.search(data["queries"], shards, shortlist=20, nprobe=2,
+                                             nprobe_global=2, batch=16)
+        assert calls == want, (ids_per_call, calls)
+    first, *others = results.values()
+    for res in others:
+        _same(res, first)
+    one = index.search(data["queries"][:16], shards, shortlist=20, nprobe=2, nprobe_global=2)
+    np.testing.assert_array_equal(one.indices, first.indices[:16])
+
+
 def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp_path):
     path = flat["crops"]
     for field, theirs, ours in (("encoder", "enc-a", "enc-b"), ("crop_rule", "rule-a", "rule-b"),

@@ -104,6 +104,21 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
     return np.where(ids == big, -1, ids)
 
 
+FAISS_BLOCK_IDS = 1 << 23  # candidate ids FAISS returns per call, at most (64 MB of int64)
+
+
+def faiss_block(shards: Sequence[Shard], shortlist: int, batch: int) -> int:
+    """Queries per FAISS call in `search`: a multiple of the re-rank `batch`, as many as keep
+    the ids FAISS returns under `FAISS_BLOCK_IDS`. FAISS's IVF scans answer a block of queries
+    at once faster than the same queries in re-rank batches (each list's codes are read for
+    the block's queries together): 2,000 global-only queries over 300,000 images, IVF2048 fast
+    scan, 128 lists probed, 200 each, on one core, took 0.33 s in one call and 0.63 s in calls
+    of 64."""
+    width = sum(min(shortlist, s.n) * (1 + (per_image(s.meta["n_crops"], s.meta["pool"])
+                                            if s.crops is not None else 0)) for s in shards)
+    return batch * max(1, FAISS_BLOCK_IDS // max(1, width * batch))
+
+
 def _first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
     """Per row, the first m distinct non-negative ids in row order, padded with -1."""
     out = np.full((ids.shape[0], m), -1, np.int64)
@@ -171,10 +186,15 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[in
     scores = np.empty((len(queries), top), np.float32)
     indices = np.empty((len(queries), top), np.int64)
     r_q = np.empty((len(queries),), np.float32)
+    block = faiss_block(shards, shortlist, batch)
+    found = (0, np.zeros((0, 0), np.int64))  # (first query, candidates of its FAISS block)
     for a in tqdm(range(0, len(queries), batch), desc="search", unit="batch",
                   disable=not progress):
         t = queries[a:a + batch]
-        ids = candidates(shards, t, shortlist, nprobe, nprobe_global)
+        if a >= found[0] + len(found[1]):  # FAISS answers a block of queries in one call
+            found = (a, candidates(shards, queries[a:a + block], shortlist, nprobe,
+                                   nprobe_global))
+        ids = found[1][a - found[0]:a - found[0] + batch]
         b = len(t)
         if b < batch and len(queries) > batch:  # one compiled shape for every batch
             t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
