@@ -135,12 +135,14 @@ class GroundingDetector:
     `text_once=True` runs the text encoder once per distinct prompt of a batch instead (rows with
     the same prompt share its features: `DistinctRows`); `bf16=True` runs the model under
     `torch.autocast(bfloat16)` (boxes and scores then differ from float32 by bf16 rounding).
+    `model`: a GroundingDinoForObjectDetection already built, used instead of the folder's
+    weights (benchmarks of random full-size models; the processor still comes from the folder).
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu",
                  box_threshold: float = BOX_THRESHOLD, text_threshold: float = TEXT_THRESHOLD,
                  nms_iou: float = NMS_IOU, batch_size: int = 4, text_once: bool = False,
-                 bf16: bool = False):
+                 bf16: bool = False, model=None):
         from transformers import GroundingDinoForObjectDetection, GroundingDinoProcessor
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -159,7 +161,7 @@ class GroundingDetector:
                 f"IDEA-Research/grounding-dino-base there with save_pretrained ({e})") from e
         self.device = torch.device(device)
         try:  # safetensors only: a pickled pytorch_model.bin can run code when it is loaded
-            model = GroundingDinoForObjectDetection.from_pretrained(
+            model = model or GroundingDinoForObjectDetection.from_pretrained(
                 model_path, local_files_only=True, use_safetensors=True)
         except OSError as e:
             raise FileNotFoundError(
