@@ -77,6 +77,26 @@ def make_models(kind: str, tmp: str) -> tuple[str, str, str]:
     return det, sam, "vit_b" if kind == "small" else "tiny"
 
 
+def top_per_object(detector, per_object: int, counts: list | None = None):
+    """`detector` keeping the top `per_object` detections of each label: a random detector
+    finds nearly all of its queries (~870 boxes an image for the 900-query model) where a
+    trained one returns a handful per object, so stage 3 sees a realistic load this way.
+    `counts` gets (found, kept) per image."""
+    def detect_top(images, objects):
+        out = []
+        for dets in detector(images, objects):
+            kept, seen = [], {}
+            for d in dets:  # sorted by score
+                if seen.get(d.label, 0) < per_object:
+                    seen[d.label] = seen.get(d.label, 0) + 1
+                    kept.append(d)
+            if counts is not None:
+                counts.append((len(dets), len(kept)))
+            out.append(kept)
+        return out
+    return detect_top
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", choices=("small", "tiny"), default="small")
@@ -100,21 +120,7 @@ def main():
         batch_size=args.batch_size, progress=False)
     detector = detect.GroundingDetector(det_path, device="cpu", batch_size=args.batch_size)
     counts = []
-
-    def detect_top(images, objects):
-        """The random detector finds nearly all of its queries (~870 boxes an image for the
-        900-query model) where a trained one returns a handful per object: keep the top
-        `--per-object` of each label so stage 3 sees a realistic load."""
-        out = []
-        for dets in detector(images, objects):
-            kept, seen = [], {}
-            for d in dets:  # sorted by score
-                if seen.get(d.label, 0) < args.per_object:
-                    seen[d.label] = seen.get(d.label, 0) + 1
-                    kept.append(d)
-            counts.append((len(dets), len(kept)))
-            out.append(kept)
-        return out
+    detect_top = top_per_object(detector, args.per_object, counts)
     segmenter = segment.SamSegmenter(segment.load_sam(sam_path, sam_type), device="cpu")
     models = annotate.Models(vlm=vlm.RepliesFile(replies), detector=detect_top,
                              segmenter=segmenter)

@@ -19,7 +19,10 @@
 # (bench/bench_run_start.py: launch/train.py on the same records from a cold cache, stopped
 # with SIGTERM after some steps, then the same command again, resuming on the warm cache, with
 # the variants' winners: compile time, first loss, examples/s, MFU and useful MFU), miner
-# (bench/bench_miner.py --resident: CSLS at 8,231 x 32,768 on the device).
+# (bench/bench_miner.py --resident: CSLS at 8,231 x 32,768 on the device), annotate
+# (bench/bench_annotate_gpu.py: the stages of `data_prep annotate` at full size with random
+# weights, GroundingDINO-base, SAM ViT-H and a 7B image-text-to-text model in bf16, on the demo's
+# photographs: images/s per stage and batch, VLM tokens/s, each speed switch, the pipeline).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/gpu_session}"
@@ -36,7 +39,7 @@ while [[ $# -gt 0 ]]; do
         --out=*) out="${1#*=}"; shift ;;
         --budget=*) budget="${1#*=}"; shift ;;
         --tiny) tiny=1; shift ;;
-        -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) near=$("$py" -c 'import difflib, sys
 m = difflib.get_close_matches(sys.argv[1].split("=")[0], ["--out", "--tiny", "--budget"], 1, 0.6)
 print(f" (did you mean {m[0]}?)" if m else "")' "$1" 2>/dev/null)
@@ -54,11 +57,14 @@ if [[ $tiny == 1 ]]; then
     recipe=(--config configs/scenarioclip.py:demo); variants=(--variants default,fused_qkv)
     samples=24; profile_steps=2; variant_steps=2; run_steps=40; log_every=2; stop_after=2
     workers=0
-    caps=(profile=150 variants=200 run=240 miner=60); miner=(--queries 300 --authors-images 1024)
+    caps=(profile=150 variants=200 run=240 miner=60 annotate=60)
+    miner=(--queries 300 --authors-images 1024); annotate=(--tiny)
 else
     recipe=(--config configs/scenarioclip.py --override model.dtype=bfloat16); variants=()
     samples=512; profile_steps=5; variant_steps=10; run_steps=160; log_every=10; stop_after=6
-    caps=(profile=120 variants=180 run=200 miner=50); miner=(--queries 8231 --authors-images 32768)
+    # annotate last, at least 60 s of the 540 whatever the others take
+    caps=(profile=110 variants=150 run=180 miner=40 annotate=100)
+    miner=(--queries 8231 --authors-images 32768); annotate=()
 fi
 data="$out/data"
 start=$SECONDS
@@ -120,5 +126,7 @@ if [[ $tiny == 0 ]]; then
 fi
 stage miner "$py" bench/bench_miner.py --skip-csls --skip-rocs --resident "${miner[@]}" \
     "${authors[@]}" --repeats 5 --json "$out/miner.json"
+
+stage annotate "$py" bench/bench_annotate_gpu.py "${annotate[@]}" --json "$out/annotate.json"
 
 "$py" bench/gpu_session_table.py "$out" | tee "$out/summary.md"

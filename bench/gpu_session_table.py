@@ -1,6 +1,6 @@
 """The one short table of a `bench/gpu_session.sh` run, from the JSON its stages wrote in OUT:
 each issue target against its bar, the profile's largest kinds of work, the variants against
-the default, and how each stage ended.
+the default, the annotation stages and pipeline, and how each stage ended.
 
     python bench/gpu_session_table.py OUT
 """
@@ -59,6 +59,56 @@ def shown(key: str, value: float) -> str:
     return f"{value:,.0f}" if key == "examples_per_sec" else f"{value:.1f} s"
 
 
+def annotate_lines(report) -> list[str]:
+    """The annotate stage (bench/bench_annotate_gpu.py): images/s of each stage at the
+    pipeline's batch (SAM: one image a call) and the largest, the VLM's tokens/s, the pipeline,
+    each switch's speed-up at the pipeline's batch."""
+    if not report:
+        return []
+    block = report["pipeline_batch"]
+
+    def rows(stage, **match):
+        return [r for r in report.get(stage, []) if all(r.get(k) == v for k, v in match.items())]
+
+    def two(stage, first, key="images_per_s", **match):
+        found = {r["batch"]: r for r in rows(stage, **match)}
+        shown = [f"{found[b][key]:,.1f} @{b}" if found.get(b, {}).get(key) else f"- @{b}"
+                 for b in dict.fromkeys((first, max(found, default=first)))]
+        return " / ".join(shown)
+
+    lines = [f"annotate ({report['form']}, {report['device_name']}), images/s at the pipeline's "
+             f"batch / the largest: VLM {two('vlm', block, static_cache=False)} "
+             f"({two('vlm', block, 'tokens_per_s', static_cache=False)} tokens/s); "
+             f"GroundingDINO {two('detect', block, switch='default')}; SAM per image "
+             f"{two('segment', 1, what='segmenter', switch='default')}, its image encoder "
+             f"{two('segment', 1, what='image_encoder')}"]
+    pipe = report.get("pipeline")
+    if pipe:
+        bound = pipe.get("overlapped_bound_images_per_s")
+        lines.append(f"annotate pipeline (local engine, {pipe['images']} images, blocks of "
+                     f"{pipe['batch_size']}, {pipe['new_tokens']} VLM tokens each): "
+                     f"{pipe['images_per_s']:,.2f} images/s, "
+                     f"{pipe['device_hours_per_100k']:,.1f} device-hours per 100,000 images; "
+                     f"stages overlapped (--engine ray) at most "
+                     + (f"{bound:,.2f} images/s" if bound else "-"))
+    speedups = []
+    for stage, key, default, match in (
+            ("detect", "switch", "default", {"batch": block}),
+            ("segment", "switch", "default", {"batch": 1, "what": "segmenter"}),
+            ("vlm", "static_cache", False, {"batch": block})):
+        base = next((r.get("images_per_s") for r in rows(stage, **match, **{key: default})),
+                    None)
+        for r in rows(stage, **match):
+            if r[key] != default:
+                name = "vlm_static_cache" if stage == "vlm" else f"{r[key]} ({stage})"
+                speedups.append(f"{name} {r['images_per_s'] / base:.2f}x"
+                                if base and r.get("images_per_s") else f"{name} error")
+    if speedups:
+        lines.append("annotate switches (speed-up over default at the pipeline's batch): "
+                     + "; ".join(speedups))
+    return lines
+
+
 def render(out: Path) -> str:
     lines = []
     profile = load(out / "profile" / "profile.json")
@@ -90,6 +140,7 @@ def render(out: Path) -> str:
                 f"{r['name']} {base['step_s'] / r['step_s']:.3f}x" if "step_s" in r
                 else f"{r['name']} error" for r in results if r["name"] != "default"))
         lines.append(f"winners: {variants.get('winners') or 'none'}")
+    lines += annotate_lines(load(out / "annotate.json"))
     stages = [json.loads(line) for line in open(out / "stages.jsonl")] \
         if (out / "stages.jsonl").exists() else []
     lines.append("stages: " + "; ".join(f"{s['stage']} {s['status']} in {s['seconds']} s"

@@ -130,11 +130,19 @@ class GroundingDetector:
     features of a padded image, so a padded batch would not give the single-image result.
     Each call holds the pixels of all its images at once; pass a few dozen images per call.
     `timings` accumulates seconds spent in "preprocess", "model" and "postprocess".
+
+    Each batch is tokenized in one call and its text encoder (BERT) runs once per row.
+    `text_once=True` runs the text encoder once per distinct prompt of a batch instead (rows with
+    the same prompt share its features: `DistinctRows`); `bf16=True` runs the model under
+    `torch.autocast(bfloat16)` (boxes and scores then differ from float32 by bf16 rounding).
+    `model`: a GroundingDinoForObjectDetection already built, used instead of the folder's
+    weights (benchmarks of random full-size models; the processor still comes from the folder).
     """
 
     def __init__(self, model_path: str, *, device: str = "cpu",
                  box_threshold: float = BOX_THRESHOLD, text_threshold: float = TEXT_THRESHOLD,
-                 nms_iou: float = NMS_IOU, batch_size: int = 4):
+                 nms_iou: float = NMS_IOU, batch_size: int = 4, text_once: bool = False,
+                 bf16: bool = False, model=None):
         from transformers import GroundingDinoForObjectDetection, GroundingDinoProcessor
 
         if not os.path.isfile(os.path.join(model_path, "config.json")):
@@ -153,7 +161,7 @@ class GroundingDetector:
                 f"IDEA-Research/grounding-dino-base there with save_pretrained ({e})") from e
         self.device = torch.device(device)
         try:  # safetensors only: a pickled pytorch_model.bin can run code when it is loaded
-            model = GroundingDinoForObjectDetection.from_pretrained(
+            model = model or GroundingDinoForObjectDetection.from_pretrained(
                 model_path, local_files_only=True, use_safetensors=True)
         except OSError as e:
             raise FileNotFoundError(
@@ -161,6 +169,9 @@ class GroundingDetector:
                 f" a pickled pytorch_model.bin is never loaded: it can run code): save the "
                 f"model there with save_pretrained, whose default is safetensors ({e})") from e
         self.model = model.to(self.device).eval()
+        if text_once:
+            self.model.model.text_backbone = DistinctRows(self.model.model.text_backbone)
+        self.bf16 = bf16
         self.box_threshold = box_threshold
         self.text_threshold = text_threshold
         self.nms_iou = nms_iou
@@ -218,8 +229,12 @@ class GroundingDetector:
         self.timings["preprocess"] += time.perf_counter() - start
 
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), torch.autocast(self.device.type, torch.bfloat16,
+                                                     enabled=self.bf16):
             outputs = self.model(**inputs)
+        if self.bf16:  # the post-processing in float32, as without autocast
+            outputs.logits = outputs.logits.float()
+            outputs.pred_boxes = outputs.pred_boxes.float()
         self._sync()
         self.timings["model"] += time.perf_counter() - start
 
@@ -234,6 +249,36 @@ class GroundingDetector:
                  for i, r in zip(chunk, raw)]
         self.timings["postprocess"] += time.perf_counter() - start
         return found
+
+
+class DistinctRows(torch.nn.Module):
+    """A text encoder that encodes each distinct row of its batch once: GroundingDINO calls its
+    text backbone with (input_ids, self-attention masks, token_type_ids, position_ids), all
+    derived from the prompt; rows equal in all four share the hidden states of the first."""
+
+    def __init__(self, encoder: torch.nn.Module):
+        super().__init__()
+        self.encoder = encoder
+        self.rows_in = self.rows_encoded = 0  # counts, for tests and benchmarks
+
+    def forward(self, input_ids, attention_mask, token_type_ids, position_ids, return_dict=True):
+        from transformers.modeling_outputs import BaseModelOutput
+        key = torch.cat([input_ids, token_type_ids, position_ids,
+                         attention_mask.flatten(1).long()], 1)
+        _, inverse = torch.unique(key, dim=0, return_inverse=True)
+        # the first row of each distinct key, in batch order
+        first = torch.full((int(inverse.max()) + 1,), len(key), device=key.device)
+        first = first.scatter_reduce(0, inverse, torch.arange(len(key), device=key.device),
+                                     "amin")
+        self.rows_in += len(key)
+        self.rows_encoded += len(first)
+        if len(first) == len(key):
+            return self.encoder(input_ids, attention_mask, token_type_ids, position_ids,
+                                return_dict=return_dict)
+        out = self.encoder(input_ids[first], attention_mask[first], token_type_ids[first],
+                           position_ids[first], return_dict=True)
+        hidden = out.last_hidden_state[inverse]
+        return BaseModelOutput(last_hidden_state=hidden) if return_dict else (hidden,)
 
 
 # Words of the tiny test model's vocabulary: common English words plus every word of the demo

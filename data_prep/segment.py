@@ -141,12 +141,23 @@ class SamSegmenter:
     the long side to the encoder's input size, 1024 for the released models; box transform),
     "model" (normalise + image encoder, prompt encoder + mask decoder, and the upsampling of the
     masks to the image size, which `predict_torch` does), "postprocess" (device -> host copy).
+
+    Switches, each changing `sam` in place: `sdpa=True` computes the image encoder's attention
+    with `torch.nn.functional.scaled_dot_product_attention` (the relative-position terms as its
+    additive mask: `use_sdpa`); `compile=True` compiles the image encoder with `torch.compile`;
+    `bf16=True` runs the model calls under `torch.autocast(bfloat16)`.
     """
 
-    def __init__(self, sam: Sam, *, device: str = "cpu", box_batch: int = 64):
+    def __init__(self, sam: Sam, *, device: str = "cpu", box_batch: int = 64,
+                 sdpa: bool = False, compile: bool = False, bf16: bool = False):
         if box_batch < 1:
             raise ValueError(f"box_batch must be >= 1, got {box_batch}")
         self.device = torch.device(device)
+        if sdpa:
+            use_sdpa(sam)
+        if compile:
+            sam.image_encoder.compile()
+        self.autocast = partial(torch.autocast, self.device.type, torch.bfloat16, enabled=bf16)
         self.predictor = SamPredictor(sam.to(self.device).eval())
         self.box_batch = box_batch
         self.timings = {"preprocess": 0.0, "model": 0.0, "postprocess": 0.0}
@@ -179,18 +190,52 @@ class SamSegmenter:
                                   device=self.device)
         start = self._lap("preprocess", start)
         try:
-            self.predictor.set_torch_image(pixels, size)
+            with self.autocast():
+                self.predictor.set_torch_image(pixels, size)
             start = self._lap("model", start)
             for lo in range(0, len(boxes), self.box_batch):
-                batch, _, _ = self.predictor.predict_torch(
-                    point_coords=None, point_labels=None,
-                    boxes=prompts[lo:lo + self.box_batch], multimask_output=False)
+                with self.autocast():
+                    batch, _, _ = self.predictor.predict_torch(
+                        point_coords=None, point_labels=None,
+                        boxes=prompts[lo:lo + self.box_batch], multimask_output=False)
                 start = self._lap("model", start)
                 masks[lo:lo + len(batch)] = batch[:, 0].cpu().numpy()
                 start = self._lap("postprocess", start)
         finally:
             self.predictor.reset_image()
         return masks
+
+
+def _sdpa_attention(self, x: torch.Tensor) -> torch.Tensor:
+    """`segment_anything.modeling.image_encoder.Attention.forward` with the attention in one
+    `scaled_dot_product_attention` call: the same scale (head_dim ** -0.5), the decomposed
+    relative-position terms (from the unscaled queries, as `add_decomposed_rel_pos` adds them)
+    as the additive mask."""
+    from segment_anything.modeling.image_encoder import get_rel_pos
+    B, H, W, _ = x.shape
+    q, k, v = self.qkv(x).reshape(B, H * W, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+    bias = None
+    if self.use_rel_pos:
+        r_q = q.reshape(B, self.num_heads, H, W, -1)
+        rel_h = torch.einsum("bnhwc,hkc->bnhwk", r_q, get_rel_pos(H, H, self.rel_pos_h))
+        rel_w = torch.einsum("bnhwc,wkc->bnhwk", r_q, get_rel_pos(W, W, self.rel_pos_w))
+        bias = (rel_h[..., :, None] + rel_w[..., None, :]).reshape(B, self.num_heads, H * W,
+                                                                  H * W)
+    x = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+    x = x.view(B, self.num_heads, H, W, -1).permute(0, 2, 3, 1, 4).reshape(B, H, W, -1)
+    return self.proj(x)
+
+
+def use_sdpa(sam: Sam) -> int:
+    """Switch every attention block of `sam`'s image encoder to `_sdpa_attention`, in place;
+    returns how many."""
+    from types import MethodType
+
+    from segment_anything.modeling.image_encoder import Attention
+    blocks = [m for m in sam.image_encoder.modules() if isinstance(m, Attention)]
+    for m in blocks:
+        m.forward = MethodType(_sdpa_attention, m)
+    return len(blocks)
 
 
 def _check_boxes(boxes) -> np.ndarray:

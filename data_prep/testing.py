@@ -121,3 +121,75 @@ def write_json(path, doc) -> None:
 def rgb_encode(ids):
     """COCO panoptic's encoding of segment ids: id = R + 256 G + 256^2 B (the PNG's pixels)."""
     return np.stack([ids % 256, ids // 256 % 256, ids // 65536], -1).astype(np.uint8)
+
+
+# A random Qwen2-VL (image-text-to-text, transformers classes) for tests and benchmarks of the
+# stage-1 VLM path (`data_prep.vlm.TransformersVLM`): "7b" is Qwen2-VL-7B-Instruct's
+# architecture (config.json of Qwen/Qwen2-VL-7B-Instruct, written out here: 28 layers of width
+# 3584, GQA 28/4 heads, vocabulary 152,064; a 32-block, 1280-wide ViT with 14 px patches merged
+# 2x2), "tiny" the same classes a few dozen wide. The tokenizer is word-level ("w0".."w199" and
+# the chat's special tokens) with Qwen's chat layout; ids past it decode to nothing.
+QWEN2_VL = {
+    "7b": dict(text=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [16, 24, 24]}),
+               vision=dict(depth=32, embed_dim=1280, hidden_size=3584, num_heads=16,
+                           mlp_ratio=4, patch_size=14, spatial_merge_size=2,
+                           temporal_patch_size=2),
+               max_pixels=1280 * 28 * 28),
+    "tiny": dict(text=dict(vocab_size=512, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           initializer_range=0.5,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                            "mrope_section": [1, 1, 2]}),
+                 vision=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=2, mlp_ratio=2,
+                             patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                             initializer_range=0.5),
+                 max_pixels=16 * 28 * 28),
+}
+QWEN2_VL_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                    "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def random_qwen2_vl(size: str = "tiny", *, device: str = "cpu", dtype: str = "float32",
+                    seed: int = 0):
+    """(model, processor): a random-initialised Qwen2VLForConditionalGeneration of `size`
+    (`QWEN2_VL`), created directly on `device` in `dtype` (the 7B model never exists on the
+    host), in eval mode, and its processor."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if size not in QWEN2_VL:
+        raise ValueError(f"unknown Qwen2-VL size {size!r}; choose one of {sorted(QWEN2_VL)}")
+    spec = QWEN2_VL[size]
+    words = ["<unk>"] + [f"w{i}" for i in range(200)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="<unk>", pad_token="<|endoftext|>",
+        eos_token="<|im_end|>", extra_special_tokens=list(QWEN2_VL_SPECIAL))
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIAL}
+    processor = transformers.Qwen2VLProcessor(
+        image_processor=transformers.Qwen2VLImageProcessor(max_pixels=spec["max_pixels"]),
+        tokenizer=tokenizer, video_processor=transformers.Qwen2VLVideoProcessor(),
+        chat_template=QWEN2_VL_TEMPLATE)
+    config = transformers.Qwen2VLConfig(
+        text_config={**spec["text"], "bos_token_id": None, "eos_token_id": ids["<|im_end|>"],
+                     "pad_token_id": ids["<|endoftext|>"]},
+        vision_config=spec["vision"], image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        torch.manual_seed(seed)
+        model = transformers.Qwen2VLForConditionalGeneration._from_config(
+            config, dtype=getattr(torch, dtype))
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    return model.eval(), processor

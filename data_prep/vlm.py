@@ -116,11 +116,16 @@ class TransformersVLM:
     The paper's Stage-1 model is Ovis-Gemma 9B (e.g. a local copy of "AIDC-AI/Ovis2-9B"); Ovis
     ships its own modelling code, so it needs `trust_remote_code=True`
     (`--vlm-trust-remote-code`), which is never turned on by default.
+
+    Images go `batch_size` at a time through one left-padded `generate` call; `static_cache=True`
+    decodes with transformers' static KV cache (`cache_implementation="static"`: preallocated
+    to the prompt plus `max_new_tokens`, the shapes CUDA graphs and torch.compile need) instead
+    of the dynamic one. `TransformersVLM.of` wraps a model and processor built elsewhere.
     """
 
     def __init__(self, model_path: str, *, device: str = "cuda", dtype: str = "bfloat16",
                  max_new_tokens: int = 512, batch_size: int = 8,
-                 trust_remote_code: bool = False):
+                 trust_remote_code: bool = False, static_cache: bool = False):
         path = Path(model_path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -131,16 +136,35 @@ class TransformersVLM:
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-        # Batched generation continues every row from its last token: pad on the left.
-        self.processor.tokenizer.padding_side = "left"
         # safetensors only: a pickled pytorch_model.bin can run code when it is loaded
         self.model = AutoModelForImageTextToText.from_pretrained(
             path, dtype=getattr(torch, dtype), trust_remote_code=trust_remote_code,
             use_safetensors=True)
-        self.model.to(device).eval()
-        self.device = device
+        self._setup(self.model.to(device).eval(), self.processor, max_new_tokens=max_new_tokens,
+                    batch_size=batch_size, static_cache=static_cache)
+
+    @classmethod
+    def of(cls, model, processor, *, max_new_tokens: int = 512, batch_size: int = 8,
+           static_cache: bool = False) -> "TransformersVLM":
+        """The VLM of an already built `model` (on its device, in eval mode) and `processor`:
+        benchmarks of random-initialised models never saved to disk."""
+        vlm = cls.__new__(cls)
+        vlm._setup(model, processor, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                   static_cache=static_cache)
+        return vlm
+
+    def _setup(self, model, processor, *, max_new_tokens, batch_size, static_cache) -> None:
+        if batch_size < 1 or max_new_tokens < 1:
+            raise ValueError(f"batch_size and max_new_tokens must be at least 1, got "
+                             f"{batch_size} and {max_new_tokens}")
+        self.model, self.processor = model, processor
+        # Batched generation continues every row from its last token: pad on the left.
+        self.processor.tokenizer.padding_side = "left"
+        self.device = model.device
         self.max_new_tokens = max_new_tokens
         self.batch_size = batch_size
+        self.generate_options = {"cache_implementation": "static"} if static_cache else {}
+        self.generated_tokens = 0  # new tokens of every row, padding after an early end included
 
     def __call__(self, images: list[Image.Image], prompt: str = PROMPT,
                  system: str | None = None) -> list[str]:
@@ -162,7 +186,9 @@ class TransformersVLM:
             inputs = inputs.to(self.model.device, dtype=self.model.dtype)  # floats only
             with torch.inference_mode():
                 out = self.model.generate(**inputs, do_sample=False,
-                                          max_new_tokens=self.max_new_tokens)
+                                          max_new_tokens=self.max_new_tokens,
+                                          **self.generate_options)
             new_tokens = out[:, inputs["input_ids"].shape[1]:]
+            self.generated_tokens += new_tokens.numel()
             replies.extend(self.processor.batch_decode(new_tokens, skip_special_tokens=True))
         return replies

@@ -203,6 +203,17 @@ def test_resume_after_sigkill_gives_the_same_records(setup, full_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_speed_switches_write_the_same_records(setup, full_run, tmp_path):
+    """--detector-text-once and --sam-sdpa: the records of the default run, byte for byte
+    (tests/test_annotate_switches.py checks each switch on its own)."""
+    code, _, stderr = _main(_cli(setup, tmp_path / "out", tmp_path / "work",
+                                 "--detector-text-once", "--sam-sdpa"))
+    assert code == 0, stderr[-3000:]
+    expected = _records(full_run["out"])
+    assert _records(tmp_path / "out") == expected and len(expected) >= 3
+
+
+@pytest.mark.slow
 def test_a_rerun_with_other_settings_is_refused(setup, full_run):
     cmd = _cli(setup, full_run["out"], full_run["work"], "--nms-iou", "0.5")
     code, _, stderr = _main(cmd)

@@ -1,7 +1,7 @@
-"""bench/gpu_session.sh end to end on the CPU with the tiny preset (its four stages on the demo
+"""bench/gpu_session.sh end to end on the CPU with the tiny preset (its five stages on the demo
 recipe; one run, module-scoped): the profile's table (bench/gpu_profile.py) checked against
 XLA's own counts, the variants, the timed start and resume of the trainer, the resident CSLS,
-the summary table printed last; and the GPU side of the profile's analysis on a small synthetic
+the annotation stages on tiny models, the summary table printed last; and the GPU side of the profile's analysis on a small synthetic
 trace and HLO module written here."""
 
 import gzip
@@ -53,7 +53,7 @@ def test_every_stage_ran_and_the_summary_is_printed_last(session):
     stdout, out = session
     stages = [json.loads(line) for line in (out / "stages.jsonl").read_text().splitlines()]
     assert [(s["stage"], s["status"]) for s in stages] == [
-        ("profile", "0"), ("variants", "0"), ("run", "0"), ("miner", "0")]
+        ("profile", "0"), ("variants", "0"), ("run", "0"), ("miner", "0"), ("annotate", "0")]
     summary = (out / "summary.md").read_text().strip()
     assert stdout.strip().endswith(summary)
     for target in ("real-data examples/s", "useful MFU", "compile, every executable",
@@ -100,6 +100,42 @@ def test_the_resident_csls_row(session):
     (row,) = json.loads((out / "miner.json").read_text())
     assert row["backend"] == "cpu" and row["theirs"] is None
     assert row["ours_ms"] > 0 and row["copy_gb_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_annotate_stage_times_each_stage_switch_and_the_pipeline(session):
+    """bench/bench_annotate_gpu.py --tiny: the demo photographs through the tiny models."""
+    from data_prep.demo import load_annotations
+    stdout, out = session
+    report = json.loads((out / "annotate.json").read_text())
+    assert (report["form"], report["device"], report["batches"]) == ("tiny", "cpu", [2, 4])
+    assert {(r["batch"], r["static_cache"]) for r in report["vlm"]} == {
+        (2, False), (2, True), (4, False), (4, True)}
+    for r in report["vlm"]:  # at most new_tokens a row, padding included
+        assert 0 < r["tokens_per_s"] <= r["images_per_s"] * r["new_tokens"] * (1 + 1e-9)
+    assert {(r["batch"], r["switch"]) for r in report["detect"]} == {
+        (2, "default"), (4, "default"), (2, "detector_text_once"), (2, "bf16")}
+    segmenter = [r for r in report["segment"] if r["what"] == "segmenter"]
+    assert [r["switch"] for r in segmenter] == ["default", "sam_sdpa", "bf16"]
+    # the demo's own boxes of the block's photographs
+    boxes = [len(e["objects"]) for e in load_annotations()[:2]]
+    assert {r["boxes_per_image"] for r in segmenter} == {sum(boxes) / 2}
+    assert [r["batch"] for r in report["segment"] if r["what"] == "image_encoder"] == [1, 2]
+    for r in report["vlm"] + report["detect"] + report["segment"]:
+        assert r["images_per_s"] == pytest.approx(r["batch"] / r["seconds"], rel=1e-3) or \
+            r.get("what") == "segmenter"
+        assert r["peak_gb"] == "n/a on CPU"
+    pipe = report["pipeline"]
+    assert pipe["images"] == 4 and 0 < pipe["kept"] <= 4
+    assert pipe["images_per_s"] == pytest.approx(4 / pipe["seconds"], rel=1e-3)
+    assert pipe["device_hours_per_100k"] == pytest.approx(1e5 / pipe["images_per_s"] / 3600)
+    assert set(pipe["stage_images_per_s"]) == {"vlm", "detect", "segment"}
+    assert pipe["overlapped_bound_images_per_s"] == min(pipe["stage_images_per_s"].values())
+    # the stages run one after another: the pipeline is no faster than its slowest stage
+    assert pipe["images_per_s"] <= pipe["overlapped_bound_images_per_s"]
+    summary = (out / "summary.md").read_text()
+    assert "annotate (tiny, cpu)" in summary and "annotate pipeline" in summary
+    assert "sam_sdpa (segment)" in summary and "vlm_static_cache" in summary
 
 
 def xla_flops(hlo_text: str, opcodes: list) -> float:

@@ -69,8 +69,35 @@ def add_parser(sub) -> argparse.ArgumentParser:
     ann.add_argument("--records-per-shard", type=int, default=1000)
     view_flags(ann, keep_default=False)
     write_flags(ann)
+    speed_flags(ann)
     engine_flags(ann)
     return ann
+
+
+def speed_flags(ann: argparse.ArgumentParser) -> None:
+    """The speed switches of the models, all off by default (bench/bench_annotate_gpu.py times
+    them; tests/test_annotate_switches.py checks their outputs)."""
+    speed = ann.add_argument_group(
+        "speed", "switches of how the models run; the first four give the same records as "
+                 "without them (SDPA / compiled SAM: the same masks to float rounding)")
+    for flag, what in SPEED_FLAGS:
+        speed.add_argument(flag, action="store_true", help=what)
+
+
+# (flag, help) of the speed switches; each is an AnnotateConfig field of the same name
+SPEED_FLAGS = (
+    ("--detector-text-once", "GroundingDINO: run the text encoder once per distinct prompt of a "
+                             "batch (images with the same object list share it)"),
+    ("--sam-sdpa", "SAM: the image encoder's attention through torch's "
+                   "scaled_dot_product_attention (relative positions as its mask)"),
+    ("--sam-compile", "SAM: torch.compile the image encoder (the first image waits for the "
+                      "compile)"),
+    ("--vlm-static-cache", "VLM: greedy generation with a static KV cache "
+                           "(cache_implementation='static'); larger VLM batches come with a "
+                           "larger --batch-size"),
+    ("--bf16", "GroundingDINO and SAM under torch.autocast(bfloat16): faster on GPUs, boxes and "
+               "masks differ by bf16 rounding (the VLM already runs in bfloat16)"),
+)
 
 
 def engine_flags(ann: argparse.ArgumentParser) -> None:
@@ -146,6 +173,8 @@ def run(args) -> int:
         keep_originals=args.keep_originals, engine=args.engine, ray_address=args.ray_address,
         vlm_gpus=args.vlm_gpus, detector_gpus=args.detector_gpus, sam_gpus=args.sam_gpus,
         stage_cpus=args.stage_cpus, retries=args.retries,
+        **{flag[2:].replace("-", "_"): getattr(args, flag[2:].replace("-", "_"))
+           for flag, _ in SPEED_FLAGS},
         stage_concurrency=tuple(parse_concurrency(args.stage_concurrency).items()))
     if args.no_progress:  # transformers' and the hub's own bars too ("Loading weights")
         from data_prep.cli import quiet_model_bars

@@ -48,7 +48,9 @@ def config_key(cfg) -> dict:
             "source_options": [list(kv) for kv in cfg.source_options],
             "sam_type": cfg.sam_type, "batch_size": cfg.batch_size,
             "box_threshold": cfg.box_threshold, "text_threshold": cfg.text_threshold,
-            "nms_iou": cfg.nms_iou, "region_quality": cfg.region_quality, "limit": cfg.limit}
+            "nms_iou": cfg.nms_iou, "region_quality": cfg.region_quality, "limit": cfg.limit,
+            # bf16 changes boxes and masks; named only when on, so earlier run.json files hold
+            **({"bf16": True} if getattr(cfg, "bf16", False) else {})}
 
 
 def check_run_key(work: str, key: dict, has_work: bool) -> None:

@@ -91,6 +91,14 @@ class AnnotateConfig:
     stage_concurrency: tuple = ()  # (stage, actors) pairs; a stage not named gets 1
     retries: int = 2  # attempts after the first for a block that raises or whose actor dies
     faults: tuple = ()  # testing only: (stage, block, "raise" | "kill") injected once each
+    # speed switches (`data_prep.annotate.cli`'s "speed" group): the first four give the
+    # records of the default path (the same boxes and tokens; SDPA / compiled SAM the same
+    # masks to float rounding); bf16 changes them by bf16 rounding, so it is in run.json
+    detector_text_once: bool = False  # GroundingDINO's text encoder once per distinct prompt
+    sam_sdpa: bool = False  # SAM's image-encoder attention through scaled_dot_product_attention
+    sam_compile: bool = False  # torch.compile of SAM's image encoder
+    vlm_static_cache: bool = False  # static KV cache in the VLM's greedy generate
+    bf16: bool = False  # GroundingDINO and SAM under torch.autocast(bfloat16)
 
     @property
     def work_dir(self) -> str:

@@ -54,7 +54,8 @@ def load_vlm(cfg, device: str):
     if cfg.vlm_replies:
         return vlm.RepliesFile(cfg.vlm_replies)
     return vlm.TransformersVLM(cfg.vlm, device=device, batch_size=cfg.batch_size,
-                               trust_remote_code=cfg.vlm_trust_remote_code)
+                               trust_remote_code=cfg.vlm_trust_remote_code,
+                               static_cache=cfg.vlm_static_cache)
 
 
 def load_detector(cfg, device: str):
@@ -62,12 +63,14 @@ def load_detector(cfg, device: str):
     return detect.GroundingDetector(cfg.detector, device=device,
                                     box_threshold=cfg.box_threshold,
                                     text_threshold=cfg.text_threshold, nms_iou=cfg.nms_iou,
-                                    batch_size=cfg.batch_size)
+                                    batch_size=cfg.batch_size, text_once=cfg.detector_text_once,
+                                    bf16=cfg.bf16)
 
 
 def load_segmenter(cfg, device: str):
     from data_prep import segment
-    return segment.SamSegmenter(segment.load_sam(cfg.sam, cfg.sam_type, device), device=device)
+    return segment.SamSegmenter(segment.load_sam(cfg.sam, cfg.sam_type, device), device=device,
+                                sdpa=cfg.sam_sdpa, compile=cfg.sam_compile, bf16=cfg.bf16)
 
 
 STAGE_LOADERS = {"vlm": load_vlm, "detect": load_detector, "segment": load_segmenter}
