@@ -8,13 +8,15 @@
 #       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 # Versions are constraints.txt's pins. The image already holds jax, flax, optax, orbax, numpy,
 # numba, tokenizers, safetensors, msgpack, absl, etils, chex, protobuf, cloudpickle, PyYAML and
-# torch (for the MINER authors' GPU CSLS, which the session compares against).
+# torch (for the MINER authors' GPU CSLS, which the session compares against), torchvision and
+# transformers (the annotate stage's models; segment-anything is carried).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exclude=$(git rev-parse --git-path info/exclude)
 grep -qx "/.whl/" "$exclude" 2>/dev/null || echo "/.whl/" >> "$exclude"
 mkdir -p .whl
-for name in grain array_record ml_collections tensorboardX dm-pix simplejpeg portpicker; do
+for name in grain array_record ml_collections tensorboardX dm-pix simplejpeg portpicker \
+        segment-anything; do
     pin=$(grep -i "^${name}==" constraints.txt)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp -d .whl "$pin" \

@@ -161,8 +161,9 @@ class GroundingDetector:
                 f"IDEA-Research/grounding-dino-base there with save_pretrained ({e})") from e
         self.device = torch.device(device)
         try:  # safetensors only: a pickled pytorch_model.bin can run code when it is loaded
-            model = model or GroundingDinoForObjectDetection.from_pretrained(
-                model_path, local_files_only=True, use_safetensors=True)
+            if model is None:
+                model = GroundingDinoForObjectDetection.from_pretrained(
+                    model_path, local_files_only=True, use_safetensors=True)
         except OSError as e:
             raise FileNotFoundError(
                 f"{model_path}: no GroundingDINO weights in safetensors form (model.safetensors;"

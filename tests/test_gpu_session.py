@@ -1,8 +1,8 @@
 """bench/gpu_session.sh end to end on the CPU with the tiny preset (its five stages on the demo
 recipe; one run, module-scoped): the profile's table (bench/gpu_profile.py) checked against
 XLA's own counts, the variants, the timed start and resume of the trainer, the resident CSLS,
-the annotation stages on tiny models, the summary table printed last; and the GPU side of the profile's analysis on a small synthetic
-trace and HLO module written here."""
+the annotation stages on tiny models, the summary table printed last; and the GPU side of the
+profile's analysis on a small synthetic trace and HLO module written here."""
 
 import gzip
 import json
