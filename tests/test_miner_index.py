@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -295,6 +296,71 @@ def test_faiss_answers_blocks_of_queries_and_the_results_do_not_depend_on_the_bl
         _same(res, first)
     one = index.search(data["queries"][:16], shards, shortlist=20, nprobe=2, nprobe_global=2)
     np.testing.assert_array_equal(one.indices, first.indices[:16])
+
+
+def test_the_cpu_fused_score_converts_every_half_exactly_and_equals_fuse(data):
+    """`_cpu_fuse`: each of the 65,536 float16 values converts to numpy's float32 of it (NaNs
+    stay NaN); `fused_rows` reads rows of float16 views in place and gives `kernels.fuse`'s
+    fused score (jnp, float32, HIGHEST) for global-only, max and mean pooling to float32
+    rounding, leaving the entries of rows -1 untouched; other inputs are refused."""
+    from numba import njit
+
+    from sclaro_jax.miner import _cpu_fuse
+    from sclaro_jax.miner.kernels import fuse
+
+    @njit
+    def convert(bits):
+        out = np.empty(bits.shape[0], np.float32)
+        for i in range(bits.shape[0]):
+            out[i] = _cpu_fuse._half(bits[i])
+        return out
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    got, want = convert(bits), bits.view(np.float16).astype(np.float32)
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan]).all() and nan.sum() == 2046
+
+    views = np.concatenate([data["images"][:, None], data["crops"]], axis=1)  # [G, 1 + R, D]
+    t = data["queries"][:7]
+    rows = np.random.default_rng(5).integers(-1, G, (7, 30))
+    for v, pool in ((views[:, :1], "max"), (views, "max"), (views, "mean")):
+        out = np.full(rows.shape, 123.0, np.float32)
+        _cpu_fuse.fused_rows(v, t, rows, 0.4, pool, out)
+        for b in range(len(t)):
+            ok = rows[b] >= 0
+            crops = v[rows[b][ok], 1:] if v.shape[1] > 1 else None
+            ref = np.asarray(fuse(t[b:b + 1], v[rows[b][ok], 0], crops, 0.4, pool,
+                                  precision=jax.lax.Precision.HIGHEST))[0]
+            np.testing.assert_allclose(out[b][ok], ref, rtol=0, atol=2e-6)
+            assert (out[b][~ok] == 123.0).all()
+    with pytest.raises(ValueError, match="float16"):
+        _cpu_fuse.fused_rows(views.astype(np.float32), t, rows, 0.4, "max", out)
+    with pytest.raises(ValueError, match="pool"):
+        _cpu_fuse.fused_rows(views, t, rows, 0.4, "sum", out)
+
+
+@pytest.mark.parametrize("pool", ["max", "mean"])
+def test_the_cpu_rerank_gives_the_jax_reranks_results(data, tmp_path, monkeypatch, pool):
+    """`search` on a CPU backend re-ranks with `_cpu_fuse` (views read in place); with it off,
+    the gather and `_rerank` in jax: the same indices, scores and r_q (to float32 rounding),
+    with crops and without, over two shards, with a short shortlist (candidates differ per
+    query) and with every image shortlisted."""
+    from sclaro_jax.miner.index import searching
+    paths = {}
+    for name, crops in (("crops", data["crops"]), ("global", None)):
+        paths[name] = [index.build(index.Gallery.from_arrays(data["images"], crops),
+                                   data["bank"], tmp_path / f"{name}{i}", factory="Flat",
+                                   pool=pool, shard=(i, 2), progress=False) for i in range(2)]
+    for name, shards in paths.items():
+        for shortlist in (15, G):
+            got = {}
+            for cpu in (True, False):
+                monkeypatch.setattr(searching, "CPU_RERANK", cpu)
+                got[cpu] = index.search(data["queries"], shards, top=10, shortlist=shortlist,
+                                        batch=16)
+            np.testing.assert_array_equal(got[True].indices, got[False].indices)
+            np.testing.assert_allclose(got[True].scores, got[False].scores, atol=2e-6)
+            np.testing.assert_allclose(got[True].r_q, got[False].r_q, atol=2e-6)
 
 
 def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp_path):

@@ -72,6 +72,41 @@ def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: 
     return vals, idx, r_q
 
 
+# The exact re-rank on a CPU backend reads the candidates' views in place with the numba kernel of
+# `miner._cpu_fuse` (no gather, no copy to the device); False (or another backend) gathers them
+# and runs `_rerank` in jax, e.g. to compare the two.
+CPU_RERANK = True
+
+
+def _rerank_cpu(shards: Sequence[Shard], t: np.ndarray, ids: np.ndarray, *, alpha: float,
+                pool: str, k: int, top: int):
+    """`_rerank`'s outputs (numpy) with the fused scores from `_cpu_fuse.fused_rows`, read
+    straight from each shard's memory-mapped views; r_q, CSLS and the stable top `top` as
+    `_rerank` computes them, in float32."""
+    from sclaro_jax.miner._cpu_fuse import fused_rows
+
+    s = np.full(ids.shape, -np.inf, np.float32)
+    r_i = np.zeros(ids.shape, np.float32)
+    for shard in shards:
+        inside = (ids >= shard.offset) & (ids < shard.offset + shard.n)
+        rows = np.where(inside, ids - shard.offset, -1)
+        prefetch(shard.views, rows[inside])
+        fused_rows(shard.views, t, rows, alpha, pool, s)
+        r_i[inside] = shard.r_i[rows[inside]]
+    valid = ids >= 0
+    kk = min(k, s.shape[1])
+    best = -np.sort(-s, axis=1)[:, :kk]
+    count = np.minimum(valid.sum(axis=1), kk)
+    finite = np.arange(kk)[None, :] < count[:, None]
+    r_q = (np.where(finite, best, np.float32(0)).sum(axis=1, dtype=np.float32)
+           / np.maximum(count, 1).astype(np.float32))
+    resc = np.where(valid, 2 * s - r_q[:, None] - r_i, np.float32(-np.inf))
+    order = np.argsort(-resc, axis=1, kind="stable")[:, :top]
+    vals = np.take_along_axis(resc, order, axis=1)
+    idx = np.where(np.isfinite(vals), np.take_along_axis(ids, order, axis=1), -1)
+    return vals, idx, r_q
+
+
 def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int,
                nprobe_global: Optional[int] = None) -> np.ndarray:
     """[B, W] gallery rows per query: the union over shards of the top `shortlist` images of
@@ -187,6 +222,7 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[in
     indices = np.empty((len(queries), top), np.int64)
     r_q = np.empty((len(queries),), np.float32)
     block = faiss_block(shards, shortlist, batch)
+    cpu = CPU_RERANK and jax.default_backend() == "cpu"
     found = (0, np.zeros((0, 0), np.int64))  # (first query, candidates of its FAISS block)
     for a in tqdm(range(0, len(queries), batch), desc="search", unit="batch",
                   disable=not progress):
@@ -196,14 +232,17 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[in
                                    nprobe_global))
         ids = found[1][a - found[0]:a - found[0] + batch]
         b = len(t)
-        if b < batch and len(queries) > batch:  # one compiled shape for every batch
-            t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
-            ids = np.concatenate([ids, np.full((batch - b, ids.shape[1]), -1)])
-        views, r_i = _gather(shards, ids)
-        vals, idx, rq = _rerank(jnp.asarray(t), jnp.asarray(views), jnp.asarray(ids >= 0),
-                                jnp.asarray(ids.astype(np.int32)), jnp.asarray(r_i),
-                                alpha=meta["alpha"], pool=meta["pool"], k=meta["k"],
-                                top=min(top, ids.shape[1]))
+        how = dict(alpha=meta["alpha"], pool=meta["pool"], k=meta["k"],
+                   top=min(top, ids.shape[1]))
+        if cpu:
+            vals, idx, rq = _rerank_cpu(shards, t, ids, **how)
+        else:
+            if b < batch and len(queries) > batch:  # one compiled shape for every batch
+                t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
+                ids = np.concatenate([ids, np.full((batch - b, ids.shape[1]), -1)])
+            views, r_i = _gather(shards, ids)
+            vals, idx, rq = _rerank(jnp.asarray(t), jnp.asarray(views), jnp.asarray(ids >= 0),
+                                    jnp.asarray(ids.astype(np.int32)), jnp.asarray(r_i), **how)
         vals, idx = np.asarray(vals)[:b], np.asarray(idx)[:b]
         pad = top - vals.shape[1]
         scores[a:a + b] = np.pad(vals, ((0, 0), (0, pad)), constant_values=-np.inf)

@@ -1,0 +1,79 @@
+"""MINER's fused score (`kernels.fuse`) of an index's candidates on the CPU, read straight from the
+memory-mapped float16 views: the exact re-rank of `miner.index` search without a gather.
+
+For each query b and candidate w the kernel reads the candidate's row of views.npy (the global
+view, then its crops: `[1 + R, D]` float16) where it lies, converts each float16 to float32 as
+it is loaded (LLVM's `fpext half`, an F16C instruction where the CPU has it: every one of the
+65,536 half values converts exactly) and computes
+
+    S = (1 - alpha) t.g + alpha pool_r t.c_r,   pool: max, or the sum over crops / R
+    S = t.g                                      without crops
+
+in float32, as `kernels.fuse` does; only the order of each dot product's sum differs from XLA's
+(a few float32 ulps). Queries run in parallel (numba threads); nothing of the views is copied:
+a query's candidates cost the bytes of their rows, read once. numba compiles it on first use
+and caches it next to this file (as `_cpu_csls`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+
+@intrinsic
+def _half(typingctx, bits):
+    """float32 of the float16 whose bits are `bits` (uint16): exact for every value."""
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.uint16), codegen
+
+
+@njit(boundscheck=False, nogil=True, fastmath={"reassoc", "contract", "nsz"})
+def _dot(row, t):
+    acc = np.float32(0.0)
+    for j in range(t.shape[0]):
+        acc += _half(row[j]) * t[j]
+    return acc
+
+
+@njit(parallel=True, cache=True, boundscheck=False, nogil=True)
+def _fused_rows(views, t, rows, a_global, a_crops, use_max, out):
+    """views uint16 [n, V, D] (float16 bits), t float32 [B, D], rows int64 [B, W] (-1: not in
+    these views, left as it is), out float32 [B, W]: the fused score of each row."""
+    n_views = views.shape[1]
+    for b in prange(rows.shape[0]):
+        q = t[b]
+        for w in range(rows.shape[1]):
+            r = rows[b, w]
+            if r < 0:
+                continue
+            g = _dot(views[r, 0], q)
+            if n_views == 1:
+                out[b, w] = g
+                continue
+            pooled = _dot(views[r, 1], q)
+            for c in range(2, n_views):
+                s = _dot(views[r, c], q)
+                pooled = max(pooled, s) if use_max else pooled + s
+            if not use_max:
+                pooled = pooled / np.float32(n_views - 1)
+            out[b, w] = a_global * g + a_crops * pooled
+
+
+def fused_rows(views: np.ndarray, t: np.ndarray, rows: np.ndarray, alpha: float, pool: str,
+               out: np.ndarray) -> None:
+    """Write into `out [B, W]` (float32) the fused score (module docstring) of query `t[b]`
+    (float32 [B, D]) and row `rows[b, w]` of `views` (float16 [n, 1 + R, D], e.g. an index's
+    memory-mapped views.npy); entries whose row is -1 are left as they are."""
+    if pool not in ("max", "mean"):
+        raise ValueError(f"pool must be 'max' or 'mean', got {pool!r}")
+    if views.dtype != np.float16 or views.ndim != 3 or views.shape[2] != t.shape[1]:
+        raise ValueError(f"views must be float16 [n, V, {t.shape[1]}], got {views.dtype} "
+                         f"{views.shape}")
+    bits = np.asarray(views).view(np.uint16)  # no copy: the memory map's own pages
+    # as jnp computes (1 - alpha) * s + alpha * pooled with a Python float alpha: float32 factors
+    _fused_rows(bits, np.ascontiguousarray(t, np.float32), np.ascontiguousarray(rows, np.int64),
+                np.float32(1 - alpha), np.float32(alpha), pool == "max", out)
