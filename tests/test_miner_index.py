@@ -339,6 +339,23 @@ def test_the_cpu_fused_score_converts_every_half_exactly_and_equals_fuse(data):
         _cpu_fuse.fused_rows(views, t, rows, 0.4, "sum", out)
 
 
+def test_first_distinct_keeps_each_rows_first_images_in_order():
+    """`_cpu_fuse.first_distinct` against numpy's unique per row (the form it replaced): rows
+    with repeats, -1 entries, fewer distinct ids than asked, ids up to 10^12."""
+    from sclaro_jax.miner._cpu_fuse import first_distinct
+    rng = np.random.default_rng(3)
+    for n, width, m in ((50, 100, 20), (10**12, 500, 100), (5, 40, 40), (3, 7, 10)):
+        ids = rng.integers(-1, n, (33, width))
+        want = np.full((len(ids), m), -1, np.int64)
+        for row, found in zip(want, ids):
+            found = found[found >= 0]
+            _, first = np.unique(found, return_index=True)
+            keep = found[np.sort(first)][:m]
+            row[:len(keep)] = keep
+        np.testing.assert_array_equal(first_distinct(ids, m), want)
+    assert first_distinct(np.array([[4, 4, -1, 2, 4, 7]]), 5).tolist() == [[4, 2, 7, -1, -1]]
+
+
 @pytest.mark.parametrize("pool", ["max", "mean"])
 def test_the_cpu_rerank_gives_the_jax_reranks_results(data, tmp_path, monkeypatch, pool):
     """`search` on a CPU backend re-ranks with `_cpu_fuse` (views read in place); with it off,

@@ -11,8 +11,9 @@ it is loaded (LLVM's `fpext half`, an F16C instruction where the CPU has it: eve
 
 in float32, as `kernels.fuse` does; only the order of each dot product's sum differs from XLA's
 (a few float32 ulps). Queries run in parallel (numba threads); nothing of the views is copied:
-a query's candidates cost the bytes of their rows, read once. numba compiles it on first use
-and caches it next to this file (as `_cpu_csls`).
+a query's candidates cost the bytes of their rows, read once. Also `first_distinct`, the
+images of a crop index's candidates in order (one pass, a hash set per row). numba compiles
+them on first use and caches them next to this file (as `_cpu_csls`).
 """
 
 from __future__ import annotations
@@ -77,3 +78,39 @@ def fused_rows(views: np.ndarray, t: np.ndarray, rows: np.ndarray, alpha: float,
     # as jnp computes (1 - alpha) * s + alpha * pooled with a Python float alpha: float32 factors
     _fused_rows(bits, np.ascontiguousarray(t, np.float32), np.ascontiguousarray(rows, np.int64),
                 np.float32(1 - alpha), np.float32(alpha), pool == "max", out)
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _first_distinct(ids, m):
+    rows, width = ids.shape
+    out = np.full((rows, m), -1, np.int64)
+    bits = 1
+    while (1 << bits) < 2 * width:
+        bits += 1
+    mask = np.uint64((1 << bits) - 1)
+    table = np.empty(1 << bits, np.int64)  # open addressing: the ids seen in this row
+    for b in range(rows):
+        table[:] = -1
+        n = 0
+        for j in range(width):
+            v = ids[b, j]
+            if v < 0:
+                continue
+            h = (np.uint64(v) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)
+            while table[h] != -1 and table[h] != v:
+                h = (h + np.uint64(1)) & mask
+            if table[h] == v:
+                continue
+            table[h] = v
+            out[b, n] = v
+            n += 1
+            if n == m:
+                break
+    return out
+
+
+def first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
+    """Per row of `ids` (int64 [B, K]), the first `m` distinct non-negative ids in row order,
+    padded with -1 ([B, m] int64): the images of a crop index's candidate vectors, in the
+    order of their best vector."""
+    return _first_distinct(np.ascontiguousarray(ids, np.int64), int(m))

@@ -155,14 +155,10 @@ def faiss_block(shards: Sequence[Shard], shortlist: int, batch: int) -> int:
 
 
 def _first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
-    """Per row, the first m distinct non-negative ids in row order, padded with -1."""
-    out = np.full((ids.shape[0], m), -1, np.int64)
-    for row, found in zip(out, ids):
-        found = found[found >= 0]
-        _, first = np.unique(found, return_index=True)
-        keep = found[np.sort(first)][:m]
-        row[:len(keep)] = keep
-    return out
+    """Per row, the first m distinct non-negative ids in row order, padded with -1 (a numba
+    kernel: `_cpu_fuse.first_distinct`)."""
+    from sclaro_jax.miner._cpu_fuse import first_distinct
+    return first_distinct(ids, m)
 
 
 def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
