@@ -358,10 +358,10 @@ def test_first_distinct_keeps_each_rows_first_images_in_order():
 
 @pytest.mark.parametrize("pool", ["max", "mean"])
 def test_the_cpu_rerank_gives_the_jax_reranks_results(data, tmp_path, monkeypatch, pool):
-    """`search` on a CPU backend re-ranks with `_cpu_fuse` (views read in place); with it off,
-    the gather and `_rerank` in jax: the same indices, scores and r_q (to float32 rounding),
-    with crops and without, over two shards, with a short shortlist (candidates differ per
-    query) and with every image shortlisted."""
+    """`search` on a CPU backend scores with `_cpu_fuse` (views read in place); with it off,
+    the gather and `_fused` in jax (both ranked by `_rank`): the same indices, scores and r_q
+    (to float32 rounding), with crops and without, over two shards, with a short shortlist
+    (candidates differ per query) and with every image shortlisted."""
     from sclaro_jax.miner.index import searching
     paths = {}
     for name, crops in (("crops", data["crops"]), ("global", None)):

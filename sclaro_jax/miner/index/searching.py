@@ -45,54 +45,15 @@ def search_settings(shards: Sequence[Shard], **given) -> tuple[dict, str]:
     return out, line
 
 
-@functools.partial(jax.jit, static_argnames=("alpha", "pool", "k", "top"))
-def _rerank(t, views, valid, ids, r_i, *, alpha: float, pool: str, k: int, top: int):
-    """Exact MINER + CSLS on each query's candidates.
+def _rank(s: np.ndarray, ids: np.ndarray, r_i: np.ndarray, *, k: int, top: int):
+    """MINER + CSLS order of each query's candidates from their fused scores, in float32.
 
-    t [B, D] f32; views [B, W, V, D] (global, then crops); valid [B, W]; ids [B, W] int32 gallery
-    rows, ascending among the valid ones; r_i [B, W]. S [B, W] by `kernels.fuse`; r_q = mean of
-    the min(k, valid) highest S; CSLS by `kernels.csls_combine`; the top `top` by a stable
-    descending order (ties: the lower position, so the lower gallery row). Invalid: -inf, -1.
+    s [B, W] fused scores (-inf where there is no candidate); ids [B, W] gallery rows, ascending
+    among the valid ones, -1 past them; r_i [B, W]. r_q = mean of the min(k, valid) highest S;
+    CSLS = 2 S - r_q - r_i (`kernels.csls_combine`); the top `top` by a stable descending order
+    (ties: the lower position, so the lower gallery row). Invalid: -inf, -1. Returns (scores,
+    ids, r_q).
     """
-    from sclaro_jax.miner.kernels import csls_combine, fuse
-
-    def one(tq, v):
-        crops = v[:, 1:] if v.shape[1] > 1 else None
-        return fuse(tq[None], v[:, 0], crops, alpha, pool, precision=jax.lax.Precision.HIGHEST)[0]
-
-    s = jnp.where(valid, jax.vmap(one)(t, views), -jnp.inf)
-    kk = min(k, s.shape[1])
-    best = jax.lax.top_k(s, kk)[0]
-    count = jnp.minimum(valid.sum(axis=1), kk)
-    finite = jnp.arange(kk)[None, :] < count[:, None]
-    r_q = jnp.where(finite, best, 0.0).sum(axis=1) / jnp.maximum(count, 1)
-    resc = jnp.where(valid, csls_combine(s, r_q, r_i), -jnp.inf)
-    vals, pos = jax.lax.top_k(resc, top)
-    idx = jnp.where(jnp.isfinite(vals), jnp.take_along_axis(ids, pos, axis=1), -1)
-    return vals, idx, r_q
-
-
-# The exact re-rank on a CPU backend reads the candidates' views in place with the numba kernel of
-# `miner._cpu_fuse` (no gather, no copy to the device); False (or another backend) gathers them
-# and runs `_rerank` in jax, e.g. to compare the two.
-CPU_RERANK = True
-
-
-def _rerank_cpu(shards: Sequence[Shard], t: np.ndarray, ids: np.ndarray, *, alpha: float,
-                pool: str, k: int, top: int):
-    """`_rerank`'s outputs (numpy) with the fused scores from `_cpu_fuse.fused_rows`, read
-    straight from each shard's memory-mapped views; r_q, CSLS and the stable top `top` as
-    `_rerank` computes them, in float32."""
-    from sclaro_jax.miner._cpu_fuse import fused_rows
-
-    s = np.full(ids.shape, -np.inf, np.float32)
-    r_i = np.zeros(ids.shape, np.float32)
-    for shard in shards:
-        inside = (ids >= shard.offset) & (ids < shard.offset + shard.n)
-        rows = np.where(inside, ids - shard.offset, -1)
-        prefetch(shard.views, rows[inside])
-        fused_rows(shard.views, t, rows, alpha, pool, s)
-        r_i[inside] = shard.r_i[rows[inside]]
     valid = ids >= 0
     kk = min(k, s.shape[1])
     best = -np.sort(-s, axis=1)[:, :kk]
@@ -105,6 +66,42 @@ def _rerank_cpu(shards: Sequence[Shard], t: np.ndarray, ids: np.ndarray, *, alph
     vals = np.take_along_axis(resc, order, axis=1)
     idx = np.where(np.isfinite(vals), np.take_along_axis(ids, order, axis=1), -1)
     return vals, idx, r_q
+
+
+@functools.partial(jax.jit, static_argnames=("alpha", "pool"))
+def _fused(t, views, *, alpha: float, pool: str):
+    """S [B, W] by `kernels.fuse` of t [B, D] f32 and each query's gathered candidates' views
+    [B, W, V, D] (global, then crops)."""
+    from sclaro_jax.miner.kernels import fuse
+
+    def one(tq, v):
+        crops = v[:, 1:] if v.shape[1] > 1 else None
+        return fuse(tq[None], v[:, 0], crops, alpha, pool, precision=jax.lax.Precision.HIGHEST)[0]
+    return jax.vmap(one)(t, views)
+
+
+# The fused scores on a CPU backend: read in place from the candidates' memory-mapped views by
+# the numba kernel of `miner._cpu_fuse` (no gather, no copy to the device); False (or another
+# backend) gathers the views and scores them in jax (`_fused`), e.g. to compare the two. Either
+# way `_rank` orders them.
+CPU_RERANK = True
+
+
+def _fused_cpu(shards: Sequence[Shard], t: np.ndarray, ids: np.ndarray, *, alpha: float,
+               pool: str) -> tuple[np.ndarray, np.ndarray]:
+    """(S [B, W] float32 by `_cpu_fuse.fused_rows`, read straight from each shard's
+    memory-mapped views; r_i [B, W]) of gallery rows ids (-1: -inf and 0)."""
+    from sclaro_jax.miner._cpu_fuse import fused_rows
+
+    s = np.full(ids.shape, -np.inf, np.float32)
+    r_i = np.zeros(ids.shape, np.float32)
+    for shard in shards:
+        inside = (ids >= shard.offset) & (ids < shard.offset + shard.n)
+        rows = np.where(inside, ids - shard.offset, -1)
+        prefetch(shard.views, rows[inside])
+        fused_rows(shard.views, t, rows, alpha, pool, s)
+        r_i[inside] = shard.r_i[rows[inside]]
+    return s, r_i
 
 
 def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int,
@@ -228,17 +225,17 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[in
                                    nprobe_global))
         ids = found[1][a - found[0]:a - found[0] + batch]
         b = len(t)
-        how = dict(alpha=meta["alpha"], pool=meta["pool"], k=meta["k"],
-                   top=min(top, ids.shape[1]))
+        if not cpu and b < batch and len(queries) > batch:  # one compiled shape for `_fused`
+            t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
+            ids = np.concatenate([ids, np.full((batch - b, ids.shape[1]), -1)])
+        fusion = dict(alpha=meta["alpha"], pool=meta["pool"])
         if cpu:
-            vals, idx, rq = _rerank_cpu(shards, t, ids, **how)
+            s, r_i = _fused_cpu(shards, t, ids, **fusion)
         else:
-            if b < batch and len(queries) > batch:  # one compiled shape for every batch
-                t = np.concatenate([t, np.zeros((batch - b, t.shape[1]), np.float32)])
-                ids = np.concatenate([ids, np.full((batch - b, ids.shape[1]), -1)])
             views, r_i = _gather(shards, ids)
-            vals, idx, rq = _rerank(jnp.asarray(t), jnp.asarray(views), jnp.asarray(ids >= 0),
-                                    jnp.asarray(ids.astype(np.int32)), jnp.asarray(r_i), **how)
+            s = np.where(ids >= 0, np.asarray(_fused(jnp.asarray(t), jnp.asarray(views),
+                                                     **fusion)), np.float32(-np.inf))
+        vals, idx, rq = _rank(s, ids, r_i, k=meta["k"], top=min(top, ids.shape[1]))
         vals, idx = np.asarray(vals)[:b], np.asarray(idx)[:b]
         pad = top - vals.shape[1]
         scores[a:a + b] = np.pad(vals, ((0, 0), (0, pad)), constant_values=-np.inf)
