@@ -1,5 +1,6 @@
 """Searching a MINER ANN index (`sclaro_jax.miner.index`): FAISS candidates from the global and
-crop indexes of every shard, then the exact MINER score + CSLS on the union, in jax."""
+crop indexes of every shard, then the exact MINER score of the union (a numba kernel reading the
+views in place on a CPU backend, jax on the gathered views otherwise) and its CSLS order."""
 
 from __future__ import annotations
 
