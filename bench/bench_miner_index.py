@@ -174,7 +174,10 @@ def main() -> None:
     p.add_argument("--dir", default="/tmp/ann_bench", help="data and index folder")
     p.add_argument("--factories", default="IVF{nlist},PQ{m/2}x4fs",
                    help="';'-separated FAISS factory templates to build and search")
-    p.add_argument("--shortlists", default="50,100,200", help="comma list of shortlist M")
+    p.add_argument("--shortlists", default="50,100,200",
+                   help="comma list of shortlist M, or M:MG (the global index's MG)")
+    p.add_argument("--calibrated", action="store_true",
+                   help="also search with the settings each build calibrated")
     p.add_argument("--nprobes", default="16,32,64",
                    help="comma list of nprobe (CROPS/GLOBAL for different ones)")
     p.add_argument("--chunk", type=int, default=32768, help="build chunk")
@@ -267,28 +270,37 @@ def main() -> None:
         (out / "build_s.txt").write_text(str(build_s))
         shard = index.open_index(out)
         mem = shard.memory_bytes()
-        for m in [int(x) for x in args.shortlists.split(",")]:
-            for probes in args.nprobes.split(","):
+        grid = [(sl, probes) for sl in args.shortlists.split(",")
+                for probes in args.nprobes.split(",")]
+        if args.calibrated:  # the settings the build chose (`--recall` of the build: 0.95)
+            grid.insert(0, (None, None))
+        for sl, probes in grid:
+            if sl is None:
+                kw, _ = index.search_settings([shard])
+            else:  # "M" or "M:Mg" (crop index M, global index Mg); "NPROBE[/NPROBE_GLOBAL]"
+                m, _, mg = sl.partition(":")
                 nprobe, _, nprobe_global = probes.partition("/")
-                nprobe, nprobe_global = int(nprobe), int(nprobe_global or nprobe)
-                index.search(q[:args.batch], [shard], shortlist=m, nprobe=nprobe,
-                             nprobe_global=nprobe_global, batch=args.batch)  # compiles
-                res, s = fastest(lambda: index.search(
-                    q, [shard], shortlist=m, nprobe=nprobe, nprobe_global=nprobe_global,
-                    batch=args.batch), args.repeats)
-                ranks = index.gt_ranks(res.indices, gt)
-                row = dict(factory=shard.meta["factory_global"] + " / "
-                           + str(shard.meta["factory_crops"]), shortlist=m,
-                           nprobe=f"{nprobe} / {nprobe_global}",
-                           recall10=recall10(res.indices, exact_ids),
-                           R1=100 * float(np.mean(ranks < 1)),
-                           R10=100 * float(np.mean(ranks < 10)),
-                           q_per_s=len(q) / s, speedup=exact_s / s, speedup_scan=scan_s / s,
-                           build_s=build_s,
-                           index_mb=mem / 1e6, mem_ratio=mem / emb_bytes)
-                rows.append(row)
-                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                                  for k, v in row.items()}), flush=True)
+                kw = dict(shortlist=int(m), shortlist_global=int(mg) if mg else None,
+                          nprobe=int(nprobe), nprobe_global=int(nprobe_global or nprobe))
+            index.search(q[:args.batch], [shard], batch=args.batch, **kw)  # compiles
+            res, s = fastest(lambda: index.search(q, [shard], batch=args.batch, **kw),
+                             args.repeats)
+            ranks = index.gt_ranks(res.indices, gt)
+            m = kw["shortlist"] if kw["shortlist_global"] is None else \
+                f"{kw['shortlist']}:{kw['shortlist_global']}"
+            row = dict(factory=shard.meta["factory_global"] + " / "
+                       + str(shard.meta["factory_crops"]),
+                       shortlist=m if sl is not None else f"{m} (calibrated)",
+                       nprobe=f"{kw['nprobe']} / {kw['nprobe_global']}",
+                       recall10=recall10(res.indices, exact_ids),
+                       R1=100 * float(np.mean(ranks < 1)),
+                       R10=100 * float(np.mean(ranks < 10)),
+                       q_per_s=len(q) / s, speedup=exact_s / s, speedup_scan=scan_s / s,
+                       build_s=build_s,
+                       index_mb=mem / 1e6, mem_ratio=mem / emb_bytes)
+            rows.append(row)
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                              for k, v in row.items()}), flush=True)
         del shard
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)

@@ -1607,8 +1607,8 @@ HOSTILE_COUNTS = ("0", "-5", HUGE, "nan", "ten")
 
 @needs_faiss
 @pytest.mark.parametrize("value", HOSTILE_COUNTS)
-@pytest.mark.parametrize("flag", ["--top", "--shortlist", "--nprobe", "--nprobe-global",
-                                  "--batch"])
+@pytest.mark.parametrize("flag", ["--top", "--shortlist", "--shortlist-global", "--nprobe",
+                                  "--nprobe-global", "--batch"])
 @pytest.mark.slow
 def test_index_search_numbers_outside_their_range_are_usage_errors(
         flag, value, built_index, gallery_files, sentinel, tmp_path, capfd):
@@ -1673,7 +1673,8 @@ def test_a_refused_index_build_leaves_nothing_that_blocks_the_corrected_command(
 @pytest.mark.parametrize("flag, value", [
     ("--nprobe", "0"), ("--nprobe", "-5"), ("--nprobe", HUGE), ("--nprobe-global", "0"),
     ("--nprobe-global", "nan"), ("--index-shortlist", "0"), ("--index-shortlist", HUGE),
-    ("--index-shortlist", "ten")])
+    ("--index-shortlist", "ten"), ("--index-shortlist-global", "0"),
+    ("--index-shortlist-global", HUGE)])
 def test_rocs_index_numbers_outside_their_range_are_usage_errors(flag, value, sentinel,
                                                                   tmp_path, capfd):
     """`eval.rocs --index` takes the index search's numbers: out of range they reached faiss

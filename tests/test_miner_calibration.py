@@ -142,15 +142,59 @@ def test_a_higher_recall_never_picks_cheaper_settings(galleries, topics_index):
     assert again["asked"] == 0.95 and again["recall_lower"] >= 0.95
 
 
+def _grid_against_candidates(path: Path, tol: float) -> None:
+    from sclaro_jax.miner.index import searching
+
+    shards = index.open_shards([path])
+    data = np.load(path / "calibration.npz")
+    table = calibration.measure(shards[0], data["queries"], data["exact"])
+    assert {t["shortlist_global"] for t in table} >= {None, 10, 1024}
+    assert all(t["shortlist_global"] != t["shortlist"] for t in table)
+    rng = np.random.default_rng(0)
+    own = [t for t in table if t["shortlist_global"] is not None]
+    picked = [own[i] for i in rng.choice(len(own), 8, replace=False)]
+    picked += [t for t in table if t["shortlist_global"] is None][:2]
+    exact = data["exact"]
+    for t in picked:
+        ids = searching.candidates(shards, data["queries"], t["shortlist"], t["nprobe"],
+                                   t["nprobe_global"], t["shortlist_global"])
+        held = [np.isin(e[e >= 0], c).mean() for e, c in zip(exact, ids)]
+        assert np.mean(held) == pytest.approx(t["recall"], abs=tol), t
+        sg = t["shortlist_global"] or t["shortlist"]
+        assert (ids >= 0).sum(1).max() <= sg + t["shortlist"]
+        assert t["cost"] == calibration.cost(shards[0], t["shortlist"], t["nprobe"],
+                                             t["nprobe_global"], t["shortlist_global"])
+
+
+def test_each_settings_recall_in_the_grid_is_what_its_candidates_hold(topics_index, tmp_path):
+    """`calibration.measure`'s recall of a setting (the global index's own shortlist among
+    them) against the candidates `searching.candidates` returns with that setting: the share of
+    each calibration query's exact top 10 that they hold. Exact with float distances
+    (IVF-Flat: a shorter list is a prefix of a longer one); with fast-scan PQ within 0.002,
+    since its 4-bit distances tie and FAISS breaks the ties at the cut by k (0.0002 here)."""
+    images, crops, bank = _small(5, n=1200)
+    flat = index.build(index.Gallery.from_arrays(images, crops), bank, tmp_path / "ivf",
+                       factory="IVF{nlist},Flat", progress=False)
+    _grid_against_candidates(flat, 1e-9)
+    _grid_against_candidates(topics_index, 0.002)
+    # the global index's own shortlist: fewer view bytes than the same setting without it
+    shard = index.open_index(topics_index)
+    assert (calibration.cost(shard, 200, 4, 4) - calibration.cost(shard, 200, 4, 4, 10)
+            == 190 * (1 + R) * DIM * 2)
+
+
 def test_explicit_search_settings_override_the_stored_ones(galleries, topics_index, tmp_path,
                                                            capsys):
     shards = index.open_shards([topics_index])
     cal = shards[0].meta["calibration"]
     chosen, line = index.search_settings(shards)
-    assert chosen == {k: cal[k] for k in ("shortlist", "nprobe", "nprobe_global")}
+    assert chosen == {k: cal[k] for k in ("shortlist", "shortlist_global", "nprobe",
+                                          "nprobe_global")}
     assert line.startswith(f"calibrated at build time: recall@10 {cal['recall']:.3f}")
+    # a shortlist given alone is both indexes' (the calibrated global one gives way)
     chosen, line = index.search_settings(shards, shortlist=7, nprobe=1)
-    assert chosen == {"shortlist": 7, "nprobe": 1, "nprobe_global": cal["nprobe_global"]}
+    assert chosen == {"shortlist": 7, "shortlist_global": None, "nprobe": 1,
+                      "nprobe_global": cal["nprobe_global"]}
     assert "shortlist 7 (given), nprobe 1 (given)" in line
     q = galleries["topics"]["queries"][:20]
     a = index.search(q, shards, shortlist=7, nprobe=1)
@@ -185,7 +229,8 @@ def test_an_index_built_before_calibration_searches_with_the_defaults(tmp_path, 
     (path / "calibration.npz").unlink()
     shards = index.open_shards([path])
     chosen, line = index.search_settings(shards)
-    assert chosen == {"shortlist": index.DEFAULT_SHORTLIST, "nprobe": index.DEFAULT_NPROBE,
+    assert chosen == {"shortlist": index.DEFAULT_SHORTLIST, "shortlist_global": None,
+                      "nprobe": index.DEFAULT_NPROBE,
                       "nprobe_global": index.DEFAULT_NPROBE_GLOBAL}
     assert line.startswith("uncalibrated index (built before calibration)")
     ref = stream.search(bank[:10], images, crops, bank=bank, top=10)
@@ -225,6 +270,8 @@ def test_shards_are_calibrated_each_and_searched_with_the_largest_setting(tmp_pa
     chosen, line = index.search_settings(index.open_shards(paths))
     for k in ("shortlist", "nprobe", "nprobe_global"):
         assert chosen[k] == max(c[k] for c in cals)
+    own = max(c["shortlist_global"] or c["shortlist"] for c in cals)
+    assert chosen["shortlist_global"] == (None if own == chosen["shortlist"] else own)
     assert f"recall@10 {min(cals, key=lambda c: c['recall_lower'])['recall']:.3f}" in line
 
 

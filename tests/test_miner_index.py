@@ -239,6 +239,26 @@ def test_a_build_killed_midway_resumes_to_the_same_files(data, tmp_path):
     np.testing.assert_array_equal(a.indices, b.indices)
 
 
+def test_the_global_index_takes_a_shortlist_of_its_own(data, flat, exact):
+    """`shortlist_global`: the global index's candidates apart from the crop index's. Either
+    index holding the whole gallery (flat) keeps the search exact, whatever the other's; a
+    short global list with a short crop list gives exactly their union's candidates."""
+    from sclaro_jax.miner.index import searching
+    from sclaro_jax.miner.index.vectors import query_vectors
+    shards = index.open_shards([flat["crops"]])
+    _same(index.search(data["queries"], shards, shortlist=5, shortlist_global=G), exact["crops"])
+    _same(index.search(data["queries"], shards, shortlist=G, shortlist_global=3), exact["crops"])
+    q = data["queries"][:8]
+    ids = searching.candidates(shards, q, 5, 1, 1, shortlist_global=3)
+    sh = shards[0]
+    glob = sh.glob.search(query_vectors(q, sh.glob.d), 3)[1]
+    vecs = sh.crops.search(query_vectors(q, sh.crops.d), 5 * R)[1] // R
+    for row, g, v in zip(ids, glob, vecs):
+        crops = list(dict.fromkeys(v))[:5]  # the first five distinct images
+        assert sorted(row[row >= 0]) == sorted(set(g) | set(crops))
+        assert (row[len(set(g) | set(crops)):] == -1).all()
+
+
 def test_ivf_visiting_every_list_is_exact(data, exact, tmp_path):
     path = index.build(index.Gallery.from_arrays(data["images"], data["crops"]), data["bank"],
                        tmp_path / "ivf", factory="IVF{nlist},Flat", chunk=1024, progress=False)
@@ -397,8 +417,8 @@ def test_another_encoder_crop_rule_or_dim_is_refused_naming_both(data, flat, tmp
 
 
 @pytest.mark.parametrize("name, value", [
-    ("top", 0), ("shortlist", -5), ("nprobe", 0), ("nprobe_global", 2**31), ("batch", 0),
-    ("top", 2.5), ("nprobe", True)])
+    ("top", 0), ("shortlist", -5), ("shortlist_global", 0), ("nprobe", 0),
+    ("nprobe_global", 2**31), ("batch", 0), ("top", 2.5), ("nprobe", True)])
 def test_search_arguments_outside_their_range_are_value_errors_naming_them(data, flat, name,
                                                                            value):
     """The Python API holds the command's ranges (`index.settings.RANGES`)."""

@@ -114,6 +114,9 @@ def _parser() -> argparse.ArgumentParser:
                         "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
     m.add_argument("--index-shortlist", type=ix.ranged("shortlist"),
                    help="--index: candidates per ANN index and shard (default: calibrated)")
+    m.add_argument("--index-shortlist-global", type=ix.ranged("shortlist_global"),
+                   help="--index: candidates of the global index per shard, where they differ "
+                        "from --index-shortlist's (default: calibrated)")
     m.add_argument("--nprobe", type=ix.ranged("nprobe"),
                    help="--index: IVF lists visited in the crop index (default: calibrated)")
     m.add_argument("--nprobe-global", type=ix.ranged("nprobe_global"),
@@ -179,6 +182,7 @@ def _through_index(args, shards: list, emb, split, settings: Settings) -> dict:
             f"images, not {split.num_images}")
     top = min(max(max(settings.ks), settings.k), split.num_images)
     res = index_lib.search(emb.texts, shards, top=top, shortlist=args.index_shortlist,
+                           shortlist_global=args.index_shortlist_global,
                            nprobe=args.nprobe, nprobe_global=args.nprobe_global,
                            progress=not args.no_progress)
     ranks = index_lib.gt_ranks(res.indices, split.gt)

@@ -25,9 +25,9 @@ t.((1 - alpha) g_i + alpha mean_r c_ir) for mean), so the crop index holds the f
 vectors [(1 - alpha) g_i + alpha c_ir, -r_i / 2] (row i * R + r, image i; one per image for
 mean pooling), and an exact inner product search over them, keeping each image's best vector,
 IS the MINER + CSLS order (`crop_vectors`). The ANN approximates those inner products. A search
-takes, per query, the top `shortlist` images of the global index and the first `shortlist`
-distinct images of the top `shortlist * R` fused crop vectors, their union (at most
-2 * shortlist images per shard), and computes the EXACT fused score S and CSLS there from the
+takes, per query, the top `shortlist_global` (default: `shortlist`) images of the global
+index and the first `shortlist` distinct images of the top `shortlist * R` fused crop vectors,
+their union (at most shortlist_global + shortlist images per shard), and computes the EXACT fused score S and CSLS there from the
 stored float16 embeddings (jax: on the GPU when there is one), with `stream.search`'s tie rule
 (the lower gallery index first).
 r_q over the shortlist equals stream's r_q (over the whole gallery) whenever the shortlist holds

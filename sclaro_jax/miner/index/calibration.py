@@ -32,7 +32,10 @@ is the share of each query's exact top 10 that its candidates hold. Per lists-pr
 each index, one FAISS search at the largest shortlist gives every smaller shortlist's
 candidates as prefixes (the global index's top s; the crop index's first s distinct images of
 its top s * P vectors), so the whole grid (`SHORTLISTS` x powers of two up to each index's
-lists) costs a few searches of the calibration queries, and no re-rank.
+lists) costs a few searches of the calibration queries, and no re-rank. With crops the global
+index's shortlist is a setting of its own (`shortlist_global`, from `SHORTLISTS`; None: the
+crop index's): at 1M images a global index probed in 4 lists added 200 candidates a query to
+the re-rank for little recall.
 
 Choose: the cheapest setting (`cost`: bytes a query reads: the coarse centres, the codes of the
 lists probed, the float16 views of the candidates) whose recall's lower bound, the mean less
@@ -125,9 +128,10 @@ def _crop_ranks(ids: np.ndarray, exact: np.ndarray) -> tuple[np.ndarray, np.ndar
     return rank, pos
 
 
-def cost(shard, shortlist: int, nprobe, nprobe_global) -> float:
+def cost(shard, shortlist: int, nprobe, nprobe_global, shortlist_global=None) -> float:
     """Bytes one query reads: each index's coarse centres and the codes of the lists it probes
-    (all codes where it is not IVF), and the float16 views of its candidates."""
+    (all codes where it is not IVF), and the float16 views of its candidates (`shortlist` from
+    each index, or `shortlist_global` from the global one)."""
     total = 0.0
     for index, fac, probes in ((shard.glob, shard.meta["factory_global"], nprobe_global),
                                (shard.crops, shard.meta["factory_crops"], nprobe)):
@@ -140,8 +144,10 @@ def cost(shard, shortlist: int, nprobe, nprobe_global) -> float:
         else:
             total += index.ntotal * code
     views = 1 + shard.meta["n_crops"]
-    per_index = 2 if shard.crops is not None else 1
-    return total + per_index * min(shortlist, shard.n) * views * shard.meta["dim"] * 2
+    rows = min(shortlist_global or shortlist, shard.n)
+    if shard.crops is not None:
+        rows += min(shortlist, shard.n)
+    return total + rows * views * shard.meta["dim"] * 2
 
 
 def measure(shard, queries: np.ndarray, exact: np.ndarray) -> list[dict]:
@@ -158,30 +164,35 @@ def measure(shard, queries: np.ndarray, exact: np.ndarray) -> list[dict]:
         crops = {p: _crop_ranks(np.where((i := _search(shard.crops, queries, p, k)) >= 0,
                                          i // per, -1), exact)
                  for p in _probes(shard.crops, shard.meta["factory_crops"])}
+    # with crops, the global index's shortlist is a setting of its own (None: the same)
+    globals_ = [None] + (shortlists if shard.crops is not None else [])
     table = []
     for s in shortlists:
-        for pg, g in glob.items():
-            for pc, c in crops.items():
-                hit = g < s
-                if c is not None:
-                    hit = hit | ((c[0] < s) & (c[1] < s * per))
-                each = (hit & valid).sum(1) / np.maximum(valid.sum(1), 1)
-                mean = float(each.mean())
-                lower = mean - Z * float(each.std()) / np.sqrt(len(each))
-                table.append({"shortlist": s, "nprobe": pc, "nprobe_global": pg,
-                              "cost": cost(shard, s, pc, pg), "recall": mean,
-                              "lower": lower})
+        for sg in globals_:
+            if sg == s:
+                continue  # the same candidates as sg None
+            for pg, g in glob.items():
+                hit_g = g < (sg or s)
+                for pc, c in crops.items():
+                    hit = hit_g if c is None else hit_g | ((c[0] < s) & (c[1] < s * per))
+                    each = (hit & valid).sum(1) / np.maximum(valid.sum(1), 1)
+                    mean = float(each.mean())
+                    lower = mean - Z * float(each.std()) / np.sqrt(len(each))
+                    table.append({"shortlist": s, "shortlist_global": sg, "nprobe": pc,
+                                  "nprobe_global": pg, "cost": cost(shard, s, pc, pg, sg),
+                                  "recall": mean, "lower": lower})
     return table
 
 
 def choose(table: list[dict], recall: float) -> dict | None:
-    """The cheapest entry whose lower bound reaches `recall` (ties: the smaller shortlist, then
-    fewer lists), or None."""
+    """The cheapest entry whose lower bound reaches `recall` (ties: the smaller shortlist, the
+    smaller global shortlist, then fewer lists), or None."""
     ok = [t for t in table if t["lower"] >= recall - 1e-12]
     if not ok:
         return None
-    return min(ok, key=lambda t: (t["cost"], t["shortlist"], t["nprobe_global"] or 0,
-                                  t["nprobe"] or 0))
+    return min(ok, key=lambda t: (t["cost"], t["shortlist"],
+                                  t.get("shortlist_global") or t["shortlist"],
+                                  t["nprobe_global"] or 0, t["nprobe"] or 0))
 
 
 def calibrate(shard, recall: float) -> dict:
@@ -194,10 +205,14 @@ def calibrate(shard, recall: float) -> dict:
         full = [None if p[0] is None else p[-1] for p in
                 (_probes(shard.crops, shard.meta["factory_crops"]),
                  _probes(shard.glob, shard.meta["factory_global"]))]
-        best = {"shortlist": shard.n, "nprobe": full[0], "nprobe_global": full[1],
+        best = {"shortlist": shard.n, "shortlist_global": None, "nprobe": full[0],
+                "nprobe_global": full[1],
                 "cost": cost(shard, shard.n, full[0], full[1]), "recall": 1.0, "lower": 1.0}
     return {"asked": float(recall), "k": K, "queries": int(len(queries)),
-            "shortlist": int(best["shortlist"]), "nprobe": best["nprobe"],
+            "shortlist": int(best["shortlist"]),
+            "shortlist_global": (None if best.get("shortlist_global") is None
+                                 else int(best["shortlist_global"])),
+            "nprobe": best["nprobe"],
             "nprobe_global": best["nprobe_global"], "recall": round(float(best["recall"]), 4),
             "recall_lower": round(float(best["lower"]), 4), "exhaustive": bool(exhaustive),
             "cost_bytes": int(best["cost"])}

@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shortlist", type=ranged("shortlist"),
                    help="candidates per index (global, crops) and shard (default: the "
                         f"index's calibrated value; {DEFAULT_SHORTLIST} for an uncalibrated one)")
+    s.add_argument("--shortlist-global", type=ranged("shortlist_global"),
+                   help="candidates of the global index per shard, where they differ from "
+                        "--shortlist's (default: the index's calibrated value, else "
+                        "--shortlist)")
     s.add_argument("--nprobe", type=ranged("nprobe"),
                    help="IVF lists visited in the crop index (default: the index's calibrated "
                         f"value; {DEFAULT_NPROBE} for an uncalibrated one)")
@@ -132,8 +136,10 @@ def _build(args) -> int:
             "the cheapest measured"
         probes = ", ".join(f"{k} {c[k]}" for k in ("nprobe", "nprobe_global")
                            if c[k] is not None)  # IVF indexes only
+        own = c.get("shortlist_global")
         print(f"index {out}: calibrated for recall@{c['k']} {c['asked']:g}: {how}, shortlist "
-              f"{c['shortlist']}{', ' + probes if probes else ''}: recall {c['recall']:.3f} "
+              f"{c['shortlist']}{f' (global {own})' if own else ''}"
+              f"{', ' + probes if probes else ''}: recall {c['recall']:.3f} "
               f"on {c['queries']} calibration queries")
     return 0
 
@@ -142,7 +148,8 @@ def _search(args) -> int:
     queries = np.asarray(_load(args.queries), np.float32)
     gt = None if args.gt is None else np.asarray(_load(args.gt))
     shards = open_shards(args.index)
-    given = dict(shortlist=args.shortlist, nprobe=args.nprobe, nprobe_global=args.nprobe_global)
+    given = dict(shortlist=args.shortlist, shortlist_global=args.shortlist_global,
+                 nprobe=args.nprobe, nprobe_global=args.nprobe_global)
     res = search(queries, shards, top=args.top, batch=args.batch,
                  progress=not args.no_progress, **given)
     print(f"index search: {search_settings(shards, **given)[1]}")

@@ -18,19 +18,24 @@ from sclaro_jax.miner.index.settings import (DEFAULT_NPROBE, DEFAULT_NPROBE_GLOB
                                              IndexMismatchError, _is_ivf, check_ranges, faiss)
 from sclaro_jax.miner.index.vectors import per_image, query_vectors
 
-DEFAULTS = {"shortlist": DEFAULT_SHORTLIST, "nprobe": DEFAULT_NPROBE,
+DEFAULTS = {"shortlist": DEFAULT_SHORTLIST, "shortlist_global": None, "nprobe": DEFAULT_NPROBE,
             "nprobe_global": DEFAULT_NPROBE_GLOBAL}
 
 
 def search_settings(shards: Sequence[Shard], **given) -> tuple[dict, str]:
-    """({shortlist, nprobe, nprobe_global} a search uses, one line saying where they come
-    from): each one given (not None) wins; else the calibrated one (`calibration`; over shards
-    the largest); else, for an index built before calibration, the defaults."""
+    """({shortlist, shortlist_global, nprobe, nprobe_global} a search uses, one line saying
+    where they come from): each one given (not None) wins; else the calibrated one
+    (`calibration`; over shards the largest); else, for an index built before calibration, the
+    defaults. shortlist_global None: the global index takes `shortlist` too (so does a
+    `shortlist` given without a `shortlist_global`)."""
     cals = [s.meta.get("calibration") for s in shards]
     given = {k: v for k, v in given.items() if v is not None}
     if all(cals):
-        out = {k: max((c[k] for c in cals if c[k] is not None), default=DEFAULTS[k])
+        out = {k: max((c[k] for c in cals if c.get(k) is not None), default=DEFAULTS[k])
                for k in SEARCH_SETTINGS}
+        # a shard without a global shortlist of its own shortlists `shortlist` there
+        own = max(c.get("shortlist_global") or c["shortlist"] for c in cals)
+        out["shortlist_global"] = None if own == out["shortlist"] else own
         c = min(cals, key=lambda c: c["recall_lower"])
         line = (f"calibrated at build time: recall@{c['k']} {c['recall']:.3f} of the exact "
                 f"MINER + CSLS order on {c['queries']} calibration queries (asked "
@@ -40,9 +45,11 @@ def search_settings(shards: Sequence[Shard], **given) -> tuple[dict, str]:
     else:
         out, line = dict(DEFAULTS), ("uncalibrated index (built before calibration): the "
                                      "default search settings")
+    if "shortlist" in given and "shortlist_global" not in given:
+        out["shortlist_global"] = None  # a shortlist given is every index's, as before
     out.update(given)
     line += "; " + ", ".join(f"{k} {out[k]}" + (" (given)" if k in given else "")
-                             for k in SEARCH_SETTINGS)
+                             for k in SEARCH_SETTINGS if out[k] is not None)
     return out, line
 
 
@@ -106,12 +113,14 @@ def _fused_cpu(shards: Sequence[Shard], t: np.ndarray, ids: np.ndarray, *, alpha
 
 
 def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: int,
-               nprobe_global: Optional[int] = None) -> np.ndarray:
-    """[B, W] gallery rows per query: the union over shards of the top `shortlist` images of
-    the global index and the first `shortlist` distinct images of the top `shortlist * P` fused
-    crop vectors (P per image), ascending, padded with -1 (W = 2 * shortlist * shards, less
-    where a shard is smaller). nprobe / nprobe_global: IVF lists visited in the crop / global
-    index (None: nprobe in both)."""
+               nprobe_global: Optional[int] = None,
+               shortlist_global: Optional[int] = None) -> np.ndarray:
+    """[B, W] gallery rows per query: the union over shards of the top `shortlist_global`
+    images of the global index and the first `shortlist` distinct images of the top
+    `shortlist * P` fused crop vectors (P per image), ascending, padded with -1 (W =
+    (shortlist_global + shortlist) * shards, less where a shard is smaller). nprobe /
+    nprobe_global: IVF lists visited in the crop / global index (None: nprobe in both);
+    shortlist_global None: shortlist."""
     f = faiss()
     found = []
     for s in shards:
@@ -120,7 +129,8 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
                                    (s.crops, s.meta["factory_crops"], nprobe)):
             if index is not None and _is_ivf(fac):
                 params.set_index_parameter(index, "nprobe", probes)
-        _, ig = s.glob.search(query_vectors(t, s.glob.d), min(shortlist, s.n))
+        _, ig = s.glob.search(query_vectors(t, s.glob.d), min(shortlist_global or shortlist,
+                                                              s.n))
         found.append(np.where(ig >= 0, ig + s.offset, -1))
         if s.crops is not None:
             per = per_image(s.meta["n_crops"], s.meta["pool"])
@@ -140,15 +150,17 @@ def candidates(shards: Sequence[Shard], t: np.ndarray, shortlist: int, nprobe: i
 FAISS_BLOCK_IDS = 1 << 23  # candidate ids FAISS returns per call, at most (64 MB of int64)
 
 
-def faiss_block(shards: Sequence[Shard], shortlist: int, batch: int) -> int:
+def faiss_block(shards: Sequence[Shard], shortlist: int, batch: int,
+                shortlist_global: Optional[int] = None) -> int:
     """Queries per FAISS call in `search`: a multiple of the re-rank `batch`, as many as keep
     the ids FAISS returns under `FAISS_BLOCK_IDS`. FAISS's IVF scans answer a block of queries
     at once faster than the same queries in re-rank batches (each list's codes are read for
     the block's queries together): 2,000 global-only queries over 300,000 images, IVF2048 fast
     scan, 128 lists probed, 200 each, on one core, took 0.33 s in one call and 0.63 s in calls
     of 64."""
-    width = sum(min(shortlist, s.n) * (1 + (per_image(s.meta["n_crops"], s.meta["pool"])
-                                            if s.crops is not None else 0)) for s in shards)
+    width = sum(min(shortlist_global or shortlist, s.n)
+                + (min(shortlist, s.n) * per_image(s.meta["n_crops"], s.meta["pool"])
+                   if s.crops is not None else 0) for s in shards)
     return batch * max(1, FAISS_BLOCK_IDS // max(1, width * batch))
 
 
@@ -186,24 +198,25 @@ def _gather(shards: Sequence[Shard], ids: np.ndarray) -> tuple[np.ndarray, np.nd
 
 def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[int] = None,
            nprobe: Optional[int] = None, nprobe_global: Optional[int] = None,
-           batch: int = 64, progress: bool = False):
+           batch: int = 64, progress: bool = False, shortlist_global: Optional[int] = None):
     """Top `top` gallery images per query under the exact MINER + CSLS score on the ANN
     shortlist (module docstring). queries [Q, D] L2-normalised; shards: from `open_shards` (or
     folders). Returns `stream.SearchResult` (scores [Q, top] 2S - r_q - r_i, indices [Q, top]
     global gallery rows, -1 past the candidates; r_q [Q] over the shortlist; r_i [G] the
-    bank's). shortlist, nprobe, nprobe_global: None takes the index's calibrated settings
-    (`search_settings`). Each number outside its `settings.RANGES` is a ValueError naming it."""
+    bank's). shortlist, shortlist_global, nprobe, nprobe_global: None takes the index's
+    calibrated settings (`search_settings`). Each number outside its `settings.RANGES` is a
+    ValueError naming it."""
     from tqdm.auto import tqdm
 
     from sclaro_jax.miner.stream import SearchResult
 
-    check_ranges(top=top, shortlist=shortlist, nprobe=nprobe, nprobe_global=nprobe_global,
-                 batch=batch)
+    check_ranges(top=top, shortlist=shortlist, shortlist_global=shortlist_global, nprobe=nprobe,
+                 nprobe_global=nprobe_global, batch=batch)
     if not shards or isinstance(shards, (str, os.PathLike)) or not isinstance(shards[0], Shard):
         shards = open_shards(shards)
-    chosen, _ = search_settings(shards, shortlist=shortlist, nprobe=nprobe,
-                                nprobe_global=nprobe_global)
-    shortlist, nprobe, nprobe_global = (chosen[k] for k in SEARCH_SETTINGS)
+    chosen, _ = search_settings(shards, shortlist=shortlist, shortlist_global=shortlist_global,
+                                nprobe=nprobe, nprobe_global=nprobe_global)
+    shortlist, shortlist_global, nprobe, nprobe_global = (chosen[k] for k in SEARCH_SETTINGS)
     meta = shards[0].meta
     queries = np.ascontiguousarray(queries, np.float32)
     if queries.ndim != 2 or queries.shape[1] != meta["dim"]:
@@ -215,7 +228,7 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[in
     scores = np.empty((len(queries), top), np.float32)
     indices = np.empty((len(queries), top), np.int64)
     r_q = np.empty((len(queries),), np.float32)
-    block = faiss_block(shards, shortlist, batch)
+    block = faiss_block(shards, shortlist, batch, shortlist_global)
     cpu = CPU_RERANK and jax.default_backend() == "cpu"
     found = (0, np.zeros((0, 0), np.int64))  # (first query, candidates of its FAISS block)
     for a in tqdm(range(0, len(queries), batch), desc="search", unit="batch",
@@ -223,7 +236,7 @@ def search(queries: np.ndarray, shards, *, top: int = 10, shortlist: Optional[in
         t = queries[a:a + batch]
         if a >= found[0] + len(found[1]):  # FAISS answers a block of queries in one call
             found = (a, candidates(shards, queries[a:a + block], shortlist, nprobe,
-                                   nprobe_global))
+                                   nprobe_global, shortlist_global))
         ids = found[1][a - found[0]:a - found[0] + batch]
         b = len(t)
         if not cpu and b < batch and len(queries) > batch:  # one compiled shape for `_fused`

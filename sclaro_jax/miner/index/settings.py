@@ -31,7 +31,8 @@ INSTALL = cli.install_command("ann")
 # The range of every number a build or a search takes: the flags' `type=` (`cli.number_in`) and
 # the Python API (`check_ranges`). Counts are C ints (faiss's nprobe; the re-rank's int32 rows).
 RANGES = {"alpha": (0.0, 1.0), "k": (1, cli.INT_MAX), "chunk": (1, cli.INT_MAX),
-          "top": (1, cli.INT_MAX), "shortlist": (1, cli.INT_MAX), "nprobe": (1, cli.INT_MAX),
+          "top": (1, cli.INT_MAX), "shortlist": (1, cli.INT_MAX),
+          "shortlist_global": (1, cli.INT_MAX), "nprobe": (1, cli.INT_MAX),
           "nprobe_global": (1, cli.INT_MAX), "batch": (1, cli.INT_MAX),
           "recall": (0.0, 1.0)}
 
@@ -74,7 +75,9 @@ SETTINGS = ("encoder", "crop_rule", "crops", "dim", "alpha", "k", "pool", "bank_
             "factory", "shard", "total", "chunk", "calibration_hash")
 # The search settings a calibrated build records (meta.json "calibration"), chosen for a recall
 # asked at build time (`calibration`); a search without flags uses them (`search_settings`).
-SEARCH_SETTINGS = ("shortlist", "nprobe", "nprobe_global")
+# shortlist_global: the global index's own shortlist where it differs from the crop index's
+# (None: `shortlist` for both; a global-only index has only `shortlist`).
+SEARCH_SETTINGS = ("shortlist", "shortlist_global", "nprobe", "nprobe_global")
 DEFAULT_RECALL = 0.95
 
 
