@@ -10,13 +10,17 @@ controller at the start): the phase's wall seconds, the seconds XLA spent compil
 process (JAX's own compile events: tracing, lowering, backend compile; a persistent-cache hit
 counts its retrieval), the wall seconds during which at least one child process ran, with each
 child's kind (the launcher, a `data_prep` / `sclaro_jax` CLI, a bench script, the notebook
-kernel, other Python, other programs), and the CPU seconds of the children that ended. Each
-worker's collection (the test modules' imports) is a line of its own.
+kernel, other Python, other programs), the CPU seconds of the children that ended, and the test
+process's own CPU seconds (all its threads). Each worker's collection (the test modules'
+imports) is a line of its own.
 
 The report sums them over the suite: compile (in the test process), child processes by kind
 (their imports, compiles and work, which the parent cannot tell apart), Ray tests and the
 notebook by file, and the rest (steps, I/O, imports done by the tests themselves), each as
-worker-seconds and as a share of the summed test time.
+worker-seconds and as a share of the summed test time; and, by file, the idle time: the wall
+seconds of each phase that neither the test process nor its ended children spent on a CPU (a
+worker pinned to one core leaves its core idle then: waits on a child's I/O, sleeps, timeouts;
+Ray's worker processes, which are not the test process's children, count as idle).
 """
 
 from __future__ import annotations
@@ -161,14 +165,15 @@ def _phase():
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with STATE.lock:
         STATE.children = [c for c in STATE.children if c[2] is None]
-    return start, compile0, cpu0
+    return start, compile0, cpu0, time.process_time()
 
 
 def _finish(item, when, mark):
     import resource
 
-    start, compile0, cpu0 = mark
+    start, compile0, cpu0, own0 = mark
     end = time.perf_counter()
+    own = time.process_time() - own0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with STATE.lock:
         children = list(STATE.children)
@@ -179,7 +184,8 @@ def _finish(item, when, mark):
             "compile": STATE.compile - compile0, "children": by_kind,
             "children_any": _union(children, start, end),
             "started": [c[0] for c in children if c[1] >= start],
-            "child_cpu": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)})
+            "child_cpu": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
+            "cpu": own})
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -274,7 +280,26 @@ def report(folder: str) -> str:
     per_file = _file_seconds(rows)
     lines += ["", "| file | seconds |", "|---|---:|"]
     lines += [f"| {f} | {s:.0f} |" for f, s in sorted(per_file.items(), key=lambda kv: -kv[1])]
+    idle = idle_seconds(rows)
+    if idle:
+        lines += ["", f"idle: {sum(idle.values()):.0f} worker-seconds of {total:.0f} (wall "
+                      f"seconds that neither the test process nor its ended children spent on "
+                      f"a CPU)", "", "| file | idle seconds | of its seconds |", "|---|---:|---:|"]
+        lines += [f"| {f} | {s:.0f} | {100 * s / max(per_file[f], 1e-9):.0f}% |"
+                  for f, s in sorted(idle.items(), key=lambda kv: -kv[1])[:15]]
     return "\n".join(lines)
+
+
+def idle_seconds(rows: list[dict]) -> dict[str, float]:
+    """Per file, the wall seconds its phases did not spend on a CPU (wall less the test
+    process's CPU less its ended children's; each phase at least 0). Rows from a run before the
+    plugin recorded the test process's CPU give none."""
+    idle: dict[str, float] = {}
+    for r in rows:
+        if r["phase"] != "collect" and "cpu" in r:
+            file = r["nodeid"].split("::")[0]
+            idle[file] = idle.get(file, 0.0) + max(r["wall"] - r["cpu"] - r["child_cpu"], 0.0)
+    return idle
 
 
 if __name__ == "__main__":

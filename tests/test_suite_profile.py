@@ -40,11 +40,44 @@ def test_report_sums_kinds_and_files_and_writes_the_heaviest_first_order(tmp_pat
     # 1 s of setup + 10 - 4 - 5 of the call, 3 + 3 of the other files
     assert "| the rest: steps, I/O, imports, fixtures in the test process | 8 | 42.1% |" in text
     assert "child processes started: launcher (training runs) 1" in text
+    assert "idle" not in text  # rows without the test process's CPU: no idle table
     out = tmp_path / "durations.json"
     got = suite_profile.write_durations(str(tmp_path), str(out))
     assert list(got.items()) == [("tests/test_b.py", 11), ("tests/test_a.py", 3),
                                  ("tests/test_c.py", 3)]  # ties by name
     assert json.loads(out.read_text()) == got
+
+
+def test_idle_is_the_wall_that_neither_the_test_process_nor_its_children_spent_on_a_cpu(
+        tmp_path):
+    rows = [dict(_row("tests/test_a.py::t", "call", 10.0), cpu=3.0, child_cpu=4.0),
+            dict(_row("tests/test_a.py::t", "setup", 2.0), cpu=2.5, child_cpu=0.0),  # none
+            dict(_row("tests/test_b.py::u", "call", 5.0), cpu=1.0, child_cpu=0.0)]
+    _write(tmp_path, "gw0", rows)
+    assert suite_profile.idle_seconds(suite_profile._rows(str(tmp_path))) == {
+        "tests/test_a.py": 3.0, "tests/test_b.py": 4.0}
+    text = suite_profile.report(str(tmp_path))
+    assert "idle: 7 worker-seconds of 17" in text
+    assert text.index("| tests/test_b.py | 4 | 80% |") < text.index("| tests/test_a.py | 3 | 25% |")
+
+
+def test_the_plugin_records_the_test_processs_own_cpu(tmp_path):
+    """The plugin's own rows, from a pytest run of a test that spins 0.3 s and sleeps 0.3 s."""
+    import subprocess
+    test = tmp_path / "test_spin.py"
+    test.write_text("import time\n\ndef test_spin():\n    t = time.process_time()\n"
+                    "    while time.process_time() - t < 0.3:\n        pass\n"
+                    "    time.sleep(0.3)\n")
+    out = tmp_path / "prof"
+    env = dict(__import__("os").environ, SUITE_PROFILE_DIR=str(out),
+               PYTHONPATH=str(ROOT) + ":" + str(ROOT / "bench"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "bench.suite_profile",
+                           "-p", "no:cacheprovider", "-p", "no:xdist", str(test)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    call = [r for r in suite_profile._rows(str(out)) if r["phase"] == "call"][0]
+    assert 0.28 <= call["cpu"] <= call["wall"] - 0.25, call
+    assert suite_profile.idle_seconds([call])["test_spin.py"] >= 0.25
 
 
 def test_the_suite_collects_its_files_heaviest_first():

@@ -421,6 +421,38 @@ def test_compilation_cache_choice(tmp_path):
         compilation_cache.reset_cache()
 
 
+def test_the_run_cache_stores_even_the_shortest_compilation(tmp_path, monkeypatch):
+    """JAX's default stores only compilations of 1 s or more, which left out the model's
+    initialisers (a warm demo start compiled 66 of them again); the run's cache stores every
+    one, unless $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.compilation_cache import compilation_cache
+    from ml_collections import ConfigDict
+
+    from sclaro_jax.run.cache import use_compilation_cache
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # JAX's default
+        path = use_compilation_cache(ConfigDict({"compilation_cache": "workdir"}),
+                                     str(tmp_path))
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+        jax.jit(lambda x: x * 3.25 + 1.5)(jnp.ones(7)).block_until_ready()  # about 10 ms
+        assert os.listdir(path), "the small program was not stored"
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
+        use_compilation_cache(ConfigDict({"compilation_cache": "workdir"}), str(tmp_path / "b"))
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 1.0  # the user's
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        compilation_cache.reset_cache()
+
+
 def test_in_training_evals_log_their_numbers():
     """The log line of a periodic evaluation carries its numbers (nested results flattened)."""
     from sclaro_jax.train.trainer import _numbers
