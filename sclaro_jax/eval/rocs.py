@@ -109,18 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--stream-above", type=float, default=200_000_000,
                    help="matrix entries above which --stream auto streams")
     m.add_argument("--chunk", type=int, default=65536, help="gallery chunk when streaming")
-    m.add_argument("--index", action="append", metavar="DIR",
-                   help="also rank through this ANN index of the split's gallery (python -m "
-                        "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
-    m.add_argument("--index-shortlist", type=ix.ranged("shortlist"),
-                   help="--index: candidates per ANN index and shard (default: calibrated)")
-    m.add_argument("--index-shortlist-global", type=ix.ranged("shortlist_global"),
-                   help="--index: candidates of the global index per shard, where they differ "
-                        "from --index-shortlist's (default: calibrated)")
-    m.add_argument("--nprobe", type=ix.ranged("nprobe"),
-                   help="--index: IVF lists visited in the crop index (default: calibrated)")
-    m.add_argument("--nprobe-global", type=ix.ranged("nprobe_global"),
-                   help="--index: IVF lists visited in the global index (default: calibrated)")
+    _index_flags(m)
     o = p.add_argument_group("output")
     o.add_argument("--out", default="rocs_results", type=cli.writable,
                    help="folder for results.json / results.md")
@@ -128,6 +117,23 @@ def _parser() -> argparse.ArgumentParser:
                    help="embedding cache (default: OUT/cache); reruns reuse it")
     o.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
+
+
+def _index_flags(m) -> None:
+    """The MINER group's flags of `--index` (an ANN index of the split's gallery)."""
+    from sclaro_jax.miner.index import settings as ix  # the index's ranges
+    m.add_argument("--index", action="append", metavar="DIR",
+                   help="also rank through this ANN index of the split's gallery (python -m "
+                        "sclaro_jax.miner.index build; repeat for each shard): row MINER (index)")
+    m.add_argument("--index-shortlist", type=ix.ranged("shortlist"),
+                   help="--index: candidates per ANN index and shard (default: calibrated)")
+    m.add_argument("--index-shortlist-global", type=ix.ranged("shortlist_global"),
+                   help="--index: the global index's own candidates, where they differ from "
+                        "--index-shortlist's (default: calibrated)")
+    m.add_argument("--nprobe", type=ix.ranged("nprobe"),
+                   help="--index: IVF lists visited in the crop index (default: calibrated)")
+    m.add_argument("--nprobe-global", type=ix.ranged("nprobe_global"),
+                   help="--index: IVF lists visited in the global index (default: calibrated)")
 
 
 def _bank_texts(spec: str, args) -> list[str]:
