@@ -177,7 +177,9 @@ def main() -> None:
     p.add_argument("--shortlists", default="50,100,200",
                    help="comma list of shortlist M, or M:MG (the global index's MG)")
     p.add_argument("--calibrated", action="store_true",
-                   help="also search with the settings each build calibrated")
+                   help="also search with the settings each build calibrated (with "
+                        "--shortlists '': only those)")
+    p.add_argument("--json", help="write the rows (and the exact search's queries/s) here")
     p.add_argument("--nprobes", default="16,32,64",
                    help="comma list of nprobe (CROPS/GLOBAL for different ones)")
     p.add_argument("--chunk", type=int, default=32768, help="build chunk")
@@ -270,7 +272,7 @@ def main() -> None:
         (out / "build_s.txt").write_text(str(build_s))
         shard = index.open_index(out)
         mem = shard.memory_bytes()
-        grid = [(sl, probes) for sl in args.shortlists.split(",")
+        grid = [(sl, probes) for sl in args.shortlists.split(",") if sl
                 for probes in args.nprobes.split(",")]
         if args.calibrated:  # the settings the build chose (`--recall` of the build: 0.95)
             grid.insert(0, (None, None))
@@ -288,7 +290,10 @@ def main() -> None:
             ranks = index.gt_ranks(res.indices, gt)
             m = kw["shortlist"] if kw["shortlist_global"] is None else \
                 f"{kw['shortlist']}:{kw['shortlist_global']}"
-            row = dict(factory=shard.meta["factory_global"] + " / "
+            row = dict(calibrated=sl is None, backend=jax.default_backend(),
+                       device=str(jax.devices()[0].device_kind), images=args.n,
+                       crops=args.crops, dim=args.dim, queries=len(q),
+                       factory=shard.meta["factory_global"] + " / "
                        + str(shard.meta["factory_crops"]),
                        shortlist=m if sl is not None else f"{m} (calibrated)",
                        nprobe=f"{kw['nprobe']} / {kw['nprobe_global']}",
@@ -316,6 +321,9 @@ def main() -> None:
               f"{r['R1']:.2f} | {r['R10']:.2f} | {r['q_per_s']:.1f} | {r['speedup']:.1f} | "
               f"{r['speedup_scan']:.1f} | "
               f"{r['build_s']:.0f} | {r['index_mb']:.1f} | {r['mem_ratio']:.3f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"exact_q_per_s": len(q) / exact_s,
+                                               "rows": rows}, indent=1))
     if theirs:
         summary(rows, theirs, args.target, args)
 

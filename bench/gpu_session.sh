@@ -22,7 +22,9 @@
 # (bench/bench_miner.py --resident: CSLS at 8,231 x 32,768 on the device), annotate
 # (bench/bench_annotate_gpu.py: the stages of `data_prep annotate` at full size with random
 # weights, GroundingDINO-base, SAM ViT-H and a 7B image-text-to-text model in bf16, on the demo's
-# photographs: images/s per stage and batch, VLM tokens/s, each speed switch, the pipeline).
+# photographs: images/s per stage and batch, VLM tokens/s, each speed switch, the pipeline),
+# index (bench/bench_miner_index.py: a MINER ANN index of 100,000 x (1 + 5) x 768 built and
+# searched at its calibrated settings, the exact re-rank on the device; last, with what is left).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-/tmp/gpu_session}"
@@ -57,14 +59,17 @@ if [[ $tiny == 1 ]]; then
     recipe=(--config configs/scenarioclip.py:demo); variants=(--variants default,fused_qkv)
     samples=24; profile_steps=2; variant_steps=2; run_steps=40; log_every=2; stop_after=2
     workers=0
-    caps=(profile=150 variants=200 run=240 miner=60 annotate=60)
+    caps=(profile=150 variants=200 run=240 miner=60 annotate=60 index=60)
     miner=(--queries 300 --authors-images 1024); annotate=(--tiny)
+    index=(--n 3000 --crops 3 --dim 32 --queries 200 --bank 200)
 else
     recipe=(--config configs/scenarioclip.py --override model.dtype=bfloat16); variants=()
     samples=512; profile_steps=5; variant_steps=10; run_steps=160; log_every=10; stop_after=6
     # annotate last, at least 60 s of the 540 whatever the others take
-    caps=(profile=110 variants=150 run=180 miner=40 annotate=100)
+    # the index last, with what is left of the budget (at most 60 s)
+    caps=(profile=110 variants=150 run=180 miner=40 annotate=100 index=60)
     miner=(--queries 8231 --authors-images 32768); annotate=()
+    index=(--n 100000 --crops 5 --dim 768 --queries 1000 --bank 1000)
 fi
 data="$out/data"
 start=$SECONDS
@@ -128,5 +133,13 @@ stage miner "$py" bench/bench_miner.py --skip-csls --skip-rocs --resident "${min
     "${authors[@]}" --repeats 5 --json "$out/miner.json"
 
 stage annotate "$py" bench/bench_annotate_gpu.py "${annotate[@]}" --json "$out/annotate.json"
+
+# the MINER ANN index: built by FAISS on the host's cores, then searched at the settings its
+# build calibrated (recall@10 0.95), the exact re-rank on the device; its gallery (0.9 GB at
+# 100,000 x 6 x 768) in a temporary folder, not in OUT
+ann=$(mktemp -d)
+stage index "$py" bench/bench_miner_index.py "${index[@]}" --dir "$ann" --calibrated \
+    --shortlists "" --repeats 3 --json "$out/index.json"
+rm -rf "$ann"
 
 "$py" bench/gpu_session_table.py "$out" | tee "$out/summary.md"

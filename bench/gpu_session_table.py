@@ -1,6 +1,7 @@
 """The one short table of a `bench/gpu_session.sh` run, from the JSON its stages wrote in OUT:
 each issue target against its bar, the profile's largest kinds of work, the variants against
-the default, the annotation stages and pipeline, and how each stage ended.
+the default, the annotation stages and pipeline, the MINER index's search, and how each stage
+ended.
 
     python bench/gpu_session_table.py OUT
 """
@@ -141,6 +142,14 @@ def render(out: Path) -> str:
                 else f"{r['name']} error" for r in results if r["name"] != "default"))
         lines.append(f"winners: {variants.get('winners') or 'none'}")
     lines += annotate_lines(load(out / "annotate.json"))
+    index = load(out / "index.json")
+    for r in (index or {}).get("rows", []):
+        lines.append(f"MINER index ({r['images']:,} x (1 + {r['crops']}) x {r['dim']}, re-rank "
+                     f"on {r['backend']}): calibrated M {str(r['shortlist']).split(' (')[0]}, "
+                     f"lists {r['nprobe']}: "
+                     f"recall@10 {r['recall10']:.3f} of the exact order, {r['q_per_s']:,.0f} "
+                     f"queries/s ({r['q_per_s'] / index['exact_q_per_s']:.0f}x the exact "
+                     f"search)")
     stages = [json.loads(line) for line in open(out / "stages.jsonl")] \
         if (out / "stages.jsonl").exists() else []
     lines.append("stages: " + "; ".join(f"{s['stage']} {s['status']} in {s['seconds']} s"

@@ -53,7 +53,8 @@ def test_every_stage_ran_and_the_summary_is_printed_last(session):
     stdout, out = session
     stages = [json.loads(line) for line in (out / "stages.jsonl").read_text().splitlines()]
     assert [(s["stage"], s["status"]) for s in stages] == [
-        ("profile", "0"), ("variants", "0"), ("run", "0"), ("miner", "0"), ("annotate", "0")]
+        ("profile", "0"), ("variants", "0"), ("run", "0"), ("miner", "0"), ("annotate", "0"),
+        ("index", "0")]
     summary = (out / "summary.md").read_text().strip()
     assert stdout.strip().endswith(summary)
     for target in ("real-data examples/s", "useful MFU", "compile, every executable",
@@ -100,6 +101,22 @@ def test_the_resident_csls_row(session):
     (row,) = json.loads((out / "miner.json").read_text())
     assert row["backend"] == "cpu" and row["theirs"] is None
     assert row["ours_ms"] > 0 and row["copy_gb_s"] > 0
+
+
+@pytest.mark.slow
+def test_the_index_stage_searches_at_the_settings_its_build_calibrated(session):
+    """bench/bench_miner_index.py in the session: one row, the calibrated settings, their
+    recall@10 against the exact order of queries not in the bank, and the summary's line."""
+    stdout, out = session
+    report = json.loads((out / "index.json").read_text())
+    (row,) = report["rows"]
+    assert row["calibrated"] and row["backend"] == "cpu"
+    assert (row["images"], row["crops"], row["dim"], row["queries"]) == (3000, 3, 32, 200)
+    assert row["recall10"] >= 0.9 and row["q_per_s"] > 0 and report["exact_q_per_s"] > 0
+    assert str(row["shortlist"]).endswith("(calibrated)")
+    line = next(line for line in stdout.splitlines() if line.startswith("MINER index"))
+    assert f"recall@10 {row['recall10']:.3f} of the exact order" in line
+    assert not list(out.glob("**/views.npy"))  # the gallery and index stay out of OUT
 
 
 @pytest.mark.slow
