@@ -376,6 +376,38 @@ def test_first_distinct_keeps_each_rows_first_images_in_order():
     assert first_distinct(np.array([[4, 4, -1, 2, 4, 7]]), 5).tolist() == [[4, 2, 7, -1, -1]]
 
 
+def test_first_hits_gives_each_wanted_images_distinct_rank_and_first_position():
+    """`_cpu_fuse.first_hits` (the calibration's crop ranks) against the numpy form it replaced
+    (np.unique per row): wanted ids present once, several times, absent, and -1 (which the
+    calibration masks: here only its own `big` is checked for an id the row lacks)."""
+    from sclaro_jax.miner._cpu_fuse import first_hits
+    big = np.iinfo(np.int32).max
+    rng = np.random.default_rng(5)
+    for n, width, k in ((40, 120, 10), (10**12, 300, 10), (6, 30, 4)):
+        ids = rng.integers(-1, n, (25, width))
+        want = np.where(rng.random((25, k)) < 0.8, ids[:, rng.integers(0, width, k)],
+                        rng.integers(0, n, (25, k)) + n)  # some absent (ids >= n)
+        want[want < 0] = n + 1
+        rank, pos = np.full(want.shape, big), np.full(want.shape, big)
+        for q, (row, w) in enumerate(zip(ids, want)):
+            first = np.zeros(len(row), bool)
+            valid = np.nonzero(row >= 0)[0]
+            _, at = np.unique(row[valid], return_index=True)
+            first[valid[at]] = True
+            distinct = np.cumsum(first) - 1
+            hit = row[:, None] == w[None, :]
+            p = hit.argmax(0)
+            pos[q] = np.where(hit.any(0), p, big)
+            rank[q] = np.where(hit.any(0), distinct[p], big)
+        got = first_hits(ids, want, big)
+        np.testing.assert_array_equal(got[0], rank)
+        np.testing.assert_array_equal(got[1], pos)
+        assert (rank < big).any() and (rank == big).any()
+    assert [a.tolist() for a in first_hits(np.array([[4, 4, -1, 2, 4, 7]]),
+                                           np.array([[7, 4, 9]]), big)] == [[[2, 0, big]],
+                                                                          [[5, 0, big]]]
+
+
 @pytest.mark.parametrize("pool", ["max", "mean"])
 def test_the_cpu_rerank_gives_the_jax_reranks_results(data, tmp_path, monkeypatch, pool):
     """`search` on a CPU backend scores with `_cpu_fuse` (views read in place); with it off,

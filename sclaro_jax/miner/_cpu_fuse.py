@@ -12,7 +12,8 @@ it is loaded (LLVM's `fpext half`, an F16C instruction where the CPU has it: eve
 in float32, as `kernels.fuse` does; only the order of each dot product's sum differs from XLA's
 (a few float32 ulps). Queries run in parallel (numba threads); nothing of the views is copied:
 a query's candidates cost the bytes of their rows, read once. Also `first_distinct`, the
-images of a crop index's candidates in order (one pass, a hash set per row). numba compiles
+images of a crop index's candidates in order (one pass, a hash set per row), and `first_hits`,
+where in that order each of a query's exact top images comes (the index's calibration). numba compiles
 them on first use and caches them next to this file (as `_cpu_csls`).
 """
 
@@ -114,3 +115,44 @@ def first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
     padded with -1 ([B, m] int64): the images of a crop index's candidate vectors, in the
     order of their best vector."""
     return _first_distinct(np.ascontiguousarray(ids, np.int64), int(m))
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _first_hits(ids, want, big):
+    rows, width = ids.shape
+    rank = np.full(want.shape, big, np.int64)
+    pos = np.full(want.shape, big, np.int64)
+    bits = 1
+    while (1 << bits) < 2 * width:
+        bits += 1
+    mask = np.uint64((1 << bits) - 1)
+    table = np.empty(1 << bits, np.int64)
+    for b in range(rows):
+        table[:] = -1
+        n = 0
+        for j in range(width):
+            v = ids[b, j]
+            if v < 0:
+                continue
+            h = (np.uint64(v) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)
+            while table[h] != -1 and table[h] != v:
+                h = (h + np.uint64(1)) & mask
+            if table[h] == v:
+                continue
+            table[h] = v
+            for k in range(want.shape[1]):
+                if want[b, k] == v:
+                    rank[b, k] = n
+                    pos[b, k] = j
+            n += 1
+    return rank, pos
+
+
+def first_hits(ids: np.ndarray, want: np.ndarray, big: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of `ids` (int64 [B, W], -1: none) and each of its wanted ids `want[b]` (int64
+    [B, K]): (the wanted id's rank among the row's distinct non-negative ids in row order,
+    its first position in the row), `big` where the row lacks it (or it is negative). One
+    pass, a hash set per row: `first_distinct`'s order, for the index's calibration."""
+    return _first_hits(np.ascontiguousarray(ids, np.int64),
+                       np.ascontiguousarray(want, np.int64), np.int64(big))
+

@@ -111,21 +111,10 @@ def _global_ranks(ids: np.ndarray, exact: np.ndarray) -> np.ndarray:
 
 def _crop_ranks(ids: np.ndarray, exact: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([Qc, K] distinct-image rank, [Qc, K] vector position) of each exact row's first vector
-    in the crop index's list of images (`searching._first_distinct`'s order)."""
-    big = np.iinfo(np.int32).max
-    rank, pos = np.full(exact.shape, big), np.full(exact.shape, big)
-    for q, (row, want) in enumerate(zip(ids, exact)):
-        first = np.zeros(len(row), bool)
-        valid = np.nonzero(row >= 0)[0]
-        _, at = np.unique(row[valid], return_index=True)
-        first[valid[at]] = True
-        distinct = np.cumsum(first) - 1
-        hit = row[:, None] == want[None, :]
-        found = hit.any(0)
-        p = hit.argmax(0)
-        pos[q] = np.where(found, p, big)
-        rank[q] = np.where(found, distinct[p], big)
-    return rank, pos
+    in the crop index's list of images (`searching._first_distinct`'s order; a numba kernel:
+    `_cpu_fuse.first_hits`)."""
+    from sclaro_jax.miner._cpu_fuse import first_hits
+    return first_hits(ids, exact, np.iinfo(np.int32).max)
 
 
 def cost(shard, shortlist: int, nprobe, nprobe_global, shortlist_global=None) -> float:
@@ -165,22 +154,23 @@ def measure(shard, queries: np.ndarray, exact: np.ndarray) -> list[dict]:
                                          i // per, -1), exact)
                  for p in _probes(shard.crops, shard.meta["factory_crops"])}
     # with crops, the global index's shortlist is a setting of its own (None: the same)
-    globals_ = [None] + (shortlists if shard.crops is not None else [])
-    table = []
+    table, counts = [], np.maximum(valid.sum(1), 1)
     for s in shortlists:
-        for sg in globals_:
-            if sg == s:
-                continue  # the same candidates as sg None
+        sgs = [None] + ([g for g in shortlists if g != s] if shard.crops is not None else [])
+        limits = np.array([sg or s for sg in sgs])[:, None, None]
+        for pc, c in crops.items():
+            hit_c = None if c is None else (c[0] < s) & (c[1] < s * per)
             for pg, g in glob.items():
-                hit_g = g < (sg or s)
-                for pc, c in crops.items():
-                    hit = hit_g if c is None else hit_g | ((c[0] < s) & (c[1] < s * per))
-                    each = (hit & valid).sum(1) / np.maximum(valid.sum(1), 1)
-                    mean = float(each.mean())
-                    lower = mean - Z * float(each.std()) / np.sqrt(len(each))
+                hit = g[None] < limits  # [global shortlists, Qc, K]
+                if hit_c is not None:
+                    hit |= hit_c[None]
+                each = np.ascontiguousarray((hit & valid[None]).sum(2) / counts)
+                means, stds = each.mean(1), each.std(1)
+                for sg, mean, std in zip(sgs, means, stds):
                     table.append({"shortlist": s, "shortlist_global": sg, "nprobe": pc,
                                   "nprobe_global": pg, "cost": cost(shard, s, pc, pg, sg),
-                                  "recall": mean, "lower": lower})
+                                  "recall": float(mean),
+                                  "lower": float(mean) - Z * float(std) / np.sqrt(each.shape[1])})
     return table
 
 
