@@ -82,27 +82,39 @@ def fused_rows(views: np.ndarray, t: np.ndarray, rows: np.ndarray, alpha: float,
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def _first_distinct(ids, m):
-    rows, width = ids.shape
-    out = np.full((rows, m), -1, np.int64)
+def _id_table(width):
+    """(an empty open-addressing table for `width` ids, its bits): at most half full."""
     bits = 1
     while (1 << bits) < 2 * width:
         bits += 1
+    return np.full(1 << bits, -1, np.int64), bits
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _is_new(table, bits, v):
+    """Whether id v (>= 0) was not in `table` yet; it is afterwards."""
     mask = np.uint64((1 << bits) - 1)
-    table = np.empty(1 << bits, np.int64)  # open addressing: the ids seen in this row
+    h = (np.uint64(v) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)
+    while table[h] != -1 and table[h] != v:
+        h = (h + np.uint64(1)) & mask
+    if table[h] == v:
+        return False
+    table[h] = v
+    return True
+
+
+@njit(cache=True, boundscheck=False, nogil=True)
+def _first_distinct(ids, m):
+    rows, width = ids.shape
+    out = np.full((rows, m), -1, np.int64)
+    table, bits = _id_table(width)  # the ids seen in this row
     for b in range(rows):
         table[:] = -1
         n = 0
         for j in range(width):
             v = ids[b, j]
-            if v < 0:
+            if v < 0 or not _is_new(table, bits, v):
                 continue
-            h = (np.uint64(v) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)
-            while table[h] != -1 and table[h] != v:
-                h = (h + np.uint64(1)) & mask
-            if table[h] == v:
-                continue
-            table[h] = v
             out[b, n] = v
             n += 1
             if n == m:
@@ -122,24 +134,14 @@ def _first_hits(ids, want, big):
     rows, width = ids.shape
     rank = np.full(want.shape, big, np.int64)
     pos = np.full(want.shape, big, np.int64)
-    bits = 1
-    while (1 << bits) < 2 * width:
-        bits += 1
-    mask = np.uint64((1 << bits) - 1)
-    table = np.empty(1 << bits, np.int64)
+    table, bits = _id_table(width)
     for b in range(rows):
         table[:] = -1
         n = 0
         for j in range(width):
             v = ids[b, j]
-            if v < 0:
+            if v < 0 or not _is_new(table, bits, v):
                 continue
-            h = (np.uint64(v) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - bits)
-            while table[h] != -1 and table[h] != v:
-                h = (h + np.uint64(1)) & mask
-            if table[h] == v:
-                continue
-            table[h] = v
             for k in range(want.shape[1]):
                 if want[b, k] == v:
                     rank[b, k] = n
