@@ -104,37 +104,16 @@ def _is_new(table, bits, v):
 
 
 @njit(cache=True, boundscheck=False, nogil=True)
-def _first_distinct(ids, m):
+def _distinct(ids, m, want, big):
+    """One pass over each row of ids: (its first m distinct non-negative ids in row order,
+    padded with -1; for each id of want[b], its rank among them and its first position, big
+    where the row lacks it). first_distinct passes no want, first_hits m 0 (no ids kept, the
+    whole row read)."""
     rows, width = ids.shape
     out = np.full((rows, m), -1, np.int64)
-    table, bits = _id_table(width)  # the ids seen in this row
-    for b in range(rows):
-        table[:] = -1
-        n = 0
-        for j in range(width):
-            v = ids[b, j]
-            if v < 0 or not _is_new(table, bits, v):
-                continue
-            out[b, n] = v
-            n += 1
-            if n == m:
-                break
-    return out
-
-
-def first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
-    """Per row of `ids` (int64 [B, K]), the first `m` distinct non-negative ids in row order,
-    padded with -1 ([B, m] int64): the images of a crop index's candidate vectors, in the
-    order of their best vector."""
-    return _first_distinct(np.ascontiguousarray(ids, np.int64), int(m))
-
-
-@njit(cache=True, boundscheck=False, nogil=True)
-def _first_hits(ids, want, big):
-    rows, width = ids.shape
     rank = np.full(want.shape, big, np.int64)
     pos = np.full(want.shape, big, np.int64)
-    table, bits = _id_table(width)
+    table, bits = _id_table(width)  # the ids seen in this row
     for b in range(rows):
         table[:] = -1
         n = 0
@@ -146,8 +125,20 @@ def _first_hits(ids, want, big):
                 if want[b, k] == v:
                     rank[b, k] = n
                     pos[b, k] = j
+            if n < m:
+                out[b, n] = v
             n += 1
-    return rank, pos
+            if n == m:
+                break
+    return out, rank, pos
+
+
+def first_distinct(ids: np.ndarray, m: int) -> np.ndarray:
+    """Per row of `ids` (int64 [B, K]), the first `m` distinct non-negative ids in row order,
+    padded with -1 ([B, m] int64): the images of a crop index's candidate vectors, in the
+    order of their best vector."""
+    ids = np.ascontiguousarray(ids, np.int64)
+    return _distinct(ids, int(m), np.zeros((len(ids), 0), np.int64), np.int64(0))[0]
 
 
 def first_hits(ids: np.ndarray, want: np.ndarray, big: int) -> tuple[np.ndarray, np.ndarray]:
@@ -155,6 +146,6 @@ def first_hits(ids: np.ndarray, want: np.ndarray, big: int) -> tuple[np.ndarray,
     [B, K]): (the wanted id's rank among the row's distinct non-negative ids in row order,
     its first position in the row), `big` where the row lacks it (or it is negative). One
     pass, a hash set per row: `first_distinct`'s order, for the index's calibration."""
-    return _first_hits(np.ascontiguousarray(ids, np.int64),
-                       np.ascontiguousarray(want, np.int64), np.int64(big))
+    ids = np.ascontiguousarray(ids, np.int64)
+    return _distinct(ids, 0, np.ascontiguousarray(want, np.int64), np.int64(big))[1:]
 
