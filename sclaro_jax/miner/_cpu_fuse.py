@@ -13,8 +13,8 @@ in float32, as `kernels.fuse` does; only the order of each dot product's sum dif
 (a few float32 ulps). Queries run in parallel (numba threads); nothing of the views is copied:
 a query's candidates cost the bytes of their rows, read once. Also `first_distinct`, the
 images of a crop index's candidates in order (one pass, a hash set per row), and `first_hits`,
-where in that order each of a query's exact top images comes (the index's calibration). numba compiles
-them on first use and caches them next to this file (as `_cpu_csls`).
+where in that order each of a query's exact top images comes (the index's calibration). numba
+compiles them on first use and caches them next to this file (as `_cpu_csls`).
 """
 
 from __future__ import annotations

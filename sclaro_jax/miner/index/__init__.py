@@ -27,9 +27,10 @@ mean pooling), and an exact inner product search over them, keeping each image's
 IS the MINER + CSLS order (`crop_vectors`). The ANN approximates those inner products. A search
 takes, per query, the top `shortlist_global` (default: `shortlist`) images of the global
 index and the first `shortlist` distinct images of the top `shortlist * R` fused crop vectors,
-their union (at most shortlist_global + shortlist images per shard), and computes the EXACT fused score S and CSLS there from the
-stored float16 embeddings (jax: on the GPU when there is one), with `stream.search`'s tie rule
-(the lower gallery index first).
+their union (at most shortlist_global + shortlist images per shard), and computes the EXACT
+fused score S and CSLS there from the stored float16 embeddings (a numba kernel reading them in
+place on a CPU backend, jax on the GPU when there is one), with `stream.search`'s tie rule (the
+lower gallery index first).
 r_q over the shortlist equals stream's r_q (over the whole gallery) whenever the shortlist holds
 the query's k best images by S; with a flat index and a shortlist the size of the gallery the
 result is `stream.search(queries, images, crops, bank=B)` (tests/test_miner_index.py).

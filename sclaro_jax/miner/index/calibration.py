@@ -156,7 +156,7 @@ def measure(shard, queries: np.ndarray, exact: np.ndarray) -> list[dict]:
     # with crops, the global index's shortlist is a setting of its own (None: the same)
     table, counts = [], np.maximum(valid.sum(1), 1)
     for s in shortlists:
-        sgs = [None] + ([g for g in shortlists if g != s] if shard.crops is not None else [])
+        sgs = [None] + ([x for x in shortlists if x != s] if shard.crops is not None else [])
         limits = np.array([sg or s for sg in sgs])[:, None, None]
         for pc, c in crops.items():
             hit_c = None if c is None else (c[0] < s) & (c[1] < s * per)

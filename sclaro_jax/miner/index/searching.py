@@ -31,9 +31,10 @@ def search_settings(shards: Sequence[Shard], **given) -> tuple[dict, str]:
     cals = [s.meta.get("calibration") for s in shards]
     given = {k: v for k, v in given.items() if v is not None}
     if all(cals):
-        out = {k: max((c[k] for c in cals if c.get(k) is not None), default=DEFAULTS[k])
-               for k in SEARCH_SETTINGS}
-        # a shard without a global shortlist of its own shortlists `shortlist` there
+        out = {k: max((c[k] for c in cals if c[k] is not None), default=DEFAULTS[k])
+               for k in SEARCH_SETTINGS if k != "shortlist_global"}
+        # a shard without a global shortlist of its own (or calibrated before there was one)
+        # shortlists `shortlist` there
         own = max(c.get("shortlist_global") or c["shortlist"] for c in cals)
         out["shortlist_global"] = None if own == out["shortlist"] else own
         c = min(cals, key=lambda c: c["recall_lower"])
