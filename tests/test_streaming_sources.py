@@ -305,14 +305,15 @@ def test_auto_stage_cpus():
 
 
 @pytest.mark.slow
-def test_ray_with_default_stage_settings_runs_on_two_cpus(setup, runs, tmp_path):
+def test_ray_with_default_stage_settings_runs_on_two_cpus(setup, runs, tmp_path, monkeypatch):
     """The webdataset source through the Ray engine (tar members travel as row fields), with
     the default --stage-cpus auto on a 2-CPU Ray: the folder's records."""
     ray = pytest.importorskip("ray")
     from data_prep.annotate import annotate
     from data_prep.annotate.pipeline import AnnotateConfig
     assert AnnotateConfig(source="folder", root="r", out="o").stage_cpus == "auto"
-    ray.init(num_cpus=2, include_dashboard=False)
+    monkeypatch.setenv("RAY_num_workers_soft_limit", "64")  # as `ray_start.start_ray`'s Ray
+    ray.init(num_cpus=2, include_dashboard=False)  # idle task workers kept
     try:
         cfg = _config(setup, tmp_path, "webdataset", setup["tars"], engine="ray",
                       limit=2)  # the first shard: one block
