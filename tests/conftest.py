@@ -174,6 +174,19 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def init_ray() -> None:
+    """`ray.init` of a local Ray with 2 CPUs that other drivers can join, keeping its idle task
+    workers as the Ray that `--engine ray` starts does (`ray_start.IDLE_WORKERS`): Ray's default
+    reaps them within a second, and each annotate run of test_annotate_ray's config then started
+    about six new ones (3-4 of its 20-22 CPU seconds on one core)."""
+    import ray
+
+    from data_prep.annotate.ray_start import IDLE_WORKERS
+    with pytest.MonkeyPatch.context() as env:  # the raylet reads it when it starts
+        env.setenv(*IDLE_WORKERS)
+        ray.init(num_cpus=2, include_dashboard=False)
+
+
 def default_xla_env(**extra) -> dict:
     """The environment for a child that computes for long (many steps at a real size): the
     suite's `CHEAP_COMPILE` flags removed from XLA_FLAGS (its compiles take XLA's default time,

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from conftest import init_ray
 from data_prep.testing import SCENES, photograph, scripted_reply
 from test_annotate import _main, _records
 
@@ -58,13 +59,9 @@ def setup(tmp_path_factory, one_torch_thread):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """One local Ray instance for the module (2 CPUs) that other drivers can join; its address
-    for the CLI runs. Its idle task workers are kept, as in the Ray that `--engine ray` starts
-    (`ray_start.start_ray`): Ray's default reaps them within a second, and each of the
-    module's runs started six new ones, 4 of its 22 CPU seconds."""
-    with pytest.MonkeyPatch.context() as env:  # the raylet reads it when it starts
-        env.setenv("RAY_num_workers_soft_limit", "64")
-        ray.init(num_cpus=2, include_dashboard=False)
+    """One local Ray instance for the module (`conftest.init_ray`: 2 CPUs, other drivers can
+    join); its address for the CLI runs."""
+    init_ray()
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 

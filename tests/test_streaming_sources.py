@@ -20,6 +20,7 @@ import time
 import pytest
 from PIL import Image
 
+from conftest import init_ray
 from data_prep.sources import SourceError, iter_source, read_image
 from data_prep.testing import SCENES, photograph, scripted_reply
 from sclaro_jax.data import schema
@@ -305,15 +306,14 @@ def test_auto_stage_cpus():
 
 
 @pytest.mark.slow
-def test_ray_with_default_stage_settings_runs_on_two_cpus(setup, runs, tmp_path, monkeypatch):
+def test_ray_with_default_stage_settings_runs_on_two_cpus(setup, runs, tmp_path):
     """The webdataset source through the Ray engine (tar members travel as row fields), with
     the default --stage-cpus auto on a 2-CPU Ray: the folder's records."""
     ray = pytest.importorskip("ray")
     from data_prep.annotate import annotate
     from data_prep.annotate.pipeline import AnnotateConfig
     assert AnnotateConfig(source="folder", root="r", out="o").stage_cpus == "auto"
-    monkeypatch.setenv("RAY_num_workers_soft_limit", "64")  # as `ray_start.start_ray`'s Ray
-    ray.init(num_cpus=2, include_dashboard=False)  # idle task workers kept
+    init_ray()
     try:
         cfg = _config(setup, tmp_path, "webdataset", setup["tars"], engine="ray",
                       limit=2)  # the first shard: one block

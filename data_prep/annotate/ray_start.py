@@ -19,6 +19,10 @@ import logging
 import os
 
 
+# a Ray started here keeps this many idle task workers (Ray's variable; the user's value wins)
+IDLE_WORKERS = ("RAY_num_workers_soft_limit", "64")
+
+
 def start_ray(address: str = "", **kwargs) -> None:
     """`ray.init` as `--engine ray` does it: connect to the cluster at `address` (or
     RAY_ADDRESS), or start Ray on this machine on 127.0.0.1 (`kwargs` such as num_cpus go to
@@ -33,7 +37,7 @@ def start_ray(address: str = "", **kwargs) -> None:
     if address or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address or None, **init, **kwargs)
         return
-    os.environ.setdefault("RAY_num_workers_soft_limit", "64")
+    os.environ.setdefault(*IDLE_WORKERS)
     # Ray reads its single-machine switch at import: set for this start only
     single, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
     try:
