@@ -47,5 +47,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from sclaro_jax.heap import freeze_for_process
+    freeze_for_process()  # a command's process: its imports are not scanned again
     sys.exit(main())
 

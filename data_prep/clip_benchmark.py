@@ -343,4 +343,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from sclaro_jax.heap import freeze_for_process
+    freeze_for_process()  # a command's process: its imports are not scanned again
     sys.exit(main())

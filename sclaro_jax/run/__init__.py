@@ -5,8 +5,8 @@ log truncation, config drift, data identity), its one writer (`lock`), device la
 (`ahead`), parameter groups by name (`params`), the checkpoints (`checkpoints`) and the one
 loop, `run_steps` (`loop`).
 
-It imports nothing of sclaro_jax but `config`, `compile`, `ops` and `files`: no trainer, model,
-data or evaluation code.
+It imports nothing of sclaro_jax but `config`, `compile`, `ops`, `files` and `heap`: no
+trainer, model, data or evaluation code.
 """
 
 from sclaro_jax.run.checkpoints import Checkpoints

@@ -15,6 +15,8 @@ them to `run_steps`, which owns what every run needs alike:
   be written (`CheckpointWriteError`) stops the run: one that does not fit the disk at the step
   of its save, one that fails in the background at the first step after orbax gives up (its
   state is asked before every step).
+- Python's full garbage collections skip what the run built before its loop and its first step
+  (`sclaro_jax.heap.FrozenHeap`), until the loop ends.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from sclaro_jax.files import open_new
 from sclaro_jax.run.ahead import CompiledSteps, seconds_since_start
 from sclaro_jax.run.checkpoints import Checkpoints, CheckpointWriteError
 from sclaro_jax.run.folder import GracefulStop, import_tensorboardx
+from sclaro_jax.heap import FrozenHeap
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +224,7 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
     done = spec.start
     try:
         try:
-            with stop:
+            with stop, FrozenHeap() as heap:
                 if not isinstance(step_fn, CompiledSteps):
                     log.info("compiling the train step (first step only) ...")
                 for step in range(spec.start, spec.steps):
@@ -234,6 +237,8 @@ def run_steps(step_fn, state, batch_of: Callable[[int], dict], checkpoints: Chec
                     logs.n_last += spec.examples_per_step
                     done = step + 1
                     _after_step(state, metrics, done, spec, checkpoints, logs, hooks)
+                    if done == spec.start + 1:
+                        heap.settled()
                 if done not in checkpoints.saved:  # stopped early: a checkpoint of the last step
                     checkpoints.save(done, state)
                 # the last write ends with the handlers still set: a SIGTERM now is a request

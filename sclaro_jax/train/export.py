@@ -9,4 +9,6 @@ from sclaro_jax.export.command import OPEN_CLIP_LEVEL_REFUSAL, UsageError, check
 __all__ = ["OPEN_CLIP_LEVEL_REFUSAL", "UsageError", "check_out", "main"]
 
 if __name__ == "__main__":
+    from sclaro_jax.heap import freeze_for_process
+    freeze_for_process()  # a command's process: its imports are not scanned again
     sys.exit(main())

@@ -2,6 +2,8 @@
 
 import sys
 
+from sclaro_jax.heap import freeze_for_process
 from sclaro_jax.miner.index.command import main
 
+freeze_for_process()  # a command's process: its imports are not scanned again
 sys.exit(main())
