@@ -18,7 +18,13 @@ same flags, and the tests that compare numbers keep their tolerances.
 runs long (the detection overfit: 53 s of steps that took 177 s without LLVM's passes), it runs
 in a child with XLA's default flags (`default_xla_env()`).
 
-Two settings of the test processes only (children are untouched):
+Three settings of the test processes only (children are untouched):
+- Python's full garbage collection runs a tenth as often (`gc.set_threshold`'s third value 10
+  -> 100): a worker's heap (every test module, the traced and compiled programs JAX keeps)
+  is large, and each full collection scans all of it. test_packing + test_train_core on one
+  core: 22 full collections, 5.4 s, 126.5 s in all -> 5, 2.0 s, 123.8 s, the same peak memory.
+  (The run's own code freezes its heap instead, `sclaro_jax.heap`, in the launcher and
+  commands the tests start.)
 - torch runs on one thread (`pytest_runtest_setup`): two xdist workers on a 2-core CPU, each
   with torch's default of a thread per core, mostly spin (about 10x the CPU for the same numbers).
 - A traced value's missing `.sharding` raises its AttributeError without the origin message.
@@ -27,6 +33,7 @@ Two settings of the test processes only (children are untouched):
   `nnx.eval_shape` or `jit` took time quadratic in its size (upstream: jax-ml/jax pull 40041).
   Only the message changes: the probe still gets its AttributeError."""
 
+import gc
 import json
 import os
 import shutil
@@ -37,6 +44,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
+gc.set_threshold(gc.get_threshold()[0], gc.get_threshold()[1], 100)  # the module's docstring
 
 # the last: one LLVM module per executable (XLA:CPU splits it for a parallel codegen that a
 # process on one core of a 2-core run cannot use): test_train_core + test_packing 138.7 ->
