@@ -16,6 +16,7 @@ The command must name its `--workdir`; --stop-after counts its metrics lines
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import signal
@@ -69,14 +70,29 @@ def start_figures(log: str) -> dict:
             "first_loss_after_start_s": float(first.group(3)) if first else None}
 
 
-def step_flops(config):
+@dataclasses.dataclass(frozen=True)
+class UsefulLine:
+    """The useful FLOPs of a step at a batch's real crops (`n_o` objects, `n_r` relations): the
+    line through the step's FLOPs at `crops` slots of each level and at twice as many of one
+    (`step_flops`), which bench_step_variants.py records in its JSON (`useful_flops`) for the
+    run stage to take instead of lowering the step three times again."""
+    base: float
+    slope_objects: float
+    slope_relations: float
+    crops: int
+
+    def __call__(self, n_o, n_r) -> float:
+        return (self.base + self.slope_objects * (n_o - self.crops)
+                + self.slope_relations * (n_r - self.crops))
+
+
+def step_flops(config, useful: UsefulLine | None = None):
     """(all(packed_size), useful(objects, relations)): the FLOPs of the train step of `config`
     (a run's config.json: every switch included) at one of its packed sizes (`packed_size` in
     metrics.jsonl: both levels' slots) and at a batch's real crops, counted by XLA on the step
     lowered at abstract shapes (nothing is allocated or compiled). Useful FLOPs are the line
     through three lowerings (the step is linear in the crop slots, to its k^2 contrastive
-    terms)."""
-    import dataclasses
+    terms): a `UsefulLine`, or `useful` when given (then nothing is lowered for it)."""
     import functools
 
     import jax
@@ -111,19 +127,31 @@ def step_flops(config):
         return lowered_flops(step.lower(state, {name: jax.ShapeDtypeStruct(*spec)
                                                 for name, spec in specs.items()}))
 
-    k = 4 * batch
-    base = at(k, k)
-    slope_o, slope_r = (at(2 * k, k) - base) / k, (at(k, 2 * k) - base) / k
+    if useful is None:
+        k = 4 * batch
+        base = at(k, k)
+        useful = UsefulLine(base, (at(2 * k, k) - base) / k, (at(k, 2 * k) - base) / k, k)
     tiers = {o + r: (o, r) for o, r in zip(pcfg.packed.objects, pcfg.packed.relations)}
-    return (lambda packed_size: at(*tiers[packed_size]),
-            lambda n_o, n_r: base + slope_o * (n_o - k) + slope_r * (n_r - k))
+    return lambda packed_size: at(*tiers[packed_size]), useful
 
 
-def report(workdir: Path, out: Path, peak_tflops: float) -> dict:
+def useful_line_of(path: str) -> UsefulLine | None:
+    """The `useful_flops` line a bench_step_variants.py JSON records (None: no such file, or
+    none recorded: the variants stage failed or was stopped before its default step)."""
+    try:
+        line = json.loads(Path(path).read_text()).get("useful_flops")
+    except (OSError, ValueError):
+        return None
+    return UsefulLine(**line) if line else None
+
+
+def report(workdir: Path, out: Path, peak_tflops: float, useful_from: str = "") -> dict:
     """run.json in OUT: each start's compile and first-loss seconds (its log) and the run's
     throughput over its metrics lines after each start's first (which holds the start-up).
     A line's `examples_per_sec` covers the steps since the line before it; its crops and packed
-    size are its own step's, a sample of those steps, so MFU over many lines is unbiased."""
+    size are its own step's, a sample of those steps, so MFU over many lines is unbiased.
+    `useful_from`: a bench_step_variants.py JSON whose useful-FLOPs line (of the same recipe's
+    default step) is taken instead of lowering this run's step three times."""
     from sclaro_jax.checkpoint import run_config
 
     config = run_config(str(workdir))
@@ -141,7 +169,8 @@ def report(workdir: Path, out: Path, peak_tflops: float) -> dict:
     if not keep:
         raise SystemExit(f"{workdir}/metrics.jsonl: no lines past each start's first; run "
                          "more steps or log more often")
-    all_flops, useful_flops = step_flops(config)
+    given = useful_line_of(useful_from) if useful_from else None
+    all_flops, useful_flops = step_flops(config, useful=given)
     batch = config.data.batch_size
     seconds = np.array([n * batch / r["examples_per_sec"] for r, n in keep])
     steps = np.array([n for _, n in keep])
@@ -157,7 +186,9 @@ def report(workdir: Path, out: Path, peak_tflops: float) -> dict:
               "useful_tflops_per_step": float(useful.sum() / steps.sum() / 1e12),
               "mfu": float(done.sum() / seconds.sum() / peak),
               "useful_mfu": float(useful.sum() / seconds.sum() / peak),
-              "peak_tflops": peak_tflops, "perf": dict(config.get("perf", {}))}
+              "peak_tflops": peak_tflops, "perf": dict(config.get("perf", {})),
+              "useful_flops": {**dataclasses.asdict(useful_flops),
+                               "from": useful_from if given is not None else "this run's step"}}
     (out / "run.json").write_text(json.dumps(result, indent=2))
     return result
 
@@ -173,6 +204,9 @@ def main(argv=None) -> None:
     parser.add_argument("--report", default="", metavar="WORKDIR",
                         help="only the report of a run already made (its logs in --out)")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--useful-flops-from", default="", metavar="JSON",
+                        help="take the useful-FLOPs line from bench_step_variants.py's JSON of "
+                             "the same recipe (else the run's step is lowered for it)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,7 +217,7 @@ def main(argv=None) -> None:
             parser.error("give the training command after --, with its --workdir")
         workdir = Path(cmd[cmd.index("--workdir") + 1])
         run_cold_then_warm(cmd, workdir, out, args.stop_after)
-    print(json.dumps(report(workdir, out, args.peak_tflops), indent=2))
+    print(json.dumps(report(workdir, out, args.peak_tflops, args.useful_flops_from), indent=2))
 
 
 if __name__ == "__main__":

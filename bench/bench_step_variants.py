@@ -208,18 +208,23 @@ def main(argv=None) -> None:
             result.update(made)
         else:
             result.update(measure(made, args.repeats, peak, useful_flops))
-        write(args.json, results, args.min_gain)
+        write(args.json, results, args.min_gain, useful_flops)
     print(render(results))
     print(json.dumps({"winners": winners(results, args.min_gain)}))
 
 
-def write(path: str, results: list[dict], min_gain: float) -> None:
+def write(path: str, results: list[dict], min_gain: float, useful_flops=None) -> None:
+    """The JSON: the variants measured so far, the winners once the default is measured, and
+    the default step's useful-FLOPs line (`bench_run_start.UsefulLine`: the run stage takes it,
+    `--useful-flops-from`)."""
     if not path:
         return
     done = [r for r in results if "step_s" in r or "error" in r]
     payload = {"results": done}
     if any(r["name"] == "default" and "step_s" in r for r in done):
         payload["winners"] = winners(done, min_gain)
+    if useful_flops is not None:
+        payload["useful_flops"] = dataclasses.asdict(useful_flops)
     Path(path).write_text(json.dumps(payload, indent=2))
 
 

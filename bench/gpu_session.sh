@@ -117,7 +117,10 @@ train=("$py" launch/train.py "${recipe[0]}" "${recipe[1]}")
 for ((i = 2; i < ${#recipe[@]}; i += 2)); do train+=("--config.${recipe[i + 1]}"); done
 mapfile -t winners < <("$py" bench/bench_step_variants.py --overrides-of "$out/variants.json" \
     2>/dev/null)
-stage run "$py" bench/bench_run_start.py --out "$out" --stop-after "$stop_after" -- \
+# the run's useful FLOPs: the variants' line of the same recipe's default step (lowering the
+# step three times again would only repeat it); without it, bench_run_start.py lowers its own
+stage run "$py" bench/bench_run_start.py --out "$out" --stop-after "$stop_after" \
+    --useful-flops-from "$out/variants.json" -- \
     "${train[@]}" --workdir "$out/run" --config.data.dir="$data" \
     --config.train.steps="$run_steps" --config.log_every="$log_every" \
     --config.checkpoint_every="$run_steps" --config.data.workers="$workers" \

@@ -93,6 +93,27 @@ def test_the_run_compiles_cold_then_resumes_warm_and_reports_its_throughput(sess
     assert 0 < run["useful_mfu"] <= run["mfu"]
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").open()]
     assert metrics[-1]["step"] == 40
+    # its useful FLOPs: the variants stage's line of the recipe's default step, taken as it is
+    line = json.loads((out / "variants.json").read_text())["useful_flops"]
+    assert run["useful_flops"] == {**line, "from": str(out / "variants.json")}
+    assert line["base"] > 0 and line["slope_objects"] > 0 and line["slope_relations"] > 0
+
+
+def test_the_run_reports_take_a_useful_flops_line_or_lower_their_own(tmp_path):
+    """bench_run_start.py's `--useful-flops-from`: the line a variants JSON records, or None
+    (the run's step is lowered for it) when the file is missing, unreadable or has none."""
+    from bench_run_start import UsefulLine, useful_line_of
+
+    line = UsefulLine(base=100.0, slope_objects=2.0, slope_relations=3.0, crops=16)
+    assert line(16, 16) == 100.0 and line(20, 10) == 100.0 + 2.0 * 4 - 3.0 * 6
+    recorded = tmp_path / "variants.json"
+    recorded.write_text(json.dumps({"results": [], "useful_flops": {
+        "base": 100.0, "slope_objects": 2.0, "slope_relations": 3.0, "crops": 16}}))
+    assert useful_line_of(str(recorded)) == line
+    (tmp_path / "none.json").write_text(json.dumps({"results": []}))  # stopped before it
+    (tmp_path / "torn.json").write_text('{"results": [')
+    for path in ("none.json", "torn.json", "missing.json"):
+        assert useful_line_of(str(tmp_path / path)) is None, path
 
 
 @pytest.mark.slow
