@@ -205,8 +205,6 @@ def run(args: SimpleNamespace, only: str | None = None) -> None:
     lock.hold_workdir(workdir)  # this process is the run's one writer until it ends
     if not config.data.dir:
         prepare_demo(config, workdir, task)
-    from sclaro_jax.heap import freeze_for_process
-    freeze_for_process()  # the imports are done: full garbage collections skip them from now on
     fitted = None
     if not args.eval_only:
         fitted = task.fit(config, workdir, allow_config_change=args.allow_config_change,
@@ -314,8 +312,10 @@ def cli(args: list[str]) -> None:
 
 def console() -> None:
     """`sclaro-train`, the installed command."""
+    from sclaro_jax.heap import freeze_for_process
+    freeze_for_process()  # a command's process (not `main` or `run` called by a program)
     cli(sys.argv)
 
 
 if __name__ == "__main__":
-    cli(sys.argv)
+    console()

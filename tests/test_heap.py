@@ -131,22 +131,37 @@ def test_run_steps_trains_frozen_and_returns_unfrozen(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["data_prep", "sclaro_jax.eval.suite",
-                                    "sclaro_jax.miner.index"])
+                                    "sclaro_jax.miner.index", "launch/train.py"])
 def test_each_command_freezes_its_process_after_its_imports(module):
-    """A command's process (`python -m ...`) holds its heap frozen; importing its module does
-    not (a notebook or a test imports it)."""
+    """A command's process (`python -m ...`, `python launch/train.py`) holds its heap frozen;
+    importing its module does not (a notebook or a test imports it, and calls its `main`)."""
+    run = ("runpy.run_path(sys.argv[0], run_name='__main__')" if module.endswith(".py") else
+           "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
     probe = ("import gc, runpy, sys\n"
+             "sys.path.insert(0, '.')\n"
              "import sclaro_jax.heap as heap\n"
              "sys.argv = [sys.argv[1], '--help']\n"
              "try:\n"
-             "    runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n"
+             f"    {run}\n"
              "except SystemExit:\n"
              "    pass\n"
              "print('FROZEN', gc.get_freeze_count() > 0, heap._OWNERS == [heap._PROCESS])\n")
     result = subprocess.run([sys.executable, "-c", probe, module], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert "FROZEN True True" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
-    imported = subprocess.run([sys.executable, "-c", f"import gc, {module}; "
+    name = "launch.train" if module.endswith(".py") else module
+    imported = subprocess.run([sys.executable, "-c", f"import gc, {name}; "
                                "print('FROZEN', gc.get_freeze_count() > 0)"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
     assert "FROZEN False" in imported.stdout, imported.stderr[-2000:]
+
+
+def test_the_detectors_command_called_by_a_program_leaves_its_heap_alone(tmp_path):
+    """`sclaro_jax.eval.detect.main` (the launcher's alias) called in a process, as a notebook
+    or a test calls it: the launcher's run returns (here with a refusal, after its checks) and
+    the caller's heap is not frozen."""
+    from sclaro_jax.eval import detect
+
+    # the demo recipe: its data written into the workdir, then no checkpoint to evaluate
+    assert detect.main(["--workdir", str(tmp_path), "--config", "detection:demo"]) == 2
+    assert gc.get_freeze_count() == 0 and not heap._OWNERS
