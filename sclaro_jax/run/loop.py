@@ -35,10 +35,10 @@ from tqdm.auto import tqdm
 
 from sclaro_jax.cli import ctrl_c
 from sclaro_jax.files import open_new
+from sclaro_jax.heap import FrozenHeap
 from sclaro_jax.run.ahead import CompiledSteps, seconds_since_start
 from sclaro_jax.run.checkpoints import Checkpoints, CheckpointWriteError
 from sclaro_jax.run.folder import GracefulStop, import_tensorboardx
-from sclaro_jax.heap import FrozenHeap
 
 log = logging.getLogger(__name__)
 
