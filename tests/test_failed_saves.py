@@ -25,14 +25,18 @@ def _state():
     return {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones((16,), jnp.float32)}
 
 
-def _run(workdir, steps, checkpoint_every, *, step_s=0.0):
-    """run_steps over a step that adds one to every array (sleeping `step_s`); returns the
-    steps it took and the Checkpoints."""
+def _run(workdir, steps, checkpoint_every, *, slower_than_writes=False):
+    """run_steps over a step that adds one to every array; returns the steps it took and the
+    Checkpoints. `slower_than_writes`: a step taken while a checkpoint is written in the
+    background ends only after the write has (up to 60 s)."""
     taken = []
 
     def step_fn(state, batch):
         taken.append(batch)
-        time.sleep(step_s)
+        if slower_than_writes and checkpoints.pending is not None:
+            deadline = time.monotonic() + 60
+            while checkpoints.manager.is_saving_in_progress() and time.monotonic() < deadline:
+                time.sleep(0.01)
         return {k: v + 1 for k, v in state.items()}, {"loss": jnp.float32(1.0)}
 
     checkpoints = ckpt.Checkpoints.open(str(workdir), _save_args, keep=3)
@@ -61,8 +65,8 @@ def test_a_save_that_fails_in_the_background_stops_the_run_within_two_steps(
 
     monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", failing)
     with pytest.raises(ckpt.CheckpointWriteError) as e:
-        # steps slower than the failed write (milliseconds): "within two steps" is the loop's
-        _run(tmp_path, steps=20, checkpoint_every=10, step_s=0.5)
+        # steps slower than the failed write: "within two steps" is the loop's
+        _run(tmp_path, steps=20, checkpoint_every=10, slower_than_writes=True)
     message = str(e.value)
     assert message.startswith(f"the checkpoint of step 10 could not be written to "
                               f"{tmp_path / 'checkpoints'} (No space left on device); "
