@@ -4,6 +4,7 @@ SAM, scripted VLM replies); an exception in a stage, a killed stage actor and a 
 each end with the clean run's records; a rerun resumes the other engine's blocks; bad input is
 counted, not fatal; missing models stop before any work."""
 
+import collections
 import dataclasses
 import json
 import os
@@ -148,27 +149,56 @@ def test_ray_writes_the_records_and_summary_of_the_local_engine(setup, local_run
                                      nms_iou=0.5))
 
 
-def test_faults_end_with_the_clean_records(setup, cluster, local_run, tmp_path, caplog):
-    """An exception in the detector (block 1) and a killed SAM actor (block 2), in one run."""
-    from data_prep.annotate import annotate
-    faults = (("detect", 1, "raise"), ("segment", 2, "kill"))
-    summary = annotate(_config(setup, tmp_path, engine="ray", faults=faults))
-    for stage, block, kind in faults:
-        assert (tmp_path / "work" / "faults" / f"{stage}-{block}-{kind}").exists()  # it fired
-    _same_summary(summary, local_run["summary"])
-    records = _records(tmp_path / "out")
+@pytest.fixture(scope="module")
+def resumed_with_faults(setup, cluster, one_torch_thread, tmp_path_factory):
+    """A local run that stops in block 2 (blocks 0 and 1 done), then the Ray engine on its work
+    folder with an exception in the detector (block 2) and a killed SAM actor (block 3)."""
+    import itertools
+
+    from data_prep.annotate import Models, annotate, load_models
+    base = tmp_path_factory.mktemp("resumed")
+    cfg = _config(setup, base)
+    models = load_models(cfg)
+    calls = itertools.count()
+
+    def detector(images, objects):  # the local run stops in block 2, blocks 0 and 1 done
+        if next(calls) == 2:
+            raise RuntimeError("CUDA out of memory")
+        return models.detector(images, objects)
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        annotate(cfg, Models(models.vlm, detector, models.segmenter))
+    local = _markers(base / "work")
+    faults = (("detect", 2, "raise"), ("segment", 3, "kill"))
+    summary = annotate(_config(setup, base, engine="ray", faults=faults))
+    return dict(base=base, summary=summary, faults=faults, local=local)
+
+
+def test_faults_end_with_the_clean_records(resumed_with_faults, local_run):
+    """An exception in the detector (block 2) and a killed SAM actor (block 3), in one run."""
+    run = resumed_with_faults
+    base = run["base"]
+    for stage, block, kind in run["faults"]:
+        assert (base / "work" / "faults" / f"{stage}-{block}-{kind}").exists()  # it fired
+    records = _records(base / "out")
     assert records == local_run["records"]
     ids = []
-    for name in os.listdir(tmp_path / "out"):  # no id twice across the dataset's shards
+    for name in os.listdir(base / "out"):  # no id twice across the dataset's shards
         if name.endswith(".array_record"):
             from array_record.python.array_record_module import ArrayRecordReader
 
             from sclaro_jax.data import schema
-            reader = ArrayRecordReader(str(tmp_path / "out" / name))
+            reader = ArrayRecordReader(str(base / "out" / name))
             ids += [schema.decode(r).id for r in reader.read_all()]
             reader.close()
     assert len(ids) == len(set(ids)) == len(records)
-    assert not [n for n in os.listdir(tmp_path / "work" / "blocks") if ".tmp-" in n]
+    assert not [n for n in os.listdir(base / "work" / "blocks") if ".tmp-" in n]
+    # the retried blocks' images counted once: the clean local run's counts of blocks 2-4
+    clean = _markers(local_run["base"] / "work")
+    want = collections.Counter()
+    for k in (2, 3, 4):
+        want.update(clean[k]["stage_images"])
+    assert run["summary"]["stage_images_this_run"] == dict(want)
 
 
 def test_a_failing_stage_stops_the_run_naming_stage_and_block(setup, cluster, tmp_path):
@@ -213,26 +243,19 @@ def test_a_killed_driver_resumes_and_the_other_engine_takes_over(setup, cluster,
     assert "13 images from cache, 0 annotated this run" in stdout, stdout
 
 
-def test_local_blocks_are_resumed_by_the_ray_engine(setup, cluster, local_run, tmp_path):
-    import itertools
-
-    from data_prep.annotate import Models, annotate, load_models
-    cfg = _config(setup, tmp_path)
-    models = load_models(cfg)
-    calls = itertools.count()
-
-    def detector(images, objects):  # the local run stops in block 2, blocks 0 and 1 done
-        if next(calls) == 2:
-            raise RuntimeError("CUDA out of memory")
-        return models.detector(images, objects)
-
-    with pytest.raises(RuntimeError, match="out of memory"):
-        annotate(cfg, Models(models.vlm, detector, models.segmenter))
-    summary = annotate(_config(setup, tmp_path, engine="ray"))
+def test_local_blocks_are_resumed_by_the_ray_engine(resumed_with_faults, local_run):
+    """The Ray engine takes the blocks the local engine finished from the cache (the run of
+    `resumed_with_faults`, whose faults are in the blocks Ray ran)."""
+    run = resumed_with_faults
+    summary = run["summary"]
+    assert sorted(run["local"]) == [0, 1]
     assert summary["images_from_cache"] == 6
-    engines = {k: m["engine"] for k, m in _markers(tmp_path / "work").items()}
+    markers = _markers(run["base"] / "work")
+    engines = {k: m["engine"] for k, m in markers.items()}
     assert engines == {0: "local", 1: "local", 2: "ray", 3: "ray", 4: "ray"}
-    assert _records(tmp_path / "out") == local_run["records"]
+    for k in (0, 1):  # not redone
+        assert markers[k]["run"] == run["local"][k]["run"]
+    assert _records(run["base"] / "out") == local_run["records"]
     _same_summary({**summary, "images_from_cache": 0, "stage_images_this_run": {}},
                   {**local_run["summary"], "images_from_cache": 0,
                    "stage_images_this_run": {}})
