@@ -402,7 +402,7 @@ def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     import subprocess
     import sys
 
-    from conftest import ROOT
+    from conftest import ROOT, launch_all
 
     workdir = tmp_path / "det"
     # the matmul precision of this process (conftest): the launcher's train and eval programs
@@ -429,13 +429,17 @@ def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     rows = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert json.loads((workdir / "config.json").read_text())["trainer"] == "detection"
-    refused = launch("--config.epochs=2", "--config.head_lr=0.5")
+    # three refusals, run in turn in one launcher process (conftest.launch_all)
+    refused, bad_key, longer = launch_all([
+        ["--config", "configs/detection.py:demo", "--workdir", workdir,
+         f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra]
+        for extra in (["--config.epochs=2", "--config.head_lr=0.5"],
+                      ["--config.detector.imagesize=3"],
+                      ["--config.epochs=2"])])  # another length re-stretches the schedule
     assert refused.returncode == 2
     assert "error: " in refused.stderr and "trained with another config" in refused.stderr
     assert "head_lr" in refused.stderr and "Traceback" not in refused.stderr
-    bad_key = launch("--config.detector.imagesize=3")
     assert bad_key.returncode == 2 and "imagesize" in bad_key.stderr.strip().splitlines()[-1]
-    longer = launch("--config.epochs=2")  # another length re-stretches the schedule: refused
     assert longer.returncode == 2 and "epochs: 1 in the run, 2 now" in longer.stderr
     resumed = launch("--config.epochs=2", "--allow-config-change", "--no-eval")  # if allowed
     assert resumed.returncode == 0, resumed.stderr[-3000:]
