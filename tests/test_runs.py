@@ -17,7 +17,7 @@ from conftest import launch_all
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 24  # the program of tests/test_trainer.py's runs (same steps and EMA warm-up): one
 # compilation for both files in the suite's shared cache
-OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=4",
+OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=8",
              "--config.log_every=2", "--config.train.ema_warmup_steps=6",
              "--config.progress_bar=False"]
 
@@ -107,7 +107,7 @@ def uninterrupted(tmp_path_factory, demo_dir, cache):
 
 
 def _interrupt(sig, workdir, data, cache):
-    """Start a run, send `sig` as soon as the step-4 checkpoint is being written in the
+    """Start a run, send `sig` as soon as the step-8 checkpoint is being written in the
     background, and return (the step it stopped at, its stdout, its stderr)."""
     # A process started in the background of a non-interactive shell inherits SIGINT ignored;
     # a caught signal is reset to the default at exec, so the child gets SIGINT's default.
@@ -120,7 +120,7 @@ def _interrupt(sig, workdir, data, cache):
     seen = []
     for line in proc.stderr:
         seen.append(line)
-        if "checkpoint at step 4 started (written in the background)" in line:
+        if "checkpoint at step 8 started (written in the background)" in line:
             os.kill(proc.pid, sig)
             break
     out, err = proc.communicate(timeout=600)
@@ -131,11 +131,11 @@ def _interrupt(sig, workdir, data, cache):
     assert line, out
     stopped = int(line[0].split()[3])
     assert f"stopped at step {stopped} of {STEPS}; rerun the same command to continue" in out
-    # the step running when the signal came (or step 4 itself, when the signal is handled
+    # the step running when the signal came (or step 8 itself, when the signal is handled
     # before the next step starts)
-    assert 4 <= stopped < STEPS
+    assert 8 <= stopped < STEPS
     names = sorted(os.listdir(Path(workdir) / "checkpoints"))
-    assert str(stopped) in names and "4" in names, names  # the one in flight and the final
+    assert str(stopped) in names and "8" in names, names  # the one in flight and the final
     assert not [n for n in names if "tmp" in n], names
     assert [r["step"] for r in _metrics(workdir)] == list(range(2, stopped + 1, 2))
     return stopped, out, err
@@ -252,35 +252,35 @@ def small_filesystem(tmp_path):
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_continues(
         uninterrupted, demo_dir, cache, small_filesystem):
-    """The step-8 checkpoint does not fit beside step 4's: the run stops at step 8, before
+    """The step-16 checkpoint does not fit beside step 8's: the run stops at step 16, before
     writing it (a save that fails in the background instead: tests/test_failed_saves.py)."""
     folder, resize = small_filesystem
     size = sum(f.stat().st_size for f in (Path(uninterrupted) / "checkpoints" / str(STEPS))
                .rglob("*") if f.is_file()) / 2**20
     assert size > 1
-    # room for the step-4 checkpoint and the logs, not for step 8's beside it
+    # room for the step-8 checkpoint and the logs, not for step 16's beside it
     assert resize(int(1.6 * size) + 2).returncode == 0
     workdir = folder / "run"
     full = _run(_cmd(workdir, demo_dir, cache))
     assert full.returncode == 2, full.stderr[-3000:]
     lines = full.stderr.strip().splitlines()
-    assert lines[-1].startswith(f"error: the checkpoint of step 8 could not be written to "
+    assert lines[-1].startswith(f"error: the checkpoint of step 16 could not be written to "
                                 f"{workdir / 'checkpoints'} (No space left on device); "
-                                "training stopped at step 8. A checkpoint takes about "), lines[-1]
-    assert "nothing of step 8 was written" in lines[-1]
-    assert "The newest complete checkpoint is step 4" in lines[-1]
+                                "training stopped at step 16. A checkpoint takes about "), lines[-1]
+    assert "nothing of step 16 was written" in lines[-1]
+    assert "The newest complete checkpoint is step 8" in lines[-1]
     assert sum(x.startswith("error:") for x in lines) == 1
     assert sum(x.startswith(("Traceback", "  File ")) for x in lines) <= 5, full.stderr[-5000:]
     assert "Event loop is closed" not in full.stderr
-    assert os.listdir(workdir / "checkpoints") == ["4"]
-    assert [r["step"] for r in _metrics(workdir)] == [2, 4, 6, 8]  # no step past the save
+    assert os.listdir(workdir / "checkpoints") == ["8"]
+    assert [r["step"] for r in _metrics(workdir)] == list(range(2, 17, 2))  # none past the save
     assert "done:" not in full.stdout and "stopped at step" not in full.stdout
 
     assert resize(int(4 * size) + 8).returncode == 0  # the cause removed
     rerun = _run(_cmd(workdir, demo_dir, cache))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "found an unfinished checkpoint" not in rerun.stderr
-    assert f"resumed from {workdir} at step 4" in rerun.stderr
+    assert f"resumed from {workdir} at step 8" in rerun.stderr
     assert "Metadata file does not exist" not in rerun.stderr  # orbax's routine warning
     _same_run(workdir, uninterrupted)
 
