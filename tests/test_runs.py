@@ -15,7 +15,7 @@ import pytest
 from conftest import launch_all
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 24  # the program of tests/test_trainer.py's runs (same steps and EMA warm-up): one
+STEPS = 16  # the program of tests/test_trainer.py's runs (same steps and EMA warm-up): one
 # compilation for both files in the suite's shared cache
 OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=8",
              "--config.log_every=2", "--config.train.ema_warmup_steps=6",
@@ -252,7 +252,7 @@ def small_filesystem(tmp_path):
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_continues(
         uninterrupted, demo_dir, cache, small_filesystem):
-    """The step-16 checkpoint does not fit beside step 8's: the run stops at step 16, before
+    """The step-16 checkpoint (its last) does not fit beside step 8's: the run stops at step 16, before
     writing it (a save that fails in the background instead: tests/test_failed_saves.py)."""
     folder, resize = small_filesystem
     size = sum(f.stat().st_size for f in (Path(uninterrupted) / "checkpoints" / str(STEPS))

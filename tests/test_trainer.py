@@ -12,7 +12,7 @@ import pytest
 from conftest import own_cache_env
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 24
+STEPS = 16
 OVERRIDES = [f"--config.train.steps={STEPS}", "--config.checkpoint_every=8",
              "--config.log_every=4", "--config.train.ema_warmup_steps=6"]
 
@@ -69,7 +69,7 @@ def test_demo_run_learns_and_logs_the_api_fields(uninterrupted):
     assert rows[-1]["kd_temperature"] != rows[0]["kd_temperature"]
     for level in ("global", "object", "relation"):
         assert rows[-1][f"logit_scale_{level}"] != rows[0][f"logit_scale_{level}"]
-    assert sorted(os.listdir(uninterrupted / "checkpoints")) == ["16", "24", "8"]
+    assert sorted(os.listdir(uninterrupted / "checkpoints")) == ["16", "8"]
     state = _final_params(uninterrupted)
     assert int(state["step"]) == STEPS
 
@@ -120,7 +120,7 @@ def test_the_end_of_run_evaluation_equals_the_checkpoints(uninterrupted, tmp_pat
 
 @pytest.mark.slow
 def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
-    """The same 24-step demo run from version-1 records (views made from the originals on the
+    """The same 16-step demo run from version-1 records (views made from the originals on the
     host every step) and from version-2 records (stored views, the global view cropped from
     the downscaled train_image): the losses stay within 2% at every logged step."""
     from data_prep.demo import build_demo
@@ -143,7 +143,7 @@ def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
 @pytest.mark.slow
 def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrupted, demo_dir,
                                                                      tmp_path):
-    """The same 24-step demo run with the per-image caps layout (8 objects, 6 relations: the
+    """The same 16-step demo run with the per-image caps layout (8 objects, 6 relations: the
     demo's counts fit, nothing dropped) logs the packed run's losses to 1e-5."""
     result = subprocess.run(  # its losses are what is compared: no end-of-run evaluation
         _train_cmd(tmp_path, demo_dir) + ["--config.data.layout=caps", "--no-eval"],
@@ -242,7 +242,7 @@ def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted
                                                                    tmp_path):
     """A checkpoint written before the optimiser state was keyed by names (Adam's moments over
     a list of the trainable leaves) is converted on restore: resuming the uninterrupted run's
-    step 16 from that layout ends at its step-24 parameters."""
+    step 8 from that layout ends at its step-16 parameters."""
     import jax
     import grain.python as grain
     import orbax.checkpoint as ocp
@@ -259,18 +259,18 @@ def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted
     it = iter(make_loader(demo_dir, "train", config.data.batch_size, seed=config.seed,
                           config=trainer.pipeline_config(config)))
     source = ocp.CheckpointManager(str(uninterrupted / "checkpoints"))
-    state = source.restore(16, args=ocp.args.Composite(
+    state = source.restore(8, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(state), data=grain.PyGrainCheckpointRestore(it)))["state"]
     old = jax.tree.unflatten(jax.tree.structure(resume.positional_opt_state(state, tcfg)),
                              jax.tree.leaves(state.opt_state))
     assert isinstance(old[1].inner_states["decay"].inner_state[0].mu, list)
     manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"),
                                     options=ocp.CheckpointManagerOptions(create=True))
-    manager.save(16, args=ocp.args.Composite(  # as the trainer saved before the change
+    manager.save(8, args=ocp.args.Composite(  # as the trainer saved before the change
         state=ocp.args.StandardSave(state.replace(opt_state=old)),
         data=grain.PyGrainCheckpointSave(it)))
     manager.wait_until_finished()
-    assert resume.is_positional(str(tmp_path / "checkpoints" / "16"))
+    assert resume.is_positional(str(tmp_path / "checkpoints" / "8"))
     cmd = _train_cmd(tmp_path, demo_dir) + [  # its parameters are compared: no evaluation
         f"--config.compilation_cache={uninterrupted / 'jax_cache'}", "--no-eval"]
     rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
