@@ -57,7 +57,7 @@ cores=$(nproc)
 workers=$((cores > 1 ? cores - 1 : 0))
 if [[ $tiny == 1 ]]; then
     recipe=(--config configs/scenarioclip.py:demo); variants=(--variants default,fused_qkv)
-    samples=24; profile_steps=2; variant_steps=2; run_steps=40; log_every=2; stop_after=2
+    samples=24; profile_steps=2; variant_steps=2; run_steps=16; log_every=2; stop_after=2
     workers=0
     caps=(profile=150 variants=200 run=240 miner=60 annotate=60 index=60)
     miner=(--queries 300 --authors-images 1024); annotate=(--tiny)
