@@ -410,11 +410,13 @@ def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     # compiled (the run's compilation cache), as every shape and setting here is theirs
     env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 
+    def args(*extra):
+        return ["--config", "configs/detection.py:demo", "--workdir", str(workdir),
+                f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra]
+
     def launch(*extra):
-        return subprocess.run(
-            [sys.executable, "launch/train.py", "--config", "configs/detection.py:demo",
-             "--workdir", str(workdir), f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        return subprocess.run([sys.executable, "launch/train.py", *args(*extra)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=900, env=env)
 
     first = launch("--config.epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -431,11 +433,9 @@ def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
     assert json.loads((workdir / "config.json").read_text())["trainer"] == "detection"
     # three refusals, run in turn in one launcher process (conftest.launch_all)
     refused, bad_key, longer = launch_all([
-        ["--config", "configs/detection.py:demo", "--workdir", workdir,
-         f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra]
-        for extra in (["--config.epochs=2", "--config.head_lr=0.5"],
-                      ["--config.detector.imagesize=3"],
-                      ["--config.epochs=2"])])  # another length re-stretches the schedule
+        args("--config.epochs=2", "--config.head_lr=0.5"),
+        args("--config.detector.imagesize=3"),
+        args("--config.epochs=2")])  # another length re-stretches the schedule: refused
     assert refused.returncode == 2
     assert "error: " in refused.stderr and "trained with another config" in refused.stderr
     assert "head_lr" in refused.stderr and "Traceback" not in refused.stderr

@@ -252,8 +252,9 @@ def small_filesystem(tmp_path):
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_continues(
         uninterrupted, demo_dir, cache, small_filesystem):
-    """The step-16 checkpoint (its last) does not fit beside step 8's: the run stops at step 16, before
-    writing it (a save that fails in the background instead: tests/test_failed_saves.py)."""
+    """The step-16 checkpoint (the run's last) does not fit beside step 8's: the run stops at
+    step 16, before writing it (a save that fails in the background instead:
+    tests/test_failed_saves.py)."""
     folder, resize = small_filesystem
     size = sum(f.stat().st_size for f in (Path(uninterrupted) / "checkpoints" / str(STEPS))
                .rglob("*") if f.is_file()) / 2**20
