@@ -6,7 +6,7 @@ tests/test_runs.py::test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_
 
 import errno
 import os
-import time
+import threading
 from collections import namedtuple
 
 import jax.numpy as jnp
@@ -25,18 +25,16 @@ def _state():
     return {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones((16,), jnp.float32)}
 
 
-def _run(workdir, steps, checkpoint_every, *, slower_than_writes=False):
+def _run(workdir, steps, checkpoint_every, *, written=None):
     """run_steps over a step that adds one to every array; returns the steps it took and the
-    Checkpoints. `slower_than_writes`: a step taken while a checkpoint is written in the
-    background ends only after the write has (up to 60 s)."""
+    Checkpoints. `written` (a threading.Event set when a background write has ended): a step
+    taken while a checkpoint is written ends only after the write has (up to 60 s)."""
     taken = []
 
     def step_fn(state, batch):
         taken.append(batch)
-        if slower_than_writes and checkpoints.pending is not None:
-            deadline = time.monotonic() + 60
-            while checkpoints.manager.is_saving_in_progress() and time.monotonic() < deadline:
-                time.sleep(0.01)
+        if written is not None and checkpoints.pending is not None:
+            assert written.wait(60), "the background write did not end"
         return {k: v + 1 for k, v in state.items()}, {"loss": jnp.float32(1.0)}
 
     checkpoints = ckpt.Checkpoints.open(str(workdir), _save_args, keep=3)
@@ -57,16 +55,20 @@ def test_a_save_that_fails_in_the_background_stops_the_run_within_two_steps(
     from orbax.checkpoint._src.checkpointers import async_checkpointer
 
     write = async_checkpointer._background_wait_for_commit_futures
+    written = threading.Event()
 
     def failing(directory, commit_futures, on_commit_callback, **kwargs):
         def fail():
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return write(directory, commit_futures, fail, **kwargs)
+        try:
+            return write(directory, commit_futures, fail, **kwargs)
+        finally:
+            written.set()
 
     monkeypatch.setattr(async_checkpointer, "_background_wait_for_commit_futures", failing)
     with pytest.raises(ckpt.CheckpointWriteError) as e:
         # steps slower than the failed write: "within two steps" is the loop's
-        _run(tmp_path, steps=20, checkpoint_every=10, slower_than_writes=True)
+        _run(tmp_path, steps=20, checkpoint_every=10, written=written)
     message = str(e.value)
     assert message.startswith(f"the checkpoint of step 10 could not be written to "
                               f"{tmp_path / 'checkpoints'} (No space left on device); "
