@@ -44,15 +44,16 @@ print("RESULTS " + json.dumps(TASK.evaluate(config, sys.argv[3], progress=False)
 @pytest.fixture(scope="module")
 def overfit(scenario_workdir, demo_dir, tmp_path_factory):
     """The detection task's fit and evaluation of the demo boxes (what the launcher runs), in a
-    child at XLA's default flags: its steps are most of the file's computing (conftest.py)."""
+    child compiled with LLVM's passes (`long_run_xla_env`): its steps are most of the file's
+    computing (conftest.py)."""
     import subprocess
     import sys
 
-    from conftest import ROOT, default_xla_env
+    from conftest import ROOT, long_run_xla_env
     out = tmp_path_factory.mktemp("detect") / "run"
     result = subprocess.run([sys.executable, "-c", OVERFIT, str(demo_dir), str(scenario_workdir),
                              str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                            env=default_xla_env())
+                            env=long_run_xla_env())
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     line = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")][-1]
     return demo_config(demo_dir, scenario_workdir), out, json.loads(line[len("RESULTS "):])

@@ -122,7 +122,8 @@ def test_the_cheap_compile_flags_are_appended_once_unless_turned_off(monkeypatch
     conftest._cheap_compile()  # a worker or child importing conftest again: not twice
     assert conftest.os.environ["XLA_FLAGS"].split() == [
         "--xla_force_host_platform_device_count=4", *conftest.CHEAP_COMPILE]
-    # a child that computes for long gets XLA's defaults back, and the tests' precision
-    env = conftest.default_xla_env()
-    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4"
+    # a child that computes for long gets LLVM's passes back (level 1), and the tests' precision
+    env = conftest.long_run_xla_env()
+    assert env["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=4",
+                                        *conftest.LONG_RUN_COMPILE]
     assert env["JAX_DEFAULT_MATMUL_PRECISION"] == "highest"
