@@ -197,8 +197,8 @@ def init_ray() -> None:
 
 
 # A child that computes for long: LLVM's passes at level 1 (XLA's default is 2). The detection
-# overfit (fit + evaluation, one core): 70.3-72.7 CPU-s at XLA's defaults, 63.4-63.7 with this,
-# its AP50 0.925 and 0.927.
+# overfit (fit + evaluation, one core): 70.3 CPU-s at XLA's defaults, 63.7 with this, its AP50
+# 0.925 and 0.927.
 LONG_RUN_COMPILE = ("--xla_backend_optimization_level=1",)
 
 
