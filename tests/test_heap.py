@@ -86,8 +86,7 @@ def test_a_heap_someone_else_froze_is_theirs():
 
 def test_a_commands_process_stays_frozen_and_the_loops_freeze_more():
     heap.freeze_for_process()
-    first = gc.get_freeze_count()
-    assert first > 0 and heap._OWNERS == [heap._PROCESS]
+    assert gc.get_freeze_count() > 0 and heap._OWNERS == [heap._PROCESS]
     heap.freeze_for_process()  # once
     assert heap._OWNERS == [heap._PROCESS]
     with heap.FrozenHeap() as frozen:
