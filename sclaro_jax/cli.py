@@ -33,10 +33,9 @@ import numbers
 import os
 import re
 import sys
-import tempfile
 
 from sclaro_jax.bounds import printable
-from sclaro_jax.files import UnsafePathError, refuse_shared_folder
+from sclaro_jax.files import UnsafePathError, probe_writable, refuse_shared_folder
 
 
 class MissingExtra(ImportError):
@@ -133,9 +132,7 @@ def writable(path: str) -> str:
     if not os.path.isdir(probe):
         raise argparse.ArgumentTypeError(f"cannot write {path}: {probe} is a file, not a folder")
     try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".write-check-")
-        os.close(fd)
-        os.remove(name)
+        probe_writable(probe)
     except OSError as e:
         raise argparse.ArgumentTypeError(
             f"cannot write {path}: {probe} refuses new files ({e.strerror})") from None

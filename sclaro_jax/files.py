@@ -4,9 +4,11 @@ work folder goes through here (tests/test_layout.py forbids writes that bypass i
 
 - `write_replacing`: a file written whole (a temporary name of its own beside it, made with
   O_CREAT | O_EXCL | O_NOFOLLOW, then renamed over the target); `replacing`, the same for a
-  writer that takes a path (ArrayRecord, safetensors, a memory-mapped array);
+  writer that takes a path (ArrayRecord, safetensors, a memory-mapped array); a Ctrl-C that
+  lands as the temporary file opens removes it too (`_open_made`);
 - `open_new`: a stream that stays open (a tar being written, an appended log), opened without
   following a link, and only onto a plain file of one name;
+- `probe_writable`: whether a folder takes new files (an empty probe, made and removed);
 - `refuse_shared_folder`: an output folder that others may write (writable by every user
   without the sticky bit, or owned by another user) is refused, as ssh's StrictModes refuses
   such key folders;
@@ -40,15 +42,67 @@ def temporary_name(path) -> str:
     return f"{path}.tmp-{secrets.token_hex(6)}"
 
 
+def _open_made(name: str) -> int:
+    """The descriptor of `name`, a new empty file made by this call (O_EXCL, O_NOFOLLOW).
+
+    A Ctrl-C can land as the open returns: CPython runs signal handlers once a C function is
+    back, so the KeyboardInterrupt is raised with the file made and its descriptor not yet in
+    any variable. The open itself raises only OSError; anything else arrived from outside after
+    it, and the file this call made is closed and removed before that exception goes on (an
+    interrupted command once left `manifest.json.tmp-...` in an index folder this way)."""
+    try:
+        return os.open(name, NEW_FILE, MODE)
+    except OSError:
+        raise
+    except BaseException:
+        _unmake(name)
+        raise
+
+
+def _unmake(name: str) -> None:
+    """Close whatever descriptor of this process is open on the file `name` (the one an
+    interrupted `_open_made` could not return), then remove it. Only ever called on a fresh
+    random name this process opened with O_EXCL, so the file is the one it made."""
+    with contextlib.suppress(OSError):
+        st = os.stat(name, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode) or st.st_size or st.st_uid != os.geteuid():
+            return  # not the empty file this process just made: left as it is
+        with contextlib.suppress(OSError):  # /proc/self/fd: Linux; elsewhere it stays open
+            for entry in os.listdir("/proc/self/fd"):
+                with contextlib.suppress(OSError, ValueError):
+                    fd = int(entry)
+                    held = os.fstat(fd)
+                    if (held.st_dev, held.st_ino) == (st.st_dev, st.st_ino):
+                        os.close(fd)
+        os.remove(name)
+
+
 def _temporary(path: Path) -> tuple[int, str]:
     """(descriptor, name) of a new empty file beside `path`, made by this call (never a name
     that was there: O_EXCL; never through a link: O_NOFOLLOW)."""
     while True:
         tmp = temporary_name(path)
         try:
-            return os.open(tmp, NEW_FILE, MODE), tmp
+            return _open_made(tmp), tmp
         except FileExistsError:
             continue
+
+
+def probe_writable(folder, prefix: str = ".write-check-") -> None:
+    """Make and remove an empty file in `folder`: OSError (naming the probe) when the folder
+    refuses new files. An interrupt at any point leaves no probe behind."""
+    while True:
+        name = os.path.join(folder, prefix + secrets.token_hex(6))
+        try:
+            fd = _open_made(name)
+        except FileExistsError:
+            continue
+        break
+    try:
+        os.close(fd)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(name)
 
 
 @contextlib.contextmanager

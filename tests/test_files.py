@@ -4,7 +4,12 @@ that rely on it (orbax's unfinished checkpoints, a dataset writer's stale folder
 earlier output)."""
 
 import os
+import random
+import signal
 import stat
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -187,3 +192,126 @@ def test_rocs_replaces_its_earlier_output_never_what_a_link_there_names(tmp_path
     _remove(out / "rocs.partial")
     _remove(out / "missing")
     assert os.listdir(out) == [files.MADE] and mine.read_text() == "the user's own\n"
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_ctrl_c_as_a_new_file_opens_leaves_no_file_and_no_descriptor(tmp_path, monkeypatch):
+    """CPython runs a Ctrl-C's handler as soon as a C function returns, so a KeyboardInterrupt
+    can arrive with the temporary file made and its descriptor in no variable yet. CI met it:
+    an `index build` interrupted there left `manifest.json.tmp-...` beside its manifest. Each
+    writer (and the folder probe of `--out`/`--workdir`) now closes and removes that file."""
+    real_open = os.open
+    opened = []
+
+    def open_then_interrupted(path, flags, mode=0o777, **kw):
+        fd = real_open(path, flags, mode, **kw)
+        opened.append(str(path))
+        raise KeyboardInterrupt  # as a signal handler raises it when os.open returns
+
+    (tmp_path / "a.json").write_text("old")
+    before = _open_fds()
+    monkeypatch.setattr(files.os, "open", open_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_replacing(tmp_path / "a.json", lambda f: f.write("new"), text=True)
+    with pytest.raises(KeyboardInterrupt):
+        with files.replacing(tmp_path / "b.bin"):
+            pass
+    with pytest.raises(KeyboardInterrupt):
+        files.probe_writable(tmp_path)
+    monkeypatch.undo()
+    assert len(opened) == 3 and all(os.path.dirname(p) == str(tmp_path) for p in opened)
+    assert os.listdir(tmp_path) == ["a.json"] and (tmp_path / "a.json").read_text() == "old"
+    assert _open_fds() == before
+
+
+def test_an_interrupt_before_the_open_made_anything_removes_nothing(tmp_path, monkeypatch):
+    """The cleanup removes only the empty file this process made: when the interrupt comes
+    before the open made a file, a file that is there under that name (not empty: not one the
+    library just made) stays."""
+    names = []
+
+    def interrupted_then_someone_writes_there(path, flags, mode=0o777, **kw):
+        names.append(str(path))
+        with open(path, "w") as f:  # someone else's file under the same name
+            f.write("theirs")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.os, "open", interrupted_then_someone_writes_there)
+    with pytest.raises(KeyboardInterrupt):
+        files.write_replacing(tmp_path / "a.json", lambda f: f.write("new"), text=True)
+    monkeypatch.undo()
+    assert [open(n).read() for n in names] == ["theirs"]
+
+
+def test_probe_writable_leaves_nothing_and_names_a_folder_that_refuses(tmp_path):
+    files.probe_writable(tmp_path)
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "gone")):
+        files.probe_writable(tmp_path / "gone")
+
+
+# A process that rewrites one file through `write_replacing` until a stop file appears, taking
+# every SIGINT as a Ctrl-C (a KeyboardInterrupt wherever it lands in the write) and going on.
+_REWRITER = r"""
+import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("files", sys.argv[2])
+files = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(files)
+folder, stop = sys.argv[1], os.path.join(sys.argv[1], "..", "stop")
+armed, caught = False, 0
+
+
+def ctrl_c(*_):
+    if armed:
+        raise KeyboardInterrupt
+
+
+def rewrite():
+    global armed
+    armed = True
+    i = 0
+    while not os.path.exists(stop):
+        files.write_replacing(os.path.join(folder, "manifest.json"), lambda f: f.write(str(i)),
+                              text=True)
+        i += 1
+    armed = False
+
+
+signal.signal(signal.SIGINT, ctrl_c)
+print("ready", flush=True)
+while True:
+    try:
+        rewrite()
+        break
+    except KeyboardInterrupt:
+        armed = False
+        caught += 1
+print(caught, flush=True)
+"""
+
+
+def test_real_ctrl_cs_at_random_moments_of_a_rewrite_leave_only_the_file(tmp_path):
+    """300 SIGINTs, 1-4 ms apart, into a process rewriting a file: each lands wherever the
+    write is, as a terminal's Ctrl-C does. Before `_open_made`, a dozen of them (checked once)
+    each left a `.tmp-` file; now the folder holds the one file, whole."""
+    folder = tmp_path / "index"
+    folder.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", _REWRITER, str(folder), files.__file__],
+                            stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        rng = random.Random(0)
+        for _ in range(300):
+            time.sleep(rng.uniform(0.001, 0.004))
+            proc.send_signal(signal.SIGINT)
+        (tmp_path / "stop").touch()
+        caught = int(proc.communicate(timeout=60)[0])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and caught >= 30, (proc.returncode, caught)
+    assert os.listdir(folder) == ["manifest.json"], caught
+    assert (folder / "manifest.json").read_text().isdigit()

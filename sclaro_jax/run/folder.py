@@ -27,12 +27,12 @@ import shutil
 import signal
 import struct
 import sys
-import tempfile
 import threading
 
 from sclaro_jax import bounds
 from sclaro_jax.config import flatten
-from sclaro_jax.files import UnsafePathError, open_new, refuse_shared_folder, write_replacing
+from sclaro_jax.files import (UnsafePathError, open_new, probe_writable, refuse_shared_folder,
+                              write_replacing)
 
 log = logging.getLogger(__name__)
 
@@ -394,9 +394,7 @@ def check_workdir(workdir: str) -> None:
     and others cannot (`files.refuse_shared_folder`)."""
     try:
         os.makedirs(workdir, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=workdir, prefix=".write-test-")
-        os.close(fd)
-        os.remove(probe)
+        probe_writable(workdir, ".write-test-")
     except OSError as e:
         raise RunError(f"cannot write to the workdir {workdir} ({e.strerror or e}); pass a "
                        "--workdir in a folder you can write") from None
