@@ -7,6 +7,7 @@ tests/test_runs.py::test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_
 import errno
 import os
 import threading
+import time
 from collections import namedtuple
 
 import jax.numpy as jnp
@@ -28,13 +29,20 @@ def _state():
 def _run(workdir, steps, checkpoint_every, *, written=None):
     """run_steps over a step that adds one to every array; returns the steps it took and the
     Checkpoints. `written` (a threading.Event set when a background write has ended): a step
-    taken while a checkpoint is written ends only after the write has (up to 60 s)."""
+    taken while a checkpoint is written ends only after the write has, as orbax itself reports
+    it (`is_saving_in_progress` false; up to 60 s). The event alone is set inside orbax's
+    writer, before orbax records the outcome: on a loaded machine, 10 more steps once ran
+    before orbax's thread got to it, and the test failed for the scheduler, not the loop."""
     taken = []
 
     def step_fn(state, batch):
         taken.append(batch)
         if written is not None and checkpoints.pending is not None:
             assert written.wait(60), "the background write did not end"
+            deadline = time.monotonic() + 60
+            while checkpoints.manager.is_saving_in_progress():
+                assert time.monotonic() < deadline, "orbax did not record the write's end"
+                time.sleep(0.001)
         return {k: v + 1 for k, v in state.items()}, {"loss": jnp.float32(1.0)}
 
     checkpoints = ckpt.Checkpoints.open(str(workdir), _save_args, keep=3)
