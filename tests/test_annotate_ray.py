@@ -226,6 +226,7 @@ def test_a_killed_driver_resumes_and_the_other_engine_takes_over(setup, cluster,
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stderr.close()
+    assert blocks.exists(), "no block finished in 300 s: the driver was killed before any"
     done = _markers(tmp_path / "work")
     assert 1 <= len(done) < 5 and not (tmp_path / "out" / "manifest.json").exists()
     # the same command completes the run with the clean records (in this process, a driver of
