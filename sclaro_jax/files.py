@@ -77,27 +77,27 @@ def _unmake(name: str) -> None:
         os.remove(name)
 
 
-def _temporary(path: Path) -> tuple[int, str]:
-    """(descriptor, name) of a new empty file beside `path`, made by this call (never a name
-    that was there: O_EXCL; never through a link: O_NOFOLLOW)."""
+def _new_file(fresh_name: Callable[[], str]) -> tuple[int, str]:
+    """(descriptor, name) of a new empty file made by this call under a name `fresh_name()`
+    gives (another one while a name is taken: never a name that was there, O_EXCL; never
+    through a link, O_NOFOLLOW)."""
     while True:
-        tmp = temporary_name(path)
+        name = fresh_name()
         try:
-            return _open_made(tmp), tmp
+            return _open_made(name), name
         except FileExistsError:
             continue
+
+
+def _temporary(path: Path) -> tuple[int, str]:
+    """(descriptor, name) of a new empty file beside `path`: NAME.tmp-XXXXXXXXXXXX."""
+    return _new_file(lambda: temporary_name(path))
 
 
 def probe_writable(folder, prefix: str = ".write-check-") -> None:
     """Make and remove an empty file in `folder`: OSError (naming the probe) when the folder
     refuses new files. An interrupt at any point leaves no probe behind."""
-    while True:
-        name = os.path.join(folder, prefix + secrets.token_hex(6))
-        try:
-            fd = _open_made(name)
-        except FileExistsError:
-            continue
-        break
+    fd, name = _new_file(lambda: os.path.join(folder, prefix + secrets.token_hex(6)))
     try:
         os.close(fd)
     finally:

@@ -207,7 +207,7 @@ def test_a_ctrl_c_as_a_new_file_opens_leaves_no_file_and_no_descriptor(tmp_path,
     opened = []
 
     def open_then_interrupted(path, flags, mode=0o777, **kw):
-        fd = real_open(path, flags, mode, **kw)
+        real_open(path, flags, mode, **kw)  # the file made, its descriptor lost
         opened.append(str(path))
         raise KeyboardInterrupt  # as a signal handler raises it when os.open returns
 
