@@ -368,3 +368,126 @@ def launch_all(argvs: list, timeout: int = 600) -> list:
     line = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")][-1]
     return [SimpleNamespace(returncode=r["code"], stdout=r["stdout"], stderr=r["stderr"])
             for r in json.loads(line[len("RESULTS "):])]
+
+
+# One long-lived child per test worker that runs command lines of the launcher
+# (`launch/train.py ARGS`, as `python launch/train.py` runs it) one after another, for the runs
+# whose own process is not what their test is about (`shared_launcher`). A run there costs
+# no imports (2-3 s of a launcher start on one core) and, for a recipe it ran before, no
+# tracing or compiling of its train step (`trainer._kept_step`): a demo run of 8 steps took
+# about 10 s in a process of its own and 3.4 s there. Its environment is the suite's (the
+# worker's at the first call: a test that runs with an environment of its own, a signal, a kill
+# or a timing of the process start, starts its own process instead). Each command runs with
+# stdin from /dev/null and its stdout and stderr (file descriptors 1 and 2, so C++ and absl's
+# log lines too) in files of its own; afterwards the run locks it took are given back, as its
+# process ending would.
+_LAUNCHER_LOOP = r"""
+import json, os, runpy, sys, tempfile, traceback
+sys.path.insert(0, ".")
+requests, replies = (os.fdopen(int(fd), mode) for fd, mode in zip(sys.argv[1:3], "rw"))
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+for line in requests:
+    argv = json.loads(line)
+    sys.argv = list(argv)
+    files = [tempfile.TemporaryFile() for _ in (1, 2)]
+    saved = [os.dup(1), os.dup(2)]
+    for fd, f in zip((1, 2), files):
+        os.dup2(f.fileno(), fd)
+    code = 0
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as e:
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, copy in zip((1, 2), saved):
+            os.dup2(copy, fd)
+            os.close(copy)
+        lock = sys.modules.get("sclaro_jax.run.lock")
+        for key in list(getattr(lock, "_held", {})):
+            while key in lock._held:
+                lock.release_workdir(key)
+    texts = []
+    for f in files:
+        f.seek(0)
+        texts.append(f.read().decode("utf-8", "replace"))
+        f.close()
+    replies.write(json.dumps({"code": code, "stdout": texts[0], "stderr": texts[1]}) + "\n")
+    replies.flush()
+"""
+
+
+class _SharedLauncher:
+    """The worker's child of `_LAUNCHER_LOOP`, started at its first command line."""
+
+    def __init__(self):
+        self.proc = None
+
+    def _start(self):
+        import subprocess
+        requests_in, requests_out = os.pipe()  # (read end, write end)
+        replies_in, replies_out = os.pipe()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _LAUNCHER_LOOP, str(requests_in), str(replies_out)],
+            cwd=ROOT,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            pass_fds=(requests_in, replies_out))
+        os.close(requests_in)
+        os.close(replies_out)
+        self.requests = os.fdopen(requests_out, "w")
+        self.replies = os.fdopen(replies_in, "r")
+
+    def stop(self):
+        if self.proc is not None:
+            self.requests.close()
+            try:
+                self.proc.wait(timeout=30)
+            except Exception:  # noqa: BLE001
+                self.proc.kill()
+                self.proc.wait()
+            self.replies.close()
+            self.proc = None
+
+    def run(self, argv: list, timeout: float = 900):
+        """What `subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)` gives for
+        ARGV `[python, "launch/train.py", *args]` (a `CompletedProcess`), the command run in
+        this worker's child."""
+        import select
+        import subprocess
+        argv = [str(a) for a in argv]
+        assert argv[:2] == [sys.executable, "launch/train.py"], argv[:2]
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.requests.write(json.dumps(argv[1:]) + "\n")
+        self.requests.flush()
+        ready, _, _ = select.select([self.replies], [], [], timeout)
+        line = self.replies.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            self.proc.wait()
+            code = self.proc.returncode
+            self.proc = None
+            raise AssertionError(f"{argv[1:3]}: no answer in {timeout} s" if not ready else
+                                 f"{argv[1:3]}: the shared launcher's process ended ({code})")
+        reply = json.loads(line)
+        return subprocess.CompletedProcess(argv, reply["code"], reply["stdout"], reply["stderr"])
+
+
+_SHARED_LAUNCHER = _SharedLauncher()
+
+
+@pytest.fixture(scope="session")
+def shared_launcher():
+    """The worker's `_SharedLauncher` (`shared_launcher.run(argv)`); its child ends with the
+    session."""
+    yield _SHARED_LAUNCHER
+    _SHARED_LAUNCHER.stop()

@@ -16,21 +16,20 @@ STEPS = 2  # checkpoints at 1 and 2; the program of tests/test_install.py's two-
 # (same steps, the demo's EMA warm-up): one compilation in the suite's shared cache
 
 
-def _train(workdir, data, cache):
-    return subprocess.run(
+def _train(shared_launcher, workdir, data, cache):
+    return shared_launcher.run(
         [sys.executable, "launch/train.py", "--config", "configs/scenarioclip.py:demo",
          "--workdir", str(workdir), f"--config.data.dir={data}",
          f"--config.compilation_cache={cache}", f"--config.train.steps={STEPS}",
-         "--config.checkpoint_every=1", "--config.progress_bar=False"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+         "--config.checkpoint_every=1", "--config.progress_bar=False"])
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, demo_dir):
+def runs(tmp_path_factory, demo_dir, shared_launcher):
     """{kind: workdir}: one tiny demo run and copies of it damaged three ways."""
     base = tmp_path_factory.mktemp("damaged")
     good = base / "good"
-    done = _train(good, demo_dir, base / "cache")
+    done = _train(shared_launcher, good, demo_dir, base / "cache")
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(os.listdir(good / "checkpoints")) == ["1", "2"]
     out = {"good": good}
@@ -122,9 +121,9 @@ def test_evaluators_refuse_a_damaged_run(runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_falls_back_to_the_newest_complete_checkpoint(runs):
+def test_resume_falls_back_to_the_newest_complete_checkpoint(runs, shared_launcher):
     workdir = runs["truncated"]
-    done = _train(workdir, runs["data"], runs["cache"])
+    done = _train(shared_launcher, workdir, runs["data"], runs["cache"])
     assert done.returncode == 0, done.stderr[-3000:]
     assert ("the checkpoint of step 2 is damaged" in done.stderr
             and "resuming from step 1, the newest complete one" in done.stderr), done.stderr

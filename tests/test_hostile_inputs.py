@@ -215,15 +215,19 @@ def test_psg_import_refuses_a_work_folder_holding_a_users_files(tmp_path, sentin
     assert not (tmp_path / "out.work").exists()
 
 
+def _train_argv(workdir: Path, data: str, cache: Path, *extra: str) -> list:
+    return ["launch/train.py", "--config", "configs/scenarioclip.py:demo", "--workdir",
+            str(workdir), f"--config.data.dir={data}", f"--config.compilation_cache={cache}",
+            "--config.train.steps=2", "--config.checkpoint_every=2", "--config.log_every=1",
+            "--config.progress_bar=False", "--no-eval", *extra]
+
+
 def _train(workdir: Path, data: str, cache: Path, *extra: str):
-    return cli("launch/train.py", "--config", "configs/scenarioclip.py:demo", "--workdir",
-               str(workdir), f"--config.data.dir={data}", f"--config.compilation_cache={cache}",
-               "--config.train.steps=2", "--config.checkpoint_every=2", "--config.log_every=1",
-               "--config.progress_bar=False", "--no-eval", *extra, timeout=900)
+    return cli(*_train_argv(workdir, data, cache, *extra), timeout=900)
 
 
 @pytest.fixture(scope="module")
-def planted_run(tmp_path_factory, demo_dir):
+def planted_run(tmp_path_factory, demo_dir, shared_launcher):
     """Why 2: a fresh two-step run in a folder made beforehand holding `config.json.tmp` and
     `run.json.tmp` links to a user's files (the names write_replacing used); shared by the
     cases below as a finished run (each works on a copy)."""
@@ -233,7 +237,9 @@ def planted_run(tmp_path_factory, demo_dir):
     workdir.mkdir()
     (workdir / "config.json.tmp").symlink_to(users.folder / "thesis.tex")
     (workdir / "run.json.tmp").symlink_to(users.folder / "weights.bin")
-    proc = _train(workdir, demo_dir, base / "jax_cache")
+    # in the worker's shared launcher (conftest): the links, not the process, are the case
+    proc = shared_launcher.run([sys.executable,
+                                *_train_argv(workdir, demo_dir, base / "jax_cache")])
     return workdir, users, proc, demo_dir, base / "jax_cache"
 
 

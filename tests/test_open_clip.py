@@ -5,7 +5,6 @@ file; what we cannot express is refused by name."""
 
 import dataclasses
 import json
-import subprocess
 import sys
 
 import jax
@@ -15,7 +14,7 @@ import open_clip
 import pytest
 import torch
 
-from conftest import ROOT, TINY_HF, save_random_hf_clip
+from conftest import TINY_HF, save_random_hf_clip
 from flax import nnx
 
 from sclaro_jax import ops
@@ -275,7 +274,7 @@ def test_hidden_act_goes_through_hugging_face_folders(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_training_starts_from_an_open_clip_file(tmp_path, demo_dir):
+def test_demo_training_starts_from_an_open_clip_file(tmp_path, demo_dir, shared_launcher):
     cfg = dict(embed_dim=32, quick_gelu=False,
                vision_cfg=dict(image_size=32, layers=2, width=64, patch_size=8, head_width=64,
                                mlp_ratio=2.0),
@@ -286,12 +285,11 @@ def test_demo_training_starts_from_an_open_clip_file(tmp_path, demo_dir):
     file.parent.mkdir()
     torch.save(model.state_dict(), file)
     workdir = tmp_path / "run"
-    result = subprocess.run(
+    result = shared_launcher.run(
         [sys.executable, "launch/train.py", "--config", "configs/pyramidclip.py:demo",
          "--workdir", str(workdir), f"--config.data.dir={demo_dir}",
          f"--config.model.init={file}:gelu", "--config.train.steps=2", "--config.log_every=1",
-         "--config.progress_bar=False"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+         "--config.progress_bar=False"])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2] and all(np.isfinite(r["loss"]) for r in rows)

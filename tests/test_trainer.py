@@ -119,7 +119,8 @@ def test_the_end_of_run_evaluation_equals_the_checkpoints(uninterrupted, tmp_pat
 
 
 @pytest.mark.slow
-def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
+def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path,
+                                                    shared_launcher):
     """The same 16-step demo run from version-1 records (views made from the originals on the
     host every step) and from version-2 records (stored views, the global view cropped from
     the downscaled train_image): the losses stay within 2% at every logged step."""
@@ -128,9 +129,8 @@ def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
     v1 = tmp_path / "v1"
     build_demo(str(v1), image_size=None, progress=False)
     workdir = tmp_path / "run"
-    result = subprocess.run(  # the same batch shapes: the uninterrupted run's compiled step
-        _train_cmd(workdir, v1) + [f"--config.compilation_cache={uninterrupted / 'jax_cache'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = shared_launcher.run(  # the same batch shapes as the uninterrupted run's step
+        _train_cmd(workdir, v1) + [f"--config.compilation_cache={uninterrupted / 'jax_cache'}"])
     assert result.returncode == 0, result.stderr[-3000:]
     want = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
     got = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
@@ -142,12 +142,11 @@ def test_version_1_records_give_the_same_loss_curve(uninterrupted, tmp_path):
 
 @pytest.mark.slow
 def test_the_caps_layout_trains_the_same_losses_as_the_packed_default(uninterrupted, demo_dir,
-                                                                     tmp_path):
+                                                                     tmp_path, shared_launcher):
     """The same 16-step demo run with the per-image caps layout (8 objects, 6 relations: the
     demo's counts fit, nothing dropped) logs the packed run's losses to 1e-5."""
-    result = subprocess.run(  # its losses are what is compared: no end-of-run evaluation
-        _train_cmd(tmp_path, demo_dir) + ["--config.data.layout=caps", "--no-eval"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = shared_launcher.run(  # its losses are what is compared: no end-of-run evaluation
+        _train_cmd(tmp_path, demo_dir) + ["--config.data.layout=caps", "--no-eval"])
     assert result.returncode == 0, result.stderr[-3000:]
     want = [json.loads(line) for line in open(uninterrupted / "metrics.jsonl")]
     got = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
@@ -239,7 +238,7 @@ def test_restore_gives_the_state_and_the_next_batch_where_the_checkpoint_left_of
 
 @pytest.mark.slow
 def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted, demo_dir,
-                                                                   tmp_path):
+                                                                   tmp_path, shared_launcher):
     """A checkpoint written before the optimiser state was keyed by names (Adam's moments over
     a list of the trainable leaves) is converted on restore: resuming the uninterrupted run's
     step 8 from that layout ends at its step-16 parameters."""
@@ -273,7 +272,7 @@ def test_old_list_layout_checkpoint_resumes_to_the_same_parameters(uninterrupted
     assert resume.is_positional(str(tmp_path / "checkpoints" / "8"))
     cmd = _train_cmd(tmp_path, demo_dir) + [  # its parameters are compared: no evaluation
         f"--config.compilation_cache={uninterrupted / 'jax_cache'}", "--no-eval"]
-    rerun = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    rerun = shared_launcher.run(cmd)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resumed from" in rerun.stderr
     want = dict(_flat(_final_params(uninterrupted)))
@@ -361,15 +360,15 @@ def test_export_cli_from_the_demo_run(uninterrupted, tmp_path, monkeypatch):
 @pytest.mark.parametrize("config, kind", [("configs/pyramidclip.py:demo", "PyramidCLIP"),
                                           ("configs/scenarioclip_nokd.py:demo", "ScenarioCLIP")])
 @pytest.mark.slow
-def test_baseline_configs_train(tmp_path, demo_dir, config, kind):
+def test_baseline_configs_train(tmp_path, demo_dir, config, kind, shared_launcher):
     # the ScenarioCLIP w/o KD run also evaluates itself periodically (config.evals)
     evaluate = ["--config.evals.zero_shot.every=2", "--config.evals.zero_shot.split=test"] \
         if kind == "ScenarioCLIP" \
         else []
-    result = subprocess.run(
+    result = shared_launcher.run(
         [sys.executable, "launch/train.py", "--config", config, "--workdir", str(tmp_path),
          f"--config.data.dir={demo_dir}", "--config.train.steps=2", "--config.log_every=1",
-         *evaluate], cwd=ROOT, capture_output=True, text=True, timeout=900)
+         *evaluate])
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1, 2]
@@ -462,3 +461,75 @@ def test_in_training_evals_log_their_numbers():
     assert _numbers(results) == "object.strict.top1 12.5, object.strict.top5 40, n 7"
     many = {f"k{i}": float(i) for i in range(15)}
     assert _numbers(many, most=3) == "k0 0, k1 1, k2 2, ... (12 more in eval.jsonl)"
+
+
+def _built_step(config, steps=4):
+    """`trainer.build`'s jitted step for `config` (abstract state: nothing initialised)."""
+    from sclaro_jax.train import trainer
+    dataset = trainer.open_training_data(config)
+    return trainer.build(config, dataset, trainer.train_config(config, steps), abstract=True)[2]
+
+
+def test_a_run_takes_the_step_an_earlier_run_of_its_recipe_built(demo_dir):
+    """`trainer.build` hands a run the jitted step of an earlier run in the process whose graph,
+    recipe, switches, layout and state shapes are its own (JAX keeps what that step traced and
+    compiled), and builds a new one when any of them differs; the newest KEEP_STEPS are kept."""
+    from conftest import demo_config
+
+    from sclaro_jax.train import trainer
+
+    trainer.clear_kept_steps()
+    first = _built_step(demo_config(demo_dir))
+    assert _built_step(demo_config(demo_dir)) is first
+    others = []
+    for key, value in (("train.lr", 1e-3), ("train.frozen_vision_layers", 2),
+                       ("perf.fused_qkv", True), ("model.embed_dim", 32),
+                       ("model.kind", "pyramidclip")):
+        config = demo_config(demo_dir)
+        section, name = key.split(".")
+        config[section][name] = value
+        others.append(_built_step(config))
+        assert others[-1] is not first, key
+    assert _built_step(demo_config(demo_dir), steps=5) is not first  # its schedule's length
+    assert len(trainer._KEPT_STEPS) == trainer.KEEP_STEPS
+    assert _built_step(demo_config(demo_dir)) is not first  # let go: the oldest of 7
+    trainer.clear_kept_steps()
+    assert not trainer._KEPT_STEPS
+
+
+@pytest.mark.slow
+def test_a_second_run_of_a_recipe_in_one_process_neither_traces_nor_compiles_its_step(
+        demo_dir, tmp_path):
+    """Two runs of one recipe in this process (as a notebook trains again): the second takes the
+    first's step without tracing, lowering or compiling it, and ends at the same parameters."""
+    from jax import monitoring
+    from conftest import demo_config
+
+    from sclaro_jax.train import trainer
+
+    config = demo_config(demo_dir, steps=2)
+    config.train.frozen_vision_layers = config.train.frozen_text_layers = 2  # a cheap compile
+    config.progress_bar = False
+    events = []
+
+    def listen(event, seconds, fun_name="", **_):
+        events.append((event, fun_name))
+
+    trainer.clear_kept_steps()
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        states = []
+        for run in ("first", "second"):
+            events.clear()
+            states.append(trainer.train(config, str(tmp_path / run)))
+            step_events = [e for e, name in events if name in ("step", "jit_step")]
+            if run == "first":
+                assert "/jax/core/compile/jaxpr_trace_duration" in step_events, events
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+        trainer.clear_kept_steps()
+    assert step_events == [], step_events  # the second run's
+    first, second = (dict(_flat(s)) for s in states)
+    assert first.keys() == second.keys() and len(first) > 100
+    for k in first:
+        np.testing.assert_array_equal(second[k], first[k], err_msg=k)
