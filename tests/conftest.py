@@ -374,7 +374,7 @@ def launch_all(argvs: list, timeout: int = 600) -> list:
 # (`launch/train.py ARGS`, as `python launch/train.py` runs it) one after another, for the runs
 # whose own process is not what their test is about (`shared_launcher`). A run there costs
 # no imports (2-3 s of a launcher start on one core) and, for a recipe it ran before, no
-# tracing or compiling of its train step (`trainer._kept_step`): a demo run of 8 steps took
+# tracing or compiling of its train step (`run.ahead.kept_step`): a demo run of 8 steps took
 # about 10 s in a process of its own and 3.4 s there. Its environment is the suite's (the
 # worker's at the first call: a test that runs with an environment of its own, a signal, a kill
 # or a timing of the process start, starts its own process instead). Each command runs with

@@ -476,9 +476,9 @@ def test_a_run_takes_the_step_an_earlier_run_of_its_recipe_built(demo_dir):
     compiled), and builds a new one when any of them differs; the newest KEEP_STEPS are kept."""
     from conftest import demo_config
 
-    from sclaro_jax.train import trainer
+    from sclaro_jax.run import ahead
 
-    trainer.clear_kept_steps()
+    ahead.clear_kept_steps()
     first = _built_step(demo_config(demo_dir))
     assert _built_step(demo_config(demo_dir)) is first
     others = []
@@ -491,10 +491,10 @@ def test_a_run_takes_the_step_an_earlier_run_of_its_recipe_built(demo_dir):
         others.append(_built_step(config))
         assert others[-1] is not first, key
     assert _built_step(demo_config(demo_dir), steps=5) is not first  # its schedule's length
-    assert len(trainer._KEPT_STEPS) == trainer.KEEP_STEPS
+    assert len(ahead._KEPT) == ahead.KEEP_STEPS
     assert _built_step(demo_config(demo_dir)) is not first  # let go: the oldest of 7
-    trainer.clear_kept_steps()
-    assert not trainer._KEPT_STEPS
+    ahead.clear_kept_steps()
+    assert not ahead._KEPT
 
 
 @pytest.mark.slow
@@ -505,6 +505,7 @@ def test_a_second_run_of_a_recipe_in_one_process_neither_traces_nor_compiles_its
     from jax import monitoring
     from conftest import demo_config
 
+    from sclaro_jax.run import ahead
     from sclaro_jax.train import trainer
 
     config = demo_config(demo_dir, steps=2)
@@ -515,7 +516,7 @@ def test_a_second_run_of_a_recipe_in_one_process_neither_traces_nor_compiles_its
     def listen(event, seconds, fun_name="", **_):
         events.append((event, fun_name))
 
-    trainer.clear_kept_steps()
+    ahead.clear_kept_steps()
     monitoring.register_event_duration_secs_listener(listen)
     try:
         states = []
@@ -527,7 +528,7 @@ def test_a_second_run_of_a_recipe_in_one_process_neither_traces_nor_compiles_its
                 assert "/jax/core/compile/jaxpr_trace_duration" in step_events, events
     finally:
         monitoring.unregister_event_duration_listener(listen)
-        trainer.clear_kept_steps()
+        ahead.clear_kept_steps()
     assert step_events == [], step_events  # the second run's
     first, second = (dict(_flat(s)) for s in states)
     assert first.keys() == second.keys() and len(first) > 100

@@ -28,6 +28,7 @@ the fraction of the images since the last line that received pasted instances), 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -44,6 +45,7 @@ from sclaro_jax.detection import data, rcnn
 from sclaro_jax.detection.model import BACKBONE, Detector, DetectorConfig
 from sclaro_jax.run import Checkpoints, Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
+from sclaro_jax.run.ahead import kept_step, state_shapes
 from sclaro_jax.run.opening import open_run
 from sclaro_jax.run.params import label_params
 
@@ -187,7 +189,8 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
     """Train `model` on `examples` (`data.DetectionExample`s at the detection size) into `out`,
     resuming from its newest checkpoint. Returns (graphdef, state, info): info holds
     `steps` (the run's total), `start` (the step it resumed from) and `compiles` (how many
-    times the train step was compiled in this call: 1, or 0 when no step was taken).
+    times the train step was compiled in this call: 1, or 0 when no step was taken or an
+    earlier run of this process had compiled it: `run.ahead.kept_step`).
     `stop_at`: stop after that step with a checkpoint, as an interrupt would. The run is opened
     as every task opens one (`run.opening.open_run`: the one writer of `out`; a resumed run
     whose config differs from OUT/config.json in more than `folder.SAFE_KEYS` is refused
@@ -202,6 +205,12 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
         mesh = sharding.make_mesh(config.sharding)
         step_fn, state = sharding.jit_step(make_train_step(graphdef, tx, config.seed), state,
                                            mesh, config.sharding)
+        # the recipe as a whole (the optimiser and seed come from it): a key more specific
+        # than the step needs, never less
+        step_fn = kept_step(step_fn, ("detection", graphdef, steps, mesh, config.sharding,
+                                      json.dumps(config.to_dict(), sort_keys=True, default=str),
+                                      state_shapes(state)))
+        compiled_before = step_fn._cache_size()
         state = _restore(run.checkpoints, state)
         if start:
             log.info("resumed detection training from %s at step %d", out, start)
@@ -221,5 +230,5 @@ def train(config, out: str, model: Detector, examples: list, num_classes: int, *
                                                           unsafe=run.unsafe),
                       log_fields=log_fields)
         state = run_steps(step_fn, state, batch_of, run.checkpoints, spec, hooks).state
-        info["compiles"] = step_fn._cache_size()
+        info["compiles"] = step_fn._cache_size() - compiled_before
         return graphdef, state, info

@@ -6,11 +6,14 @@ shapes (the packed crop layout's sizes) would stop to compile in the middle of t
 executable after another. `CompiledSteps` lowers and compiles them all up front, several at a
 time where the host has the cores (XLA releases the GIL while it compiles), and then hands each
 batch to the executable of its shapes. With the persistent compilation cache on
-(`run.cache.use_compilation_cache`) a rerun loads them from disk instead.
+(`run.cache.use_compilation_cache`) a rerun loads them from disk instead; a second run in the
+same process takes the jitted step an earlier run built for the same program (`kept_step`),
+which JAX has traced and compiled already.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -50,6 +53,42 @@ def default_threads(executables: int) -> int:
 def signature(batch: Mapping) -> tuple:
     """The (name, shape) of every field: the executable a batch runs in."""
     return tuple(sorted((name, tuple(np.shape(value))) for name, value in batch.items()))
+
+
+# The jitted train steps of this process's runs by what they were built from, newest last.
+_KEPT: "collections.OrderedDict[tuple, Callable]" = collections.OrderedDict()
+KEEP_STEPS = 4
+
+
+def state_shapes(state) -> tuple:
+    """The state's tree structure and its leaves' shapes and dtypes (hashable: a part of a
+    `kept_step` key, since the step's shardings follow from them)."""
+    return (jax.tree.structure(state),
+            tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state)))
+
+
+def kept_step(jitted: Callable, key: tuple) -> Callable:
+    """The jitted step an earlier run of this process built from `key`, else `jitted`, kept for
+    the runs after it (the newest `KEEP_STEPS`). `key` holds everything the step is built from
+    (a trainer's: its graph, recipe, switches, mesh, strategy and `state_shapes`; each part
+    hashable and compared by value). JAX keeps what it traced, lowered and compiled for a jitted
+    function, so a second run of a recipe in one process (a notebook that trains again, a run
+    resumed after a stop) starts without tracing or compiling its step; a run that differs in
+    any part of the key builds its own. `clear_kept_steps()` lets them go."""
+    kept = _KEPT.get(key)
+    if kept is not None:
+        _KEPT.move_to_end(key)
+        return kept
+    _KEPT[key] = jitted
+    while len(_KEPT) > KEEP_STEPS:
+        _KEPT.popitem(last=False)
+    return jitted
+
+
+def clear_kept_steps() -> None:
+    """Let go of the jitted steps earlier runs of this process kept (and so of their compiled
+    programs, once nothing else holds them)."""
+    _KEPT.clear()
 
 
 class CompiledSteps:

@@ -46,7 +46,7 @@ from sclaro_jax.files import open_new
 from sclaro_jax.perf import PerfConfig
 from sclaro_jax.run import Hooks, LoopSpec, run_steps
 from sclaro_jax.run import folder, sharding
-from sclaro_jax.run.ahead import CompiledSteps
+from sclaro_jax.run.ahead import CompiledSteps, kept_step, state_shapes
 from sclaro_jax.run.opening import open_run
 from sclaro_jax.run.task import Fitted
 from sclaro_jax.train import core, resume
@@ -173,8 +173,8 @@ def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False,
     step_fn, state = sharding.jit_step(
         core.make_train_step(graphdef, tx, tcfg, fused_update=perf.fused_update), state, mesh,
         config.sharding, compiler_options=perf.compiler_options())
-    step_fn = _kept_step(step_fn, (graphdef, tcfg, perf, mesh, config.sharding,
-                                   _shapes_of(state)))
+    step_fn = kept_step(step_fn, ("scenarioclip", graphdef, tcfg, perf, mesh, config.sharding,
+                                  state_shapes(state)))
     host_batch = config.data.batch_size // jax.process_count()
     pcfg = pipeline_config(config, dataset, host_batch,
                            align=jax.local_device_count() if mesh is not None else 1, perf=perf)
@@ -183,41 +183,6 @@ def build(config, dataset, tcfg: core.TrainConfig, *, abstract: bool = False,
                          worker_count=config.data.workers)
     it = folder.PortableIterator(iter(loader), dataset.source_id("train"), config.data.workers)
     return graphdef, state, step_fn, mesh, sizes, it
-
-
-# The jitted train steps of this process's runs, newest last (`_kept_step`).
-_KEPT_STEPS: collections.OrderedDict = collections.OrderedDict()
-KEEP_STEPS = 4
-
-
-def _shapes_of(state) -> tuple:
-    """The state's tree structure, shapes and dtypes (hashable)."""
-    return (jax.tree.structure(state),
-            tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(state)))
-
-
-def _kept_step(jitted, key: tuple):
-    """The jitted step of an earlier run of this process whose step is this one (`key`: equal
-    graph, recipe, switches, mesh, strategy and state shapes, from which the step and its
-    optimiser are built), else `jitted`, kept for the runs after it (the newest `KEEP_STEPS`).
-    JAX keeps what it traced, lowered and compiled for a jitted function, so a second run of a
-    recipe in one process (a notebook that trains again, a resumed run after a stop) starts
-    without tracing or compiling its step again; a run that differs in any part of the key
-    builds its own. `clear_kept_steps()` lets them go."""
-    kept = _KEPT_STEPS.get(key)
-    if kept is not None:
-        _KEPT_STEPS.move_to_end(key)
-        return kept
-    _KEPT_STEPS[key] = jitted
-    while len(_KEPT_STEPS) > KEEP_STEPS:
-        _KEPT_STEPS.popitem(last=False)
-    return jitted
-
-
-def clear_kept_steps() -> None:
-    """Let go of the jitted steps earlier runs of this process kept (and so of their compiled
-    programs, once nothing else holds them)."""
-    _KEPT_STEPS.clear()
 
 
 def _save_args(it):
