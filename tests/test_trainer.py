@@ -35,10 +35,11 @@ def _flat(tree):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, demo_dir):
+def uninterrupted(tmp_path_factory, demo_dir, shared_launcher):
     workdir = tmp_path_factory.mktemp("run_full")
-    result = subprocess.run(_train_cmd(workdir, demo_dir), cwd=ROOT, capture_output=True,
-                            text=True, timeout=900)
+    # in the worker's shared launcher (conftest): the runs below that take its recipe's step
+    # (the version-1 records, the old-layout resume) find it traced and compiled there
+    result = shared_launcher.run(_train_cmd(workdir, demo_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     (workdir / "stderr.txt").write_text(result.stderr)
     return workdir
