@@ -12,7 +12,9 @@ counts its retrieval), the wall seconds during which at least one child process 
 child's kind (the launcher, a `data_prep` / `sclaro_jax` CLI, a bench script, the notebook
 kernel, other Python, other programs), the CPU seconds of the children that ended, and the test
 process's own CPU seconds (all its threads). Each worker's collection (the test modules'
-imports) is a line of its own.
+imports) is a line of its own. A long-lived child that runs commands for many tests (the
+shared launcher of tests/conftest.py) is left out (`forget`); each command it runs counts as a
+child of its kind started in the phase, with the CPU seconds it took (`command`).
 
 The report sums them over the suite: compile (in the test process), child processes by kind
 (their imports, compiles and work, which the parent cannot tell apart), Ray tests and the
@@ -25,6 +27,7 @@ Ray's worker processes, which are not the test process's children, count as idle
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -49,6 +52,7 @@ class _State:
     def __init__(self):
         self.compile = 0.0
         self.children: list[list] = []  # [kind, start, end or None]
+        self.command_cpu = 0.0  # CPU seconds of the commands long-lived children ran (`command`)
         self.lock = threading.Lock()
 
 
@@ -117,6 +121,44 @@ def _install():
         pass
 
 
+def forget(proc) -> None:
+    """Leave the child `proc` out of every phase: a long-lived process that runs commands for
+    many tests (tests/conftest.py's shared launcher), alive across the phases between them;
+    each command it runs is recorded with `command`."""
+    entry = getattr(proc, "_profile_entry", None)
+    with STATE.lock:
+        STATE.children = [c for c in STATE.children if c is not entry]
+    proc._profile_entry = None
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far, all its threads (/proc; 0 elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+@contextlib.contextmanager
+def command(kind: str, pid: int):
+    """A command that the long-lived child `pid` (see `forget`) runs for the current phase: its
+    wall seconds count as a child of `kind` that started in the phase, its CPU seconds as the
+    phase's children's."""
+    entry = [kind, time.perf_counter(), None]
+    with STATE.lock:
+        STATE.children.append(entry)
+    cpu = _cpu_seconds(pid)
+    try:
+        yield
+    finally:
+        entry[2] = time.perf_counter()
+        spent = _cpu_seconds(pid) - cpu
+        with STATE.lock:
+            STATE.command_cpu += spent
+
+
 def _union(intervals, start, end) -> float:
     spans = sorted((max(s, start), min(e if e is not None else end, end))
                    for _, s, e in intervals)
@@ -165,18 +207,20 @@ def _phase():
     cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with STATE.lock:
         STATE.children = [c for c in STATE.children if c[2] is None]
-    return start, compile0, cpu0, time.process_time()
+        command_cpu = STATE.command_cpu
+    return start, compile0, cpu0, time.process_time(), command_cpu
 
 
 def _finish(item, when, mark):
     import resource
 
-    start, compile0, cpu0, own0 = mark
+    start, compile0, cpu0, own0, command_cpu = mark
     end = time.perf_counter()
     own = time.process_time() - own0
     cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     with STATE.lock:
         children = list(STATE.children)
+        command_cpu = STATE.command_cpu - command_cpu
     by_kind: dict[str, float] = {}
     for kind in {c[0] for c in children}:
         by_kind[kind] = _union([c for c in children if c[0] == kind], start, end)
@@ -184,7 +228,8 @@ def _finish(item, when, mark):
             "compile": STATE.compile - compile0, "children": by_kind,
             "children_any": _union(children, start, end),
             "started": [c[0] for c in children if c[1] >= start],
-            "child_cpu": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
+            "child_cpu": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime)
+            + command_cpu,
             "cpu": own})
 
 

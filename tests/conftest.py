@@ -179,6 +179,7 @@ def one_torch_thread():
 
 
 def pytest_unconfigure(config):
+    _SHARED_LAUNCHER.stop()
     for folder in _MADE_CACHE:
         shutil.rmtree(folder, ignore_errors=True)
 
@@ -426,6 +427,11 @@ for line in requests:
 """
 
 
+def _profile():
+    """bench/suite_profile.py when the run loaded it (`-p bench.suite_profile`), else None."""
+    return sys.modules.get("bench.suite_profile")
+
+
 class _SharedLauncher:
     """The worker's child of `_LAUNCHER_LOOP`, started at its first command line."""
 
@@ -443,6 +449,8 @@ class _SharedLauncher:
             pass_fds=(requests_in, replies_out))
         os.close(requests_in)
         os.close(replies_out)
+        if _profile() is not None:  # bench/suite_profile.py: each command is a child, not this
+            _profile().forget(self.proc)
         self.requests = os.fdopen(requests_out, "w")
         self.replies = os.fdopen(replies_in, "r")
 
@@ -461,16 +469,20 @@ class _SharedLauncher:
         """What `subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)` gives for
         ARGV `[python, "launch/train.py", *args]` (a `CompletedProcess`), the command run in
         this worker's child."""
+        import contextlib
         import select
         import subprocess
         argv = [str(a) for a in argv]
         assert argv[:2] == [sys.executable, "launch/train.py"], argv[:2]
         if self.proc is None or self.proc.poll() is not None:
             self._start()
-        self.requests.write(json.dumps(argv[1:]) + "\n")
-        self.requests.flush()
-        ready, _, _ = select.select([self.replies], [], [], timeout)
-        line = self.replies.readline() if ready else ""
+        profile = _profile()
+        with (profile.command("launcher (training runs)", self.proc.pid) if profile is not None
+              else contextlib.nullcontext()):
+            self.requests.write(json.dumps(argv[1:]) + "\n")
+            self.requests.flush()
+            ready, _, _ = select.select([self.replies], [], [], timeout)
+            line = self.replies.readline() if ready else ""
         if not line:
             self.proc.kill()
             self.proc.wait()
@@ -488,6 +500,5 @@ _SHARED_LAUNCHER = _SharedLauncher()
 @pytest.fixture(scope="session")
 def shared_launcher():
     """The worker's `_SharedLauncher` (`shared_launcher.run(argv)`); its child ends with the
-    session."""
-    yield _SHARED_LAUNCHER
-    _SHARED_LAUNCHER.stop()
+    worker (`pytest_unconfigure`: after the last test's phases, so that no phase counts it)."""
+    return _SHARED_LAUNCHER

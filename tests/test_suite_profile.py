@@ -80,6 +80,47 @@ def test_the_plugin_records_the_test_processs_own_cpu(tmp_path):
     assert suite_profile.idle_seconds([call])["test_spin.py"] >= 0.25
 
 
+SPIN = ("import sys, time\n"
+        "for line in sys.stdin:\n"
+        "    t = time.process_time()\n"
+        "    while time.process_time() - t < 0.3:\n"
+        "        pass\n"
+        "    print('done', flush=True)\n")
+
+
+def test_a_long_lived_childs_commands_are_children_and_its_idle_life_is_not(tmp_path):
+    """A child that lives across phases (tests/conftest.py's shared launcher) is left out
+    (`forget`); a command it runs for a phase (`command`) is a child of that phase started there,
+    with the CPU it took, and the wall it waited idle is not a child's."""
+    import subprocess
+    test = tmp_path / "test_server.py"
+    test.write_text(
+        "import subprocess, sys, time\n\n"
+        "def test_server():\n"
+        "    profile = sys.modules['bench.suite_profile']\n"
+        f"    p = subprocess.Popen([sys.executable, '-c', {SPIN!r}], stdin=subprocess.PIPE,\n"
+        "                         stdout=subprocess.PIPE, text=True)\n"
+        "    profile.forget(p)\n"
+        "    time.sleep(0.5)  # alive, idle\n"
+        "    with profile.command('launcher (training runs)', p.pid):\n"
+        "        p.stdin.write('go\\n')\n"
+        "        p.stdin.flush()\n"
+        "        assert p.stdout.readline() == 'done\\n'\n"
+        "    p.stdin.close()  # it ends; reaped after the phase\n")
+    out = tmp_path / "prof"
+    env = dict(__import__("os").environ, SUITE_PROFILE_DIR=str(out),
+               PYTHONPATH=str(ROOT) + ":" + str(ROOT / "bench"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "bench.suite_profile",
+                           "-p", "no:cacheprovider", "-p", "no:xdist", str(test)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    call = [r for r in suite_profile._rows(str(out)) if r["phase"] == "call"][0]
+    assert call["started"] == ["launcher (training runs)"], call
+    assert 0.28 <= call["children"]["launcher (training runs)"] <= call["wall"] - 0.45, call
+    assert call["children_any"] == call["children"]["launcher (training runs)"], call
+    assert 0.28 <= call["child_cpu"] <= 0.6, call
+
+
 def test_the_suite_collects_its_files_heaviest_first():
     import conftest
     stored = json.loads((ROOT / "tests" / "durations.json").read_text())
