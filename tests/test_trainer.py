@@ -510,7 +510,9 @@ def test_a_second_run_of_a_recipe_in_one_process_neither_traces_nor_compiles_its
     from sclaro_jax.train import trainer
 
     config = demo_config(demo_dir, steps=2)
-    config.train.frozen_vision_layers = config.train.frozen_text_layers = 2  # a cheap compile
+    # a cheap compile: one CLIP pair (PyramidCLIP's), its towers' blocks frozen
+    config.model.kind = "pyramidclip"
+    config.train.frozen_vision_layers = config.train.frozen_text_layers = 2
     config.progress_bar = False
     events = []
 
