@@ -61,21 +61,26 @@ def test_idle_is_the_wall_that_neither_the_test_process_nor_its_children_spent_o
     assert text.index("| tests/test_b.py | 4 | 80% |") < text.index("| tests/test_a.py | 3 | 25% |")
 
 
-def test_the_plugin_records_the_test_processs_own_cpu(tmp_path):
-    """The plugin's own rows, from a pytest run of a test that spins 0.3 s and sleeps 0.3 s."""
+def _profiled_call(test: Path) -> dict:
+    """The plugin's row of the call phase of the one test in file `test`, run by pytest."""
     import subprocess
-    test = tmp_path / "test_spin.py"
-    test.write_text("import time\n\ndef test_spin():\n    t = time.process_time()\n"
-                    "    while time.process_time() - t < 0.3:\n        pass\n"
-                    "    time.sleep(0.3)\n")
-    out = tmp_path / "prof"
+    out = test.parent / "prof"
     env = dict(__import__("os").environ, SUITE_PROFILE_DIR=str(out),
                PYTHONPATH=str(ROOT) + ":" + str(ROOT / "bench"))
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "bench.suite_profile",
                            "-p", "no:cacheprovider", "-p", "no:xdist", str(test)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=test.parent, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    call = [r for r in suite_profile._rows(str(out)) if r["phase"] == "call"][0]
+    return [r for r in suite_profile._rows(str(out)) if r["phase"] == "call"][0]
+
+
+def test_the_plugin_records_the_test_processs_own_cpu(tmp_path):
+    """The plugin's own rows, from a pytest run of a test that spins 0.3 s and sleeps 0.3 s."""
+    test = tmp_path / "test_spin.py"
+    test.write_text("import time\n\ndef test_spin():\n    t = time.process_time()\n"
+                    "    while time.process_time() - t < 0.3:\n        pass\n"
+                    "    time.sleep(0.3)\n")
+    call = _profiled_call(test)
     assert 0.28 <= call["cpu"] <= call["wall"] - 0.25, call
     assert suite_profile.idle_seconds([call])["test_spin.py"] >= 0.25
 
@@ -92,7 +97,6 @@ def test_a_long_lived_childs_commands_are_children_and_its_idle_life_is_not(tmp_
     """A child that lives across phases (tests/conftest.py's shared launcher) is left out
     (`forget`); a command it runs for a phase (`command`) is a child of that phase started there,
     with the CPU it took, and the wall it waited idle is not a child's."""
-    import subprocess
     test = tmp_path / "test_server.py"
     test.write_text(
         "import subprocess, sys, time\n\n"
@@ -107,14 +111,7 @@ def test_a_long_lived_childs_commands_are_children_and_its_idle_life_is_not(tmp_
         "        p.stdin.flush()\n"
         "        assert p.stdout.readline() == 'done\\n'\n"
         "    p.stdin.close()  # it ends; reaped after the phase\n")
-    out = tmp_path / "prof"
-    env = dict(__import__("os").environ, SUITE_PROFILE_DIR=str(out),
-               PYTHONPATH=str(ROOT) + ":" + str(ROOT / "bench"))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "bench.suite_profile",
-                           "-p", "no:cacheprovider", "-p", "no:xdist", str(test)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    call = [r for r in suite_profile._rows(str(out)) if r["phase"] == "call"][0]
+    call = _profiled_call(test)
     assert call["started"] == ["launcher (training runs)"], call
     assert 0.28 <= call["children"]["launcher (training runs)"] <= call["wall"] - 0.45, call
     assert call["children_any"] == call["children"]["launcher (training runs)"], call
