@@ -18,15 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from sclaro_jax.ops import l2_normalize
+from sclaro_jax.recipes import KD_DIRECTIONS, TEACHER_PROB_FLOOR  # noqa: F401 (their names here)
 
 MAX_LOGIT_SCALE = 100.0
 TEACHER_TEMPERATURE = 0.07
-# The reference clamps the teacher's probabilities at 1e-8 before its KLDivLoss (0: Eq. 8 as
-# written, no floor).
-TEACHER_PROB_FLOOR = 1e-8
 LEVELS = ("global", "object", "relation")
 CROP_LEVELS = ("object", "relation")
-KD_DIRECTIONS = ("both", "vision", "text")
 
 
 def clip_contrastive(image_emb: jax.Array, text_emb: jax.Array, logit_scale: jax.Array,

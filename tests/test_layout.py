@@ -3,6 +3,7 @@ torch-free; no library module grows past 450 lines. (That every command line ans
 tests/test_docs.py, over the commands README.md and docs/ show.)"""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -211,6 +212,44 @@ def test_sclaro_jax_never_imports_torch():
             "assert not bad, bad\n")
     result = _run("-c", code)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_launchers_help_and_its_refusals_of_a_command_line_import_no_jax(tmp_path):
+    """`launch/train.py --help` (which loads every recipe), an unknown config key, a bad flag
+    and a busy workdir are answered before JAX, flax, optax or orbax is imported: the recipes
+    read their defaults and ranges from `sclaro_jax.recipes`, and the run layer's package
+    imports its modules when used."""
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    code = ("import contextlib, io, json, sys\n"
+            "sys.path.insert(0, '.')\n"
+            "import fcntl\n"
+            f"held = open({str(busy / '.run.lock')!r}, 'a')\n"
+            "fcntl.flock(held.fileno(), fcntl.LOCK_EX)  # another run's lock: this process's\n"
+            "import launch.train as launcher\n"
+            "codes = []\n"
+            "for args in (['--help'], ['--config', 'scenarioclip:demo', '--workdir', 'w',\n"
+            "              '--config.train.lrr=1'], ['--config', 'scenarioclip:demo',\n"
+            "              '--workdir', 'w', '--no-such-flag'], ['--config', 'detection:demo',\n"
+            f"              '--workdir', {str(busy)!r}]):\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), \\\n"
+            "            contextlib.redirect_stderr(io.StringIO()) as err:\n"
+            "        try:\n"
+            "            codes.append(launcher.main(args))\n"
+            "        except SystemExit as e:\n"
+            "            codes.append(e.code)\n"
+            "    codes.append(err.getvalue().strip().splitlines()[-1:])\n"
+            "heavy = sorted(m for m in ('jax', 'flax', 'optax', 'orbax') if m in sys.modules)\n"
+            "print(json.dumps([codes, heavy]))\n")
+    result = _run("-c", code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    codes, heavy = json.loads(result.stdout.strip().splitlines()[-1])
+    assert codes[0::2] == [0, 2, 2, 2], codes
+    assert "unknown config key 'train.lrr'" in codes[3][0], codes
+    assert "--no-such-flag" in codes[5][0], codes
+    assert "is in use by another run" in codes[7][0], codes
+    assert heavy == [], heavy
+
 
 # Writes that bypass sclaro_jax.files (the one place that writes files without following links:
 # `write_replacing` / `replacing` for whole files, `open_new` for streams). LIBRARY_DIRS are
@@ -633,8 +672,7 @@ def test_config_path_checker_finds_planted_reads():
 
 # what a recipe may import: ml_collections, the standard library, other recipes and the public
 # config types (the ranges of its keys: sclaro_jax.config.Range)
-RECIPE_IMPORTS = ("sclaro_jax.configs", "sclaro_jax.config", "sclaro_jax.train.core",
-                  "sclaro_jax.detection.model")
+RECIPE_IMPORTS = ("sclaro_jax.configs", "sclaro_jax.config", "sclaro_jax.recipes")
 
 
 def test_recipes_import_only_public_config_types_and_no_library_module_imports_them():

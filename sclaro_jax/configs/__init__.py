@@ -4,5 +4,6 @@
 key's range, checked by the task before a run starts). Load one by name,
 `sclaro_jax.config.load_config("scenarioclip:demo")`, or from a checkout by its file,
 `configs/scenarioclip.py:demo` (the same recipe). Recipes import only public config types
-(`config.Range`, `train.core.TrainConfig`, `detection.model.DetectorConfig`).
+(`config.Range`, `recipes.TrainConfig`, `recipes.DetectorConfig`), which import no JAX: a
+command line is checked, and refused, without loading JAX.
 """

@@ -11,7 +11,7 @@ with fewer than `copy_paste_threshold` (50) training instances, applied to each 
 probability `copy_paste_prob` (0.5); the input made by `input_resize` ("squash" to image_size x
 image_size, or ViTDet's "longest_side": long side to image_size, aspect kept, padded bottom /
 right); inference with score threshold 1e-4, NMS 0.5 and 300 detections per image
-(`sclaro_jax.detection.model.DetectorConfig`, whose every field is a `detector` key).
+(`sclaro_jax.recipes.DetectorConfig`, whose every field is a `detector` key).
 The launcher trains, then evaluates on `eval_split` (COCO AP: WORKDIR/results.json and
 results.md); `python -m sclaro_jax.eval.detect --workdir DIR` evaluates a run again.
 """
@@ -19,7 +19,7 @@ results.md); `python -m sclaro_jax.eval.detect --workdir DIR` evaluates a run ag
 import ml_collections
 
 from sclaro_jax.config import Range, field_ranges
-from sclaro_jax.detection.model import DetectorConfig
+from sclaro_jax.recipes import DetectorConfig
 
 VARIANTS = {"": "the appendix protocol (10 epochs, encoders at 1e-5, heads at 1e-4)",
             "demo": "CPU minutes on the bundled demo boxes: a tiny random encoder, 96 px"}

@@ -14,7 +14,7 @@ import dataclasses
 import ml_collections
 
 from sclaro_jax.config import Range, field_ranges
-from sclaro_jax.train.core import TrainConfig
+from sclaro_jax.recipes import TrainConfig
 
 # `--config NAME:<variant>` or `configs/NAME.py:<variant>`: the variants get_config takes
 # ("" = none).

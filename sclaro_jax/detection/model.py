@@ -32,74 +32,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sclaro_jax.config import check_fields, ranged
+from sclaro_jax.recipes import DetectorConfig  # noqa: F401 (its name here too)
 from sclaro_jax.models import clip
 
 Array = jax.Array
-
-
-@dataclasses.dataclass(frozen=True)
-class DetectorConfig:
-    """The detector's shapes and the Faster R-CNN hyper-parameters (torchvision's defaults,
-    except where the appendix protocol fixes them: score threshold 1e-4, NMS 0.5, 300
-    detections per image)."""
-
-    # each field's range (`config.ranged`) is checked with the recipe's (`config.validate`)
-    num_classes: int = ranged(ge=1)       # foreground classes; logit 0 is the background
-    image_size: int = ranged(224, ge=1)   # detection input, square (squashed, or long side + pad)
-    strides: tuple = ranged((4, 8, 16, 32), ge=1)  # RoI levels P2-P5; the RPN also sees P6 (64)
-    pyramid_dim: int = ranged(256, ge=1)  # simple feature pyramid channels
-    fpn_dim: int = ranged(256, ge=1)
-    anchor_sizes: tuple = ranged((32, 64, 128, 256, 512), gt=0)  # one per RPN level P2-P6
-    aspect_ratios: tuple = ranged((0.5, 1.0, 2.0), gt=0)
-    rpn_pre_nms_top_n_train: int = ranged(2000, ge=1)  # per level
-    rpn_post_nms_top_n_train: int = ranged(2000, ge=1)
-    rpn_pre_nms_top_n_test: int = ranged(1000, ge=1)
-    rpn_post_nms_top_n_test: int = ranged(1000, ge=1)
-    rpn_nms_thresh: float = ranged(0.7, ge=0, le=1)  # IoU above which NMS drops a proposal
-    # anchor sampling: IoU with a box above fg for a positive, below bg a negative, between
-    # them ignored; `rpn_batch_size_per_image` anchors per image for the RPN losses, at most
-    # `rpn_positive_fraction` of them positive
-    rpn_fg_iou_thresh: float = ranged(0.7, ge=0, le=1)
-    rpn_bg_iou_thresh: float = ranged(0.3, ge=0, le=1)
-    rpn_batch_size_per_image: int = ranged(256, ge=1)
-    rpn_positive_fraction: float = ranged(0.5, ge=0, le=1)
-    box_fg_iou_thresh: float = ranged(0.5, ge=0, le=1)  # proposal sampling for the RoI heads,
-    box_bg_iou_thresh: float = ranged(0.5, ge=0, le=1)  #   the same rule (equal: none ignored)
-    box_batch_size_per_image: int = ranged(512, ge=1)  # proposals sampled per image,
-    box_positive_fraction: float = ranged(0.25, ge=0, le=1)  # at most this fraction positive
-    roi_output_size: int = ranged(7, ge=1)  # RoIAlign output, per side
-    representation_size: int = ranged(1024, ge=1)  # the two-layer MLP box head's width
-    box_score_thresh: float = ranged(1e-4, ge=0, le=1)  # inference: scores kept above this,
-    box_nms_thresh: float = ranged(0.5, ge=0, le=1)  #   per-class NMS at this IoU,
-    detections_per_img: int = ranged(300, ge=1)  #   and at most this many per image
-    # Per-class NMS at inference takes the `box_candidates` best (proposal, class) scores of an
-    # image (a static size; torchvision keeps every score above the threshold instead).
-    box_candidates: int = ranged(4000, ge=1)
-    max_boxes: int = ranged(64, ge=1)     # ground-truth boxes per image (padded)
-
-    def __post_init__(self):
-        check_fields(self, "detector.")  # config.RangeError naming the key
-        if len(self.anchor_sizes) != len(self.strides) + 1:
-            raise ValueError(f"anchor_sizes needs one size per RPN level ({len(self.strides) + 1}:"
-                             f" strides {self.strides} + the max-pooled level), got "
-                             f"{self.anchor_sizes}")
-        if self.image_size % self.strides[-1]:
-            raise ValueError(f"image_size {self.image_size} must be a multiple of the coarsest "
-                             f"stride {self.strides[-1]}")
-
-    def feature_sizes(self) -> list[tuple[int, int]]:
-        """The RPN levels' map sizes: image_size / stride, then the max-pooled extra level
-        (kernel 1, stride 2: ceil of half the coarsest, 4 x 4 after 7 x 7 at 224 px)."""
-        sizes = [self.image_size // s for s in self.strides]
-        sizes.append(-(-sizes[-1] // 2))
-        return [(n, n) for n in sizes]
-
-    @property
-    def rpn_strides(self) -> tuple:
-        """Anchor strides per RPN level as torchvision's AnchorGenerator takes them: image size
-        // map size (56 for the extra level at 224 px)."""
-        return tuple(self.image_size // h for h, _ in self.feature_sizes())
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,10 +6,26 @@ log truncation, config drift, data identity), its one writer (`lock`), device la
 loop, `run_steps` (`loop`).
 
 It imports nothing of sclaro_jax but `config`, `compile`, `ops`, `files` and `heap`: no
-trainer, model, data or evaluation code.
+trainer, model, data or evaluation code. The names below load their modules when first used,
+so that importing a light module of the package (`lock`: a launcher's refusal of a busy
+workdir) does not import JAX and orbax.
 """
 
-from sclaro_jax.run.checkpoints import Checkpoints
-from sclaro_jax.run.loop import Hooks, LoopSpec, NonFiniteLossError, Result, run_steps
+_NAMES = {"Checkpoints": "sclaro_jax.run.checkpoints", "Hooks": "sclaro_jax.run.loop",
+          "LoopSpec": "sclaro_jax.run.loop", "NonFiniteLossError": "sclaro_jax.run.loop",
+          "Result": "sclaro_jax.run.loop", "run_steps": "sclaro_jax.run.loop"}
 
 __all__ = ["Checkpoints", "Hooks", "LoopSpec", "NonFiniteLossError", "Result", "run_steps"]
+
+
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'sclaro_jax.run' has no attribute {name!r}")
+    import importlib
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

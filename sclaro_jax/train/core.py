@@ -27,9 +27,9 @@ import optax
 from flax import nnx, struct
 
 from sclaro_jax import losses, ops
-from sclaro_jax.config import check_fields, ranged
 from sclaro_jax.data import batch as fields
 from sclaro_jax.data import photometric
+from sclaro_jax.recipes import TrainConfig  # noqa: F401 (its name here too)
 from sclaro_jax.run.params import label_params, param_name
 from sclaro_jax.train import fused_update
 
@@ -38,45 +38,6 @@ FROZEN = "frozen"
 # Named scopes of the step's parts (in the compiled module's op names, so a profile can tell
 # them apart: bench/gpu_profile.py).
 AUGMENT_SCOPE, LOSS_SCOPE, OPTIMIZER_SCOPE, EMA_SCOPE = "augment", "loss", "optimizer", "ema"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainConfig:
-    """The training recipe; `c.train` of a config holds these fields (plus `epochs` / `steps`,
-    which give `total_steps`)."""
-    total_steps: int
-    # each field's range (`config.ranged`) is checked with the recipe's (`config.validate`)
-    lr: float = ranged(2e-5, gt=0)
-    b1: float = ranged(0.9, ge=0, lt=1)
-    b2: float = ranged(0.999, ge=0, lt=1)
-    eps: float = ranged(1e-8, gt=0)
-    weight_decay: float = ranged(0.2, ge=0)
-    warmup_fraction: float = ranged(0.1, ge=0, le=1)
-    warmup_init_factor: float = ranged(1e-3, ge=0, le=1)
-    grad_clip: float = ranged(1.0, gt=0)
-    kd_lr_factor: float = ranged(0.1, ge=0)
-    ema_decay: float = ranged(0.9995, ge=0, le=1)
-    ema_warmup_steps: int = ranged(2000, ge=0)
-    lambda_ca: float = ranged(1.0, ge=0)
-    lambda_kd: float = ranged(1.0, ge=0)  # 0 gives ScenarioCLIP w/o KD
-    kd_direction: str = "both"  # "both", "vision" (global->crops) or "text" (crops->global)
-    # the teacher probabilities' floor in the KD loss, as the reference (0: Eq. 8 as written)
-    kd_teacher_floor: float = ranged(losses.TEACHER_PROB_FLOOR, ge=0, lt=1)
-    duplicate_aware: bool = False  # same-label crops are not negatives of each other
-    frozen_vision_layers: int = ranged(6, ge=0)
-    frozen_text_layers: int = ranged(10, ge=0)
-    freeze_pre_layernorm: bool = False
-    # weight decay on the contrastive logit scales, as the reference code does (False: exempt
-    # them, as open_clip does); the KD temperature never decays
-    decay_logit_scales: bool = True
-
-    def __post_init__(self):
-        check_fields(self, "train.")  # config.RangeError naming the key
-        if self.kd_direction not in losses.KD_DIRECTIONS:
-            raise ValueError(f"kd_direction {self.kd_direction!r} is not one of "
-                             f"{losses.KD_DIRECTIONS}")
-        if self.total_steps < 1:
-            raise ValueError("total_steps must be at least 1")
 
 
 @struct.dataclass
