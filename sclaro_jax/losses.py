@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from sclaro_jax.ops import l2_normalize
-from sclaro_jax.recipes import KD_DIRECTIONS, TEACHER_PROB_FLOOR  # noqa: F401 (their names here)
+from sclaro_jax.recipes import KD_DIRECTIONS, TEACHER_PROB_FLOOR
 
 MAX_LOGIT_SCALE = 100.0
 TEACHER_TEMPERATURE = 0.07

@@ -25,14 +25,13 @@ The anchors, proposal selection, targets, losses and post-processing are functio
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sclaro_jax.recipes import DetectorConfig  # noqa: F401 (its name here too)
+from sclaro_jax.recipes import DetectorConfig
 from sclaro_jax.models import clip
 
 Array = jax.Array

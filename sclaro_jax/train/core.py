@@ -18,7 +18,6 @@ blocks) get no update and no weight-grad computation (`stop_gradient`). EMA teac
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -29,7 +28,7 @@ from flax import nnx, struct
 from sclaro_jax import losses, ops
 from sclaro_jax.data import batch as fields
 from sclaro_jax.data import photometric
-from sclaro_jax.recipes import TrainConfig  # noqa: F401 (its name here too)
+from sclaro_jax.recipes import TrainConfig
 from sclaro_jax.run.params import label_params, param_name
 from sclaro_jax.train import fused_update
 
