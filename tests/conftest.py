@@ -379,15 +379,13 @@ def launch_all(argvs: list, timeout: int = 600) -> list:
 # about 10 s in a process of its own and 3.4 s there. Its environment is the suite's (the
 # worker's at the first call: a test that runs with an environment of its own, a signal, a kill
 # or a timing of the process start, starts its own process instead). Each command runs with
-# stdin from /dev/null and its stdout and stderr (file descriptors 1 and 2, so C++ and absl's
-# log lines too) in files of its own; afterwards the run locks it took are given back, as its
-# process ending would.
+# the child's stdin, /dev/null, and its stdout and stderr (file descriptors 1 and 2, so C++ and
+# absl's log lines too) in files of its own; afterwards the run locks it took are given back,
+# as its process ending would.
 _LAUNCHER_LOOP = r"""
 import json, os, runpy, sys, tempfile, traceback
 sys.path.insert(0, ".")
 requests, replies = (os.fdopen(int(fd), mode) for fd, mode in zip(sys.argv[1:3], "rw"))
-null = os.open(os.devnull, os.O_RDONLY)
-os.dup2(null, 0)
 for line in requests:
     argv = json.loads(line)
     sys.argv = list(argv)
@@ -449,17 +447,22 @@ class _SharedLauncher:
             pass_fds=(requests_in, replies_out))
         os.close(requests_in)
         os.close(replies_out)
-        if _profile() is not None:  # bench/suite_profile.py: each command is a child, not this
-            _profile().forget(self.proc)
+        profile = _profile()
+        if profile is not None:  # bench/suite_profile.py: each command is a child, not this
+            profile.forget(self.proc)
         self.requests = os.fdopen(requests_out, "w")
         self.replies = os.fdopen(replies_in, "r")
 
     def stop(self):
+        """End the child (its loop ends when the requests pipe closes) and close both pipes."""
+        import contextlib
+        import subprocess
         if self.proc is not None:
-            self.requests.close()
+            with contextlib.suppress(BrokenPipeError):  # a child that died with a request unread
+                self.requests.close()
             try:
                 self.proc.wait(timeout=30)
-            except Exception:  # noqa: BLE001
+            except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
             self.replies.close()
@@ -474,7 +477,9 @@ class _SharedLauncher:
         import subprocess
         argv = [str(a) for a in argv]
         assert argv[:2] == [sys.executable, "launch/train.py"], argv[:2]
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is not None and self.proc.poll() is not None:
+            self.stop()  # ended between commands: its pipes closed, a new one started
+        if self.proc is None:
             self._start()
         profile = _profile()
         with (profile.command("launcher (training runs)", self.proc.pid) if profile is not None
@@ -485,9 +490,8 @@ class _SharedLauncher:
             line = self.replies.readline() if ready else ""
         if not line:
             self.proc.kill()
-            self.proc.wait()
-            code = self.proc.returncode
-            self.proc = None
+            code = self.proc.wait()
+            self.stop()
             raise AssertionError(f"{argv[1:3]}: no answer in {timeout} s" if not ready else
                                  f"{argv[1:3]}: the shared launcher's process ended ({code})")
         reply = json.loads(line)
