@@ -340,11 +340,13 @@ def test_a_batch_past_the_caps_trains_every_crop_as_the_reference_flattens_them(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["demo", "long_tail"])
-def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
+def test_64_batches_train_with_nothing_dropped_at_each_of_3_compiled_sizes_at_most(
         which, demo_dir, long_tail_dir):
-    """200 training batches of 8 images through the train step as the trainer runs it, every
-    packed size compiled before the first batch (`run.ahead.CompiledSteps`): no crop dropped,
-    every crop of every batch in the step, no compilation once training has started."""
+    """64 training batches of 8 images (the demo's 10 training records 51 times over, the long
+    tail's 200 more than twice) through the train step as the trainer runs it, every packed size
+    compiled before the first batch (`run.ahead.CompiledSteps`): no crop dropped, every crop of
+    every batch in the step, every compiled size used, no compilation once training has
+    started. (With seed 0 each dataset's largest size first comes at batch 16 and 5.)"""
     folder = demo_dir if which == "demo" else long_tail_dir
     # one vision block; the text towers keep two, the first shared by student and teacher
     # (`core.shared_text_layers`: never the last block) as in the trainer's step
@@ -372,7 +374,7 @@ def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
     monitoring.register_event_duration_secs_listener(listen)
     sizes = set()
     totals = np.zeros(4)
-    for _ in range(200):
+    for _ in range(64):
         batch = next(it)
         want = [int(batch[fields.LEVEL_FIELDS[level].mask].sum()) for level in fields.CROP_LEVELS]
         sizes.add(batch[fields.LEVEL_FIELDS["object"].mask].shape + batch[
@@ -387,4 +389,4 @@ def test_200_batches_train_with_nothing_dropped_at_3_compiled_sizes_at_most(
     monitoring.unregister_event_duration_listener(listen)
     assert compiles == [] and jitted._cache_size() == 0 and not step.late
     assert len(step.executables) == cfg.packed.tiers <= packing.MAX_TIERS
-    assert len(sizes) >= 2  # the larger sizes were needed and used
+    assert len(sizes) == cfg.packed.tiers  # every compiled size was needed and used
