@@ -155,7 +155,7 @@ def _same_run(workdir, uninterrupted):
 
 @pytest.mark.slow
 def test_sigint_during_a_background_checkpoint_then_a_copied_workdir_and_moved_data(
-        uninterrupted, demo_dir, cache, tmp_path):
+        uninterrupted, demo_dir, cache, tmp_path, shared_launcher):
     first, moved = tmp_path / "first", tmp_path / "elsewhere" / "data"
     stopped, _, err = _interrupt(signal.SIGINT, first, demo_dir, cache)
     assert "SIGINT received: stopping after the current step" in err
@@ -163,7 +163,8 @@ def test_sigint_during_a_background_checkpoint_then_a_copied_workdir_and_moved_d
     copy = tmp_path / "copy"
     shutil.copytree(first, copy)
     shutil.copytree(demo_dir, moved)
-    rerun = _run(_cmd(copy, moved, cache))
+    rerun = shared_launcher.run(_cmd(copy, moved, cache))  # (the rerun's process is not the
+    # subject: the worker's shared launcher, conftest.py)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"resumed from {copy} at step {stopped}" in rerun.stderr
     assert "config change at step %d: data.dir" % stopped in rerun.stderr
@@ -172,7 +173,7 @@ def test_sigint_during_a_background_checkpoint_then_a_copied_workdir_and_moved_d
 
 @pytest.mark.slow
 def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir, cache,
-                                                        tmp_path):
+                                                        tmp_path, shared_launcher):
     workdir = tmp_path / "run"
     stopped, _, err = _interrupt(signal.SIGTERM, workdir, demo_dir, cache)
     assert "SIGTERM received" in err
@@ -214,7 +215,7 @@ def test_sigterm_then_refusals_then_the_rerun_continues(uninterrupted, demo_dir,
     # a checkpoint that never finished (the process died while writing it) is reported
     torn = workdir / "checkpoints" / f"{stopped + 2}.orbax-checkpoint-tmp-1764560000"
     torn.mkdir()
-    rerun = _run(_cmd(workdir, demo_dir, cache, "--config.progress_bar=True"))
+    rerun = shared_launcher.run(_cmd(workdir, demo_dir, cache, "--config.progress_bar=True"))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     # the log of a resumed run with its progress bar: no orbax warnings, and every log line
     # on a line of its own (none glued behind the bar's text)
@@ -251,7 +252,7 @@ def small_filesystem(tmp_path):
 
 @pytest.mark.slow
 def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_continues(
-        uninterrupted, demo_dir, cache, small_filesystem):
+        uninterrupted, demo_dir, cache, small_filesystem, shared_launcher):
     """The step-16 checkpoint (the run's last) does not fit beside step 8's: the run stops at
     step 16, before writing it (a save that fails in the background instead:
     tests/test_failed_saves.py)."""
@@ -278,7 +279,7 @@ def test_a_full_disk_stops_the_run_at_the_failed_checkpoint_and_the_rerun_contin
     assert "done:" not in full.stdout and "stopped at step" not in full.stdout
 
     assert resize(int(4 * size) + 8).returncode == 0  # the cause removed
-    rerun = _run(_cmd(workdir, demo_dir, cache))
+    rerun = shared_launcher.run(_cmd(workdir, demo_dir, cache))
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "found an unfinished checkpoint" not in rerun.stderr
     assert f"resumed from {workdir} at step 8" in rerun.stderr
