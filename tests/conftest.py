@@ -334,41 +334,13 @@ def run_script(script: str, timeout: int = 900) -> str:
     return result.stdout
 
 
-# Many command lines of launch/train.py in one child process, each through the launcher's `cli`
-# in turn: for commands that are refused before a run starts, where a process each would spend
-# its seconds importing. The launcher keeps no state between command lines (it defines no absl
-# flags: its parser is made anew for each).
-_LAUNCH_ALL = r"""
-import contextlib, io, json, sys
-sys.path.insert(0, ".")
-import launch.train as launcher
-out = []
-for args in json.load(sys.stdin):
-    stdout, stderr, code = io.StringIO(), io.StringIO(), None
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            launcher.cli(["launch/train.py", *args])
-        except SystemExit as e:
-            code = e.code
-    out.append({"code": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()})
-print("RESULTS " + json.dumps(out))
-"""
-
-
 def launch_all(argvs: list, timeout: int = 600) -> list:
-    """For each ARGS of `argvs`, what `python launch/train.py ARGS` gave, as `subprocess.run`
-    names it (`returncode`, `stdout`, `stderr`; a returncode of None: it returned without
-    exiting), run in turn in one child process from the repository root (`_LAUNCH_ALL`)."""
-    import subprocess
-    from types import SimpleNamespace
-
-    result = subprocess.run([sys.executable, "-c", _LAUNCH_ALL], cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout,
-                            input=json.dumps([[str(a) for a in argv] for argv in argvs]))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    line = [x for x in result.stdout.splitlines() if x.startswith("RESULTS ")][-1]
-    return [SimpleNamespace(returncode=r["code"], stdout=r["stdout"], stderr=r["stderr"])
-            for r in json.loads(line[len("RESULTS "):])]
+    """For each ARGS of `argvs`, what `python launch/train.py ARGS` gave, run in turn from the
+    repository root in the worker's shared launcher (`shared_launcher` below): `returncode`,
+    `stdout`, `stderr`, as `subprocess.run` names them. For command lines that are refused
+    before a run starts, where a process each would spend its seconds importing."""
+    return [_SHARED_LAUNCHER.run([sys.executable, "launch/train.py", *argv], timeout=timeout)
+            for argv in argvs]
 
 
 # One long-lived child per test worker that runs command lines of the launcher
