@@ -350,7 +350,9 @@ def launch_all(argvs: list, timeout: int = 600) -> list:
 # tracing or compiling of its train step (`run.ahead.kept_step`): a demo run of 8 steps took
 # about 10 s in a process of its own and 3.4 s there. Its environment is the suite's (the
 # worker's at the first call: a test that runs with an environment of its own, a signal, a kill
-# or a timing of the process start, starts its own process instead). Each command runs with
+# or a timing of the process start, starts its own process instead; one whose environment
+# only sets JAX options, e.g. JAX_DEFAULT_MATMUL_PRECISION, passes them as `jax_config`: set
+# with `jax.config.update` for its command and set back after it). Each command runs with
 # the child's stdin, /dev/null, and its stdout and stderr (file descriptors 1 and 2, so C++ and
 # absl's log lines too) in files of its own; afterwards the run locks it took are given back,
 # as its process ending would.
@@ -359,7 +361,13 @@ import json, os, runpy, sys, tempfile, traceback
 sys.path.insert(0, ".")
 requests, replies = (os.fdopen(int(fd), mode) for fd, mode in zip(sys.argv[1:3], "rw"))
 for line in requests:
-    argv = json.loads(line)
+    request = json.loads(line)
+    argv, settings, before = request["argv"], request["jax_config"], {}
+    if settings:
+        import jax
+        before = {name: getattr(jax.config, name) for name in settings}
+        for name, value in settings.items():
+            jax.config.update(name, value)
     sys.argv = list(argv)
     files = [tempfile.TemporaryFile() for _ in (1, 2)]
     saved = [os.dup(1), os.dup(2)]
@@ -387,6 +395,8 @@ for line in requests:
         for key in list(getattr(lock, "_held", {})):
             while key in lock._held:
                 lock.release_workdir(key)
+        for name, value in before.items():
+            jax.config.update(name, value)
     texts = []
     for f in files:
         f.seek(0)
@@ -440,10 +450,11 @@ class _SharedLauncher:
             self.replies.close()
             self.proc = None
 
-    def run(self, argv: list, timeout: float = 900):
+    def run(self, argv: list, timeout: float = 900, jax_config: dict | None = None):
         """What `subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)` gives for
         ARGV `[python, "launch/train.py", *args]` (a `CompletedProcess`), the command run in
-        this worker's child."""
+        this worker's child; `jax_config`: JAX options for this command (name -> value), as
+        their `JAX_*` environment variables would set them in a process of its own."""
         import contextlib
         import select
         import subprocess
@@ -456,7 +467,8 @@ class _SharedLauncher:
         profile = _profile()
         with (profile.command("launcher (training runs)", self.proc.pid) if profile is not None
               else contextlib.nullcontext()):
-            self.requests.write(json.dumps(argv[1:]) + "\n")
+            self.requests.write(json.dumps({"argv": argv[1:],
+                                            "jax_config": jax_config or {}}) + "\n")
             self.requests.flush()
             ready, _, _ = select.select([self.replies], [], [], timeout)
             line = self.replies.readline() if ready else ""

@@ -399,30 +399,29 @@ LAUNCH_SMALL = ["--config.batch_size=2", "--config.log_every=1", "--config.check
 
 
 @pytest.mark.slow
-def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path):
+def test_launcher_trains_evaluates_and_resumes_the_detector(demo_dir, tmp_path, shared_launcher):
     """`launch/train.py --config configs/detection.py:demo` trains the detector (a tiny random
     encoder) with ScenarioCLIP's flags and overrides and ends with the AP table and
     WORKDIR/results.json; a rerun with another recipe or length is refused with one error line
     unless --allow-config-change (then it resumes)."""
-    import os
-    import subprocess
     import sys
 
-    from conftest import ROOT, launch_all
+    from conftest import launch_all
 
     workdir = tmp_path / "det"
-    # the matmul precision of this process (conftest): the launcher's train and eval programs
-    # are then those _tiny_run, test_vitdet_input_end_to_end and the fsdp test's reference
-    # compiled (the run's compilation cache), as every shape and setting here is theirs
-    env = {**os.environ, "JAX_DEFAULT_MATMUL_PRECISION": "highest"}
 
     def args(*extra):
         return ["--config", "configs/detection.py:demo", "--workdir", str(workdir),
                 f"--config.data.dir={demo_dir}", *LAUNCH_SMALL, *extra]
 
     def launch(*extra):
-        return subprocess.run([sys.executable, "launch/train.py", *args(*extra)], cwd=ROOT,
-                              capture_output=True, text=True, timeout=900, env=env)
+        # in the worker's shared launcher (conftest: the runs, not their process, are the
+        # case), at the matmul precision of this process (conftest): the launcher's train and
+        # eval programs are then those _tiny_run, test_vitdet_input_end_to_end and the fsdp
+        # test's reference compiled (the run's compilation cache), as every shape and setting
+        # here is theirs
+        return shared_launcher.run([sys.executable, "launch/train.py", *args(*extra)],
+                                   jax_config={"jax_default_matmul_precision": "highest"})
 
     first = launch("--config.epochs=1")
     assert first.returncode == 0, first.stderr[-3000:]
