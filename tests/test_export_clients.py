@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from flax import nnx
 from PIL import Image
+
+from conftest import drawn_in_numpy
 
 from sclaro_jax import ops
 from sclaro_jax.data import augment
@@ -121,29 +122,11 @@ def test_automodel_gives_our_embeddings_and_logits_tiny(tiny, tiny_export, tmp_p
                                        "AutoModelForZeroShotImageClassification"}
 
 
-def _drawn_in_numpy(make, seed: int):
-    """The model `make()` builds, its parameters drawn in numpy instead of by its initialisers
-    (N(0, 0.02); LayerNorm scales near 1; logit scales log(1 / 0.07), CLIP's start). At
-    ViT-B/32 sizes the initialisers' truncated normals take about 20 s of a CPU under the suite's
-    cheap-compile flags (XLA's unoptimised code, conftest.CHEAP_COMPILE); this, 6 s."""
-    graphdef, state = nnx.split(nnx.eval_shape(make))
-    rng = np.random.default_rng(seed)
-    drawn = []
-    for path, var in nnx.to_flat_state(state):
-        value = rng.standard_normal(var.shape, np.float32) * np.float32(0.02)
-        if path[-1] == "scale" and "norm" in str(path[-2]):
-            value += np.float32(1)
-        if str(path[-1]).endswith("logit_scale"):
-            value = np.full(var.shape, np.log(1 / 0.07), np.float32)
-        drawn.append((path, var.replace(jnp.asarray(value))))
-    return nnx.merge(graphdef, nnx.from_flat_state(drawn))
-
-
 @pytest.mark.slow
 def test_automodel_gives_our_embeddings_vit_b32(tmp_path):
     """A random-weight PyramidCLIP at ViT-B/32 sizes (one pair: one 600 MB export)."""
-    model = _drawn_in_numpy(lambda: scenarioclip.build("pyramidclip", preset="ViT-B/32", seed=2,
-                                                       warn_random=False), seed=2)
+    model = drawn_in_numpy(lambda: scenarioclip.build("pyramidclip", preset="ViT-B/32", seed=2,
+                                                      warn_random=False), seed=2)
     assert type(model).__name__ == "PyramidCLIP" and float(model.logit_scale("relation")) > 2.6
     folder = export_level(model, "relation", str(tmp_path / "relation"))
     pixels = np.random.default_rng(1).normal(size=(2, 224, 224, 3)).astype(np.float32)

@@ -14,7 +14,7 @@ import open_clip
 import pytest
 import torch
 
-from conftest import TINY_HF, save_random_hf_clip
+from conftest import TINY_HF, drawn_in_numpy, save_random_hf_clip
 from flax import nnx
 
 from sclaro_jax import ops
@@ -42,20 +42,9 @@ def _random_open_clip(cfg, seed):
 
 
 def _random_ours(config, seed):
-    """Our CLIPModel of `config` with random weights drawn in numpy (LayerNorm scales near 1),
-    loaded as a checkpoint is: faster on a CPU than `clip.create`'s initialisers."""
-    rng = np.random.default_rng(seed)
-    model = nnx.eval_shape(lambda: clip.CLIPModel(config, rngs=nnx.Rngs(0)))
-    state = {}
-    for path, var in nnx.to_flat_state(nnx.state(model)):
-        shape = hf_weights.to_hf_layout(path, np.empty(var.shape, np.bool_)).shape
-        value = rng.standard_normal(shape, np.float32) * 0.02
-        if len(path) > 1 and ("norm" in str(path[-2]) or "layrnorm" in str(path[-2])):
-            value += np.float32(path[-1] == "scale")
-        state[hf_weights.hf_key(path)] = value
-    state["logit_scale"] = np.asarray(2.6592, np.float32)
-    hf_weights.load_hf_state(model, state)
-    return model
+    """Our CLIPModel of `config` with random weights drawn in numpy (`conftest.drawn_in_numpy`):
+    faster on a CPU than `clip.create`'s initialisers."""
+    return drawn_in_numpy(lambda: clip.CLIPModel(config, rngs=nnx.Rngs(0)), seed)
 
 
 def _inputs(image_size, length, seed=0, batch=2):
