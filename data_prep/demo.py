@@ -12,7 +12,7 @@ be downloaded here.
 
 from __future__ import annotations
 
-import importlib
+import importlib.util
 import io
 import json
 import os
@@ -41,14 +41,19 @@ def load_annotations(path: str = ANNOTATIONS) -> list[dict]:
 
 
 def image_path(entry: dict) -> str:
-    """Where the annotated photograph lies inside its installed package."""
+    """Where the annotated photograph lies inside its installed package, found from the
+    package's import spec without importing it (scikit-learn's import alone takes a second or
+    more, and a demo build needs only its files)."""
     try:
-        module = importlib.import_module(entry["package"])
-    except ImportError:
+        spec = importlib.util.find_spec(entry["package"])
+    except (ImportError, ValueError):  # a parent package missing, or a malformed name
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not folders:
         raise DemoError(
             f"demo image {entry['id']!r} ships with the {entry['source']!r} package, which is "
-            f"not installed: pip install -c constraints.txt -e \".[demo]\"") from None
-    path = os.path.join(os.path.dirname(module.__file__), entry["path"])
+            f"not installed: pip install -c constraints.txt -e \".[demo]\"")
+    path = os.path.join(folders[0], entry["path"])
     if not os.path.exists(path):
         raise DemoError(f"demo image {entry['id']!r}: {path} not found in the installed "
                         f"{entry['source']} package")

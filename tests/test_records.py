@@ -100,6 +100,39 @@ def test_demo_relation_region_is_focused_region_of_box_masks(demo_dir):
     assert np.abs(got - expected).mean() < 2.0  # JPEG quality 95
 
 
+def test_demo_photographs_are_found_in_their_packages_without_importing_them():
+    """Each annotated photograph's path is its package's folder + its path, read from the
+    package's import spec (a child process: importing scikit-learn alone takes a second);
+    a package that is not installed, or a file it does not hold, is a DemoError naming it."""
+    import subprocess
+    import sys
+    script = ("import json, sys; from data_prep import demo; "
+              "paths = [demo.image_path(e) for e in demo.load_annotations()]; "
+              "print(json.dumps([paths, sorted(m for m in ('sklearn', 'skimage', 'matplotlib') "
+              "if m in sys.modules)]))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    paths, imported = json.loads(result.stdout)
+    assert imported == []  # found, not imported
+    entries = demo.load_annotations()
+    assert {e["package"] for e in entries} == {"sklearn", "skimage", "matplotlib"}
+    import matplotlib
+    import skimage
+    import sklearn
+    folders = {m.__name__: os.path.dirname(m.__file__) for m in (matplotlib, skimage, sklearn)}
+    assert paths == [os.path.join(folders[e["package"]], e["path"]) for e in entries]
+    assert all(os.path.isfile(p) for p in paths)
+    entry = dict(entries[0], package="no_such_package_here", source="no-such-package")
+    with pytest.raises(demo.DemoError, match="ships with the 'no-such-package' package, which is "
+                                             r"not installed: pip install"):
+        demo.image_path(entry)
+    entry = dict(entries[0], path="data/no_such_photo.png")
+    with pytest.raises(demo.DemoError, match="no_such_photo.png not found in the installed"):
+        demo.image_path(entry)
+
+
 @pytest.mark.slow
 def test_cli_demo_writes_and_refuses_to_clobber(tmp_path, capsys):
     from data_prep.__main__ import main
