@@ -20,16 +20,13 @@ from flax import nnx
 
 from sclaro_jax import bounds
 from sclaro_jax.files import write_replacing
+from sclaro_jax.models.errors import CheckpointError  # raised here; its home needs no JAX
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 # Buffers some Hugging Face checkpoints carry; they are recomputed, never loaded.
 _IGNORED_HF_KEYS = ("vision_model.embeddings.position_ids", "text_model.embeddings.position_ids")
 _LEAF_TO_HF = {"kernel": "weight", "scale": "weight", "embedding": "weight"}
-
-
-class CheckpointError(ValueError):
-    """A folder that does not hold a Hugging Face checkpoint this model can load."""
 
 
 def save_safetensors(tensors: Mapping[str, np.ndarray], path: str | os.PathLike,

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from sclaro_jax import bounds
-from sclaro_jax.models.hf_weights import CheckpointError
+from sclaro_jax.models.errors import CheckpointError
 
 _STORAGE_DTYPES = {
     "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
