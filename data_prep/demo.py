@@ -70,12 +70,13 @@ def make_sample(entry: dict) -> schema.Sample:
     objects = tuple(schema.Object(o["name"], tuple(float(v) for v in o["box"]))
                     for o in entry["objects"])
     relations = []
+    regions = focus.Regions(rgb)  # the image's blurred background once, for all its relations
     for r in entry["relations"]:
         s, o = r["subject"], r["object"]
         if not (0 <= s < len(objects) and 0 <= o < len(objects)):
             raise schema.RecordError(f"sample {entry['id']!r}: relation {r} index out of range")
-        region = focus.focused_region(rgb, box_mask(objects[s].box, width, height),
-                                      box_mask(objects[o].box, width, height))
+        region = regions(box_mask(objects[s].box, width, height),
+                         box_mask(objects[o].box, width, height))
         relations.append(schema.Relation(
             s, r["predicate"], o, schema.triplet_text(objects[s].name, r["predicate"],
                                                       objects[o].name), encode_jpeg(region)))

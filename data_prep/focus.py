@@ -67,10 +67,13 @@ def gaussian_blur(image: np.ndarray, sigma: float = BLUR_SIGMA) -> np.ndarray:
 
 
 def focused_region(image: np.ndarray, mask1: np.ndarray, mask2: np.ndarray,
-                   sigma: float = SIGMA, blur_sigma: float = BLUR_SIGMA) -> np.ndarray:
+                   sigma: float = SIGMA, blur_sigma: float = BLUR_SIGMA, *,
+                   background: np.ndarray | None = None) -> np.ndarray:
     """The focused-region image of a relation: appendix Eqs. 4-7 (see the module docstring).
 
     `image` uint8 [H, W, 3]; `mask1`, `mask2` bool [H, W]. Returns uint8 [H, W, 3].
+    `background`: `gaussian_blur(image, blur_sigma)` when the caller has it already (the
+    regions of an image's relations share it: `Regions`); computed here otherwise.
     """
     image = np.asarray(image)
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
@@ -80,7 +83,10 @@ def focused_region(image: np.ndarray, mask1: np.ndarray, mask2: np.ndarray,
             raise ValueError(f"{name} has shape {np.shape(mask)}, image is {image.shape[:2]}")
     mask1, mask2 = np.asarray(mask1, bool), np.asarray(mask2, bool)
     union = mask1 | mask2
-    background = gaussian_blur(image, blur_sigma)
+    if background is None:
+        background = gaussian_blur(image, blur_sigma)
+    elif np.shape(background) != image.shape:
+        raise ValueError(f"background has shape {np.shape(background)}, image is {image.shape}")
     if not union.any():
         return _to_uint8(background)
     c1, c2 = centre_of_mass(mask1), centre_of_mass(mask2)
@@ -89,6 +95,24 @@ def focused_region(image: np.ndarray, mask1: np.ndarray, mask2: np.ndarray,
     weight = blend_mask(image.shape[:2], c1, c2, sigma)
     out = np.where(union[..., None], image * weight[..., None], background)
     return _to_uint8(out)
+
+
+class Regions:
+    """The focused regions of one image's relations: `regions(mask1, mask2)` is
+    `focused_region(image, mask1, mask2)`, the blurred background (Eq. 7's outside) computed
+    once for the image, at its first region, instead of once a relation."""
+
+    def __init__(self, image: np.ndarray, sigma: float = SIGMA, blur_sigma: float = BLUR_SIGMA):
+        self.image, self.sigma, self.blur_sigma = image, sigma, blur_sigma
+        self.background = None
+
+    def __call__(self, mask1: np.ndarray, mask2: np.ndarray) -> np.ndarray:
+        if self.background is None:
+            image = np.asarray(self.image)
+            if image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.uint8:
+                self.background = gaussian_blur(image, self.blur_sigma)
+        return focused_region(self.image, mask1, mask2, self.sigma, self.blur_sigma,
+                              background=self.background)
 
 
 def _to_uint8(values: np.ndarray) -> np.ndarray:

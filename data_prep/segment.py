@@ -291,6 +291,7 @@ def relation_regions(image: np.ndarray, boxes: np.ndarray, labels: list[str], ma
                          f"{masks.shape} do not match an image of shape {image.shape}")
     labels = np.asarray(labels, dtype=object)
     regions, dropped = [], []
+    focused = focus.Regions(image)  # the blurred background once, for all the relations
     for relation in relations:
         subject, predicate, obj = relation
         subject_ids = np.flatnonzero(labels == subject)
@@ -306,8 +307,7 @@ def relation_regions(image: np.ndarray, boxes: np.ndarray, labels: list[str], ma
             reason = "empty_mask"
         else:
             i, j = pair
-            regions.append(RegionResult(i, predicate, j,
-                                        focus.focused_region(image, masks[i], masks[j])))
+            regions.append(RegionResult(i, predicate, j, focused(masks[i], masks[j])))
             continue
         dropped.append(DroppedRelation(tuple(relation), reason))
     return regions, dropped

@@ -5,6 +5,7 @@ import math
 import numpy as np
 import pytest
 
+from data_prep import focus
 from data_prep.focus import closest_instance_pair, focused_region
 
 
@@ -98,6 +99,29 @@ def test_bad_input_is_named():
         focused_region(image.astype(np.float32), m1, m2)
     with pytest.raises(ValueError, match=r"mask2 has shape \(3, 3\)"):
         focused_region(image, m1, np.zeros((3, 3), bool))
+
+
+def test_an_images_regions_share_one_blur_and_equal_the_single_region(monkeypatch):
+    """`Regions(image)` gives each relation's region byte for byte as `focused_region` does,
+    blurring the image once for all of them; the reference equations check the result."""
+    image, m1, m2 = _scene(24, 28, seed=2)
+    empty = np.zeros_like(m1)
+    pairs = [(m1, m2), (m2, m1), (m1, empty), (empty, empty), (m2, m2)]
+    want = [focused_region(image, a, b) for a, b in pairs]
+    blurs = []
+    real = focus.gaussian_blur
+    monkeypatch.setattr(focus, "gaussian_blur", lambda *a, **k: blurs.append(1) or real(*a, **k))
+    regions = focus.Regions(image)
+    got = [regions(a, b) for a, b in pairs]
+    assert len(blurs) == 1
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    ref = reference_focused_region(image, m2, m1).astype(int)
+    assert np.abs(got[1].astype(int) - ref).max() <= 1
+    with pytest.raises(ValueError, match=r"background has shape \(3, 3, 3\)"):
+        focused_region(image, m1, m2, background=np.zeros((3, 3, 3)))
+    with pytest.raises(ValueError, match="image must be uint8"):  # as focused_region names it
+        focus.Regions(image.astype(np.float32))(m1, m2)
 
 
 def test_closest_instance_pair_by_box_centre():

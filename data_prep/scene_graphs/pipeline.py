@@ -174,6 +174,7 @@ def _relations(graph: Graph, rgb: np.ndarray, objects: list, index: dict, masks:
                counts: Counts, region_quality: int) -> list:
     relations = []
     n = len(graph.objects)
+    regions = focus.Regions(rgb)  # the blurred background once, for all the image's relations
     for s, predicate, o in graph.relations:
         if predicate is None or not (0 <= s < n and 0 <= o < n):
             reason = "index_out_of_range"
@@ -186,7 +187,7 @@ def _relations(graph: Graph, rgb: np.ndarray, objects: list, index: dict, masks:
         elif not (masks[s].any() and masks[o].any()):
             reason = "empty_mask"
         else:
-            region = focus.focused_region(rgb, masks[s], masks[o])
+            region = regions(masks[s], masks[o])
             i, j = index[s], index[o]
             relations.append(schema.Relation(
                 i, predicate, j, schema.triplet_text(objects[i].name, predicate,
