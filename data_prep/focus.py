@@ -75,9 +75,7 @@ def focused_region(image: np.ndarray, mask1: np.ndarray, mask2: np.ndarray,
     `background`: `gaussian_blur(image, blur_sigma)` when the caller has it already (the
     regions of an image's relations share it: `Regions`); computed here otherwise.
     """
-    image = np.asarray(image)
-    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
-        raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {image.shape}")
+    image = _checked_image(image)
     for name, mask in (("mask1", mask1), ("mask2", mask2)):
         if np.shape(mask) != image.shape[:2]:
             raise ValueError(f"{name} has shape {np.shape(mask)}, image is {image.shape[:2]}")
@@ -108,11 +106,17 @@ class Regions:
 
     def __call__(self, mask1: np.ndarray, mask2: np.ndarray) -> np.ndarray:
         if self.background is None:
-            image = np.asarray(self.image)
-            if image.ndim == 3 and image.shape[2] == 3 and image.dtype == np.uint8:
-                self.background = gaussian_blur(image, self.blur_sigma)
+            self.background = gaussian_blur(_checked_image(self.image), self.blur_sigma)
         return focused_region(self.image, mask1, mask2, self.sigma, self.blur_sigma,
                               background=self.background)
+
+
+def _checked_image(image) -> np.ndarray:
+    """`image` as an array, refused by name unless it is uint8 [H, W, 3]."""
+    image = np.asarray(image)
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise ValueError(f"image must be uint8 [H, W, 3], got {image.dtype} {image.shape}")
+    return image
 
 
 def _to_uint8(values: np.ndarray) -> np.ndarray:
