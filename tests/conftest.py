@@ -104,14 +104,52 @@ def _file_seconds() -> dict:
         return {}  # no stored durations (or not a file of seconds): pytest's own order
 
 
+# Files that run on one worker, in turn, as one unit of `--dist loadfile` (first file first; the
+# unit's seconds are its files'). test_runs.py's reruns go to the worker's shared launcher
+# (below), where test_trainer.py's runs of the same program leave their traced and compiled
+# step (`run.ahead.kept_step`). xdist deals each file to whichever worker asks first, so the two
+# met only by chance: test_runs.py took 64.5 s after test_trainer.py on its worker and
+# 84.5-116.6 s on the other (tests/README.md, sixteenth round).
+SAME_WORKER = (("tests/test_trainer.py", "tests/test_runs.py"),)
+_UNIT = {file: (group[0], i) for group in SAME_WORKER for i, file in enumerate(group)}
+
+
+def _unit(nodeid: str) -> str:
+    """The work unit of a test: its file, or the first file of its SAME_WORKER group."""
+    file = nodeid.split("::")[0]
+    return _UNIT.get(file, (file, 0))[0]
+
+
 def pytest_collection_modifyitems(session, config, items):
     seconds = _file_seconds()
-    if seconds:
-        def key(item):
-            file = item.nodeid.split("::")[0]
-            return (file not in seconds, -seconds.get(file, 0.0))
+    if not seconds:
+        return  # pytest's own order
+    units: dict = {}
+    for file, s in seconds.items():
+        unit = _UNIT.get(file, (file, 0))[0]
+        units[unit] = units.get(unit, 0.0) + s
 
-        items.sort(key=key)  # stable: a file's tests keep their order
+    def key(item):
+        file = item.nodeid.split("::")[0]
+        unit, position = _UNIT.get(file, (file, 0))
+        return (unit not in units, -units.get(unit, 0.0), unit if unit in units else "",
+                position)  # a group's files together, its first file first
+
+    items.sort(key=key)  # stable: a file's tests keep their order
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with each SAME_WORKER group as one unit (other modes: xdist's own)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _Units(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return _Units(config, log)
 
 
 def _pin_worker(config) -> None:

@@ -135,6 +135,64 @@ def test_the_suite_collects_its_files_heaviest_first():
                                          "tests/test_new.py::y"]
 
 
+def test_a_same_worker_group_is_one_unit_of_loadfile_its_first_file_first(tmp_path, monkeypatch):
+    """test_trainer.py and test_runs.py (conftest.SAME_WORKER): collected together at their
+    summed seconds, trainer first, and dealt by xdist's `--dist loadfile` to one worker."""
+    import types
+
+    import conftest
+    seconds = {"tests/test_a.py": 100, "tests/test_b.py": 55, "tests/test_runs.py": 50,
+               "tests/test_trainer.py": 60}
+    (tmp_path / "durations.json").write_text(json.dumps(seconds))
+    monkeypatch.setattr(conftest, "DURATIONS", tmp_path / "durations.json")
+    items = [types.SimpleNamespace(nodeid=n) for n in (
+        "tests/test_a.py::a", "tests/test_b.py::b", "tests/test_new.py::n",
+        "tests/test_runs.py::r1", "tests/test_runs.py::r2", "tests/test_trainer.py::t")]
+    conftest.pytest_collection_modifyitems(None, None, items)
+    order = [i.nodeid for i in items]
+    assert order == ["tests/test_trainer.py::t", "tests/test_runs.py::r1",
+                     "tests/test_runs.py::r2", "tests/test_a.py::a", "tests/test_b.py::b",
+                     "tests/test_new.py::n"]
+
+    class Config:  # what xdist's scheduler reads of a `-n 2 --dist loadfile` run's config
+        option = types.SimpleNamespace(loadscopereorder=False)
+
+        def getvalue(self, name):
+            return {"dist": "loadfile", "tx": ["2*popen"]}[name]
+
+    class Worker:  # a worker as the scheduler drives it: the tests it was sent
+        shutting_down = False
+
+        def __init__(self, name):
+            self.sent, self.gateway = [], types.SimpleNamespace(id=name)
+
+        def send_runtest_some(self, indices):
+            self.sent += [order[i] for i in indices]
+
+        def shutdown(self):
+            self.shutting_down = True
+
+    sched = conftest.pytest_xdist_make_scheduler(Config(), None)
+    workers = [Worker("gw0"), Worker("gw1")]
+    for w in workers:
+        sched.add_node(w)
+        sched.add_node_collection(w, order)
+    sched.schedule()
+    while any(sched.assigned_work[w] for w in workers) and sched.workqueue:
+        for w in workers:  # each finishes what it holds, then asks for more
+            for scope in sched.assigned_work[w].values():
+                for nodeid in scope:
+                    scope[nodeid] = True
+            sched._reschedule(w)
+    first = next(w for w in workers if "tests/test_trainer.py::t" in w.sent)
+    assert first.sent[:3] == order[:3], first.sent  # the group, in turn, on one worker
+    assert sorted(workers[0].sent + workers[1].sent) == sorted(order)  # each test once
+    assert not any(n.startswith(("tests/test_runs", "tests/test_trainer"))
+                   for w in workers if w is not first for n in w.sent)
+    assert conftest.pytest_xdist_make_scheduler(
+        types.SimpleNamespace(getvalue={"dist": "load"}.get), None) is None  # xdist's own
+
+
 @pytest.mark.parametrize("text", ["[1, 2]", '{"tests/test_a.py": {"s": 1}}', "not json",
                                   '{"tests/test_a.py": "fast"}', None],
                          ids=["a-list", "nested", "not-json", "a-string", "a-link-to-nowhere"])
