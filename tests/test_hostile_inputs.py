@@ -569,19 +569,24 @@ def _cfd_wds(folder: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_clip_benchmark_never_runs_an_exports_python_without_the_flag(tmp_path, sentinel):
+def test_clip_benchmark_never_runs_an_exports_python_without_the_flag(tmp_path, sentinel,
+                                                                     capfd, monkeypatch):
     """An export folder whose modeling_scenarioclip.py carries a payload: evaluated through its
-    safetensors and this checkout's own model code, the payload never runs; the same export
-    with --trust-remote-code runs it (another marker), saying so in one line."""
+    safetensors and this checkout's own model code, the payload never runs (the command run in
+    this process: the sentinel sees a payload run here too); the same export with
+    --trust-remote-code runs it (another marker), saying so in one line, in a process of its
+    own (the trusted module is imported, so this process keeps it)."""
+    from data_prep import clip_benchmark
+
     wds = _cfd_wds(tmp_path / "wds")
-    argv = ["-m", "data_prep.clip_benchmark", "eval", "--model_type", "sclaro", "--model",
-            "sclaro", "--dataset", "wds/hostile", "--dataset_root", str(wds), "--split", "test",
-            "--task", "zeroshot_classification", "--no_amp", "--num_workers", "0",
-            "--batch_size", "2", "--quiet"]
+    argv = ["eval", "--model_type", "sclaro", "--model", "sclaro", "--dataset", "wds/hostile",
+            "--dataset_root", str(wds), "--split", "test", "--task", "zeroshot_classification",
+            "--no_amp", "--num_workers", "0", "--batch_size", "2", "--quiet"]
     env = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules")}  # where trusted code is copied
+    monkeypatch.setenv("HF_MODULES_CACHE", env["HF_MODULES_CACHE"])
     export = _cfd_export(tmp_path / "export", sentinel.marker)
-    proc = cli(*argv, "--pretrained", str(export), "--output", str(tmp_path / "r.json"),
-               env=env)
+    proc = in_process(capfd, clip_benchmark.main, *argv, "--pretrained", str(export),
+                      "--output", str(tmp_path / "r.json"))
     assert_no_traceback(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "acc1" in (tmp_path / "r.json").read_text()
@@ -589,8 +594,8 @@ def test_clip_benchmark_never_runs_an_exports_python_without_the_flag(tmp_path, 
 
     trusted = tmp_path / "trusted-ran"
     export = _cfd_export(tmp_path / "trusted_export", trusted)
-    proc = cli(*argv, "--pretrained", str(export), "--output", str(tmp_path / "t.json"),
-               "--trust-remote-code", env=env)
+    proc = cli("-m", "data_prep.clip_benchmark", *argv, "--pretrained", str(export),
+               "--output", str(tmp_path / "t.json"), "--trust-remote-code", env=env)
     assert_no_traceback(proc)
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [line for line in proc.stderr.splitlines() if "trust-remote-code" in line]
