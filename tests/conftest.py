@@ -114,10 +114,10 @@ SAME_WORKER = (("tests/test_trainer.py", "tests/test_runs.py"),)
 _UNIT = {file: (group[0], i) for group in SAME_WORKER for i, file in enumerate(group)}
 
 
-def _unit(nodeid: str) -> str:
-    """The work unit of a test: its file, or the first file of its SAME_WORKER group."""
-    file = nodeid.split("::")[0]
-    return _UNIT.get(file, (file, 0))[0]
+def _unit(file: str) -> tuple:
+    """(work unit, place in it) of a test file: the first file of its SAME_WORKER group and the
+    file's place in the group, or the file itself and 0."""
+    return _UNIT.get(file, (file, 0))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -126,12 +126,11 @@ def pytest_collection_modifyitems(session, config, items):
         return  # pytest's own order
     units: dict = {}
     for file, s in seconds.items():
-        unit = _UNIT.get(file, (file, 0))[0]
+        unit = _unit(file)[0]
         units[unit] = units.get(unit, 0.0) + s
 
     def key(item):
-        file = item.nodeid.split("::")[0]
-        unit, position = _UNIT.get(file, (file, 0))
+        unit, position = _unit(item.nodeid.split("::")[0])
         return (unit not in units, -units.get(unit, 0.0), unit if unit in units else "",
                 position)  # a group's files together, its first file first
 
@@ -147,7 +146,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class _Units(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return _unit(nodeid)
+            return _unit(super()._split_scope(nodeid))[0]
 
     return _Units(config, log)
 

@@ -583,7 +583,9 @@ def test_clip_benchmark_never_runs_an_exports_python_without_the_flag(tmp_path, 
             "--dataset_root", str(wds), "--split", "test", "--task", "zeroshot_classification",
             "--no_amp", "--num_workers", "0", "--batch_size", "2", "--quiet"]
     env = {"HF_MODULES_CACHE": str(tmp_path / "hf_modules")}  # where trusted code is copied
-    monkeypatch.setenv("HF_MODULES_CACHE", env["HF_MODULES_CACHE"])
+    # in this process transformers read the variable when first imported: its module's copy
+    monkeypatch.setattr("transformers.dynamic_module_utils.HF_MODULES_CACHE",
+                        env["HF_MODULES_CACHE"])
     export = _cfd_export(tmp_path / "export", sentinel.marker)
     proc = in_process(capfd, clip_benchmark.main, *argv, "--pretrained", str(export),
                       "--output", str(tmp_path / "r.json"))
